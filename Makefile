@@ -1,0 +1,31 @@
+# The two commands of the README: `make train` (the main job) and `make test` (the whole suite).
+# Each creates or reuses a virtual environment in .venv and installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# These machines keep a CPU build of torch 2.13.0 on disk; elsewhere pip picks a release from PyPI.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install train test lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)" 2>/dev/null || $(PY) -m pip install -q torch
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+train: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/lockstep train digits -n 2 --run-dir runs/digits
+
+test: install
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m mypy
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,46 @@
+"""The lockstep exception hierarchy: every error a user can meet, each with a message that says what to do."""
+
+from __future__ import annotations
+
+
+class LockstepError(Exception):
+    """Base class of every error lockstep raises on purpose."""
+
+
+class ConfigError(LockstepError, ValueError):
+    """A setting, argument or environment variable is wrong or missing."""
+
+
+class BackendUnavailableError(ConfigError):
+    """The requested collective backend cannot be used for this device or build of torch."""
+
+
+class InitTimeoutError(LockstepError, TimeoutError):
+    """The process group could not be formed in time (rendezvous never completed)."""
+
+
+class CollectiveMismatchError(LockstepError, RuntimeError):
+    """Ranks disagree about something that must be identical (model structure, bucket layout, ...)."""
+
+
+class UnusedParameterError(LockstepError, RuntimeError):
+    """A parameter got no gradient although the engine expected one from every parameter."""
+
+
+class CheckpointError(LockstepError, RuntimeError):
+    """A checkpoint cannot be written or read (missing, corrupt, of another model, disk full, ...)."""
+
+
+class LaunchError(LockstepError, RuntimeError):
+    """The launcher could not start or supervise the workers."""
+
+
+class DistributedTestError(LockstepError, RuntimeError):
+    """A function run by lockstep.testing failed or hung on one or more ranks."""
+
+
+def rank_tag(rank: int | None, world_size: int | None) -> str:
+    """The `[rank r/w]` prefix used in every message that involves a rank."""
+    if rank is None or world_size is None:
+        return ""
+    return f"[rank {rank}/{world_size}] "

@@ -1,0 +1,114 @@
+"""Small typed collectives that every layer needs: rank queries, barrier, scalar means, JSON objects.
+
+Objects travel as JSON, never pickle: a peer's bytes are data, not code (torch's *_object collectives
+unpickle whatever arrives). Each helper also works without a process group (a world of 1).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _active(group: dist.ProcessGroup | None = None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    """True on global rank 0 (and in a world of 1)."""
+    return get_rank() == 0
+
+
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device on which this group's backend expects tensors (cuda for nccl, cpu otherwise)."""
+    if _active(group) and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    if _active(group):
+        dist.barrier(group)
+
+
+@contextmanager
+def main_process_first(group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Rank 0 runs the block first (download, preprocess, cache); the others run it after."""
+    if not is_main():
+        barrier(group)
+    try:
+        yield
+    finally:
+        if is_main():
+            barrier(group)
+
+
+def all_reduce_mean(value: float | torch.Tensor | Sequence[float], group: dist.ProcessGroup | None = None) -> Any:
+    """Mean over ranks of a scalar, a sequence of scalars (one packed all-reduce) or a tensor."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().to(comm_device(group), torch.float64)
+        if _active(group):
+            dist.all_reduce(tensor, group=group)
+            tensor /= dist.get_world_size(group)
+        return tensor.to(value.device)
+    is_scalar = isinstance(value, (int, float))
+    packed = torch.tensor([value] if is_scalar else list(value), dtype=torch.float64, device=comm_device(group))
+    if _active(group):
+        dist.all_reduce(packed, group=group)
+        packed /= dist.get_world_size(group)
+    values = packed.tolist()
+    return values[0] if is_scalar else values
+
+
+def _encode(obj: Any) -> torch.Tensor:
+    data = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _decode(tensor: torch.Tensor) -> Any:
+    return json.loads(bytes(tensor.cpu().tolist()).decode())
+
+
+def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """Send a JSON-serializable object from `src` (a global rank) to every rank; return it everywhere."""
+    if not _active(group):
+        return obj
+    device = comm_device(group)
+    payload = _encode(obj).to(device) if get_rank() == src else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    if payload is None:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=src, group=group)
+    return _decode(payload)
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's JSON-serializable object, in rank order, on every rank."""
+    if not _active(group):
+        return [obj]
+    device = comm_device(group)
+    world = dist.get_world_size(group)
+    payload = _encode(obj).to(device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return [_decode(t[: int(s.item())]) for t, s in zip(gathered, sizes)]

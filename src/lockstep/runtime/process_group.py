@@ -1,0 +1,141 @@
+"""Form (and tear down) the default process group from a Topology, with errors that explain failures."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lockstep.errors import BackendUnavailableError, ConfigError, InitTimeoutError, rank_tag
+from lockstep.runtime.topology import Topology, resolve_topology
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+_BACKENDS = ("gloo", "nccl", "mpi")
+
+# The topology this process was initialised with, so that a second `init()` returns the same facts.
+_current: dict[str, Topology] = {}
+
+
+def choose_backend(device_type: str) -> str:
+    """nccl for CUDA devices, gloo for everything else."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def check_backend(backend: str, device_type: str) -> None:
+    """Raise a clear error when `backend` cannot serve `device_type` in this build of torch."""
+    if backend not in _BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; expected one of {', '.join(_BACKENDS)}")
+    available = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()}
+    if not available[backend]:
+        usable = [name for name, ok in available.items() if ok]
+        raise BackendUnavailableError(
+            f"backend {backend!r} is not available in this build of torch {torch.__version__}; "
+            f"available: {usable!r}. Use backend='gloo' for CPU tensors"
+        )
+    if backend == "nccl" and device_type != "cuda":
+        raise BackendUnavailableError(
+            f"backend 'nccl' needs CUDA devices but this process has device type {device_type!r} "
+            f"(torch.cuda.is_available() = {torch.cuda.is_available()}); use backend='gloo' on CPU"
+        )
+
+
+def _local_device(topo: Topology, backend: str | None) -> torch.device:
+    if backend in (None, "nccl") and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if topo.local_world_size > count and backend == "nccl":
+            raise ConfigError(
+                f"{rank_tag(topo.rank, topo.world_size)}{topo.local_world_size} processes on this node but only "
+                f"{count} CUDA device(s); run at most {count} processes per node (lockstep run -n {count}, "
+                f"or srun --ntasks-per-node={count}), or use backend='gloo'"
+            )
+        return torch.device("cuda", topo.local_rank % count)
+    return torch.device("cpu")
+
+
+def init(
+    backend: str | None = None,
+    *,
+    timeout: timedelta | float = DEFAULT_TIMEOUT,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> Topology:
+    """Join the job's default process group and bind this process's device; return its Topology.
+
+    Reads torchrun's or SLURM's variables (or the explicit `rank`/`world_size` of the tutorials'
+    `setup(rank, world_size)`), or runs a world of 1 when there are none, so that `python train.py` works.
+    Idempotent: a second call returns the same Topology. Use as `with lockstep.init() as topo:` to shut
+    down on exit.
+    """
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+    if dist.is_initialized():
+        return _current.get("topology") or _topology_of_existing_group()
+    topo = resolve_topology(os.environ, rank=rank, world_size=world_size)
+    device = _local_device(topo, backend)
+    backend = backend or choose_backend(device.type)
+    check_backend(backend, device.type)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if topo.world_size == 1 and topo.launcher in ("none", "explicit"):
+        # No peers: an in-memory store needs no port and cannot collide with anything.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        _rendezvous(topo, backend, timeout)
+    _current["topology"] = topo
+    return topo
+
+
+def _rendezvous(topo: Topology, backend: str, timeout: timedelta) -> None:
+    url = f"tcp://{_bracket(topo.master_addr)}:{topo.master_port}"
+    try:
+        dist.init_process_group(
+            backend, init_method=url, rank=topo.rank, world_size=topo.world_size, timeout=timeout
+        )
+    except (RuntimeError, dist.DistError, TimeoutError, OSError) as exc:
+        raise InitTimeoutError(
+            f"{rank_tag(topo.rank, topo.world_size)}could not form the process group at {topo.endpoint} "
+            f"within {timeout.total_seconds():.0f} s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+            f"Check that all {topo.world_size} processes were started, that rank 0's host {topo.master_addr!r} "
+            f"is reachable from this one, that port {topo.master_port} is free there and not firewalled, "
+            "and that every process uses the same MASTER_ADDR/MASTER_PORT"
+        ) from exc
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _topology_of_existing_group() -> Topology:
+    """The user called dist.init_process_group themselves (drop-in use): describe what exists."""
+    topo = resolve_topology(os.environ)
+    return Topology(
+        rank=dist.get_rank(),
+        local_rank=topo.local_rank if topo.world_size == dist.get_world_size() else dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_world_size=topo.local_world_size if topo.world_size == dist.get_world_size() else dist.get_world_size(),
+        node_rank=topo.node_rank,
+        num_nodes=topo.num_nodes,
+        master_addr=topo.master_addr,
+        master_port=topo.master_port,
+        launcher=topo.launcher if topo.launcher != "none" else "explicit",
+    )
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def shutdown() -> None:
+    """Leave the process group. Safe to call twice, or without init()."""
+    _current.pop("topology", None)
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def current_topology() -> Topology:
+    """The Topology of this process: from init(), from an existing group, or from the environment."""
+    if is_initialized():
+        return _current.get("topology") or _topology_of_existing_group()
+    return resolve_topology(os.environ)
