@@ -5,6 +5,7 @@ from __future__ import annotations
 from lockstep.runtime.collectives import (
     all_gather_object,
     all_reduce_mean,
+    all_reduce_sum,
     barrier,
     broadcast_object,
     get_rank,
@@ -29,6 +30,7 @@ __all__ = [
     "barrier",
     "main_process_first",
     "all_reduce_mean",
+    "all_reduce_sum",
     "broadcast_object",
     "all_gather_object",
     "get_logger",

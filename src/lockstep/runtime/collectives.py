@@ -73,6 +73,14 @@ def all_reduce_mean(value: float | torch.Tensor | Sequence[float], group: dist.P
     return values[0] if is_scalar else values
 
 
+def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup | None = None) -> list[float]:
+    """Sum over ranks of a sequence of scalars, packed into one all-reduce (counts, metric sums)."""
+    packed = torch.tensor(list(values), dtype=torch.float64, device=comm_device(group))
+    if _active(group):
+        dist.all_reduce(packed, group=group)
+    return packed.tolist()
+
+
 def _encode(obj: Any) -> torch.Tensor:
     data = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
