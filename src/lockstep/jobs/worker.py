@@ -1,0 +1,37 @@
+"""What each worker process of `lockstep train` runs: `python -m lockstep.jobs.worker JOB CONFIG_JSON`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from lockstep.jobs.catalog import build, job
+from lockstep.runtime import init, shutdown
+from lockstep.trainer.config import config_from_mapping
+from lockstep.trainer.loop import fit
+
+
+def run_job(name: str, config_path: str) -> dict:
+    config_cls, _ = job(name)
+    config = config_from_mapping(config_cls, json.loads(Path(config_path).read_text()))
+    init()
+    built = build(name, config)
+    result = fit(built.model, built.train_data, loss_fn=built.loss_fn, config=config, eval_data=built.eval_data)
+    return result.summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m lockstep.jobs.worker JOB CONFIG_JSON", file=sys.stderr)
+        return 2
+    try:
+        run_job(args[0], args[1])
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

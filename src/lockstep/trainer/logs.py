@@ -1,0 +1,87 @@
+"""Run logs on rank 0: metrics as JSONL and CSV always, TensorBoard when installed, a PNG plot at the end."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class RunLog:
+    """Append-only metric records, one per logged step or evaluation, written as they come."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self.records: list[dict[str, Any]] = []
+        self._tb: Any = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._tb = _tensorboard_writer(run_dir / "tensorboard")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.records.append(record)
+        with open(self.run_dir / "metrics.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for name, value in record.items():
+                if name != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(name, value, record["step"])
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._write_csv()
+        if self._tb is not None:
+            self._tb.close()
+
+    def _write_csv(self) -> None:
+        columns: list[str] = []
+        for record in self.records:
+            columns.extend(key for key in record if key not in columns)
+        with open(self.run_dir / "metrics.csv", "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(self.records)
+
+    def plot(self, path: Path) -> Path | None:
+        """Loss and metric curves against steps; None when matplotlib is not installed."""
+        if not self.enabled or not self.records:
+            return None
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        names = sorted({k for r in self.records for k, v in r.items() if k != "step" and _is_plottable(v)})
+        names = [n for n in names if n.endswith(("loss", "accuracy")) or n == "lr"] or names
+        fig, axes = plt.subplots(len(names), 1, figsize=(7, 2.4 * len(names)), squeeze=False, sharex=True)
+        for axis, name in zip(axes[:, 0], names):
+            points = [(r["step"], r[name]) for r in self.records if _is_plottable(r.get(name))]
+            axis.plot(*zip(*points), marker="." if len(points) < 30 else None)
+            axis.set_ylabel(name)
+            axis.grid(alpha=0.3)
+        axes[-1, 0].set_xlabel("optimizer step")
+        fig.suptitle(self.run_dir.name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def _is_plottable(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _tensorboard_writer(path: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(str(path))

@@ -1,0 +1,336 @@
+"""`lockstep.fit`: the training loop that puts engine, sampler, checkpoints, metrics and progress together.
+
+Every collective in here runs on every rank at the same point: the metric reduction on log steps, the
+evaluation reduction, and the checkpoint save. Progress and logging only print on rank 0 and never
+communicate, so no rank can be left waiting in a collective that rank 0 alone entered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lockstep.checkpoint import CheckpointManager
+from lockstep.data import DistributedSampler, EvalSampler
+from lockstep.engine.api import DistributedDataParallel
+from lockstep.engine.syncbn import convert_sync_batchnorm
+from lockstep.runtime import all_reduce_sum, barrier, get_logger, init
+from lockstep.runtime.topology import Topology
+from lockstep.trainer.config import FitConfig, config_to_dict
+from lockstep.trainer.logs import RunLog
+from lockstep.trainer.metrics import MetricBuffer
+from lockstep.trainer.optim import build_optimizer, build_scheduler
+from lockstep.trainer.progress import Progress
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class FitResult:
+    """What a run produced; the same numbers are in run_dir/summary.json."""
+
+    summary: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class TrainProgress:
+    """Where the run is: optimizer steps taken and the epoch; checkpointed so that resume is exact."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.epoch = 0
+        self.samples = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch, "samples": self.samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.epoch, self.samples = int(state["step"]), int(state["epoch"]), int(state.get("samples", 0))
+
+
+def fit(
+    model: nn.Module,
+    train_data: Dataset,
+    *,
+    loss_fn: LossFn,
+    config: FitConfig | None = None,
+    eval_data: Dataset | None = None,
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+) -> FitResult:
+    """Train `model` data-parallel on every rank of the job (a world of 1 under plain `python`).
+
+    `optimizer`, when given, builds the optimizer from the parameters (default: from config.optimizer).
+    Returns the summary on every rank; rank 0 also writes it, the logs and the plot to config.run_dir.
+    """
+    config = config or FitConfig()
+    topo = init()
+    run = _Run(model, train_data, eval_data, loss_fn, config, topo, optimizer)
+    try:
+        return run.train()
+    finally:
+        run.close()
+
+
+class _Run:
+    """One call of fit(): the objects it builds and the phases of the loop."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_data: Dataset,
+        eval_data: Dataset | None,
+        loss_fn: LossFn,
+        config: FitConfig,
+        topo: Topology,
+        make_optimizer: Callable[[Any], torch.optim.Optimizer] | None,
+    ) -> None:
+        self.config, self.topo, self.loss_fn = config, topo, loss_fn
+        self.log = get_logger("lockstep.fit")
+        self.device = _choose_device(config.device, topo)
+        torch.manual_seed(config.seed + topo.rank)  # per-rank streams for dropout/augmentation
+        if config.sync_batchnorm:
+            model = convert_sync_batchnorm(model)
+        self.module = model.to(self.device)
+        self.model = DistributedDataParallel(
+            self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None
+        )
+        self.sampler = DistributedSampler(train_data, shuffle=True, seed=config.seed, drop_last=True)
+        self.loader = DataLoader(train_data, batch_size=config.batch_size, sampler=self.sampler,
+                                 num_workers=config.num_workers, drop_last=True)
+        self.eval_loader = _eval_loader(eval_data, config)
+        self.steps_per_epoch = math.ceil(len(self.loader) / config.grad_accum_steps)
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"the training set of {len(train_data)} samples gives no full batch of {config.batch_size} "  # type: ignore[arg-type]
+                f"per rank on {topo.world_size} ranks; lower batch_size or use fewer processes"
+            )
+        self.total_steps = config.epochs * self.steps_per_epoch
+        if config.max_steps is not None:
+            self.total_steps = min(self.total_steps, config.max_steps)
+        self.optimizer = (make_optimizer or (lambda p: build_optimizer(p, config)))(self.module.parameters())
+        self.scheduler = build_scheduler(self.optimizer, config, self.total_steps)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16")
+        self.progress = TrainProgress()
+        self.run_dir = Path(config.run_dir)
+        self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep_checkpoints)
+        self.runlog = RunLog(self.run_dir, enabled=topo.is_main)
+        self.bar = Progress(self.total_steps, enabled=topo.is_main, mode=config.progress)
+        self.train_metrics = MetricBuffer()
+        self.last_eval: dict[str, float] = {}
+
+    # ---- phases -------------------------------------------------------------------------------------------
+
+    def train(self) -> FitResult:
+        self._maybe_resume()
+        started, start_samples, start_step = time.monotonic(), self.progress.samples, self.progress.step
+        while self.progress.step < self.total_steps and self.progress.epoch < self.config.epochs:
+            self._train_epoch()
+        self._log_train(force=True)
+        if self.eval_loader is not None and not self.last_eval.get("_fresh"):
+            self._evaluate()
+        self._save_checkpoint()
+        wall = time.monotonic() - started
+        return self._finish(wall, self.progress.samples - start_samples, self.progress.step - start_step)
+
+    def _maybe_resume(self) -> None:
+        if self.config.resume != "auto":
+            return
+        step = self.checkpoints.load(self._state())
+        if step is not None:
+            self.bar.message(f"resumed from step {step} (epoch {self.progress.epoch}) in {self.run_dir}")
+            self.bar.advance(self.progress.step)
+
+    def _train_epoch(self) -> None:
+        self.module.train()
+        micro_batches = iter(self.loader)
+        while self.progress.step < self.total_steps:
+            group = _take(micro_batches, self.config.grad_accum_steps)
+            if not group:
+                break
+            self._optimizer_step(group)
+            self.progress.step += 1
+            self.bar.advance(self.progress.step)
+            self._after_step()
+        else:
+            return  # stopped by the step budget in the middle of an epoch: stay in it (resumable)
+        self.progress.epoch += 1
+        if self.config.checkpoint_every == 0:
+            self._save_checkpoint()
+        if self.eval_loader is not None and self.config.eval_every == 0:
+            self._evaluate()
+
+    def _optimizer_step(self, group: list[Any]) -> None:
+        for index, (inputs, targets) in enumerate(group):
+            last = index == len(group) - 1
+            # Accumulate locally; the engine reduces the summed gradients only on the group's last backward.
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                with self._autocast():
+                    outputs = self.model(_to(inputs, self.device))
+                    loss = self.loss_fn(outputs, _to(targets, self.device))
+                self.scaler.scale(loss / len(group)).backward()
+            self._record(outputs, targets, loss)
+        if self.config.clip_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.clip_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        samples = sum(_batch_len(targets) for _, targets in group) * self.topo.world_size
+        self.progress.samples += samples
+        self.sampler_consumed += samples
+
+    def _record(self, outputs: Any, targets: Any, loss: torch.Tensor) -> None:
+        count = _batch_len(targets)
+        self.train_metrics.add({"train_loss": loss}, count)
+        if self.config.task == "classification":
+            correct = (outputs.argmax(dim=-1) == _to(targets, outputs.device)).sum()
+            self.train_metrics.add_sums({"train_accuracy": float(correct)}, 0)
+
+    def _after_step(self) -> None:
+        step = self.progress.step
+        if step % self.config.log_every == 0:
+            self._log_train()
+        if self.eval_loader is not None and self.config.eval_every and step % self.config.eval_every == 0:
+            self._evaluate()
+        if self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
+            self._save_checkpoint()
+
+    def _log_train(self, force: bool = False) -> None:
+        if self.train_metrics.count == 0 and not force:
+            return
+        names = ["train_loss"] + (["train_accuracy"] if self.config.task == "classification" else [])
+        means, count = self.train_metrics.reduce(names)  # collective: every rank is here
+        if count == 0:
+            return
+        record = {"step": self.progress.step, "epoch": self.progress.epoch, **means,
+                  "lr": self.scheduler.get_last_lr()[0]}
+        self.runlog.write(record)
+        self.bar.report(self.progress.step, {k: v for k, v in record.items() if k != "epoch"})
+
+    @torch.no_grad()
+    def _evaluate(self) -> None:
+        self.module.eval()  # the bare module: eval shards are unequal and must not trigger any collective
+        loss_sum = correct = 0.0
+        count = 0
+        for inputs, targets in self.eval_loader or ():
+            with self._autocast():
+                outputs = self.module(_to(inputs, self.device))
+                loss = self.loss_fn(outputs, _to(targets, self.device))
+            batch = _batch_len(targets)
+            loss_sum += float(loss) * batch
+            count += batch
+            if self.config.task == "classification":
+                correct += float((outputs.argmax(dim=-1) == _to(targets, outputs.device)).sum())
+        total_loss, total_correct, total = all_reduce_sum([loss_sum, correct, float(count)])
+        self.module.train()
+        self.last_eval = {"eval_loss": total_loss / max(total, 1), "eval_samples": int(total), "_fresh": True}
+        if self.config.task == "classification":
+            self.last_eval["eval_accuracy"] = total_correct / max(total, 1)
+        record = {"step": self.progress.step, **{k: v for k, v in self.last_eval.items() if k != "_fresh"}}
+        self.runlog.write(record)
+        self.bar.message(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+
+    def _save_checkpoint(self) -> None:
+        self.checkpoints.save(self.progress.step, self._state())
+        self.last_eval.pop("_fresh", None)
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": self.module,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.scaler,
+            "sampler": self.sampler,
+            "progress": self.progress,
+        }
+
+    def _finish(self, wall: float, samples: int, steps: int) -> FitResult:
+        summary = {
+            "world_size": self.topo.world_size,
+            "steps": self.progress.step,
+            "epochs_completed": self.progress.epoch,
+            "steps_this_run": steps,
+            "samples_this_run": samples,
+            "wall_time_s": round(wall, 3),
+            "samples_per_second": round(samples / wall, 2) if wall > 0 else None,
+            "global_batch_size": self.config.batch_size * self.config.grad_accum_steps * self.topo.world_size,
+            "final_train": self.runlog.records[-1] if self.runlog.records else None,
+            **{k: v for k, v in self.last_eval.items() if k != "_fresh"},
+            "config": config_to_dict(self.config),
+        }
+        if "eval_accuracy" in self.last_eval:
+            summary["test_accuracy"] = self.last_eval["eval_accuracy"]
+        if self.topo.is_main:
+            self.runlog.close()
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            plot = self.runlog.plot(self.run_dir / "curves.png")
+            self.bar.close()
+            self.log.info("run finished: %s", _headline(summary, plot))
+        barrier()
+        return FitResult(summary=summary, history=list(self.runlog.records))
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.config.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.config.precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+
+def _choose_device(requested: str, topo: Topology) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False; use device='cpu'")
+    return torch.device("cuda", topo.local_rank % torch.cuda.device_count())
+
+
+def _eval_loader(eval_data: Dataset | None, config: FitConfig) -> DataLoader | None:
+    if eval_data is None:
+        return None
+    return DataLoader(eval_data, batch_size=config.batch_size * 4, sampler=EvalSampler(eval_data),
+                      num_workers=config.num_workers)
+
+
+def _take(iterator: Iterator[Any], count: int) -> list[Any]:
+    group = []
+    for _ in range(count):
+        try:
+            group.append(next(iterator))
+        except StopIteration:
+            break
+    return group
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _batch_len(targets: Any) -> int:
+    return len(targets) if not isinstance(targets, torch.Tensor) else int(targets.shape[0])
+
+
+def _headline(summary: dict[str, Any], plot: Path | None) -> str:
+    parts = [f"{summary['steps']} steps", f"{summary['wall_time_s']:.1f} s", f"{summary['samples_per_second']} samples/s"]
+    if "test_accuracy" in summary:
+        parts.append(f"test_accuracy={summary['test_accuracy']:.4f}")
+    if plot:
+        parts.append(f"plot {plot}")
+    return ", ".join(parts)

@@ -1,0 +1,105 @@
+"""FitConfig validation, --key value overrides, config files, LR schedule, and the jobs' data readers."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lockstep.errors import ConfigError
+from lockstep.jobs import datasets
+from lockstep.jobs.catalog import DigitsConfig, GptConfig
+from lockstep.jobs.cli import resolve_config
+from lockstep.trainer.config import FitConfig, config_from_mapping, parse_overrides
+from lockstep.trainer.optim import lr_factor
+
+
+def test_overrides_parse_both_spellings() -> None:
+    assert parse_overrides(["--lr", "0.1", "--max-steps=5", "--sync-batchnorm", "true"]) == {
+        "lr": "0.1", "max_steps": "5", "sync_batchnorm": "true"}
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_overrides(["--lr"])
+    with pytest.raises(ConfigError, match="expected --key value"):
+        parse_overrides(["lr", "3"])
+
+
+def test_values_are_coerced_to_field_types() -> None:
+    config = config_from_mapping(GptConfig, {"lr": "0.5", "max_steps": "none", "clip_grad_norm": "2",
+                                             "sync_batchnorm": "yes", "precision": "bf16"})
+    assert (config.lr, config.max_steps, config.clip_grad_norm, config.sync_batchnorm) == (0.5, None, 2.0, True)
+    assert config.precision == "bf16"
+
+
+def test_bad_values_are_named() -> None:
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['lrr'\]"):
+        config_from_mapping(FitConfig, {"lrr": "1"})
+    with pytest.raises(ConfigError, match=r"precision='fp8' is not one of 'fp32', 'bf16', 'fp16'"):
+        FitConfig(precision="fp8")
+    with pytest.raises(ConfigError, match=r"--epochs 'many': expected"):
+        config_from_mapping(FitConfig, {"epochs": "many"})
+    with pytest.raises(ConfigError, match=r"batch_size=0 must be at least 1"):
+        FitConfig(batch_size=0)
+
+
+def test_file_then_overrides_then_run_dir(tmp_path: Path) -> None:
+    path = tmp_path / "digits.yaml"
+    path.write_text("epochs: 3\nlr: 0.01\nhidden: 32\n")
+    config = resolve_config("digits", str(path), ["--lr", "0.02"], str(tmp_path / "run"))
+    assert isinstance(config, DigitsConfig)
+    assert (config.epochs, config.lr, config.hidden, config.run_dir) == (3, 0.02, 32, str(tmp_path / "run"))
+    (tmp_path / "c.json").write_text(json.dumps({"epochs": 4}))
+    assert resolve_config("toy", str(tmp_path / "c.json"), [], None).run_dir == "runs/toy"
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_config("toy", str(tmp_path / "nope.yaml"), [], None)
+
+
+def test_lr_schedule_warmup_and_decay() -> None:
+    factors = [lr_factor(s, total_steps=10, warmup_steps=2, schedule="cosine") for s in range(10)]
+    assert factors[0] == pytest.approx(0.5) and factors[1] == pytest.approx(1.0) and factors[2] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[2:], factors[3:])) and factors[-1] < 0.1
+    assert lr_factor(5, total_steps=10, warmup_steps=0, schedule="linear") == pytest.approx(0.5)
+    assert lr_factor(7, total_steps=10, warmup_steps=0, schedule="constant") == 1.0
+
+
+def _write_idx(path: Path, array: np.ndarray, compress: bool) -> None:
+    header = struct.pack(">HBB", 0, 8, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    data = header + array.astype(np.uint8).tobytes()
+    (gzip.open if compress else open)(path, "wb").write(data)
+
+
+def test_idx_reader_and_mnist_loader(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    for kind, count in (("train", 6), ("t10k", 4)):
+        _write_idx(tmp_path / f"{kind}-images-idx3-ubyte.gz", rng.integers(0, 255, (count, 28, 28)), True)
+        _write_idx(tmp_path / f"{kind}-labels-idx1-ubyte", rng.integers(0, 10, (count,)), False)
+    train, test = datasets.mnist(str(tmp_path))
+    assert len(train) == 6 and len(test) == 4
+    image, label = train[0]
+    assert image.shape == (1, 28, 28) and 0 <= int(label) < 10
+
+
+def test_missing_mnist_says_what_to_put_where(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"missing train-images-idx3-ubyte.*apt-get install dataset-fashion-mnist"):
+        datasets.mnist(str(tmp_path))
+
+
+def test_truncated_idx_is_detected(tmp_path: Path) -> None:
+    path = tmp_path / "x-idx1-ubyte"
+    path.write_bytes(struct.pack(">HBBI", 0, 8, 1, 10) + b"\x01\x02")
+    with pytest.raises(ConfigError, match="truncated"):
+        datasets.read_idx(path)
+
+
+def test_shipped_data_is_there_and_deterministic() -> None:
+    train, test = datasets.digits(seed=0)
+    assert len(train) + len(test) == 1797 and len(test) == 360
+    again, _ = datasets.digits(seed=0)
+    assert bool((train.tensors[1] == again.tensors[1]).all())
+    text_train, _, vocab = datasets.stdlib_text(64)
+    assert len(text_train) > 1000 and 40 < vocab < 200
+    x, y = text_train[3]
+    assert x.shape == (64,) and bool((x[1:] == y[:-1]).all())
