@@ -1,0 +1,76 @@
+"""`lockstep train` end to end: the digits job reaches its accuracy, writes its files, resumes; bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def lockstep_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "lockstep", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd or ROOT)
+
+
+@pytest.mark.slow
+def test_digits_job_reaches_its_accuracy_and_writes_everything(tmp_path: Path) -> None:
+    run_dir = tmp_path / "digits"
+    proc = lockstep_cli("train", "digits", "-n", "2", "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert summary["test_accuracy"] >= 0.95, summary
+    assert summary["eval_samples"] == 360  # the whole test split, no padded duplicates
+    assert summary["samples_per_second"] > 0 and summary["wall_time_s"] > 0
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((run_dir / "config.json").read_text())["epochs"] == 20
+    assert (run_dir / "metrics.csv").is_file() and (run_dir / "metrics.jsonl").is_file()
+    assert any((run_dir / "checkpoints").iterdir())
+    # Started again on the finished run directory: resumes at the end and trains no more steps.
+    again = lockstep_cli("train", "digits", "-n", "2", "--run-dir", str(run_dir))
+    assert again.returncode == 0, again.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps_this_run"] == 0
+
+
+def test_toy_job_with_overrides_and_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "toy.yaml"
+    config.write_text("epochs: 1\nnum_samples: 256\n")
+    run_dir = tmp_path / "toy"
+    proc = lockstep_cli("train", "toy", "-n", "2", "--run-dir", str(run_dir), "--config", str(config),
+                        "--batch-size", "16", "--max-steps", "5", timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert (saved["epochs"], saved["num_samples"], saved["batch_size"], saved["max_steps"]) == (1, 256, 16, 5)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 5 and "test_accuracy" not in summary
+
+
+def test_show_config_and_bad_settings(tmp_path: Path) -> None:
+    shown = lockstep_cli("train", "gpt", "--show-config", "--lr", "0.01", timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["lr"] == 0.01
+    bad = lockstep_cli("train", "toy", "--learning-rate", "3", timeout=60)
+    assert bad.returncode == 2 and "unknown setting(s) ['learning_rate']" in bad.stderr
+    unknown = lockstep_cli("train", "imagenet", timeout=60)
+    assert unknown.returncode == 2 and "invalid choice: 'imagenet'" in unknown.stderr
+
+
+def test_mnist_without_data_says_what_to_do(tmp_path: Path) -> None:
+    proc = lockstep_cli("train", "mnist", "-n", "1", "--run-dir", str(tmp_path / "m"), "--data", str(tmp_path), timeout=120)
+    assert proc.returncode != 0
+    assert "apt-get install dataset-fashion-mnist" in proc.stdout + proc.stderr
+
+
+def test_train_help_reads_well() -> None:
+    proc = lockstep_cli("train", "--help", timeout=60)
+    assert proc.returncode == 0
+    for word in ("digits", "mnist", "resnet", "gpt", "toy", "--run-dir", "-n", "--key value"):
+        assert word in proc.stdout
