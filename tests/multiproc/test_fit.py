@@ -68,3 +68,12 @@ def test_logs_are_written_on_rank0(tmp_path: Path) -> None:
     assert steps == [2, 4, 6]
     assert all(r["train_loss"] > 0 for r in records if "train_loss" in r)
     assert (tmp_path / "run" / "metrics.csv").read_text().startswith("step,")
+
+
+def test_resume_at_another_world_size_with_the_same_global_batch(tmp_path: Path) -> None:
+    full = run_distributed(_fit_toy, 2, args=(str(tmp_path / "full"), 4, 1, None), timeout=120)
+    run_distributed(_fit_toy, 2, args=(str(tmp_path / "part"), 4, 1, 5), timeout=120)
+    # Continue on 1 rank with batch 8: the same global batches of 8, in the same order.
+    resumed = run_distributed(_fit_toy, 1, args=(str(tmp_path / "part"), 8, 1, None), timeout=120)
+    assert resumed[0]["summary"]["steps_this_run"] == 16 - 5
+    _assert_same_params(resumed[0]["params"], full[0]["params"], atol=1e-5)

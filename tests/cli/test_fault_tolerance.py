@@ -1,0 +1,88 @@
+"""Fault tolerance end to end: SIGKILL a rank under `lockstep run --max-restarts`, the job resumes exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TRAIN_SCRIPT = '''
+import os, sys, time, torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import lockstep
+from lockstep.trainer.config import FitConfig
+
+class SlowToy(nn.Module):
+    """The tutorial's ToyModel with a short sleep per forward, so that a kill lands mid-training."""
+    def __init__(self):
+        super().__init__()
+        self.net1, self.net2 = nn.Linear(10, 10), nn.Linear(10, 5)
+    def forward(self, x):
+        time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+        return self.net2(torch.relu(self.net1(x)))
+
+topo = lockstep.init()
+run_dir = sys.argv[1]
+os.makedirs(run_dir, exist_ok=True)
+with open(os.path.join(run_dir, f"pid.{topo.rank}"), "w") as f:
+    f.write(str(os.getpid()))
+gen = torch.Generator().manual_seed(1)
+x = torch.randn(128, 10, generator=gen)
+data = TensorDataset(x, x @ torch.randn(10, 5, generator=gen))
+torch.manual_seed(0)
+model = SlowToy()
+config = FitConfig(run_dir=run_dir, batch_size=4, epochs=2, optimizer="sgd", momentum=0.0, lr=0.05,
+                   task="regression", checkpoint_every=4, log_every=4, progress="lines", plot=False)
+lockstep.fit(model, data, loss_fn=nn.functional.mse_loss, config=config)
+if topo.is_main:
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    torch.save(flat, os.path.join(run_dir, "final_params.pt"))
+lockstep.shutdown()
+'''
+
+
+def _launch(script: Path, run_dir: Path, sleep: str, restarts: int) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", STEP_SLEEP=sleep)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lockstep", "run", "-n", "2", "--max-restarts", str(restarts), str(script), str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_and_finishes_bitwise_identical(tmp_path: Path) -> None:
+    import torch
+
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    reference = _launch(script, tmp_path / "reference", "0", 0)
+    out, _ = reference.communicate(timeout=180)
+    assert reference.returncode == 0, out
+
+    victim_run = tmp_path / "victim"
+    proc = _launch(script, victim_run, "0.02", 2)
+    try:
+        deadline = time.monotonic() + 120
+        checkpoints = victim_run / "checkpoints"
+        while time.monotonic() < deadline and not (checkpoints.is_dir() and any(checkpoints.glob("step_*"))):
+            time.sleep(0.1)
+        assert checkpoints.is_dir(), "no checkpoint appeared"
+        time.sleep(0.3)  # a few steps past the first checkpoint
+        os.kill(int((victim_run / "pid.1").read_text()), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "resumed from step" in out
+    final = torch.load(victim_run / "final_params.pt", weights_only=True)
+    expected = torch.load(tmp_path / "reference" / "final_params.pt", weights_only=True)
+    assert torch.equal(final, expected)
