@@ -1,0 +1,102 @@
+"""Bucket assignment: which parameters share a flat gradient buffer, as a pure function of their specs.
+
+No process group and no tensors here, only sizes, devices and dtypes, so that every rank computes the
+same layout from the same inputs and the rules can be unit-tested with fake devices:
+
+- a bucket never mixes devices or dtypes (a replica may span several devices: cpu + cuda:0 + cuda:1);
+- parameters are visited in reverse registration order (roughly the order in which backward produces
+  their gradients), or in an observed ready order after the first iteration;
+- per (device, dtype), the first bucket closes once it holds `first_cap_bytes` (small, so that the first
+  all-reduce starts early in backward) and every later one once it holds `cap_bytes`;
+- buckets are numbered in the order in which their first parameter is visited: the order of launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lockstep.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What bucketing needs to know of one parameter (index = position in registration order)."""
+
+    name: str
+    numel: int
+    nbytes: int  # bytes it takes in the bucket (numel times the element size of the bucket dtype)
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """One bucket: the parameter indices it holds, in their order inside the flat buffer."""
+
+    index: int
+    device: str
+    dtype: str
+    params: tuple[int, ...]
+    nbytes: int
+
+
+def assign_buckets(
+    params: Sequence[ParamSpec],
+    *,
+    cap_bytes: int,
+    first_cap_bytes: int,
+    order: Sequence[int] | None = None,
+) -> list[BucketSpec]:
+    """Group `params` into buckets (see the module docstring); `order` is a permutation of indices."""
+    if cap_bytes <= 0 or first_cap_bytes <= 0:
+        raise ConfigError(f"bucket caps must be positive, got cap={cap_bytes!r} first={first_cap_bytes!r}")
+    visit = list(reversed(range(len(params)))) if order is None else list(order)
+    _check_permutation(visit, len(params))
+    position = {index: pos for pos, index in enumerate(visit)}
+    open_buckets: dict[tuple[str, str], list[int]] = {}
+    open_bytes: dict[tuple[str, str], int] = {}
+    closed_count: dict[tuple[str, str], int] = {}
+    closed: list[tuple[tuple[str, str], list[int], int]] = []
+    for index in visit:
+        spec = params[index]
+        key = (spec.device, spec.dtype)
+        members = open_buckets.setdefault(key, [])
+        members.append(index)
+        open_bytes[key] = open_bytes.get(key, 0) + spec.nbytes
+        limit = first_cap_bytes if closed_count.get(key, 0) == 0 else cap_bytes
+        if open_bytes[key] >= limit:
+            closed.append((key, members, open_bytes[key]))
+            closed_count[key] = closed_count.get(key, 0) + 1
+            del open_buckets[key]
+            open_bytes[key] = 0
+    for key, members in open_buckets.items():
+        closed.append((key, members, open_bytes[key]))
+    closed.sort(key=lambda item: position[item[1][0]])
+    return [
+        BucketSpec(index=i, device=key[0], dtype=key[1], params=tuple(members), nbytes=nbytes)
+        for i, (key, members, nbytes) in enumerate(closed)
+    ]
+
+
+def complete_order(observed: Sequence[int], num_params: int) -> list[int]:
+    """A permutation from an observed ready order: first sightings kept, the never-seen ones appended
+    in reverse registration order (they were unused; where they go does not matter for speed)."""
+    seen: set[int] = set()
+    order: list[int] = []
+    for index in observed:
+        if not 0 <= index < num_params:
+            raise ConfigError(f"ready order names parameter index {index!r}, expected 0..{num_params - 1}")
+        if index not in seen:
+            seen.add(index)
+            order.append(index)
+    order.extend(i for i in reversed(range(num_params)) if i not in seen)
+    return order
+
+
+def _check_permutation(visit: Sequence[int], num_params: int) -> None:
+    if sorted(visit) != list(range(num_params)):
+        raise ConfigError(
+            f"bucket order must be a permutation of 0..{num_params - 1}, got {list(visit)[:20]!r}"
+            f"{' ...' if len(visit) > 20 else ''} ({len(visit)} entries)"
+        )

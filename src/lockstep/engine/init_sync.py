@@ -1,0 +1,102 @@
+"""Wrap-time agreement: every rank holds the same model structure, then rank 0's values everywhere.
+
+torch's DDP checks only shapes, with a collective whose size depends on the model, so different models
+crash with a transport error or hang. Here every rank first exchanges a digest of (count, names, shapes,
+dtypes); on a mismatch, every rank exchanges the full description and raises the same error naming the
+first differing rank and parameter. Only then are parameters and buffers broadcast from rank 0,
+coalesced into few flat messages per (device, dtype).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lockstep.errors import CollectiveMismatchError, rank_tag
+from lockstep.runtime.collectives import all_gather_object
+
+BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # like torch: few messages, bounded extra memory
+
+Entry = list  # [qualified name, shape as a list, dtype as a string]
+
+
+def describe(named: Sequence[tuple[str, torch.Tensor]]) -> list[Entry]:
+    return [[name, list(t.shape), str(t.dtype).replace("torch.", "")] for name, t in named]
+
+
+def check_same_model(
+    named_params: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, rank: int, world: int
+) -> None:
+    """Raise CollectiveMismatchError on every rank unless all ranks have identical parameters."""
+    mine = describe(named_params)
+    digest = hashlib.sha256(json.dumps(mine).encode()).hexdigest()
+    if len(set(all_gather_object(digest, group=group))) == 1:
+        return
+    everyone = all_gather_object(mine, group=group)
+    problems = [difference(everyone[0], theirs, r) for r, theirs in enumerate(everyone) if r]
+    lines = [p for p in problems if p]
+    raise CollectiveMismatchError(
+        f"{rank_tag(rank, world)}the ranks wrapped different models, so their gradients cannot be "
+        "averaged:\n  " + "\n  ".join(lines) + "\nBuild the same model (same code, same config, same "
+        "requires_grad flags) on every rank before wrapping it."
+    )
+
+
+def difference(reference: list[Entry], theirs: list[Entry], rank: int) -> str:
+    """One line saying how rank `rank`'s parameters differ from rank 0's ('' when they do not)."""
+    for pos, (ref, other) in enumerate(zip(reference, theirs)):
+        if ref[0] != other[0]:
+            return (
+                f"rank {rank}: parameter #{pos} is {other[0]!r} but on rank 0 it is {ref[0]!r} "
+                "(different architecture or registration order)"
+            )
+        if ref[1] != other[1]:
+            return f"rank {rank}: parameter {ref[0]!r} has shape {other[1]!r}, on rank 0 {ref[1]!r}"
+        if ref[2] != other[2]:
+            return f"rank {rank}: parameter {ref[0]!r} has dtype {other[2]}, on rank 0 {ref[2]}"
+    if len(reference) != len(theirs):
+        longer, where = (theirs, f"rank {rank}") if len(theirs) > len(reference) else (reference, "rank 0")
+        extra = longer[min(len(reference), len(theirs))][0]
+        return (
+            f"rank {rank}: {len(theirs)} parameters, rank 0: {len(reference)}; the first extra one "
+            f"is {extra!r} on {where}"
+        )
+    return ""
+
+
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None
+) -> None:
+    """Overwrite `tensors` in place with the values of global rank `src`, few messages per (device, dtype)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for members in groups.values():
+        for chunk in _chunks(members):
+            datas = [t.detach() for t in chunk]
+            flat = _flatten_dense_tensors(datas) if len(datas) > 1 else datas[0].reshape(-1).clone()
+            dist.broadcast(flat, src=src, group=group)
+            if len(datas) == 1:
+                with torch.no_grad():
+                    datas[0].copy_(flat.view_as(datas[0]))
+                continue
+            with torch.no_grad():
+                torch._foreach_copy_(datas, list(_unflatten_dense_tensors(flat, datas)))
+
+
+def _chunks(members: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    chunks: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in members:
+        nbytes = t.numel() * t.element_size()
+        if chunks[-1] and size + nbytes > BROADCAST_CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(t)
+        size += nbytes
+    return [c for c in chunks if c]

@@ -1,0 +1,69 @@
+"""SyncPolicy: the frozen user knobs of the data-parallel engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lockstep.errors import ConfigError
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_FIRST_BUCKET_MB = 1.0
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    """How gradients are bucketed and synchronized; every field has torch DDP's meaning and default.
+
+    - bucket_cap_mb: size of every bucket after the first (MiB).
+    - first_bucket_mb: size of the first bucket, at most bucket_cap_mb (small, so that the first
+      all-reduce starts early in backward).
+    - find_unused_parameters: detect parameters not reached from the forward's outputs and reduce
+      without them; parameters no rank used keep their `.grad` untouched (None stays None).
+    - static_graph: the set of used parameters and how often each is used never changes; the first
+      iteration reduces at the end of backward and learns the pattern, later ones overlap.
+    - gradient_as_bucket_view: after reduction `param.grad` is a view into the flat bucket (saves a
+      copy and the memory of a second copy of the gradients).
+    - broadcast_buffers: broadcast buffers (BatchNorm running stats) from rank 0 before each forward
+      that follows a synced training forward, like torch.
+    - reduce_dtype: dtype of the bucket (the all-reduce). None: float16/bfloat16 gradients are reduced
+      in float32 (summing in half precision loses bits with every rank) and cast back; every other dtype
+      is reduced as is. Set it to torch.bfloat16/float16 to communicate in the parameter dtype.
+    """
+
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    broadcast_buffers: bool = True
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_cap_mb", "first_bucket_mb"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"SyncPolicy.{name} must be a positive number of MiB, got {value!r}")
+        if self.reduce_dtype is not None and not (
+            isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
+        ):
+            raise ConfigError(
+                f"SyncPolicy.reduce_dtype must be None or a floating torch.dtype, got {self.reduce_dtype!r}"
+            )
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * 1024 * 1024)
+
+    @property
+    def first_bucket_bytes(self) -> int:
+        # never above the cap: asking for small buckets gives a small first one too
+        return min(int(self.first_bucket_mb * 1024 * 1024), self.bucket_cap_bytes)
+
+    def bucket_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        """The dtype in which gradients of `grad_dtype` are communicated."""
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        return torch.float32 if grad_dtype in _LOW_PRECISION else grad_dtype

@@ -1,0 +1,144 @@
+"""Per-model engine state: wrap-time sync, the reducer, per-parameter hooks and their removal."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.engine.init_sync import broadcast_coalesced, check_same_model
+from lockstep.engine.policy import SyncPolicy
+from lockstep.engine.reducer import CommHook, Reducer
+from lockstep.engine.stats import EngineStats
+from lockstep.errors import ConfigError, rank_tag
+
+_MARK = "_lockstep_replica"
+
+
+class ReplicaState:
+    """Everything the engine keeps for one replicated module; driven by api.py's forward wrappers."""
+
+    def __init__(self, module: nn.Module, policy: SyncPolicy, group: dist.ProcessGroup | None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                "no process group: call lockstep.init() (or torch.distributed.init_process_group) before "
+                "wrapping the model"
+            )
+        if getattr(module, _MARK, None) is not None:
+            raise ConfigError(
+                f"module {type(module).__name__} is already replicated; call remove() on its handle "
+                "before replicating it again"
+            )
+        self.module, self.policy, self.group = module, policy, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.tag = rank_tag(self.rank, self.world)
+        named = _unique_named(module.named_parameters())
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        if not trainable:
+            raise ConfigError(f"{self.tag}{type(module).__name__} has no parameter that requires grad")
+        self.buffers = [b for _, b in _unique_named(module.named_buffers())]
+        self._src = dist.get_global_rank(group, 0) if group is not None else 0
+        if self.world > 1:
+            check_same_model(named, group, self.rank, self.world)
+            broadcast_coalesced([p for _, p in named] + self.buffers, self._src, group)
+        self.reducer = Reducer(
+            [p for _, p in trainable], [n for n, _ in trainable], policy, group, rank=self.rank,
+            world_size=self.world,
+        )
+        self._handles = [
+            p.register_post_accumulate_grad_hook(_make_hook(self.reducer.post_accumulate_grad, i))
+            for i, (_, p) in enumerate(trainable)
+        ]
+        self.sync_enabled = True
+        self._sync_buffers_next = True  # torch's require_forward_param_sync
+        self._t_forward = 0.0
+        setattr(module, _MARK, self)
+
+    # pre_forward: the engine's work before the user's forward
+    def pre_forward(self) -> None:
+        self._t_forward = time.perf_counter()
+        syncing = torch.is_grad_enabled() and self.sync_enabled
+        if syncing:
+            self.reducer.maybe_rebuild()
+        if self._sync_buffers_next and self.policy.broadcast_buffers and self.buffers and self.world > 1:
+            broadcast_coalesced(self.buffers, self._src, self.group)
+
+    def post_forward(self, output: Any) -> Any:
+        syncing = torch.is_grad_enabled() and self.sync_enabled
+        self._sync_buffers_next = syncing
+        if syncing:
+            self.reducer.prepare_for_backward(list(_find_tensors(output)), self._t_forward)
+        return output
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forwards inside accumulate gradients locally; the next synced backward reduces the sum."""
+        before = self.sync_enabled
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = before
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        self.reducer.register_comm_hook(state, hook)
+
+    def stats(self) -> EngineStats:
+        r = self.reducer
+        return EngineStats(
+            world_size=self.world,
+            num_parameters=len(r.params),
+            num_buckets=len(r.buckets),
+            bucket_sizes_bytes=[b.buffer.numel() * b.buffer.element_size() for b in r.buckets],
+            bucket_num_params=[len(b.params) for b in r.buckets],
+            buckets_rebuilt=r.rebuilt,
+            synced_steps=r.stats.steps,
+            last=r.stats.last,
+            mean=r.stats.mean(),
+        )
+
+    def remove(self) -> None:
+        """Detach the engine: hooks removed, the module is a plain module again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if getattr(self.module, _MARK, None) is self:
+            delattr(self.module, _MARK)
+
+
+def _make_hook(mark: Any, i: int) -> Any:
+    def hook(_param: torch.Tensor) -> None:
+        mark(i)
+
+    return hook
+
+
+def _unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    # named_parameters() already drops shared tensors; keep the first name like torch does.
+    seen: set[int] = set()
+    out = []
+    for name, t in items:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
+def _find_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a forward's output (tensors, lists, tuples, dicts, dataclass-like objects)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _find_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _find_tensors(item)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _find_tensors(getattr(obj, name))
