@@ -203,6 +203,13 @@ def _collectives_and_eval(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
     result["after"] = total.item()
+    # One value per channel in the whole group: every rank raises the same error after the collective.
+    try:
+        SyncBatchNorm(4)(torch.randn(1 - rank, 4))
+    except ConfigError as exc:
+        result["tiny_batch_error"] = str(exc)
+    dist.all_reduce(total)
+    result["still_in_step"] = total.item()
     return result
 
 
@@ -213,9 +220,29 @@ def test_one_collective_per_forward_and_backward_and_none_in_eval() -> None:
     for r in out:
         assert (r["forward"], r["backward"], r["after"]) == (2, 2, 3.0), r
     assert out[1]["eval"] == 0
+    for rank, r in enumerate(out):
+        assert f"[rank {rank}/2] SyncBatchNorm saw 1 value(s) per channel" in r["tiny_batch_error"]
+        assert r["still_in_step"] == 6.0
     torch.testing.assert_close(out[1]["eval_out"], out[1]["torch_eval_out"], atol=0, rtol=0)
     # Eval without running statistics: this rank's own batch statistics, like torch.
     torch.testing.assert_close(out[1]["stateless_out"], out[1]["local_batch_norm"], atol=0, rtol=0)
+
+
+def _world_of_one(x: torch.Tensor) -> dict[str, Any]:
+    ours, theirs = SyncBatchNorm(3), torch.nn.BatchNorm1d(3)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (ya, yb), count = _count_collectives(lambda: (ours(xa), theirs(xb)))
+    ya.sum().backward()
+    yb.sum().backward()
+    return {"count": count, "pairs": [(ya, yb), (xa.grad, xb.grad), (ours.running_var, theirs.running_var),
+                                      (ours.weight.grad, theirs.weight.grad)]}
+
+
+def test_world_of_one_is_plain_batchnorm() -> None:
+    (out,) = run_distributed(_world_of_one, 1, args=(torch.randn(5, 3, 2),), timeout=60)
+    assert out["count"] == 0
+    for a, b in out["pairs"]:
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def _subgroups(pair_cases: list[dict[str, Any]], trio_case: dict[str, Any]) -> dict[str, Any]:

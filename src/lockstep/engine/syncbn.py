@@ -128,10 +128,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         mean_c = _from_wire(mean, xc)
         invstd_c = _from_wire(torch.rsqrt(var + eps), xc)
         scale = invstd_c if weight is None else invstd_c * weight.to(xc.dtype)
-        out = (xc - _per_channel(mean_c, xc)) * _per_channel(scale, xc)
+        out = (xc - _per_channel(mean_c, xc)).mul_(_per_channel(scale, xc))  # fresh tensor: in place is safe
         if bias is not None:
-            out = out + _per_channel(bias.to(xc.dtype), xc)
-        ctx.save_for_backward(x, weight, mean_c, invstd_c)
+            out.add_(_per_channel(bias.to(xc.dtype), xc))
+        ctx.save_for_backward(x, weight, mean_c, invstd_c)  # type: ignore[arg-type]  # None is allowed
         ctx.count = count  # type: ignore[attr-defined]
         ctx.group = group  # type: ignore[attr-defined]
         ctx.bias_dtype = None if bias is None else bias.dtype  # type: ignore[attr-defined]
@@ -165,12 +165,13 @@ def _input_grad(
     """dx = w * invstd * (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean))), global means."""
     channels = sum_dy.shape[0]
     device = comm_device(ctx.group)
-    packed = _all_reduce(torch.cat([_to_wire(sum_dy, device), _to_wire(sum_dy_xmu, device)]), ctx.group)
-    mean_dy = _from_wire(packed[:channels] / ctx.count, mean_c)  # the one backward collective
+    local = torch.cat([_to_wire(sum_dy, device), _to_wire(sum_dy_xmu, device)])
+    packed = _all_reduce(local, ctx.group)  # the one backward collective
+    mean_dy = _from_wire(packed[:channels] / ctx.count, mean_c)
     mean_dy_xmu = _from_wire(packed[channels:] / ctx.count, mean_c)
     scale = invstd_c if weight is None else invstd_c * weight.to(mean_c.dtype)
-    centred = g - _per_channel(mean_dy, g) - xmu * _per_channel(invstd_c * invstd_c * mean_dy_xmu, g)
-    return centred * _per_channel(scale, g)
+    centred = (g - _per_channel(mean_dy, g)).sub_(xmu * _per_channel(invstd_c * invstd_c * mean_dy_xmu, g))
+    return centred.mul_(_per_channel(scale, g))
 
 
 class SyncBatchNorm(_BatchNorm):
