@@ -1,0 +1,87 @@
+"""The `lockstep` command: a thin dispatcher to its subcommands (run, env, train; slurm later).
+
+Each subcommand's module is imported only when it is chosen, so `lockstep run` never imports the
+engine or the trainer. User mistakes (ConfigError) print one line naming what to fix and exit 2;
+launcher failures (LaunchError) exit 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from lockstep.errors import ConfigError, LaunchError
+
+USAGE = """usage: lockstep <command> [options]
+
+commands:
+  run     start N processes of a training script (torchrun's flags: -n, --nnodes, --rdzv-endpoint, ...)
+  train   run a lockstep training job (e.g. `lockstep train digits -n 2`)
+  env     print versions, backends, devices, threads, launcher and topology (paste it into bug reports)
+
+`lockstep <command> --help` describes a command.
+"""
+
+# Where a future `lockstep slurm` plugs in: add ("slurm", "lockstep.launch.slurm") below with a
+# `main(argv: list[str]) -> int` in that module.
+_COMMANDS: dict[str, str] = {
+    "run": "lockstep.cli:_run_main",
+    "env": "lockstep.launch.envinfo:main",
+    "train": "lockstep.trainer.jobs:main",
+}
+_PLANNED = {"slurm": "`lockstep slurm` is not available yet; submit with sbatch/srun and `lockstep.init()` "
+                     "reads SLURM's variables, or use `lockstep run` on each node"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `lockstep` console script and of `python -m lockstep`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        sys.stdout.write(USAGE)
+        return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from lockstep import __version__
+
+        sys.stdout.write(f"lockstep {__version__}\n")
+        return 0
+    command, rest = args[0], args[1:]
+    if command in _PLANNED:
+        return _fail(command, _PLANNED[command], 2)
+    if command not in _COMMANDS:
+        return _fail("lockstep", f"unknown command {command!r}; expected one of {', '.join(_COMMANDS)}", 2)
+    try:
+        handler = _resolve(command)
+        return int(handler(rest) or 0)
+    except ConfigError as exc:
+        return _fail(command, str(exc), 2)
+    except LaunchError as exc:
+        return _fail(command, str(exc), 1)
+
+
+def _resolve(command: str) -> Callable[[list[str]], int]:
+    module_name, _, attr = _COMMANDS[command].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise  # a real import error inside the command: show it as it is
+        raise LaunchError(f"`lockstep {command}` is not available yet in this version ({module_name} is missing)") from None
+    return getattr(module, attr)
+
+
+def _run_main(argv: list[str]) -> int:
+    from lockstep.launch.local import launch
+    from lockstep.launch.spec import parse_run_args
+
+    return launch(parse_run_args(argv))
+
+
+def _fail(command: str, message: str, code: int) -> int:
+    prog = command if command == "lockstep" else f"lockstep {command}"
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

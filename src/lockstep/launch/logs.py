@@ -1,0 +1,65 @@
+"""Where each worker's output goes: `<run_dir>/rank<R>/{stdout.log,stderr.log,error.json}`, by global rank.
+
+A `torch.distributed.elastic.multiprocessing.LogsSpecs` (the agent's own extension point for log
+placement): torch redirects every worker's stdout and stderr to these files and tells each worker its
+error file through TORCHELASTIC_ERROR_FILE. Attempt k > 0 (after `--max-restarts`) writes under
+`<run_dir>/restart<k>/`. Each new attempt's files are announced to the launcher through `on_attempt`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
+
+OnAttempt = Callable[[int, Mapping[int, str], Mapping[str, str]], None]
+_STALE = ("stdout.log", "stderr.log", "error.json", "pid")
+
+
+class RunDirLogs(LogsSpecs):
+    """Redirect every worker's stdout/stderr into its rank directory; the console relay shows them."""
+
+    def __init__(self, run_dir: str, on_attempt: OnAttempt) -> None:
+        super().__init__(log_dir=run_dir, redirects=Std.ALL, tee=Std.NONE)
+        self._run_dir = run_dir
+        self._on_attempt = on_attempt
+
+    @property
+    def root_log_dir(self) -> str:
+        return self._run_dir
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Called by the agent right before it starts the workers of an attempt, with their environments."""
+        if not envs:
+            return LogsDest()
+        attempt = int(envs[0].get("TORCHELASTIC_RESTART_COUNT", "0"))
+        base = self._run_dir if attempt == 0 else os.path.join(self._run_dir, f"restart{attempt}")
+        stdouts, stderrs, error_files, ranks = {}, {}, {}, {}
+        for local_rank, env in envs.items():
+            rank = int(env.get("RANK", local_rank))
+            rank_dir = os.path.join(base, f"rank{rank}")
+            os.makedirs(rank_dir, exist_ok=True)
+            for name in _STALE:  # a reused --run-dir: never read (or kill by) an older run's files
+                _remove(os.path.join(rank_dir, name))
+            stdouts[local_rank] = os.path.join(rank_dir, "stdout.log")
+            stderrs[local_rank] = os.path.join(rank_dir, "stderr.log")
+            error_files[local_rank] = os.path.join(rank_dir, "error.json")
+            env["TORCHELASTIC_ERROR_FILE"] = error_files[local_rank]
+            ranks[rank] = rank_dir
+        self._on_attempt(attempt, ranks, envs[0])
+        return LogsDest(**_known_fields(stdouts=stdouts, stderrs=stderrs, error_files=error_files))
+
+
+def _known_fields(**values: object) -> dict[str, object]:
+    """LogsDest gained fields over torch releases; pass only those this torch has."""
+    names = {f.name for f in dataclasses.fields(LogsDest)}
+    return {key: value for key, value in values.items() if key in names}
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,296 @@
+"""What `lockstep run` should start and how: the LaunchSpec, its command-line parser and its validation.
+
+Pure: parsing and checking only, no process is started and nothing outside the given arguments is read
+(except `check_entrypoint`, which looks for the script on disk). Flag names follow torchrun where they
+overlap (`-n/--nproc-per-node`, `--nnodes`, `--node-rank`, `--rdzv-endpoint`, `--rdzv-id`,
+`--max-restarts`, `-m`), with torchrun's underscore spellings accepted too. Everything after the script
+(or the `-m` module) is the script's own argv, passed through untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+from lockstep.errors import ConfigError
+
+DEFAULT_RDZV_PORT = 29400
+STANDALONE_ENDPOINT = "127.0.0.1:0"  # port 0: the kernel picks a free port atomically when the store binds
+LOG_MODES = ("rank0", "all")
+RDZV_BACKENDS = ("c10d", "static")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything `lockstep.launch.local.launch` needs to start one node's workers.
+
+    `entrypoint` is a script path, or a module name when `module` is true (`-m`); `args` are its own
+    arguments. `rdzv_endpoint=None` means single node on a kernel-chosen free port (`--standalone`).
+    `run_dir=None` means a fresh `./runs/<timestamp>-<id>` directory. `env` is added to each worker's
+    environment.
+    """
+
+    entrypoint: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+    nproc_per_node: int = 1
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_rank: int | None = None
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: Mapping[str, str] = field(default_factory=dict)
+    local_addr: str | None = None
+    network_interface: str | None = None
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    run_dir: str | None = None
+    logs: str = "rank0"
+    env: Mapping[str, str] = field(default_factory=dict)
+    shutdown_grace: float = 5.0
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def is_multi_node(self) -> bool:
+        return self.max_nodes > 1
+
+    @property
+    def endpoint(self) -> str:
+        """The rendezvous endpoint: the user's, or 127.0.0.1:0 for a single node."""
+        return self.rdzv_endpoint or STANDALONE_ENDPOINT
+
+
+def validate(spec: LaunchSpec) -> None:
+    """Raise ConfigError naming the flag to fix when `spec` cannot describe a runnable job."""
+    if not spec.entrypoint:
+        raise ConfigError("no script given; name the script to run, e.g. `lockstep run -n 2 train.py`")
+    _check_int("-n/--nproc-per-node", spec.nproc_per_node, minimum=1, example="-n 2")
+    _check_int("--nnodes", spec.min_nodes, minimum=1, example="--nnodes 2")
+    if spec.max_nodes < spec.min_nodes:
+        raise ConfigError(f"--nnodes {spec.min_nodes}:{spec.max_nodes} has MIN > MAX; write MIN:MAX with MIN <= MAX")
+    _check_int("--max-restarts", spec.max_restarts, minimum=0, example="--max-restarts 0")
+    if spec.node_rank is not None and not 0 <= spec.node_rank < spec.max_nodes:
+        raise ConfigError(
+            f"--node-rank {spec.node_rank} is outside 0..{spec.max_nodes - 1} for --nnodes {spec.max_nodes}; "
+            "number the nodes from 0 (the node that hosts the rendezvous is 0)"
+        )
+    if not spec.monitor_interval > 0:
+        raise ConfigError(f"--monitor-interval must be a positive number of seconds, got {spec.monitor_interval!r}")
+    if spec.shutdown_grace < 0:
+        raise ConfigError(f"shutdown_grace must be >= 0 seconds, got {spec.shutdown_grace!r}")
+    if spec.logs not in LOG_MODES:
+        raise ConfigError(f"--logs {spec.logs!r} is not one of {', '.join(LOG_MODES)}")
+    if spec.rdzv_backend not in RDZV_BACKENDS:
+        raise ConfigError(f"--rdzv-backend {spec.rdzv_backend!r} is not one of {', '.join(RDZV_BACKENDS)}")
+    if spec.is_multi_node and not spec.rdzv_endpoint:
+        raise ConfigError(
+            f"--nnodes {spec.max_nodes} needs --rdzv-endpoint HOST:PORT, the address of the node that hosts the "
+            "rendezvous (the same on every node), e.g. --rdzv-endpoint 10.0.0.1:29400"
+        )
+    if spec.rdzv_endpoint is not None:
+        host, port = parse_endpoint(spec.rdzv_endpoint)
+        if port == 0 and spec.is_multi_node:
+            raise ConfigError(
+                f"--rdzv-endpoint {spec.rdzv_endpoint!r} has port 0, but the other nodes must know the port; "
+                f"pick a fixed free port, e.g. {host}:{DEFAULT_RDZV_PORT}"
+            )
+    if spec.rdzv_backend == "static" and spec.is_multi_node and spec.node_rank is None:
+        raise ConfigError("--rdzv-backend static needs --node-rank on every node (0 on the head node)")
+    for key in spec.env:
+        if not key or "=" in key:
+            raise ConfigError(f"environment variable name {key!r} is not valid; use --env NAME=VALUE")
+
+
+def _check_int(flag: str, value: object, *, minimum: int, example: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{flag} must be an integer >= {minimum}, got {value!r}; e.g. {example}")
+
+
+def parse_endpoint(text: str, default_port: int = DEFAULT_RDZV_PORT) -> tuple[str, int]:
+    """'host:port', 'host' or '[v6addr]:port' -> (host, port); ConfigError naming --rdzv-endpoint otherwise."""
+    raw = text.strip()
+    if raw.startswith("["):
+        host, sep, rest = raw[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ConfigError(f"--rdzv-endpoint {text!r} is not HOST:PORT; write an IPv6 address as [addr]:port")
+        port_text = rest[1:] if rest else ""
+    elif raw.count(":") == 1:
+        host, _, port_text = raw.partition(":")
+    elif ":" in raw:
+        raise ConfigError(f"--rdzv-endpoint {text!r} is ambiguous; write an IPv6 address as [addr]:port")
+    else:
+        host, port_text = raw, ""
+    if not host:
+        raise ConfigError(f"--rdzv-endpoint {text!r} has no host; expected HOST:PORT, e.g. 10.0.0.1:29400")
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+        raise ConfigError(
+            f"--rdzv-endpoint {text!r} has port {port_text!r}, which is not a TCP port (0-65535); "
+            f"expected HOST:PORT, e.g. {host}:{DEFAULT_RDZV_PORT}"
+        )
+    return host, int(port_text)
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """'2' -> (2, 2); '1:4' -> (1, 4), as torchrun's --nnodes."""
+    lo, sep, hi = text.partition(":")
+    try:
+        low = int(lo)
+        high = int(hi) if sep else low
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r} is not N or MIN:MAX (integers), e.g. --nnodes 2") from None
+    return low, high
+
+
+def parse_key_values(items: Sequence[str], flag: str) -> dict[str, str]:
+    """['a=1', 'b=2'] (or 'a=1,b=2' for --rdzv-conf) -> {'a': '1', 'b': '2'}."""
+    pairs: dict[str, str] = {}
+    for item in items:
+        for part in item.split(",") if flag == "--rdzv-conf" else [item]:
+            key, sep, value = part.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"{flag} {part!r} is not KEY=VALUE, e.g. {flag} is_host=1")
+            pairs[key.strip()] = value.strip() if flag == "--rdzv-conf" else value
+    return pairs
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError (exit code 2 in the CLI) instead of exiting from inside a library."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser(prog: str = "lockstep run") -> argparse.ArgumentParser:
+    """The `lockstep run` parser; its flags are pinned by tests/unit/test_public_api.py."""
+    parser = _Parser(
+        prog=prog,
+        allow_abbrev=False,
+        description="Start N processes of a training script on this node (or on several nodes) with torch's "
+        "elastic agent. Rank 0 prints here; every rank's output is in the run directory.",
+        usage="%(prog)s [options] (SCRIPT | -m MODULE) [script args...]",
+    )
+    add = parser.add_argument
+    add("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1", metavar="N",
+        help="processes on this node (default 1)")
+    add("--nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes (default 1)")
+    add("--node-rank", "--node_rank", dest="node_rank", type=_int_arg("--node-rank"), default=None,
+        help="this node's index; 0 hosts the rendezvous store (default: decided by the rendezvous)")
+    add("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None, metavar="HOST:PORT",
+        help="rendezvous address of the head node (required with --nnodes > 1; default: 127.0.0.1, free port)")
+    add("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, help="job id, the same on every node")
+    add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="c10d", choices=RDZV_BACKENDS)
+    add("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", action="append", default=[], metavar="K=V[,K=V]",
+        help="rendezvous settings, e.g. is_host=1,join_timeout=600")
+    add("--standalone", action="store_true", help="single node on a free port (the default for one node)")
+    add("--local-addr", "--local_addr", dest="local_addr", default=None,
+        help="this node's address as the other nodes see it")
+    add("--network-interface", dest="network_interface", default=None, metavar="IFNAME",
+        help="network interface for collectives (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME)")
+    add("--max-restarts", "--max_restarts", dest="max_restarts", type=_int_arg("--max-restarts"), default=0)
+    add("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=_float_arg("--monitor-interval"),
+        default=0.1, metavar="SECONDS")
+    add("--run-dir", "--log-dir", "--log_dir", dest="run_dir", default=None,
+        help="where per-rank logs go (default ./runs/<timestamp>-<id>)")
+    add("--logs", choices=LOG_MODES, default="rank0",
+        help="rank0: rank 0's output plus other ranks' warnings and errors (default); all: every rank, prefixed")
+    add("--env", dest="env", action="append", default=[], metavar="NAME=VALUE",
+        help="extra environment variable for every worker (repeatable)")
+    add("--verbose", action="store_true", help="also show torch's elastic agent log")
+    add("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
+    add("script", nargs="?", default=None, help="the training script (or module with -m)")
+    add("script_args", nargs=argparse.REMAINDER, help="arguments for the script, passed through untouched")
+    return parser
+
+
+def _int_arg(flag: str) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} expects an integer, got {text!r}") from None
+
+    return convert
+
+
+def _float_arg(flag: str) -> Callable[[str], float]:
+    def convert(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} expects a number of seconds, got {text!r}") from None
+
+    return convert
+
+
+def parse_run_args(argv: Sequence[str], prog: str = "lockstep run") -> LaunchSpec:
+    """`lockstep run` argv (without 'run') -> LaunchSpec; ConfigError with the flag to fix on bad input."""
+    ns = build_parser(prog).parse_args(list(argv))
+    if ns.script is None:
+        raise ConfigError("no script given; name the script to run, e.g. `lockstep run -n 2 train.py`, "
+                          "or a module with -m, e.g. `lockstep run -n 2 -m mypkg.train`")
+    try:
+        nproc = int(ns.nproc_per_node)
+    except ValueError:
+        raise ConfigError(
+            f"-n/--nproc-per-node must be an integer >= 1, got {ns.nproc_per_node!r}; e.g. -n 2"
+        ) from None
+    min_nodes, max_nodes = parse_nnodes(ns.nnodes)
+    if ns.standalone and max_nodes > 1:
+        raise ConfigError(f"--standalone is for one node but --nnodes is {ns.nnodes!r}; drop one of them")
+    return LaunchSpec(
+        entrypoint=ns.script,
+        args=tuple(ns.script_args),
+        module=ns.module,
+        nproc_per_node=nproc,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=ns.node_rank,
+        rdzv_backend=ns.rdzv_backend,
+        rdzv_endpoint=None if ns.standalone else ns.rdzv_endpoint,
+        rdzv_id=ns.rdzv_id,
+        rdzv_conf=parse_key_values(ns.rdzv_conf, "--rdzv-conf"),
+        local_addr=ns.local_addr,
+        network_interface=ns.network_interface,
+        max_restarts=ns.max_restarts,
+        monitor_interval=ns.monitor_interval,
+        run_dir=ns.run_dir,
+        logs=ns.logs,
+        env=parse_key_values(ns.env, "--env"),
+        verbose=ns.verbose,
+    )
+
+
+def check_entrypoint(spec: LaunchSpec, cwd: str) -> None:
+    """Raise ConfigError when the script file (or the module's top-level package) cannot be found."""
+    if spec.module:
+        top = spec.entrypoint.split(".")[0]
+        # Workers run with the launch directory first on sys.path, as `python -m` does.
+        if not top.isidentifier() or importlib.machinery.PathFinder.find_spec(top, [cwd, *_sys_path()]) is None:
+            raise ConfigError(
+                f"module {spec.entrypoint!r} (-m) was not found: no package {top!r} in {cwd!r} or on sys.path; "
+                "check the name, or install the package"
+            )
+        return
+    path = os.path.join(cwd, spec.entrypoint)
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"script {spec.entrypoint!r} not found (looked in {cwd!r}); check the path, "
+            "or pass a module with -m, e.g. `lockstep run -n 2 -m mypkg.train`"
+        )
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "__main__.py")):
+        raise ConfigError(f"{spec.entrypoint!r} is a directory without __main__.py; name the script inside it")
+
+
+def _sys_path() -> list[str]:
+    return [p for p in sys.path if p]

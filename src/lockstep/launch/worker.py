@@ -1,0 +1,118 @@
+"""In-worker bootstrap: run the user's script or module with its argv untouched, and record how it failed.
+
+The launcher starts each worker as `python -m lockstep.launch.worker script PATH ARGS...` (or
+`module NAME ARGS...`). This module then
+
+- writes its pid next to its error file, so the launcher can kill the worker's whole process group
+  (DataLoader workers included) even when torch's agent was interrupted before it could;
+- turns on faulthandler, so a crash in C code still leaves a Python stack in the rank's log;
+- runs the script exactly as `python PATH ARGS...` would (sys.argv, sys.path[0], `__main__`);
+- on an exception or a non-zero sys.exit, writes the traceback to TORCHELASTIC_ERROR_FILE in the JSON
+  form torch's elastic agent reads, so the failure summary shows the real traceback (never `<N/A>`).
+
+It imports nothing from torch: the script decides what to import, and OMP_NUM_THREADS is already set.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+from types import TracebackType
+
+_BOOTSTRAP_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+PID_FILE = "pid"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `python -m lockstep.launch.worker (script PATH | module NAME) [ARGS...]`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2 or argv[0] not in ("script", "module"):
+        sys.stderr.write("usage: python -m lockstep.launch.worker (script PATH | module NAME) [ARGS...]\n")
+        raise SystemExit(2)
+    kind, target, args = argv[0], argv[1], argv[2:]
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") or None
+    if error_file:
+        _write_pid(os.path.dirname(error_file))
+    faulthandler.enable(all_threads=True)
+    try:
+        _run(kind, target, args)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            _record(error_file, exc, exc.__traceback__)
+        raise
+    except BaseException as exc:
+        tb = _user_frames(exc.__traceback__)
+        _record(error_file, exc, tb)
+        # Default hooks (and torch's rank-prefixing one) print exc.__traceback__, not the tb argument.
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        sys.stderr.flush()
+        # An interrupted worker exits 130 (128 + SIGINT) as a shell would; any other exception exits 1.
+        raise SystemExit(128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1) from None
+
+
+def _run(kind: str, target: str, args: list[str]) -> None:
+    if kind == "module":
+        sys.argv = [target, *args]  # run_module replaces argv[0] with the module's file, as `python -m` does
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        return
+    sys.argv = [target, *args]
+    # `python PATH` puts the script's directory first on sys.path (here it is the launch directory).
+    sys.path[0] = os.path.dirname(os.path.abspath(target))
+    runpy.run_path(target, run_name="__main__")
+
+
+def _write_pid(directory: str) -> None:
+    try:
+        with open(os.path.join(directory, PID_FILE), "w") as fh:
+            fh.write(f"{os.getpid()}\n")
+    except OSError:
+        pass  # best effort: the agent still stops this worker; only the final sweep loses its target
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """Drop the bootstrap's and runpy's frames from the top of a traceback: the user never wrote them."""
+    head = tb
+    while head is not None and _is_bootstrap(head.tb_frame.f_code.co_filename):
+        head = head.tb_next
+    return head if head is not None else tb
+
+
+def _is_bootstrap(filename: str) -> bool:
+    return filename.startswith("<frozen runpy") or os.path.abspath(filename) in _BOOTSTRAP_FILES
+
+
+def _record(error_file: str | None, exc: BaseException, tb: TracebackType | None) -> None:
+    """Write the failure where torch's agent looks for it (ProcessFailure reads this JSON)."""
+    if not error_file:
+        return
+    if isinstance(exc, SystemExit):
+        message = f"SystemExit: {exc.code!r} (the script called sys.exit({exc.code!r}))"
+    else:
+        message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    now = time.time()
+    data = {
+        "message": {
+            "message": message,
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(type(exc), exc, _user_frames(tb))),
+                "timestamp": str(int(now)),
+                # Sub-second time of failure: picks the first failing rank when several fail in one second.
+                "lockstep_time": now,
+            },
+        }
+    }
+    try:
+        with open(error_file, "w") as fh:
+            json.dump(data, fh)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
