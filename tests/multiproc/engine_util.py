@@ -103,11 +103,13 @@ def wrap(kind: str, module: nn.Module, **kwargs: Any) -> tuple[nn.Module, Any]:
 
 def train(
     kind: str, name: str, steps: int, *, kwargs: dict[str, Any] | None = None, no_sync_every: int = 0,
-    lr: float = 0.1, rank_seeded: bool = True,
+    lr: float = 0.1, rank_seeded: bool = True, configure: Callable[[nn.Module, int], None] | None = None,
 ) -> dict[str, Any]:
     """Train on this rank; return grads after each backward and params after the last step."""
     rank = dist.get_rank()
     module = build(name, seed=rank if rank_seeded else 0)  # different init per rank: the wrap must fix it
+    if configure is not None:
+        configure(module, rank)
     model, handle = wrap(kind, module, **(kwargs or {}))
     opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
     grads = []
@@ -161,3 +163,80 @@ def assert_close_lists(a: list[Any], b: list[Any], *, atol: float = 1e-6, rtol: 
 
 def copy_model(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module)
+
+
+class WithUnused(nn.Module):
+    """`spare` is never used in forward; `extra` only when `use_extra` is set (per rank if wanted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(IN, 16)
+        self.extra = nn.Linear(16, 16)
+        self.spare = nn.Linear(16, 16)
+        self.head = nn.Linear(16, OUT)
+        self.use_extra = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc(x))
+        if self.use_extra:
+            h = torch.relu(self.extra(h))
+        return self.head(h)
+
+
+class Tied(nn.Module):
+    """Weight tying: the embedding matrix is also the output projection (used twice per forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(IN, 16, bias=False)
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, IN, bias=False)
+        self.out.weight = nn.Parameter(self.emb.weight.detach().t().contiguous())
+        self.proj = nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(self.emb(x)))
+        h = torch.tanh(self.mid(h))  # `mid` used twice as well
+        return self.proj(self.out(h))
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing around the middle blocks (reentrant or not)."""
+
+    def __init__(self, reentrant: bool = True, shared: bool = False) -> None:
+        super().__init__()
+        self.order = [0, 1, 0] if shared else [0, 1, 2]  # shared: block 0 runs in two checkpoints
+        self.inp = nn.Linear(IN, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(16, OUT)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for i in self.order:
+            h = checkpoint(self.blocks[i], h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+class ToyMpModel(nn.Module):
+    """The tutorials' DDP + model parallel model; both halves on cpu in CI."""
+
+    def __init__(self, dev0: str = "cpu", dev1: str = "cpu") -> None:
+        super().__init__()
+        self.dev0, self.dev1 = dev0, dev1
+        self.net1 = nn.Linear(IN, 10).to(dev0)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, OUT).to(dev1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.net1(x.to(self.dev0)))
+        return self.net2(x.to(self.dev1)).cpu()
+
+
+MODELS.update({
+    "unused": WithUnused, "tied": Tied, "ckpt_reentrant": lambda: Checkpointed(True),
+    "ckpt_plain": lambda: Checkpointed(False), "toymp": ToyMpModel,
+    "ckpt_shared": lambda: Checkpointed(True, shared=True),
+})

@@ -1,0 +1,72 @@
+"""Unused parameters (issue 3 item 6): handled with find_unused_parameters, named without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lockstep.errors import UnusedParameterError
+from lockstep.testing import run_distributed
+from tests.multiproc.engine_util import assert_close_lists, train, train_single
+
+STEPS = 3
+
+
+def _extra_only_on_rank0(module: torch.nn.Module, rank: int) -> None:
+    module.use_extra = rank == 0  # type: ignore[assignment]
+
+
+def _find_unused(rank_dependent: bool) -> dict:
+    configure = _extra_only_on_rank0 if rank_dependent else None
+    kw = {"find_unused_parameters": True}
+    return {kind: train(kind, "unused", STEPS, kwargs=kw, configure=configure) for kind in ("ours", "replicate", "torch")}
+
+
+@pytest.mark.parametrize("rank_dependent", [False, True])
+def test_find_unused_parameters_matches_torch(rank_dependent: bool) -> None:
+    out = run_distributed(_find_unused, 2, args=(rank_dependent,), timeout=90)
+    single = None if rank_dependent else train_single("unused", 2, STEPS)
+    for rank, by_kind in enumerate(out):
+        for kind in ("ours", "replicate"):
+            for step in range(STEPS):
+                # `spare` is unused everywhere: its grad stays None exactly as with torch
+                assert_close_lists(by_kind[kind]["grads"][step], by_kind["torch"]["grads"][step],
+                                   what=f"rank {rank} {kind} step {step}")
+            assert_close_lists(by_kind[kind]["params"], by_kind["torch"]["params"], what=f"{kind} params")
+            if single is not None:
+                assert_close_lists(by_kind[kind]["params"], single["params"], what=f"{kind} vs single")
+        spare_grad = by_kind["ours"]["grads"][0][4]  # spare.weight
+        assert spare_grad is None
+        extra_grad = by_kind["ours"]["grads"][0][2]  # extra.weight: used on rank 0 only in the rank-dependent case
+        assert extra_grad is not None and extra_grad.abs().sum() > 0
+
+
+def _no_flag(kind: str, only_rank1_skips: bool) -> str:
+    def configure(module: torch.nn.Module, rank: int) -> None:
+        module.use_extra = not (only_rank1_skips and rank == 1)  # type: ignore[assignment]
+        if only_rank1_skips:
+            del module.spare  # every rank uses everything else
+
+    try:
+        train(kind, "unused", 1, configure=configure)
+    except UnusedParameterError as exc:
+        dist.barrier()  # every rank got here: nobody hangs
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["ours", "replicate"])
+def test_unused_parameter_without_flag_is_named_on_every_rank(kind: str) -> None:
+    out = run_distributed(_no_flag, 2, args=(kind, False), timeout=60)
+    for rank, message in enumerate(out):
+        assert message.startswith(f"[rank {rank}/2]"), message
+        assert "'spare.weight'" in message and "'spare.bias'" in message, message
+        assert "find_unused_parameters=True" in message, message
+
+
+def test_a_parameter_unused_on_one_rank_only_raises_everywhere_instead_of_hanging() -> None:
+    out = run_distributed(_no_flag, 2, args=("ours", True), timeout=60)
+    for message in out:
+        assert "rank 1: 'extra.weight', 'extra.bias'" in message, message
+        assert "rank 0:" not in message, message
