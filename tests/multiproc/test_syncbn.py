@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -309,11 +310,12 @@ def test_bf16_inputs_and_autocast_match_float32() -> None:
     torch.testing.assert_close(out[1]["autocast_state"]["running_var"], model[1].running_var, atol=1e-2, rtol=1e-2)
 
 
-def _ddp_training(model_state: dict[str, torch.Tensor], xs: torch.Tensor, ts: torch.Tensor) -> dict[str, Any]:
+def _ddp_training(engine: str, model_state: dict[str, torch.Tensor], xs: torch.Tensor, ts: torch.Tensor) -> dict[str, Any]:
     rank = dist.get_rank()
     model = convert_sync_batchnorm(_conv_net())
     model.load_state_dict(model_state)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)  # torch's own DDP, CPU module, gloo
+    wrapper = torch.nn.parallel.DistributedDataParallel if engine == "torch" else lockstep.DistributedDataParallel
+    ddp = wrapper(model)  # CPU module, gloo: torch's own DDP would refuse torch.nn.SyncBatchNorm here
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     for x, t in zip(xs, ts):
         loss = torch.nn.functional.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]), t[rank * 4 : rank * 4 + 4])
@@ -330,11 +332,12 @@ def _conv_net() -> torch.nn.Module:
     )
 
 
-def test_with_torch_ddp_matches_single_process_training() -> None:
-    """torch's DDP on CPU rejects torch.nn.SyncBatchNorm; with lockstep's layer it trains like one process."""
+@pytest.mark.parametrize("engine", ["torch", "lockstep"])
+def test_with_ddp_matches_single_process_training(engine: str) -> None:
+    """Under torch's DDP or lockstep's, with their gradient all-reduces interleaved with ours."""
     model = _conv_net()
     xs, ts = torch.randn(3, 8, 3, 8, 8), torch.randn(3, 8, 2)
-    out = run_distributed(_ddp_training, 2, args=(model.state_dict(), xs, ts), timeout=90)
+    out = run_distributed(_ddp_training, 2, args=(engine, model.state_dict(), xs, ts), timeout=90)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for x, t in zip(xs, ts):  # mean loss over 8 = DDP's average of two local means over 4
         loss = torch.nn.functional.mse_loss(model(x), t)

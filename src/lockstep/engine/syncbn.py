@@ -6,7 +6,7 @@ statistics of the whole (possibly uneven) global batch on every backend torch.di
 
 Communication, per layer and step (training mode, world size > 1):
   forward:  one all-reduce of [sum x (C), sum x^2 (C), count (1)], packed, float64;
-  backward: one all-reduce of [sum dy (C), sum dy*(x - mean) (C)], packed, float64, only when the
+  backward: one all-reduce of [sum dy (C), sum dy*x_hat (C)], packed, float64, only when the
             input needs a gradient (as in torch).
 Eval mode communicates nothing (running statistics, or per-rank batch statistics when
 track_running_stats=False, exactly like torch).
@@ -102,7 +102,12 @@ def _update_running(
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Batch norm whose statistics, and the statistics' gradients, are summed over a process group."""
+    """Batch norm whose statistics, and the statistics' gradients, are summed over a process group.
+
+    The element-wise passes run in torch's own batch_norm kernels in eval form (given mean and var),
+    which every device implements: forward = 1 pass for local moments + 1 normalizing pass; backward
+    = 1 fused reduction pass + 2 element-wise passes. Only the per-channel algebra is ours.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -125,14 +130,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         var = (packed[channels : 2 * channels] / count - mean * mean).clamp_(min=0.0)
         if running_mean is not None and running_var is not None:
             _update_running(running_mean, running_var, mean, var, count, momentum)
-        mean_c = _from_wire(mean, xc)
-        invstd_c = _from_wire(torch.rsqrt(var + eps), xc)
-        scale = invstd_c if weight is None else invstd_c * weight.to(xc.dtype)
-        out = (xc - _per_channel(mean_c, xc)).mul_(_per_channel(scale, xc))  # fresh tensor: in place is safe
-        if bias is not None:
-            out.add_(_per_channel(bias.to(xc.dtype), xc))
-        ctx.save_for_backward(x, weight, mean_c, invstd_c)  # type: ignore[arg-type]  # None is allowed
+        mean_c, var_c = _from_wire(mean, xc), _from_wire(var, xc)
+        out = _affine_normalize(xc, mean_c, var_c, _cast(weight, xc), _cast(bias, xc), eps)
+        ctx.save_for_backward(x, weight, mean_c, var_c)  # type: ignore[arg-type]  # None is allowed
         ctx.count = count  # type: ignore[attr-defined]
+        ctx.eps = eps  # type: ignore[attr-defined]
         ctx.group = group  # type: ignore[attr-defined]
         ctx.bias_dtype = None if bias is None else bias.dtype  # type: ignore[attr-defined]
         return out.to(x.dtype)
@@ -140,38 +142,61 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, mean_c, invstd_c = ctx.saved_tensors
-        xc = x.to(mean_c.dtype)
-        g = grad_out.to(mean_c.dtype)
-        xmu = xc - _per_channel(mean_c, xc)
-        dims = _reduce_dims(xc)
-        # Local sums: over an empty batch they are zeros, which is what this rank must contribute.
-        sum_dy = g.sum(dim=dims)
-        sum_dy_xmu = (g * xmu).sum(dim=dims)
+        x, weight, mean_c, var_c = ctx.saved_tensors
+        xc, g = x.to(mean_c.dtype), grad_out.to(mean_c.dtype)
+        sum_dy, sum_dy_xhat = _local_grad_sums(g, xc, mean_c, var_c, ctx.eps)
         grad_weight = grad_bias = grad_input = None
         if weight is not None and ctx.needs_input_grad[1]:
-            grad_weight = (sum_dy_xmu * invstd_c).to(weight.dtype)
+            grad_weight = sum_dy_xhat.to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_bias = sum_dy.to(ctx.bias_dtype)
         if ctx.needs_input_grad[0]:
-            grad_input = _input_grad(g, xmu, weight, mean_c, invstd_c, sum_dy, sum_dy_xmu, ctx).to(x.dtype)
+            grad_input = _input_grad(g, xc, weight, mean_c, var_c, sum_dy, sum_dy_xhat, ctx).to(x.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _input_grad(
-    g: torch.Tensor, xmu: torch.Tensor, weight: torch.Tensor | None, mean_c: torch.Tensor,
-    invstd_c: torch.Tensor, sum_dy: torch.Tensor, sum_dy_xmu: torch.Tensor, ctx: Any,
+def _cast(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t.to(like.dtype)
+
+
+def _affine_normalize(
+    xc: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, scale: torch.Tensor | None,
+    shift: torch.Tensor | None, eps: float,
 ) -> torch.Tensor:
-    """dx = w * invstd * (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean))), global means."""
+    """(x - mean) / sqrt(var + eps) * scale + shift per channel, in one native pass (all one dtype)."""
+    return F.batch_norm(xc, mean, var, scale, shift, False, 0.0, eps)
+
+
+def _local_grad_sums(
+    g: torch.Tensor, xc: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's sum(dy) and sum(dy * x_hat) per channel, in one fused pass; zeros for an empty batch."""
+    if xc.numel() == 0:  # the native kernel divides by the element count (SIGFPE on CPU)
+        zeros = torch.zeros(xc.shape[1], dtype=xc.dtype, device=xc.device)
+        return zeros, zeros.clone()
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        g, xc, None, mean, var, None, None, False, eps, [False, True, True]
+    )
+    return sum_dy, sum_dy_xhat
+
+
+def _input_grad(
+    g: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor, var: torch.Tensor,
+    sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor, ctx: Any,
+) -> torch.Tensor:
+    """dx = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), with means over the whole group."""
     channels = sum_dy.shape[0]
     device = comm_device(ctx.group)
-    local = torch.cat([_to_wire(sum_dy, device), _to_wire(sum_dy_xmu, device)])
+    local = torch.cat([_to_wire(sum_dy, device), _to_wire(sum_dy_xhat, device)])
     packed = _all_reduce(local, ctx.group)  # the one backward collective
-    mean_dy = _from_wire(packed[:channels] / ctx.count, mean_c)
-    mean_dy_xmu = _from_wire(packed[channels:] / ctx.count, mean_c)
-    scale = invstd_c if weight is None else invstd_c * weight.to(mean_c.dtype)
-    centred = (g - _per_channel(mean_dy, g)).sub_(xmu * _per_channel(invstd_c * invstd_c * mean_dy_xmu, g))
-    return centred.mul_(_per_channel(scale, g))
+    mean_dy = _from_wire(packed[:channels] / ctx.count, mean)
+    mean_dy_xhat = _from_wire(packed[channels:] / ctx.count, mean)
+    w_invstd = torch.rsqrt(var + ctx.eps)
+    if weight is not None:
+        w_invstd = w_invstd * weight.to(mean.dtype)
+    # x_hat * (-w invstd mean(dy x_hat)) - w invstd mean(dy) in one native pass, then + w invstd * dy.
+    grad = _affine_normalize(xc, mean, var, -w_invstd * mean_dy_xhat, -w_invstd * mean_dy, ctx.eps)
+    return grad.addcmul_(g, _per_channel(w_invstd, g))
 
 
 class SyncBatchNorm(_BatchNorm):
