@@ -1,0 +1,110 @@
+"""The drop-in surface: state_dict keys, load_state_dict, attribute fall-through, comm hooks, replicate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import lockstep
+from lockstep.errors import ConfigError
+from lockstep.testing import run_distributed
+from tests.multiproc.engine_util import MLP, assert_close_lists, batch, build, train
+
+
+def _surface() -> dict:
+    rank = dist.get_rank()
+    model = build("mlp", rank)
+    ddp = lockstep.DistributedDataParallel(model)
+    out: dict = {"keys": list(ddp.state_dict()), "forwarded": ddp.head is model.head}
+    plain = MLP().state_dict()
+    ddp.load_state_dict(plain)  # unprefixed
+    out["unprefixed_loaded"] = torch.equal(model.fc1.weight, plain["fc1.weight"])
+    ddp.load_state_dict({f"module.{k}": v * 2 for k, v in plain.items()})
+    out["prefixed_loaded"] = torch.equal(model.fc1.weight, plain["fc1.weight"] * 2)
+    with pytest.raises(NotImplementedError, match="issue 4"):
+        ddp.join()
+    with pytest.raises(ConfigError, match="device_ids"):
+        lockstep.DistributedDataParallel(MLP(), device_ids=[rank])
+    # replicate: in place, keys unchanged, remove() stops communication
+    module = build("mlp", rank)
+    handle = lockstep.replicate(module)
+    out["replicate_keys"] = list(module.state_dict())
+    with pytest.raises(ConfigError, match="already replicated"):
+        lockstep.replicate(module)
+    handle.remove()
+    x, y = batch(rank, 0)
+    F.cross_entropy(module(x), y).backward()
+    out["local_grad"] = module.head.bias.grad.clone()
+    return out
+
+
+def test_drop_in_surface() -> None:
+    out = run_distributed(_surface, 2, timeout=60)
+    for rank_out in out:
+        assert rank_out["keys"][0] == "module.fc1.weight" and all(k.startswith("module.") for k in rank_out["keys"])
+        assert rank_out["forwarded"] and rank_out["unprefixed_loaded"] and rank_out["prefixed_loaded"]
+        assert rank_out["replicate_keys"][0] == "fc1.weight"
+    assert not torch.equal(out[0]["local_grad"], out[1]["local_grad"])  # removed: no averaging any more
+
+
+class _Recorder:
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group, self.seen = group, []
+
+
+def _recording_hook(state: _Recorder, bucket) -> torch.futures.Future:
+    state.seen.append((bucket.index(), bucket.is_last(), len(bucket.parameters()), len(bucket.gradients())))
+    return default_hooks.allreduce_hook(state.group, bucket)
+
+
+def _hooks(hook_name: str) -> dict:
+    hook = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}[hook_name]
+    out = {}
+    for kind in ("ours", "torch"):
+        out[kind] = _train_with_hook(kind, hook)
+    recorder = _Recorder(None)
+    out["recorded"] = _train_with_hook("ours", _recording_hook, recorder, bucket_cap_mb=0.0003)["seen"]
+    return out
+
+
+def _train_with_hook(kind: str, hook, state=None, **kwargs) -> dict:
+    rank = dist.get_rank()
+    module = build("many_small", rank)
+    ddp = (lockstep.DistributedDataParallel if kind == "ours" else torch.nn.parallel.DistributedDataParallel)(module, **kwargs)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    grads = []
+    for step in range(3):
+        x, y = batch(rank, step)
+        F.cross_entropy(ddp(x), y).backward()
+        grads.append([p.grad.clone() for p in module.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return {"grads": grads, "seen": getattr(state, "seen", None)}
+
+
+@pytest.mark.parametrize("hook_name", ["allreduce", "fp16"])
+def test_torch_comm_hooks_run_unchanged(hook_name: str) -> None:
+    out = run_distributed(_hooks, 2, args=(hook_name,), timeout=90)
+    for rank_out in out:
+        for step in range(3):
+            assert_close_lists(rank_out["ours"]["grads"][step], rank_out["torch"]["grads"][step], atol=1e-6)
+        seen = rank_out["recorded"]
+        per_step = len(seen) // 3
+        assert per_step > 2 and [s[0] for s in seen[:per_step]] == list(range(per_step))
+        assert [s[1] for s in seen[:per_step]] == [False] * (per_step - 1) + [True]
+        assert sum(s[2] for s in seen[:per_step]) == 28  # many_small: 14 linear layers
+        assert all(s[2] == s[3] for s in seen)
+
+
+def _train_kinds() -> dict:
+    return {kind: train(kind, "mlp", 2) for kind in ("ours", "torch")}
+
+
+def test_user_initialised_process_group_and_world_of_one() -> None:
+    # run_distributed's ranks call torch.distributed.init_process_group through lockstep.init(); a world of 1
+    out = run_distributed(_train_kinds, 1, timeout=60)
+    assert_close_lists(out[0]["ours"]["params"], out[0]["torch"]["params"])
