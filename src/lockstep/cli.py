@@ -28,7 +28,7 @@ commands:
 _COMMANDS: dict[str, str] = {
     "run": "lockstep.cli:_run_main",
     "env": "lockstep.launch.envinfo:main",
-    "train": "lockstep.trainer.jobs:main",
+    "train": "lockstep.jobs.cli:main",
 }
 _PLANNED = {"slurm": "`lockstep slurm` is not available yet; submit with sbatch/srun and `lockstep.init()` "
                      "reads SLURM's variables, or use `lockstep run` on each node"}
