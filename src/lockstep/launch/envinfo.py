@@ -74,9 +74,8 @@ def _relevant(key: str) -> bool:
 
 
 def _lockstep_file() -> str:
-    import lockstep
-
-    return lockstep.__file__ or ""
+    # The package's own file, found through a module this layer may import (lockstep/errors.py).
+    return getattr(sys.modules[ConfigError.__module__], "__file__", None) or ""
 
 
 def _version(name: str) -> str:

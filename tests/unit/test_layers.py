@@ -1,0 +1,158 @@
+"""The layering of DESIGN.md holds: imports point down only and siblings do not import each other.
+
+Every `import` in src/lockstep (including imports inside functions) is read with ast and mapped to the
+lockstep layer it names; the rules below are DESIGN.md's table. A second check runs the launcher in a
+fresh interpreter and asserts it never loads the engine (`lockstep run` must not break on an engine bug).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import lockstep
+
+SRC = Path(lockstep.__file__).resolve().parent
+L0 = {"errors"}
+L1 = {"runtime"}
+# What each part may import from lockstep (besides itself). None = not constrained (L4: public names,
+# cli, testing). trainer may use launch's Python API (`lockstep train` launches its workers with it).
+ALLOWED: dict[str, set[str] | None] = {
+    "errors": set(),
+    "runtime": L0,
+    "engine": L0 | L1,
+    "data": L0 | L1,
+    "checkpoint": L0 | L1,
+    "launch": L0 | L1,
+    "trainer": L0 | L1 | {"engine", "data", "checkpoint", "launch", "nn", "hooks"},
+}
+_LAZY_ROOT_NAMES = dict(getattr(lockstep, "_LAZY", {}))
+
+
+def _part(module: str) -> str:
+    """'lockstep.engine.api' -> 'engine'; 'lockstep' -> ''."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else ""
+
+
+def _module_of(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imported(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+    """(line, absolute lockstep module) for every import of lockstep code in `path` (or in `source`)."""
+    module = _module_of(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source, filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "lockstep"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "lockstep":
+                continue
+            if target == "lockstep":
+                for alias in node.names:
+                    if alias.name == "__version__":
+                        continue
+                    found.append((node.lineno, _LAZY_ROOT_NAMES.get(alias.name, f"lockstep.{alias.name}")))
+            else:
+                found.append((node.lineno, target))
+    return found
+
+
+def _violations() -> list[str]:
+    problems = []
+    for path in sorted(SRC.rglob("*.py")):
+        part = _part(_module_of(path))
+        allowed = ALLOWED.get(part)
+        if allowed is None:
+            continue
+        for line, target in _imported(path):
+            other = _part(target)
+            if other == part:
+                continue
+            if other not in allowed:
+                problems.append(
+                    f"{path.relative_to(SRC.parent)}:{line} imports {target} "
+                    f"(lockstep.{part} may import only {sorted(allowed) or 'nothing from lockstep'})"
+                )
+    return problems
+
+
+def test_imports_follow_the_layers_of_design_md() -> None:
+    problems = _violations()
+    assert not problems, "layering broken (DESIGN.md, Layers):\n" + "\n".join(problems)
+
+
+def test_the_checker_sees_relative_lazy_and_root_imports() -> None:
+    """The walker must catch the forms a violation can take, or the check above proves nothing."""
+    body = textwrap.dedent(
+        """
+        from __future__ import annotations
+        from ..engine import api
+        from lockstep import replicate
+        def later():
+            import lockstep.trainer.loop
+        """
+    )
+    targets = [target for _line, target in _imported(SRC / "launch" / "_probe.py", body)]
+    assert "lockstep.engine" in targets
+    assert _LAZY_ROOT_NAMES.get("replicate", "lockstep.replicate") in targets
+    assert "lockstep.trainer.loop" in targets
+
+
+_PROBE = """
+import sys
+{body}
+loaded = sorted(m for m in sys.modules if m.startswith(("lockstep.engine", "lockstep.trainer", "lockstep.data",
+                                                        "lockstep.checkpoint", "lockstep.nn", "lockstep.hooks")))
+print("LOADED", loaded)
+"""
+
+
+def _loaded_after(body: str, cwd: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(body=textwrap.dedent(body))],
+        cwd=cwd, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return next(line for line in result.stdout.splitlines() if line.startswith("LOADED"))
+
+
+def test_launcher_imports_without_the_engine(tmp_path: Path) -> None:
+    body = """
+    import lockstep.launch.local, lockstep.launch.envinfo, lockstep.launch.worker
+    from lockstep.cli import main
+    try:
+        main(["run", "--help"])
+    except SystemExit:
+        pass
+    """
+    assert _loaded_after(body, tmp_path) == "LOADED []"
+
+
+@pytest.mark.slow
+def test_a_whole_launch_never_loads_the_engine(tmp_path: Path) -> None:
+    (tmp_path / "hello.py").write_text("print('hello from the worker')\n")
+    body = f"""
+    from lockstep.launch.local import launch
+    from lockstep.launch.spec import LaunchSpec
+    code = launch(LaunchSpec("hello.py", nproc_per_node=1, run_dir={str(tmp_path / 'run')!r}))
+    assert code == 0, code
+    """
+    assert _loaded_after(body, tmp_path) == "LOADED []"
+    assert (tmp_path / "run" / "rank0" / "stdout.log").read_text() == "hello from the worker\n"
