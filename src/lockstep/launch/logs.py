@@ -8,7 +8,6 @@ error file through TORCHELASTIC_ERROR_FILE. Attempt k > 0 (after `--max-restarts
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Mapping
 
@@ -49,13 +48,8 @@ class RunDirLogs(LogsSpecs):
             env["TORCHELASTIC_ERROR_FILE"] = error_files[local_rank]
             ranks[rank] = rank_dir
         self._on_attempt(attempt, ranks, envs[0])
-        return LogsDest(**_known_fields(stdouts=stdouts, stderrs=stderrs, error_files=error_files))
-
-
-def _known_fields(**values: object) -> dict[str, object]:
-    """LogsDest gained fields over torch releases; pass only those this torch has."""
-    names = {f.name for f in dataclasses.fields(LogsDest)}
-    return {key: value for key, value in values.items() if key in names}
+        # By keyword: LogsDest gained fields over torch releases (these three exist in all of them).
+        return LogsDest(stdouts=stdouts, stderrs=stderrs, error_files=error_files)
 
 
 def _remove(path: str) -> None:

@@ -101,9 +101,10 @@ class _Follower:
         if self.mode == "notable":
             if self.stream == "stdout" and not _NOTEWORTHY.search(line):
                 return
-            line = self._fold_traceback(line)
-            if line is None:
+            folded = self._fold_traceback(line)
+            if folded is None:
                 return
+            line = folded
         prefix = "" if _RANK_PREFIX.match(line) else f"[rank {self.rank}] "
         console.line("stderr" if self.stream == "stderr" or self.mode == "notable" else "stdout", prefix + line)
 
