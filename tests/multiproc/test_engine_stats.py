@@ -1,0 +1,35 @@
+"""stats() (issue 3 item 10): bucket layout, per-step timings, overlap and bytes, public."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import lockstep
+from lockstep.testing import run_distributed
+from tests.multiproc.engine_util import batch, build
+
+
+def _stats() -> dict:
+    module = build("many_small", 0)
+    handle = lockstep.replicate(module, policy=lockstep.SyncPolicy(bucket_cap_mb=0.0005))
+    before = handle.stats()
+    for step in range(3):
+        x, y = batch(dist.get_rank(), step)
+        F.cross_entropy(module(x), y).backward()
+    return {"before": before.as_dict(), "after": handle.stats().as_dict(),
+            "param_bytes": sum(p.numel() * 4 for p in module.parameters())}
+
+
+def test_stats_report_layout_timings_and_bytes() -> None:
+    for out in run_distributed(_stats, 2, timeout=60):
+        before, after = out["before"], out["after"]
+        assert before["synced_steps"] == 0 and before["last"] is None and not before["buckets_rebuilt"]
+        assert after["synced_steps"] == 3 and after["buckets_rebuilt"]
+        assert after["num_buckets"] == len(after["bucket_sizes_bytes"]) > 2
+        assert sum(after["bucket_sizes_bytes"]) == out["param_bytes"] == after["last"]["bytes_communicated"]
+        assert sum(after["bucket_num_params"]) == after["num_parameters"] == 28
+        last = after["last"]
+        assert last["forward_ms"] > 0 and last["backward_ms"] > 0 and last["comm_ms"] > 0
+        assert 0 <= last["comm_hidden_ms"] <= last["comm_ms"] and 0 <= last["overlap"] <= 1
+        assert after["mean"]["step"] == 3
