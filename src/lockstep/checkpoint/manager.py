@@ -1,0 +1,398 @@
+"""`CheckpointManager`: rank 0 writes atomic, checksummed checkpoints; every rank loads the newest valid one.
+
+save(step, state) and load(state) are collectives: every rank calls them at the same point, and the
+waiting happens inside (there is no barrier for the user to forget). A failure on the writer (disk full,
+read-only directory, an entry torch.load(weights_only=True) could not read back) is sent to every
+rank, which all raise the same CheckpointError instead of leaving the others waiting. Loading checks
+each file against meta.json's sha256 on rank 0 and falls back to the previous checkpoint, with a
+warning, when the newest is partial or damaged; every rank then loads that same step onto its own
+devices, and all ranks agree on success before any returns.
+
+Resuming at another world size: models, optimizers and the sampler's global position load unchanged;
+RNG streams are restored for ranks that existed, and ranks that did not get streams seeded from
+(step, rank) with a warning (reproducible, not identical to any earlier rank).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import time
+import uuid
+from collections.abc import Mapping, MutableMapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+from lockstep.checkpoint import layout as paths
+from lockstep.checkpoint import rng
+from lockstep.checkpoint.layout import CheckpointLayout, check_entry_name, step_dirname, steps_to_prune
+from lockstep.checkpoint.stateful import (
+    for_safetensors,
+    is_stateful,
+    keyed_like,
+    module_mismatch,
+    placed_like,
+    resolve,
+    strip_prefix,
+    tensor_state,
+)
+from lockstep.checkpoint.storage import (
+    explain_os_error,
+    publish_dir,
+    remove_quietly,
+    sha256_file,
+    write_atomic,
+)
+from lockstep.errors import CheckpointError, ConfigError, rank_tag
+from lockstep.runtime import all_gather_object, broadcast_object, get_logger, get_rank, get_world_size
+
+FORMAT = "lockstep-checkpoint"
+FORMAT_VERSION = 1
+
+
+class CheckpointManager:
+    """Checkpoints of a run under `run_dir/checkpoints/step_NNNNNN/`, keeping the newest `keep`.
+
+    `state` maps names to objects with state_dict()/load_state_dict() (model, optimizer, scheduler,
+    GradScaler, sampler; a wrapped model or a replicate handle too) or to plain values (numbers,
+    strings, lists, dicts, tensors), which load() puts back into the mapping.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], keep: int = 3) -> None:
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ConfigError(f"keep must be an int >= 1 (checkpoints to retain), got {keep!r}")
+        self.layout = CheckpointLayout(Path(run_dir))
+        self.keep = keep
+        self._log = get_logger("lockstep.checkpoint")
+
+    @property
+    def run_dir(self) -> Path:
+        return self.layout.run_dir
+
+    def steps(self) -> list[int]:
+        """Steps of the checkpoint directories present (valid or not), oldest first."""
+        if not self.layout.root.is_dir():
+            return []
+        found = (paths.parse_step(p.name) for p in self.layout.root.iterdir() if p.is_dir())
+        return sorted(s for s in found if s is not None)
+
+    # ---- save -----------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any]) -> Path:
+        """Write checkpoint `step` from rank 0 while the other ranks wait; returns its directory on every rank."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"{self._tag()}save expects an int step >= 0, got {step!r}")
+        if not isinstance(state, Mapping):
+            raise ConfigError(f"{self._tag()}save expects a dict of name -> object, got {type(state).__name__}")
+        for name in state:
+            check_entry_name(name)
+        rngs = all_gather_object(rng.capture())  # every rank's streams, to rank 0 (and the rest)
+        failure: BaseException | None = None
+        if get_rank() == 0:
+            try:
+                self._write(step, state, rngs)
+            except Exception as exc:  # reported to every rank below, so that nobody waits forever
+                failure = exc
+        message = broadcast_object(None if failure is None else _describe(failure))
+        if message is not None:
+            raise CheckpointError(f"{self._tag()}checkpoint {step_dirname(step)} was not saved: {message}") from failure
+        return self.layout.step_dir(step)
+
+    def _write(self, step: int, state: Mapping[str, Any], rngs: list[Any]) -> None:
+        blobs, entries = _serialize(state)
+        blobs[paths.RNG] = json.dumps({"version": rng.RNG_VERSION, "world_size": len(rngs), "ranks": rngs}).encode()
+        root, final = self.layout.root, self.layout.step_dir(step)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create the checkpoint directory {root} ({exc.strerror}): "
+                                  f"{explain_os_error(exc)}") from exc
+        self._remove_leftovers()
+        token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        temp = self.layout.temp_dir(step, token)
+        try:
+            temp.mkdir()
+            files = {name: write_atomic(temp / name, data).to_json() for name, data in blobs.items()}
+            meta = _meta(step, len(rngs), entries, files)
+            write_atomic(temp / paths.META, json.dumps(meta, indent=1).encode())
+            publish_dir(temp, final, self.layout.old_dir(step, token))
+        except OSError as exc:
+            remove_quietly(temp)
+            kept = [step_dirname(s) for s in self.steps() if s != step] or ["none"]
+            raise CheckpointError(
+                f"writing {final} failed ({exc.strerror or exc}: {exc.filename or ''}): {explain_os_error(exc)}; "
+                f"the checkpoints already there are untouched: {', '.join(kept[-3:])}") from exc
+        try:
+            write_atomic(self.layout.latest, f"{final.name}\n".encode())
+        except OSError as exc:  # the checkpoint itself is complete; the pointer is a convenience
+            self._log.warning("checkpoint %s is complete but %s could not be updated: %s", final, self.layout.latest, exc)
+        self._prune(step)
+        self._log.info("checkpoint saved: %s", final)
+
+    def _remove_leftovers(self) -> None:
+        self._recover_replaced()
+        for path in self.layout.root.iterdir():
+            if self.layout.is_leftover(path.name):
+                remove_quietly(path)
+
+    def _recover_replaced(self) -> None:
+        """A save that died between moving a step aside and publishing its replacement: move it back."""
+        for path in self.layout.root.iterdir():
+            step = self.layout.replaced_step(path.name)
+            if step is not None and not self.layout.step_dir(step).exists():
+                os.rename(path, self.layout.step_dir(step))
+                self._log.warning("recovered %s, left aside by an interrupted save", step_dirname(step))
+
+    def _prune(self, saved: int) -> None:
+        steps = self.steps()
+        newer = [s for s in steps if s > saved]
+        if newer:  # only reachable after resuming from an older checkpoint: those belong to an abandoned run
+            self._log.warning("removing checkpoints newer than the one just saved (%s): %s", step_dirname(saved),
+                              ", ".join(step_dirname(s) for s in newer))
+        for old in newer + steps_to_prune([s for s in steps if s <= saved], self.keep):
+            remove_quietly(self.layout.step_dir(old))
+
+    # ---- load -----------------------------------------------------------------------------------------
+
+    def load(self, state: MutableMapping[str, Any], *, required: bool = False) -> int | None:
+        """Load the newest valid checkpoint into `state` on every rank; its step, or None when there is none.
+
+        With required=True, finding no usable checkpoint raises CheckpointError instead of returning None.
+        """
+        choice = broadcast_object(self._choose() if get_rank() == 0 else None)
+        step = choice["step"]
+        if step is None:
+            if required:
+                raise CheckpointError(f"{self._tag()}no checkpoint to resume from: {choice['why']}")
+            self._log.info("no checkpoint to resume from (%s): starting from scratch", choice["why"])
+            return None
+        failure: BaseException | None = None
+        try:
+            self._apply(step, state)
+        except Exception as exc:
+            failure = exc
+        errors = all_gather_object(None if failure is None else _describe(failure))
+        mine = errors[get_rank()]
+        if mine is not None:
+            raise CheckpointError(f"{self._tag()}{mine}") from failure
+        for rank, error in enumerate(errors):
+            if error is not None:
+                raise CheckpointError(f"{self._tag()}loading {step_dirname(step)} failed on rank {rank}: {error}")
+        self._log.info("resumed from checkpoint %s", self.layout.step_dir(step))
+        return step
+
+    def _choose(self) -> dict[str, Any]:
+        root = self.layout.root
+        if not root.is_dir():
+            missing = root if self.run_dir.is_dir() else self.run_dir
+            return {"step": None, "why": f"{missing} does not exist"}
+        skipped: list[str] = []
+        self._recover_replaced()
+        for step in reversed(self.steps()):
+            problem = _validate(self.layout.step_dir(step), step)
+            if problem is None:
+                if skipped:
+                    self._log.warning("skipping unusable checkpoints (%s); resuming from the previous one, %s",
+                                      "; ".join(skipped), step_dirname(step))
+                return {"step": step, "why": ""}
+            skipped.append(f"{step_dirname(step)}: {problem}")
+        if skipped:
+            self._log.warning("no usable checkpoint in %s: %s", root, "; ".join(skipped))
+            return {"step": None, "why": f"every checkpoint in {root} is unusable: {'; '.join(skipped)}"}
+        return {"step": None, "why": f"{root} holds no checkpoint"}
+
+    def _apply(self, step: int, state: MutableMapping[str, Any]) -> None:
+        directory = self.layout.step_dir(step)
+        meta = _read_meta(directory)
+        for name, record in meta["files"].items():  # rank 0 checked sha256; here: is it there at all?
+            path = directory / name
+            if not path.is_file() or path.stat().st_size != record["bytes"]:
+                raise CheckpointError(f"{path} is missing or has another size than on rank 0: is run_dir on a "
+                                      "file system that every rank sees?")
+        entries: dict[str, Any] = meta["entries"]
+        absent = [name for name in state if name not in entries]
+        if absent:
+            raise CheckpointError(f"checkpoint {directory} has no entry {absent!r} (it has {sorted(entries)!r}); "
+                                  "load with the same state names it was saved with, or start a fresh run_dir")
+        extra = sorted(set(entries) - set(state))
+        if extra and get_rank() == 0:
+            self._log.warning("checkpoint %s also holds %s, which this state does not ask for", directory, extra)
+        plan = _plan(directory, entries, state)
+        for name, target, loaded in plan:
+            if target is None:
+                state[name] = loaded
+                continue
+            try:
+                target.load_state_dict(loaded)
+            except Exception as exc:
+                raise CheckpointError(f"checkpoint {directory}: state[{name!r}] ({type(target).__name__}) rejected "
+                                      f"its saved state: {type(exc).__name__}: {exc}") from exc
+        self._restore_rng(directory, step, int(meta["world_size"]))
+
+    def _restore_rng(self, directory: Path, step: int, saved_world: int) -> None:
+        saved = json.loads((directory / paths.RNG).read_text())["ranks"]
+        rank, world = get_rank(), get_world_size()
+        if rank < len(saved):
+            rng.restore(saved[rank])
+        else:
+            seed = rng.seed_new_rank(step, rank)
+            self._log.warning("checkpoint %s was written by %d ranks and has no RNG state for rank %d: its "
+                              "generators are seeded with %d (from step and rank)", directory.name, saved_world,
+                              rank, seed)
+        if saved_world != world and rank == 0:
+            self._log.info("resuming %s, written by %d ranks, on %d ranks", directory.name, saved_world, world)
+
+    def _tag(self) -> str:
+        return rank_tag(get_rank(), get_world_size())
+
+
+def _serialize(state: Mapping[str, Any]) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """Bytes of every file but meta.json and rng.json, and what meta.json says about each entry."""
+    blobs: dict[str, bytes] = {}
+    entries: dict[str, Any] = {}
+    pickled: dict[str, Any] = {}
+    for name, obj in state.items():
+        target = resolve(obj)
+        if not is_stateful(obj):
+            pickled[name] = obj
+            entries[name] = {"kind": "value", "file": paths.STATE}
+            continue
+        tensors = tensor_state(target)
+        if tensors is not None:
+            filename = paths.tensors_filename(name)
+            blobs[filename] = safetensors.torch.save(for_safetensors(tensors))
+            entries[name] = {"kind": "tensors", "file": filename, "type": type(target).__name__}
+        else:
+            saved = target.state_dict()
+            pickled[name] = strip_prefix(saved) if isinstance(target, nn.Module) else saved
+            entries[name] = {"kind": "stateful", "file": paths.STATE, "type": type(target).__name__}
+    if pickled:
+        blobs[paths.STATE] = _weights_only_bytes(pickled)
+    return blobs, entries
+
+
+def _weights_only_bytes(pickled: dict[str, Any]) -> bytes:
+    """torch.save bytes that torch.load(weights_only=True) can read; else name the entry that cannot be."""
+    def dump(obj: Any) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return buffer.getvalue()
+
+    data = dump({"format": FORMAT, "entries": pickled})
+    if not _unsafe_globals(data):
+        return data
+    for name, obj in pickled.items():
+        unsafe = _unsafe_globals(dump(obj))
+        if unsafe:
+            raise CheckpointError(
+                f"state[{name!r}] holds objects that torch.load(weights_only=True) refuses to load ({', '.join(unsafe)}); "
+                "checkpoints must hold plain data: give that object a state_dict() of tensors, numbers, strings, "
+                "lists and dicts")
+    raise CheckpointError(f"the training state holds objects torch.load(weights_only=True) refuses: {_unsafe_globals(data)}")
+
+
+def _unsafe_globals(data: bytes) -> list[str]:
+    return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+
+
+def _meta(step: int, world_size: int, entries: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "created_unix": round(time.time(), 3),
+        "versions": _versions(),
+        "entries": entries,
+        "files": files,
+    }
+
+
+def _versions() -> dict[str, str]:
+    try:
+        lockstep_version = metadata.version("lockstep")
+    except metadata.PackageNotFoundError:
+        lockstep_version = "unknown"
+    return {"lockstep": lockstep_version, "torch": torch.__version__, "safetensors": safetensors.__version__,
+            "numpy": numpy.__version__, "python": platform.python_version()}
+
+
+def _read_meta(directory: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((directory / paths.META).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {directory / paths.META}: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not {"files", "entries", "world_size"} <= set(meta):
+        raise CheckpointError(f"{directory / paths.META} is not a lockstep checkpoint description")
+    return meta
+
+
+def _validate(directory: Path, step: int) -> str | None:
+    """Why checkpoint `directory` cannot be used (partial, damaged), or None when every checksum matches."""
+    try:
+        meta = _read_meta(directory)
+    except CheckpointError as exc:
+        return f"{paths.META} missing or unreadable, the checkpoint is partial ({exc.__cause__ or exc})"
+    if meta.get("step") != step or meta.get("format_version", 0) > FORMAT_VERSION:
+        return f"{paths.META} says step {meta.get('step')!r}, format {meta.get('format_version')!r}"
+    for name, record in meta["files"].items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != record["bytes"]:
+            return f"{name} has {size} bytes where meta.json says {record['bytes']} (truncated?)"
+        if sha256_file(path) != record["sha256"]:
+            return f"the sha256 of {name} does not match meta.json (damaged)"
+    for required in (paths.RNG,):
+        if required not in meta["files"]:
+            return f"{required} is not listed in meta.json"
+    return None
+
+
+def _plan(directory: Path, entries: dict[str, Any], state: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(name, object or None for a plain value, state to load) for every entry; raises before changing anything."""
+    pickled: dict[str, Any] = {}
+    if any(info["file"] == paths.STATE for info in entries.values()):
+        loaded = torch.load(directory / paths.STATE, map_location="cpu", weights_only=True)
+        pickled = loaded["entries"]
+    plan: list[tuple[str, Any, Any]] = []
+    for name, obj in state.items():
+        info, target = entries[name], resolve(obj)
+        if info["kind"] == "value":
+            if is_stateful(obj):
+                raise CheckpointError(f"checkpoint {directory} saved {name!r} as a plain value, but state[{name!r}] "
+                                      f"is a {type(target).__name__} with load_state_dict()")
+            plan.append((name, None, pickled[name]))
+            continue
+        if not is_stateful(obj):
+            raise CheckpointError(f"checkpoint {directory} saved the state_dict() of a {info.get('type')} as "
+                                  f"{name!r}, but state[{name!r}] is a {type(obj).__name__} without load_state_dict()")
+        if info["kind"] == "tensors":
+            saved: Any = safetensors.torch.load_file(str(directory / info["file"]), device="cpu")
+        else:
+            saved = pickled[name]
+        current = target.state_dict()
+        if isinstance(target, nn.Module):
+            problem = module_mismatch(current, saved)
+            if problem:
+                raise CheckpointError(f"checkpoint {directory} does not fit state[{name!r}] ({type(target).__name__}): "
+                                      f"{problem}. Load a checkpoint of this model, or start a fresh run_dir")
+            saved = keyed_like(saved, current)
+        elif not isinstance(target, torch.optim.Optimizer):  # optimizers move their state to their params
+            saved = placed_like(saved, current)
+        plan.append((name, target, saved))
+    return plan
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
