@@ -38,3 +38,24 @@ def test_grads_and_params_match_torch_and_single_process(name: str, kwargs: dict
     # replicas stay identical bit for bit
     for rank in range(1, world):
         assert_close_lists(out[rank]["ours"]["params"], out[0]["ours"]["params"], atol=0, rtol=0, what="replicas")
+
+
+def _solo(threshold: int) -> dict:
+    # gradients above the threshold are reduced in place in buckets of their own (no flat buffer)
+    import lockstep.engine.reducer as reducer
+
+    reducer.SOLO_BUCKET_BYTES = threshold
+    out = {kind: train(kind, "mlp", STEPS) for kind in ("ours", "torch")}
+    out.update({f"unused {kind}": train(kind, "unused", STEPS, kwargs={"find_unused_parameters": True})
+                for kind in ("ours", "torch")})
+    out.update({f"no_sync {kind}": train(kind, "mlp", 4, no_sync_every=2) for kind in ("ours", "torch")})
+    return out
+
+
+def test_solo_buckets_reduce_gradients_in_place() -> None:
+    for by_kind in run_distributed(_solo, 2, args=(256,), timeout=90):
+        for prefix in ("", "unused ", "no_sync "):
+            ours, theirs = by_kind[f"{prefix}ours"], by_kind[f"{prefix}torch"]
+            for step, (a, b) in enumerate(zip(ours["grads"], theirs["grads"])):
+                assert_close_lists(a, b, what=f"{prefix}step {step}")
+            assert_close_lists(ours["params"], theirs["params"], what=f"{prefix}params")

@@ -84,3 +84,9 @@ def test_policy_sizes_and_reduce_dtype() -> None:
         SyncPolicy(bucket_cap_mb=-1)
     with pytest.raises(ConfigError):
         SyncPolicy(reduce_dtype=torch.int64)
+
+
+def test_large_parameters_get_solo_buckets_except_the_last() -> None:
+    params = [spec(8 * MB), spec(100), spec(8 * MB), spec(100)]
+    buckets = assign_buckets(params, cap_bytes=25 * MB, first_cap_bytes=MB, solo_bytes=4 * MB)
+    assert [(b.params, b.solo) for b in buckets] == [((3, 1), False), ((2,), True), ((0,), False)]

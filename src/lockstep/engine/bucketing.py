@@ -8,7 +8,10 @@ same layout from the same inputs and the rules can be unit-tested with fake devi
   their gradients), or in an observed ready order after the first iteration;
 - per (device, dtype), the first bucket closes once it holds `first_cap_bytes` (small, so that the first
   all-reduce starts early in backward) and every later one once it holds `cap_bytes`;
-- buckets are numbered in the order in which their first parameter is visited: the order of launch.
+- buckets are numbered in the order in which their first parameter is visited: the order of launch;
+- optionally, a parameter of at least `solo_bytes` gets a bucket of its own (`solo`): the reducer then
+  reduces its `.grad` in place, with no copy into and out of a flat buffer. The last bucket is never
+  solo (the reducer appends a status element to it).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class BucketSpec:
     dtype: str
     params: tuple[int, ...]
     nbytes: int
+    solo: bool = False
 
 
 def assign_buckets(
@@ -47,6 +51,7 @@ def assign_buckets(
     cap_bytes: int,
     first_cap_bytes: int,
     order: Sequence[int] | None = None,
+    solo_bytes: int | None = None,
 ) -> list[BucketSpec]:
     """Group `params` into buckets (see the module docstring); `order` is a permutation of indices."""
     if cap_bytes <= 0 or first_cap_bytes <= 0:
@@ -58,9 +63,14 @@ def assign_buckets(
     open_bytes: dict[tuple[str, str], int] = {}
     closed_count: dict[tuple[str, str], int] = {}
     closed: list[tuple[tuple[str, str], list[int], int]] = []
+    solos: set[int] = set()
     for index in visit:
         spec = params[index]
         key = (spec.device, spec.dtype)
+        if solo_bytes is not None and spec.nbytes >= solo_bytes:
+            closed.append((key, [index], spec.nbytes))
+            solos.add(index)
+            continue
         members = open_buckets.setdefault(key, [])
         members.append(index)
         open_bytes[key] = open_bytes.get(key, 0) + spec.nbytes
@@ -74,7 +84,8 @@ def assign_buckets(
         closed.append((key, members, open_bytes[key]))
     closed.sort(key=lambda item: position[item[1][0]])
     return [
-        BucketSpec(index=i, device=key[0], dtype=key[1], params=tuple(members), nbytes=nbytes)
+        BucketSpec(index=i, device=key[0], dtype=key[1], params=tuple(members), nbytes=nbytes,
+                   solo=members[0] in solos and i < len(closed) - 1)
         for i, (key, members, nbytes) in enumerate(closed)
     ]
 

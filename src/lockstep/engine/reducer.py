@@ -37,19 +37,31 @@ from lockstep.runtime.collectives import all_gather_object
 
 CommHook = Callable[[Any, "GradBucket"], "torch.futures.Future[Any]"]
 EAGER_COPY_MIN_NUMEL = 1 << 14  # below this mean size a bucket copies its gradients in one call
+# A gradient this large is reduced in place in its own bucket: no copy into a flat buffer and back
+# (two passes over memory saved, and the buffer's memory), at the price of one more collective.
+SOLO_BUCKET_BYTES = 4 * 1024 * 1024
 
 
 class _Bucket:
     """The runtime side of a BucketSpec: parameters, flat buffer, views and this step's state."""
 
-    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], dtype: torch.dtype) -> None:
+    def __init__(
+        self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], dtype: torch.dtype, last: bool
+    ) -> None:
         self.index = spec.index
         self.indices = list(spec.params)
         self.params = [params[i] for i in spec.params]
+        self.dtype, self.solo = dtype, spec.solo
         numels = [p.numel() for p in self.params]
-        self.buffer = torch.zeros(sum(numels), dtype=dtype, device=self.params[0].device)
-        self.views = _views(self.buffer, self.params)
-        self.eager = sum(numels) >= EAGER_COPY_MIN_NUMEL * len(numels)
+        total = sum(numels)
+        # The last bucket carries one extra element: each rank's count of parameters without gradient,
+        # summed by the same all-reduce, so that all ranks agree on errors without another collective.
+        self.storage = None if self.solo else torch.zeros(total + int(last), dtype=dtype, device=self.params[0].device)
+        self.buffer = self.storage[:total] if self.storage is not None else torch.empty(0, dtype=dtype)
+        self.status = self.storage[total:] if self.storage is not None and last else None
+        self.views = [] if self.solo else _views(self.buffer, self.params)
+        self.eager = not self.solo and total >= EAGER_COPY_MIN_NUMEL * len(numels)
+        self.nbytes = total * dtype.itemsize
         self.pending = len(self.params)
         self.future: torch.futures.Future[Any] | None = None
         self.hook_buffer = self.buffer
@@ -140,9 +152,13 @@ class Reducer:
         ]
         layout = assign_buckets(
             specs, cap_bytes=self.policy.bucket_cap_bytes, first_cap_bytes=self.policy.first_bucket_bytes,
-            order=order,
+            order=order, solo_bytes=None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES,
         )
-        self.buckets = [_Bucket(s, self.params, self._bucket_dtype(self.params[s.params[0]])) for s in layout]
+        self.buckets = [
+            _Bucket(s, self.params, self._bucket_dtype(self.params[s.params[0]]), s.index == len(layout) - 1)
+            for s in layout
+        ]
+        self._missing_count = 0
         self._where: list[tuple[_Bucket, int]] = [None] * self._n  # type: ignore[list-item]
         for b in self.buckets:
             for pos, i in enumerate(b.indices):
@@ -193,6 +209,7 @@ class Reducer:
         self._hits = [0] * self._n if self.policy.static_graph else None
         self._defer = self._first_static
         self._next = 0
+        self._step_bytes = 0
         self._started = False
         self._queued = False
         self._unused_now: list[int] = []
@@ -289,7 +306,9 @@ class Reducer:
     def _launch(self, b: _Bucket) -> None:
         if self.world == 1:
             return
-        if not b.eager:
+        if b.solo:
+            self._solo_buffer(b)
+        elif not b.eager:
             grads = [p.grad for p in b.params]
             if any(g is None for g in grads):
                 for pos in range(len(grads)):
@@ -298,10 +317,28 @@ class Reducer:
                 torch._foreach_copy_(b.views, grads)  # type: ignore[arg-type]
                 if self._prescale:
                     b.buffer.mul_(self._inv)
+        self._step_bytes += b.hook_buffer.numel() * b.hook_buffer.element_size()  # gradient payload
+        if b.status is not None and self._hook is sum_hook:
+            b.status.fill_(float(self._missing_count))
+            b.hook_buffer = b.storage  # type: ignore[assignment]
         b.t_launch = time.perf_counter()
         fut = self._hook(self._hook_state, GradBucket(b, len(self.buckets)))
         fut.add_done_callback(lambda _f, b=b: setattr(b, "t_done", time.perf_counter()))
         b.future = fut
+
+    def _solo_buffer(self, b: _Bucket) -> None:
+        # Reduce .grad itself when it can be (contiguous, bucket dtype); else a temporary copy.
+        p = b.params[0]
+        grad = p.grad
+        if grad is not None and grad.dtype == b.dtype and grad.is_contiguous():
+            buf = grad
+        elif grad is None:
+            buf = torch.zeros(p.shape, dtype=b.dtype, device=p.device)
+        else:
+            buf = grad.to(b.dtype, memory_format=torch.contiguous_format, copy=True)
+        if self._prescale:
+            buf.mul_(self._inv)
+        b.hook_buffer = buf.view(-1)
 
     # ---------------------------------------------------------------- finalize
 
@@ -311,7 +348,8 @@ class Reducer:
         if not self._expect:
             return
         t_end_backward = time.perf_counter()
-        missing = [i for i in range(self._n) if not self._ready[i]]
+        missing = [i for i in range(self._n) if not self._ready[i]] if 0 in self._ready else []
+        self._missing_count = len(missing)
         for i in missing:
             self._mark_ready(i)  # zeros or no_sync-accumulated grads: every rank launches every bucket
         while self._next < len(self.buckets):
@@ -319,12 +357,16 @@ class Reducer:
             self._next += 1
         verdict = self._agree_on_unused(missing)
         self._write_back()
+        if verdict is None:  # the count travelled in the last bucket's status element
+            total = int(self.buckets[-1].status.item()) if self.buckets[-1].status is not None else 0
+            verdict = self._name_unused(missing) if total else ""
+        self._missing_count = 0
         self._finish_step(t_end_backward, missing)
         if verdict:
             raise UnusedParameterError(verdict)
 
-    def _agree_on_unused(self, missing: list[int]) -> str:
-        """One small all-reduce: returns an error message (same on every rank) or ''."""
+    def _agree_on_unused(self, missing: list[int]) -> str | None:
+        """An error message (the same on every rank), '' when all is well, None: read the status element."""
         tolerant = self.policy.find_unused_parameters or self.policy.static_graph
         if self.world == 1:
             self._globally_unused = {i for i in missing} if tolerant else set()
@@ -336,10 +378,13 @@ class Reducer:
             dist.all_reduce(used, group=self.group)
             self._globally_unused = {i for i in (used == 0).nonzero().flatten().tolist()}
             return ""
+        if self._hook is sum_hook and self.buckets[-1].status is not None:
+            return None
         count = torch.tensor([len(missing)], dtype=torch.int64)
         dist.all_reduce(count, group=self.group)
-        if int(count.item()) == 0:
-            return ""
+        return self._name_unused(missing) if int(count.item()) else ""
+
+    def _name_unused(self, missing: list[int]) -> str:
         per_rank = all_gather_object([self.names[i] for i in missing], group=self.group)
         return self._unused_message({r: names for r, names in enumerate(per_rank) if names})
 
@@ -363,8 +408,17 @@ class Reducer:
                 continue
             value = b.future.wait()
             result = value[0] if isinstance(value, list) else value
-            same = result.data_ptr() == b.buffer.data_ptr() and result.numel() == b.buffer.numel()
+            if b.solo:
+                self._write_back_solo(b, result)
+                continue
+            same = result.data_ptr() == b.buffer.data_ptr() and result.numel() >= b.buffer.numel()
             views = b.views if same else _views(result.reshape(-1), b.params)
+            grads = [p.grad for p in b.params]
+            if not as_view and not (skip and any(i in skip for i in b.indices)) and all(
+                g is not None and g.dtype == v.dtype for g, v in zip(grads, views)
+            ):
+                torch._foreach_copy_(grads, views)  # type: ignore[arg-type]  # one call for the bucket
+                continue
             for pos, p in enumerate(b.params):
                 if skip and b.indices[pos] in skip:
                     continue
@@ -376,6 +430,15 @@ class Reducer:
                         p.grad = view
                 else:
                     grad.copy_(view)
+
+    def _write_back_solo(self, b: _Bucket, result: torch.Tensor) -> None:
+        p = b.params[0]
+        if b.indices[0] in self._globally_unused:
+            return
+        if p.grad is None:
+            p.grad = result.view(p.shape).to(p.dtype)
+        elif result.data_ptr() != p.grad.data_ptr():
+            p.grad.copy_(result.view(p.shape))
 
     def _finish_step(self, t_end_backward: float, missing: list[int]) -> None:
         if self._first_static:
@@ -392,8 +455,7 @@ class Reducer:
                 comm_ms=comm,
                 comm_hidden_ms=union_ms(spans, until=t_end_backward),
                 finalize_ms=(now - t_end_backward) * 1000.0,
-                bytes_communicated=sum(b.hook_buffer.numel() * b.hook_buffer.element_size()
-                                       for b in self.buckets if b.future is not None),
+                bytes_communicated=self._step_bytes,
             )
         )
         self._expect = False

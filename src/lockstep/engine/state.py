@@ -94,7 +94,7 @@ class ReplicaState:
             world_size=self.world,
             num_parameters=len(r.params),
             num_buckets=len(r.buckets),
-            bucket_sizes_bytes=[b.buffer.numel() * b.buffer.element_size() for b in r.buckets],
+            bucket_sizes_bytes=[b.nbytes for b in r.buckets],
             bucket_num_params=[len(b.params) for b in r.buckets],
             buckets_rebuilt=r.rebuilt,
             synced_steps=r.stats.steps,
