@@ -57,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(command, str(exc), 2)
     except LaunchError as exc:
         return _fail(command, str(exc), 1)
+    except KeyboardInterrupt:  # Ctrl-C before any worker started (e.g. while torch is importing)
+        return _fail(command, "interrupted", 130)
 
 
 def _resolve(command: str) -> Callable[[list[str]], int]:
@@ -64,7 +66,7 @@ def _resolve(command: str) -> Callable[[list[str]], int]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name != module_name:
+        if not exc.name or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise  # a real import error inside the command: show it as it is
         raise LaunchError(f"`lockstep {command}` is not available yet in this version ({module_name} is missing)") from None
     return getattr(module, attr)
