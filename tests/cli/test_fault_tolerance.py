@@ -86,3 +86,29 @@ def test_killed_rank_restarts_and_finishes_bitwise_identical(tmp_path: Path) -> 
     final = torch.load(victim_run / "final_params.pt", weights_only=True)
     expected = torch.load(tmp_path / "reference" / "final_params.pt", weights_only=True)
     assert torch.equal(final, expected)
+
+
+RESTART_SCRIPT = '''
+import os, torch, torch.distributed as dist, lockstep
+topo = lockstep.init()
+t = torch.ones(1) * (topo.rank + 1)
+dist.all_reduce(t)
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+if attempt == "0" and topo.rank == 1:
+    os._exit(3)
+dist.barrier()
+print(f"rank {topo.rank} done in attempt {attempt} with sum {t.item()}", flush=True)
+'''
+
+
+def test_max_restarts_restarts_every_worker_on_a_fresh_rendezvous(tmp_path: Path) -> None:
+    # A restarted worker must not read the previous attempt's addresses from the agent's store.
+    script = tmp_path / "restart.py"
+    script.write_text(RESTART_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "lockstep", "run", "-n", "2", "--max-restarts", "2", "--logs", "all",
+                           str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "restart 1/2" in proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} done in attempt 1 with sum 3.0" in proc.stdout

@@ -88,11 +88,17 @@ def init(
 
 
 def _rendezvous(topo: Topology, backend: str, timeout: timedelta) -> None:
-    url = f"tcp://{_bracket(topo.master_addr)}:{topo.master_port}"
     try:
-        dist.init_process_group(
-            backend, init_method=url, rank=topo.rank, world_size=topo.world_size, timeout=timeout
-        )
+        if topo.agent_store_attempt is not None:
+            # Under torch's elastic agent (lockstep run, torchrun) the agent hosts the store and keeps it
+            # across restarts; without a per-attempt prefix a restarted worker reads the addresses that
+            # the previous attempt's workers left there, and fails or hangs.
+            client = dist.TCPStore(topo.master_addr, topo.master_port, topo.world_size, False, timeout)
+            store = dist.PrefixStore(f"lockstep/attempt_{topo.agent_store_attempt}", client)
+            dist.init_process_group(backend, store=store, rank=topo.rank, world_size=topo.world_size, timeout=timeout)
+        else:
+            url = f"tcp://{_bracket(topo.master_addr)}:{topo.master_port}"
+            dist.init_process_group(backend, init_method=url, rank=topo.rank, world_size=topo.world_size, timeout=timeout)
     except (RuntimeError, dist.DistError, TimeoutError, OSError) as exc:
         raise InitTimeoutError(
             f"{rank_tag(topo.rank, topo.world_size)}could not form the process group at {topo.endpoint} "

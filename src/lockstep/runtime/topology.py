@@ -32,6 +32,8 @@ class Topology:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     launcher: str = "none"  # one of: none, explicit, torchrun, slurm
+    # Set under torch's elastic agent, which hosts the store: the restart attempt this process belongs to.
+    agent_store_attempt: int | None = None
 
     @property
     def is_main(self) -> bool:
@@ -180,6 +182,9 @@ def _from_torchrun(env: Mapping[str, str]) -> Topology:
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_master_port(env, 29500),
         launcher="torchrun",
+        agent_store_attempt=_int_var(env, "TORCHELASTIC_RESTART_COUNT", 0)
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        else None,
     )
 
 
