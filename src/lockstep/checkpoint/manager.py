@@ -252,7 +252,8 @@ class CheckpointManager:
             self._log.info("resuming %s, written by %d ranks, on %d ranks", directory.name, saved_world, world)
 
     def _tag(self) -> str:
-        return rank_tag(get_rank(), get_world_size())
+        world = get_world_size()
+        return rank_tag(get_rank(), world) if world > 1 else ""
 
 
 def _serialize(state: Mapping[str, Any]) -> tuple[dict[str, bytes], dict[str, Any]]:

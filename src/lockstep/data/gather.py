@@ -33,7 +33,10 @@ def gather_eval(
     must be present exactly once. Metrics computed on the result equal the single-process ones.
     """
     single = not isinstance(values, Mapping)
-    local = {"": _rows("values", values)} if single else {str(k): _rows(str(k), v) for k, v in values.items()}
+    if isinstance(values, Mapping):
+        local = {str(k): _rows(str(k), v) for k, v in values.items()}
+    else:
+        local = {"": _rows("values", values)}
     if indices is not None:
         index = _rows("indices", indices)
         local[_INDEX] = index.reshape(-1).to(torch.int64) if index is not None else None
@@ -54,11 +57,11 @@ def reduce_eval(sums: Mapping[str, float | int | bool | torch.Tensor]) -> dict[s
     """
     local = {str(name): _scalar(name, value) for name, value in sums.items()}
     gathered = all_gather_object(local)
-    names = list(local)
+    names = sorted(gathered[0])
     for rank, theirs in enumerate(gathered):
-        if sorted(theirs) != sorted(names):
+        if sorted(theirs) != names:
             raise CollectiveMismatchError(
-                f"{_tag()}reduce_eval got names {sorted(names)!r} here but {sorted(theirs)!r} on rank {rank}; "
+                f"{_tag()}reduce_eval got names {names!r} from rank 0 but {sorted(theirs)!r} from rank {rank}; "
                 "every rank must pass the same names (zeros on a rank with no samples)")
     result: dict[str, float | int] = {}
     for name in names:
@@ -69,7 +72,8 @@ def reduce_eval(sums: Mapping[str, float | int | bool | torch.Tensor]) -> dict[s
 
 
 def _tag() -> str:
-    return rank_tag(get_rank(), get_world_size())
+    world = get_world_size()
+    return rank_tag(get_rank(), world) if world > 1 else ""
 
 
 def _scalar(name: object, value: Any) -> float | int:

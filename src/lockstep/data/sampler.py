@@ -216,4 +216,4 @@ class DistributedSampler(Sampler[int]):
         return epoch, consumed
 
     def _tag(self) -> str:
-        return rank_tag(self.rank, self.num_replicas)
+        return rank_tag(self.rank, self.num_replicas) if self.num_replicas > 1 else ""
