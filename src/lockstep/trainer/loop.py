@@ -105,6 +105,9 @@ class _Run:
             self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
         self.sampler = DistributedSampler(train_data, shuffle=True, seed=config.seed, drop_last=True)
+        # The loop tells the sampler what it consumed: with DataLoader workers, what the sampler yielded
+        # runs ahead of what was trained on, and resume must continue after the last trained sample.
+        self.sampler.advance(0)
         self.loader = DataLoader(train_data, batch_size=config.batch_size, sampler=self.sampler,
                                  num_workers=config.num_workers, drop_last=True)
         self.eval_loader = _eval_loader(eval_data, config)
@@ -152,6 +155,7 @@ class _Run:
 
     def _train_epoch(self) -> None:
         self.module.train()
+        self.sampler.set_epoch(self.progress.epoch)  # resumes mid-epoch when the loaded state stopped there
         micro_batches = iter(self.loader)
         while self.progress.step < self.total_steps:
             group = _take(micro_batches, self.config.grad_accum_steps)
@@ -188,7 +192,7 @@ class _Run:
         self.scheduler.step()
         samples = sum(_batch_len(targets) for _, targets in group) * self.topo.world_size
         self.progress.samples += samples
-        self.sampler_consumed += samples
+        self.sampler.advance(samples)
 
     def _record(self, outputs: Any, targets: Any, loss: torch.Tensor) -> None:
         count = _batch_len(targets)
