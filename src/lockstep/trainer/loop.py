@@ -130,6 +130,7 @@ class _Run:
         self.bar = Progress(self.total_steps, enabled=topo.is_main, mode=config.progress)
         self.train_metrics = MetricBuffer()
         self.last_eval: dict[str, float] = {}
+        self.last_train: dict[str, float] = {}
 
     # ---- phases -------------------------------------------------------------------------------------------
 
@@ -157,15 +158,18 @@ class _Run:
         self.module.train()
         self.sampler.set_epoch(self.progress.epoch)  # resumes mid-epoch when the loaded state stopped there
         micro_batches = iter(self.loader)
-        while self.progress.step < self.total_steps:
-            group = _take(micro_batches, self.config.grad_accum_steps)
+        remaining = len(self.loader)  # micro-batches left in this epoch (fewer after a mid-epoch resume)
+        while remaining > 0 and self.progress.step < self.total_steps:
+            group = _take(micro_batches, min(self.config.grad_accum_steps, remaining))
             if not group:
+                remaining = 0  # the loader ended early (the dataset shrank under it): the epoch is done
                 break
+            remaining -= len(group)
             self._optimizer_step(group)
             self.progress.step += 1
             self.bar.advance(self.progress.step)
             self._after_step()
-        else:
+        if remaining > 0:
             return  # stopped by the step budget in the middle of an epoch: stay in it (resumable)
         self.progress.epoch += 1
         if self.config.checkpoint_every == 0:
@@ -219,6 +223,7 @@ class _Run:
             return
         record = {"step": self.progress.step, "epoch": self.progress.epoch, **means,
                   "lr": self.scheduler.get_last_lr()[0]}
+        self.last_train = record
         self.runlog.write(record)
         self.bar.report(self.progress.step, {k: v for k, v in record.items() if k != "epoch"})
 
@@ -267,9 +272,9 @@ class _Run:
             "steps_this_run": steps,
             "samples_this_run": samples,
             "wall_time_s": round(wall, 3),
-            "samples_per_second": round(samples / wall, 2) if wall > 0 else None,
+            "samples_per_second": round(samples / wall, 2) if samples and wall > 0 else None,
             "global_batch_size": self.config.batch_size * self.config.grad_accum_steps * self.topo.world_size,
-            "final_train": self.runlog.records[-1] if self.runlog.records else None,
+            "final_train": self.last_train or None,
             **{k: v for k, v in self.last_eval.items() if k != "_fresh"},
             "config": config_to_dict(self.config),
         }
