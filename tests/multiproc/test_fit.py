@@ -59,6 +59,11 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     resumed = run_distributed(_fit_toy, 2, args=(str(tmp_path / "part"), 4, 1, None), timeout=120)
     assert resumed[0]["summary"]["steps_this_run"] == 16 - 5
     _assert_same_params(resumed[0]["params"], full[0]["params"], atol=0)
+    # The logs hold the whole history once: what the first part logged, then the rest.
+    lines = (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
+    train_steps = [json.loads(line)["step"] for line in lines if "train_loss" in json.loads(line)]
+    assert train_steps == [2, 4, 5, 6, 8, 10, 12, 14, 16]
+    assert (tmp_path / "part" / "metrics.csv").read_text().count("\n") == len(lines) + 1
 
 
 def test_logs_are_written_on_rank0(tmp_path: Path) -> None:

@@ -21,11 +21,31 @@ class RunLog:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._tb = _tensorboard_writer(run_dir / "tensorboard")
 
+    @property
+    def _jsonl(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def rewind(self, step: int) -> None:
+        """Keep the history up to `step` (where the run resumes) and drop what a crashed attempt logged after it."""
+        if not self.enabled:
+            return
+        kept = []
+        if self._jsonl.is_file():
+            for line in self._jsonl.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a crash
+                if isinstance(record, dict) and record.get("step", 0) <= step:
+                    kept.append(record)
+        self.records = kept
+        self._jsonl.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         self.records.append(record)
-        with open(self.run_dir / "metrics.jsonl", "a") as handle:
+        with open(self._jsonl, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for name, value in record.items():

@@ -24,6 +24,7 @@ from lockstep.checkpoint import CheckpointManager
 from lockstep.data import DistributedSampler, EvalSampler
 from lockstep.engine.api import DistributedDataParallel
 from lockstep.engine.syncbn import convert_sync_batchnorm
+from lockstep.errors import ConfigError
 from lockstep.runtime import all_reduce_sum, barrier, get_logger, init
 from lockstep.runtime.topology import Topology
 from lockstep.trainer.config import FitConfig, config_to_dict
@@ -147,9 +148,13 @@ class _Run:
         return self._finish(wall, self.progress.samples - start_samples, self.progress.step - start_step)
 
     def _maybe_resume(self) -> None:
-        if self.config.resume != "auto":
-            return
-        step = self.checkpoints.load(self._state())
+        if self.config.resume == "never" and self.checkpoints.steps():
+            raise ConfigError(
+                f"{self.run_dir} already holds checkpoints (steps {self.checkpoints.steps()!r}) and resume='never'; "
+                "choose a new run_dir, delete the old checkpoints, or use resume='auto' to continue"
+            )
+        step = self.checkpoints.load(self._state()) if self.config.resume == "auto" else None
+        self.runlog.rewind(step or 0)
         if step is not None:
             self.bar.message(f"resumed from step {step} (epoch {self.progress.epoch}) in {self.run_dir}")
             self.bar.advance(self.progress.step)
