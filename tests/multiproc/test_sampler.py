@@ -1,6 +1,6 @@
 """DistributedSampler on real gloo ranks: stop mid-epoch at world size 2, resume at 3 (and 1) on exactly the unseen samples.
 
-The loaders prefetch with a worker process, so the loop tells the sampler what it really consumed with
+The first part's loader prefetches with a worker process, so the loop tells the sampler what it really consumed with
 advance(); the global batches after the resume are the uninterrupted run's, since N * b stays 6.
 """
 
@@ -27,16 +27,18 @@ class _Indices(Dataset[int]):
         return index
 
 
-def _loader(sampler: DistributedSampler) -> DataLoader[int]:
+def _loader(sampler: DistributedSampler, workers: int = 0) -> DataLoader[int]:
     batch = GLOBAL_BATCH // sampler.num_replicas
-    return DataLoader(_Indices(), batch_size=batch, sampler=sampler, num_workers=1, prefetch_factor=2)
+    if workers == 0:
+        return DataLoader(_Indices(), batch_size=batch, sampler=sampler)
+    return DataLoader(_Indices(), batch_size=batch, sampler=sampler, num_workers=workers, prefetch_factor=2)
 
 
 def _train_part(steps: int) -> tuple[list[list[int]], dict[str, Any], int]:
     sampler = DistributedSampler(_Indices(), seed=SEED)  # rank and world from the process group
     sampler.advance(0)  # count what the loop consumes, not what the worker prefetched
     batches = []
-    for batch in itertools.islice(_loader(sampler), steps):
+    for batch in itertools.islice(_loader(sampler, workers=1), steps):
         batches.append(batch.tolist())
         sampler.advance(len(batch) * get_world_size())
     return batches, sampler.state_dict(), sampler._yielded * get_world_size()

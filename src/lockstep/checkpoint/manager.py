@@ -11,6 +11,10 @@ devices, and all ranks agree on success before any returns.
 Resuming at another world size: models, optimizers and the sampler's global position load unchanged;
 RNG streams are restored for ranks that existed, and ranks that did not get streams seeded from
 (step, rank) with a warning (reproducible, not identical to any earlier rank).
+
+For a bitwise resume, give the DataLoader a generator of its own (`generator=torch.Generator()`):
+otherwise each iter(loader) draws its workers' base seed from the global torch RNG, and a resumed run
+calls iter() at another step than the uninterrupted one, shifting every later random draw.
 """
 
 from __future__ import annotations
@@ -18,16 +22,11 @@ from __future__ import annotations
 import io
 import json
 import os
-import platform
-import time
 import uuid
 from collections.abc import Mapping, MutableMapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import numpy
-import safetensors
 import safetensors.torch
 import torch
 from torch import nn
@@ -35,6 +34,7 @@ from torch import nn
 from lockstep.checkpoint import layout as paths
 from lockstep.checkpoint import rng
 from lockstep.checkpoint.layout import CheckpointLayout, check_entry_name, step_dirname, steps_to_prune
+from lockstep.checkpoint.meta import FORMAT, describe, read_meta, validate
 from lockstep.checkpoint.stateful import (
     for_safetensors,
     is_stateful,
@@ -49,14 +49,10 @@ from lockstep.checkpoint.storage import (
     explain_os_error,
     publish_dir,
     remove_quietly,
-    sha256_file,
     write_atomic,
 )
 from lockstep.errors import CheckpointError, ConfigError, rank_tag
 from lockstep.runtime import all_gather_object, broadcast_object, get_logger, get_rank, get_world_size
-
-FORMAT = "lockstep-checkpoint"
-FORMAT_VERSION = 1
 
 
 class CheckpointManager:
@@ -122,7 +118,7 @@ class CheckpointManager:
         try:
             temp.mkdir()
             files = {name: write_atomic(temp / name, data).to_json() for name, data in blobs.items()}
-            meta = _meta(step, len(rngs), entries, files)
+            meta = describe(step, len(rngs), entries, files)
             write_atomic(temp / paths.META, json.dumps(meta, indent=1).encode())
             publish_dir(temp, final, self.layout.old_dir(step, token))
         except OSError as exc:
@@ -198,7 +194,7 @@ class CheckpointManager:
         skipped: list[str] = []
         self._recover_replaced()
         for step in reversed(self.steps()):
-            problem = _validate(self.layout.step_dir(step), step)
+            problem = validate(self.layout.step_dir(step), step)
             if problem is None:
                 if skipped:
                     self._log.warning("skipping unusable checkpoints (%s); resuming from the previous one, %s",
@@ -212,7 +208,7 @@ class CheckpointManager:
 
     def _apply(self, step: int, state: MutableMapping[str, Any]) -> None:
         directory = self.layout.step_dir(step)
-        meta = _read_meta(directory)
+        meta = read_meta(directory)
         for name, record in meta["files"].items():  # rank 0 checked sha256; here: is it there at all?
             path = directory / name
             if not path.is_file() or path.stat().st_size != record["bytes"]:
@@ -303,61 +299,6 @@ def _weights_only_bytes(pickled: dict[str, Any]) -> bytes:
 
 def _unsafe_globals(data: bytes) -> list[str]:
     return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
-
-
-def _meta(step: int, world_size: int, entries: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "world_size": world_size,
-        "created_unix": round(time.time(), 3),
-        "versions": _versions(),
-        "entries": entries,
-        "files": files,
-    }
-
-
-def _versions() -> dict[str, str]:
-    try:
-        lockstep_version = metadata.version("lockstep")
-    except metadata.PackageNotFoundError:
-        lockstep_version = "unknown"
-    return {"lockstep": lockstep_version, "torch": torch.__version__, "safetensors": safetensors.__version__,
-            "numpy": numpy.__version__, "python": platform.python_version()}
-
-
-def _read_meta(directory: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads((directory / paths.META).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {directory / paths.META}: {exc}") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not {"files", "entries", "world_size"} <= set(meta):
-        raise CheckpointError(f"{directory / paths.META} is not a lockstep checkpoint description")
-    return meta
-
-
-def _validate(directory: Path, step: int) -> str | None:
-    """Why checkpoint `directory` cannot be used (partial, damaged), or None when every checksum matches."""
-    try:
-        meta = _read_meta(directory)
-    except CheckpointError as exc:
-        return f"{paths.META} missing or unreadable, the checkpoint is partial ({exc.__cause__ or exc})"
-    if meta.get("step") != step or meta.get("format_version", 0) > FORMAT_VERSION:
-        return f"{paths.META} says step {meta.get('step')!r}, format {meta.get('format_version')!r}"
-    for name, record in meta["files"].items():
-        path = directory / name
-        if not path.is_file():
-            return f"{name} is missing"
-        size = path.stat().st_size
-        if size != record["bytes"]:
-            return f"{name} has {size} bytes where meta.json says {record['bytes']} (truncated?)"
-        if sha256_file(path) != record["sha256"]:
-            return f"the sha256 of {name} does not match meta.json (damaged)"
-    for required in (paths.RNG,):
-        if required not in meta["files"]:
-            return f"{required} is not listed in meta.json"
-    return None
 
 
 def _plan(directory: Path, entries: dict[str, Any], state: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:

@@ -1,26 +1,6 @@
 """Shard each epoch's sample order across ranks so that it depends only on (seed, epoch) and resumes exactly.
 
-Invariants of `DistributedSampler` (the tests pin each one):
-
-1. The epoch's global order is `torch.randperm(len(dataset))` drawn from a generator seeded with
-   `seed + epoch` (or `range(len)` without shuffle): torch's own order, whatever the world size.
-2. Position p of the epoch's sequence is `order[p % len(dataset)]` (positions past the end wrap: that is
-   torch's padding). Rank r of N takes positions start + r, start + r + N, ... below the epoch's end, so
-   with per-rank batch b the i-th global batch is positions [i*N*b, (i+1)*N*b): the same samples for
-   every N with the same N*b. A fresh epoch (start 0) yields exactly what torch's sampler yields.
-3. The end of an epoch that starts at position `start` is `start + ceil(remaining / N) * N` (padding by
-   wrapping, as torch) or, with drop_last, `start + floor(remaining / N) * N` (the tail is dropped),
-   where remaining = len(dataset) - start.
-4. `state_dict()` is plain JSON: the epoch and `num_consumed`, the global number of positions of that
-   epoch already consumed. A sampler loaded from it, at any world size, continues at position
-   `num_consumed`: exactly the samples not yet seen, then later epochs as usual. When the remaining
-   count does not divide by the new world size, padding or drop_last applies to the remainder only.
-5. By default `num_consumed` = start + (indices this rank's iterator has yielded) * N. A DataLoader with
-   workers prefetches, so it pulls indices before the loop sees them: the loop then calls
-   `advance(num_global_samples)` after each step (once called, the state counts only what was
-   advanced; call `advance(0)` up front to use that mode from the first batch on).
-6. Each `iter()` starts the next epoch by itself; `set_epoch(e)` wins: the next `iter()` runs epoch e
-   (from its resume position if e is the epoch a loaded state was in the middle of).
+The invariants are in DistributedSampler's docstring; the pure functions below compute them.
 """
 
 from __future__ import annotations
@@ -67,8 +47,29 @@ class DistributedSampler(Sampler[int]):
 
     Same arguments as torch's; `num_replicas` and `rank` default to lockstep's process group (a world
     of 1 without one). Adds: the next epoch starts by itself, `state_dict()` / `load_state_dict()` for
-    an exact mid-epoch resume at any world size, and `advance()` for loaders that prefetch. The
-    invariants are listed in this module's docstring.
+    an exact mid-epoch resume at any world size, and `advance()` for loaders that prefetch.
+
+    Invariants (tests/unit/test_sampler.py pins each one):
+
+    1. The epoch's global order is `torch.randperm(len(dataset))` drawn from a generator seeded with
+       `seed + epoch` (or `range(len)` without shuffle): torch's own order, whatever the world size.
+    2. Position p of the epoch's sequence is `order[p % len(dataset)]` (positions past the end wrap: that is
+       torch's padding). Rank r of N takes positions start + r, start + r + N, ... below the epoch's end, so
+       with per-rank batch b the i-th global batch is positions [i*N*b, (i+1)*N*b): the same samples for
+       every N with the same N*b. A fresh epoch (start 0) yields exactly what torch's sampler yields.
+    3. The end of an epoch that starts at position `start` is `start + ceil(remaining / N) * N` (padding by
+       wrapping, as torch) or, with drop_last, `start + floor(remaining / N) * N` (the tail is dropped),
+       where remaining = len(dataset) - start.
+    4. `state_dict()` is plain JSON: the epoch and `num_consumed`, the global number of positions of that
+       epoch already consumed. A sampler loaded from it, at any world size, continues at position
+       `num_consumed`: exactly the samples not yet seen, then later epochs as usual. When the remaining
+       count does not divide by the new world size, padding or drop_last applies to the remainder only.
+    5. By default `num_consumed` = start + (indices this rank's iterator has yielded) * N. A DataLoader with
+       workers prefetches, so it pulls indices before the loop sees them: the loop then calls
+       `advance(num_global_samples)` after each step (once called, the state counts only what was
+       advanced; call `advance(0)` up front to use that mode from the first batch on).
+    6. Each `iter()` starts the next epoch by itself; `set_epoch(e)` wins: the next `iter()` runs epoch e
+       (from its resume position if e is the epoch a loaded state was in the middle of).
     """
 
     def __init__(
