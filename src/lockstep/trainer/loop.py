@@ -132,6 +132,7 @@ class _Run:
         self.train_metrics = MetricBuffer()
         self.last_eval: dict[str, float] = {}
         self.last_train: dict[str, float] = {}
+        self.saved_step: int | None = None
 
     # ---- phases -------------------------------------------------------------------------------------------
 
@@ -156,6 +157,7 @@ class _Run:
         step = self.checkpoints.load(self._state()) if self.config.resume == "auto" else None
         self.runlog.rewind(step or 0)
         if step is not None:
+            self.saved_step = step
             self.bar.message(f"resumed from step {step} (epoch {self.progress.epoch}) in {self.run_dir}")
             self.bar.advance(self.progress.step)
 
@@ -256,7 +258,10 @@ class _Run:
         self.bar.message(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
 
     def _save_checkpoint(self) -> None:
+        if self.saved_step == self.progress.step:
+            return  # the epoch's end and the run's end can fall on the same step
         self.checkpoints.save(self.progress.step, self._state())
+        self.saved_step = self.progress.step
         self.last_eval.pop("_fresh", None)
 
     def _state(self) -> dict[str, Any]:
