@@ -164,8 +164,10 @@ class CheckpointManager:
 
         With required=True, finding no usable checkpoint raises CheckpointError instead of returning None.
         """
-        choice = broadcast_object(self._choose() if get_rank() == 0 else None)
+        choice = broadcast_object(self._choose_safely() if get_rank() == 0 else None)
         step = choice["step"]
+        if choice.get("failed"):
+            raise CheckpointError(f"{self._tag()}cannot look for checkpoints: {choice['why']}")
         if step is None:
             if required:
                 raise CheckpointError(f"{self._tag()}no checkpoint to resume from: {choice['why']}")
@@ -185,6 +187,12 @@ class CheckpointManager:
                 raise CheckpointError(f"{self._tag()}loading {step_dirname(step)} failed on rank {rank}: {error}")
         self._log.info("resumed from checkpoint %s", self.layout.step_dir(step))
         return step
+
+    def _choose_safely(self) -> dict[str, Any]:
+        try:
+            return self._choose()
+        except Exception as exc:  # sent to every rank: the others are waiting for rank 0's choice
+            return {"step": None, "failed": True, "why": f"{self.layout.root}: {_describe(exc)}"}
 
     def _choose(self) -> dict[str, Any]:
         root = self.layout.root
