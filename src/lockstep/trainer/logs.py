@@ -80,12 +80,16 @@ class RunLog:
         except ImportError:
             return None
         names = sorted({k for r in self.records for k, v in r.items() if k != "step" and _is_plottable(v)})
-        names = [n for n in names if n.endswith(("loss", "accuracy")) or n == "lr"] or names
-        fig, axes = plt.subplots(len(names), 1, figsize=(7, 2.4 * len(names)), squeeze=False, sharex=True)
-        for axis, name in zip(axes[:, 0], names):
-            points = [(r["step"], r[name]) for r in self.records if _is_plottable(r.get(name))]
-            axis.plot(*zip(*points), marker="." if len(points) < 30 else None)
-            axis.set_ylabel(name)
+        # One panel per quantity, train and eval curves together: loss, accuracy, then the learning rate.
+        panels = [[n for n in names if n.endswith(kind)] for kind in ("loss", "accuracy")] + [["lr"] if "lr" in names else []]
+        panels = [panel for panel in panels if panel]
+        fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), squeeze=False, sharex=True)
+        for axis, panel in zip(axes[:, 0], panels):
+            for name in panel:
+                points = [(r["step"], r[name]) for r in self.records if _is_plottable(r.get(name))]
+                axis.plot(*zip(*points), marker="." if len(points) < 30 else None, label=name)
+            axis.set_ylabel(panel[0].split("_")[-1])
+            axis.legend(loc="best", fontsize="small")
             axis.grid(alpha=0.3)
         axes[-1, 0].set_xlabel("optimizer step")
         fig.suptitle(self.run_dir.name)

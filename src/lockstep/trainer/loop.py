@@ -109,8 +109,11 @@ class _Run:
         # The loop tells the sampler what it consumed: with DataLoader workers, what the sampler yielded
         # runs ahead of what was trained on, and resume must continue after the last trained sample.
         self.sampler.advance(0)
+        # Its own generator, reseeded each epoch: otherwise iter(loader) draws worker seeds from the global
+        # stream, and a resumed run (which calls iter() at another step) would shift every later draw.
+        self.loader_generator = torch.Generator()
         self.loader = DataLoader(train_data, batch_size=config.batch_size, sampler=self.sampler,
-                                 num_workers=config.num_workers, drop_last=True)
+                                 num_workers=config.num_workers, drop_last=True, generator=self.loader_generator)
         self.eval_loader = _eval_loader(eval_data, config)
         self.steps_per_epoch = math.ceil(len(self.loader) / config.grad_accum_steps)
         if self.steps_per_epoch == 0:
@@ -133,6 +136,7 @@ class _Run:
         self.last_eval: dict[str, float] = {}
         self.last_train: dict[str, float] = {}
         self.saved_step: int | None = None
+        self.eval_step: int | None = None
 
     # ---- phases -------------------------------------------------------------------------------------------
 
@@ -142,7 +146,7 @@ class _Run:
         while self.progress.step < self.total_steps and self.progress.epoch < self.config.epochs:
             self._train_epoch()
         self._log_train(force=True)
-        if self.eval_loader is not None and not self.last_eval.get("_fresh"):
+        if self.eval_loader is not None and self.eval_step != self.progress.step:
             self._evaluate()
         self._save_checkpoint()
         wall = time.monotonic() - started
@@ -164,6 +168,7 @@ class _Run:
     def _train_epoch(self) -> None:
         self.module.train()
         self.sampler.set_epoch(self.progress.epoch)  # resumes mid-epoch when the loaded state stopped there
+        self.loader_generator.manual_seed(self.config.seed * 1_000_003 + self.progress.epoch)
         micro_batches = iter(self.loader)
         remaining = len(self.loader)  # micro-batches left in this epoch (fewer after a mid-epoch resume)
         while remaining > 0 and self.progress.step < self.total_steps:
@@ -250,10 +255,11 @@ class _Run:
                 correct += float((outputs.argmax(dim=-1) == _to(targets, outputs.device)).sum())
         total_loss, total_correct, total = all_reduce_sum([loss_sum, correct, float(count)])
         self.module.train()
-        self.last_eval = {"eval_loss": total_loss / max(total, 1), "eval_samples": int(total), "_fresh": True}
+        self.eval_step = self.progress.step
+        self.last_eval = {"eval_loss": total_loss / max(total, 1), "eval_samples": int(total)}
         if self.config.task == "classification":
             self.last_eval["eval_accuracy"] = total_correct / max(total, 1)
-        record = {"step": self.progress.step, **{k: v for k, v in self.last_eval.items() if k != "_fresh"}}
+        record = {"step": self.progress.step, **self.last_eval}
         self.runlog.write(record)
         self.bar.message(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
 
@@ -262,7 +268,6 @@ class _Run:
             return  # the epoch's end and the run's end can fall on the same step
         self.checkpoints.save(self.progress.step, self._state())
         self.saved_step = self.progress.step
-        self.last_eval.pop("_fresh", None)
 
     def _state(self) -> dict[str, Any]:
         return {
@@ -285,7 +290,7 @@ class _Run:
             "samples_per_second": round(samples / wall, 2) if samples and wall > 0 else None,
             "global_batch_size": self.config.batch_size * self.config.grad_accum_steps * self.topo.world_size,
             "final_train": self.last_train or None,
-            **{k: v for k, v in self.last_eval.items() if k != "_fresh"},
+            **self.last_eval,
             "config": config_to_dict(self.config),
         }
         if "eval_accuracy" in self.last_eval:
