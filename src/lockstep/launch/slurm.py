@@ -1,0 +1,319 @@
+"""`lockstep slurm`: write an sbatch script that runs one `lockstep run` per node, save it, submit it.
+
+    lockstep slurm --nodes 2 -n 4 --gpus-per-node 4 --time 2:00:00 --requeue train.py --lr 3e-4
+
+The script (saved as `<run_dir>/sbatch.sh`, printed by `--dry-run`) starts one `lockstep run` per node
+under `srun --ntasks-per-node=1`. Every node finds the same head node (the first host of
+SLURM_JOB_NODELIST, by `scontrol show hostnames`) and the same port (derived from the job id, as
+`lockstep.runtime.topology.slurm_port`), and passes `--nnodes $SLURM_NNODES --node-rank $SLURM_NODEID
+--rdzv-endpoint HEAD:PORT --rdzv-id $SLURM_JOB_ID`: node 0 hosts torch's c10d rendezvous store.
+
+With `--requeue`, SLURM sends SIGUSR1 to the batch shell `--signal-before` seconds before the time limit
+(`#SBATCH --signal=B:USR1@SECS`). The trap forwards it to every process of the job step (srun does that),
+so a training script that handles SIGUSR1 saves a checkpoint and exits; then the script runs `scontrol
+requeue $SLURM_JOB_ID` and the requeued job (same id, SLURM_RESTART_COUNT > 0) resumes from the
+checkpoint. If the step is still running 10 s before the limit, the job is requeued anyway (it resumes
+from its latest periodic checkpoint). The `lockstep run` launchers ignore SIGUSR1 (`trap '' USR1`) so that
+only the workers react to it.
+
+`render_script(spec)` is pure (unit-tested line by line); `main(argv)` parses, writes, and submits with
+`sbatch --parsable`, then prints the job id and where the logs go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from lockstep.errors import ConfigError, LaunchError
+from lockstep.runtime.topology import SLURM_BASE_PORT, SLURM_PORT_SPAN
+
+SCRIPT_NAME = "sbatch.sh"
+DEFAULT_SIGNAL_BEFORE = 120
+REQUEUE_FALLBACK_MARGIN = 10  # seconds before the limit at which a step that ignored SIGUSR1 is requeued anyway
+_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+@dataclass(frozen=True)
+class SlurmSpec:
+    """One `lockstep slurm` submission. Paths are absolute; `python` is the interpreter the nodes run."""
+
+    script: str
+    run_dir: str
+    workdir: str
+    python: str
+    args: tuple[str, ...] = ()
+    nodes: int = 1
+    nproc_per_node: int = 1
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    job_name: str | None = None
+    requeue: bool = False
+    signal_before: int = DEFAULT_SIGNAL_BEFORE
+    network_interface: str | None = None
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def name(self) -> str:
+        return self.job_name or os.path.splitext(os.path.basename(self.script))[0] or "lockstep"
+
+    @property
+    def script_path(self) -> str:
+        return os.path.join(self.run_dir, SCRIPT_NAME)
+
+    @property
+    def output_pattern(self) -> str:
+        """Where SLURM writes the batch output (every node's `lockstep run` console): %j is the job id."""
+        return os.path.join(self.run_dir, "slurm-%j.out")
+
+
+def validate(spec: SlurmSpec) -> None:
+    """Raise ConfigError naming the flag to fix when `spec` cannot make a runnable job."""
+    for flag, value, minimum in (("--nodes", spec.nodes, 1), ("-n/--nproc-per-node", spec.nproc_per_node, 1),
+                                 ("--gpus-per-node", spec.gpus_per_node, 0), ("--cpus-per-task", spec.cpus_per_task, 1),
+                                 ("--signal-before", spec.signal_before, 1), ("--max-restarts", spec.max_restarts, 0)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+            raise ConfigError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+    if spec.gpus_per_node and spec.nproc_per_node > spec.gpus_per_node:
+        raise ConfigError(
+            f"-n {spec.nproc_per_node} processes per node but --gpus-per-node {spec.gpus_per_node}: each process "
+            f"drives one GPU; pass -n {spec.gpus_per_node} (or leave -n out), or ask for --gpus-per-node "
+            f"{spec.nproc_per_node}"
+        )
+    limit = time_limit_seconds(spec.time) if spec.time is not None else None
+    if spec.requeue and limit is not None and spec.signal_before + REQUEUE_FALLBACK_MARGIN >= limit:
+        raise ConfigError(
+            f"--signal-before {spec.signal_before} s does not fit in --time {spec.time!r} ({limit} s): the "
+            f"checkpoint signal must come at least {REQUEUE_FALLBACK_MARGIN} s after the start; "
+            "use a longer --time or a smaller --signal-before"
+        )
+    for flag, name in (("--partition", spec.partition), ("--account", spec.account), ("--job-name", spec.job_name)):
+        if name is not None and (not name or any(c.isspace() for c in name)):
+            raise ConfigError(f"{flag} {name!r} must be a non-empty name without spaces")
+    if not spec.script:
+        raise ConfigError("no script given; name the training script, e.g. `lockstep slurm --nodes 2 train.py`")
+
+
+def time_limit_seconds(text: str) -> int:
+    """SLURM's --time forms (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) -> seconds; ConfigError otherwise."""
+    match = _TIME_RE.match(text.strip())
+    if not match:
+        raise ConfigError(f"--time {text!r} is not a SLURM time limit; use MINUTES, HH:MM:SS or D-HH:MM:SS, e.g. 2:00:00")
+    days, a, b, c = (int(g) if g is not None else None for g in match.groups())
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        return days * 86400 + (a or 0) * 3600 + (b or 0) * 60 + (c or 0)
+    if c is not None:  # H:M:S
+        return (a or 0) * 3600 + (b or 0) * 60 + c
+    if b is not None:  # M:S
+        return (a or 0) * 60 + b
+    return (a or 0) * 60  # M
+
+
+def port_expression() -> str:
+    """The shell arithmetic of `slurm_port(job_id)`: the same port on every node of the job."""
+    return f"$(( {SLURM_BASE_PORT} + SLURM_JOB_ID % {SLURM_PORT_SPAN} ))"
+
+
+def directives(spec: SlurmSpec) -> list[str]:
+    """The #SBATCH lines."""
+    lines = [f"--job-name={spec.name}", f"--nodes={spec.nodes}", "--ntasks-per-node=1"]
+    if spec.cpus_per_task is not None:
+        lines.append(f"--cpus-per-task={spec.cpus_per_task}")
+    if spec.gpus_per_node:
+        lines.append(f"--gpus-per-node={spec.gpus_per_node}")
+    lines += [f"--{flag}={value}" for flag, value in (("partition", spec.partition), ("time", spec.time),
+                                                      ("account", spec.account)) if value is not None]
+    lines += [f"--chdir={spec.workdir}", f"--output={spec.output_pattern}"]
+    if spec.requeue:
+        # B: signals the batch shell only; its trap decides what the step gets. append: one log across requeues.
+        lines += ["--requeue", f"--signal=B:USR1@{spec.signal_before}", "--open-mode=append"]
+    return [f"#SBATCH {shlex.quote(line) if ' ' in line else line}" for line in lines]
+
+
+def run_command(spec: SlurmSpec) -> str:
+    """The per-node `lockstep run` command (inside `bash -c`, so $SLURM_NODEID is each node's own)."""
+    # Already shell words: the job's variables stay double-quoted (expanded by the batch shell), paths quoted.
+    logs = f'{shlex.quote(spec.run_dir + "/logs/")}"$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"'
+    words = ['--rdzv-endpoint "$head_node:$port"', '--rdzv-id "$SLURM_JOB_ID"', f"-n {spec.nproc_per_node}",
+             f"--run-dir {logs}"]
+    if spec.max_restarts:
+        words.append(f"--max-restarts {spec.max_restarts}")
+    if spec.network_interface:
+        words.append(f"--network-interface {shlex.quote(spec.network_interface)}")
+    user = " ".join(shlex.quote(a) for a in (spec.script, *spec.args))
+    node = ('bash -c \'trap "" USR1; exec "$0" -m lockstep run --nnodes "$SLURM_NNODES" '
+            '--node-rank "$SLURM_NODEID" "$@"\'')
+    srun = "srun --ntasks-per-node=1 --kill-on-bad-exit=1"
+    if spec.cpus_per_task is not None:
+        srun += f" --cpus-per-task={spec.cpus_per_task}"  # srun >= 22.05 does not inherit it from sbatch
+    return f"{srun} \\\n  {node} \\\n  {shlex.quote(spec.python)} {' '.join(words)} \\\n  {user}"
+
+
+def render_script(spec: SlurmSpec) -> str:
+    """The whole sbatch script for `spec` (pure)."""
+    lines = ["#!/bin/bash", *directives(spec), "",
+             "# Generated by `lockstep slurm`: one `lockstep run` per node; node 0 hosts the rendezvous.",
+             "set -u",
+             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             f"port={port_expression()}",
+             'echo "lockstep slurm: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, '
+             'rendezvous $head_node:$port" >&2']
+    if not spec.requeue:
+        return "\n".join([*lines, f"exec {run_command(spec)}", ""])
+    fallback = max(1, spec.signal_before - REQUEUE_FALLBACK_MARGIN)
+    lines += [
+        "",
+        "requeue=''",
+        "on_usr1() {",
+        "  requeue=1",
+        '  echo "lockstep slurm: SIGUSR1 before the time limit: forwarding it to the training processes '
+        '(checkpoint and exit), then requeueing job $SLURM_JOB_ID" >&2',
+        '  kill -USR1 "$step_pid" 2>/dev/null',
+        f'  (sleep {fallback}; echo "lockstep slurm: the step did not exit after SIGUSR1; requeueing now" >&2; '
+        'scontrol requeue "$SLURM_JOB_ID") &',
+        "}",
+        "trap on_usr1 USR1",
+        "",
+        f"{run_command(spec)} &",
+        "step_pid=$!",
+        "# `wait` returns early when the trap runs: keep waiting until the step has really ended.",
+        'wait "$step_pid"; status=$?',
+        'while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid"; status=$?; done',
+        'if [ -n "$requeue" ]; then',
+        '  echo "lockstep slurm: step ended with status $status; requeueing job $SLURM_JOB_ID" >&2',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$status"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser(prog: str = "lockstep slurm") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, allow_abbrev=False,
+                     usage="%(prog)s [options] SCRIPT [script args...]",
+                     description="Write an sbatch script that runs `lockstep run` on every node of a SLURM job, "
+                                 "save it in the run directory and submit it with sbatch.")
+    add = parser.add_argument
+    add("--nodes", "-N", type=int, default=1, help="number of nodes (default 1)")
+    add("-n", "--nproc-per-node", dest="nproc_per_node", type=int, default=None,
+        help="processes per node (default: --gpus-per-node, else 1)")
+    add("--gpus-per-node", type=int, default=None, help="GPUs per node (one process per GPU)")
+    add("--cpus-per-task", type=int, default=None, help="CPUs per node for its launcher and all its processes")
+    add("--partition", "-p", default=None)
+    add("--time", "-t", default=None, help="time limit, e.g. 2:00:00 or 1-00:00:00")
+    add("--account", "-A", default=None)
+    add("--job-name", "-J", default=None, help="default: the script's name")
+    add("--requeue", action="store_true",
+        help="SIGUSR1 --signal-before seconds before the time limit: the job checkpoints and requeues itself")
+    add("--signal-before", type=int, default=DEFAULT_SIGNAL_BEFORE, metavar="SECONDS",
+        help=f"with --requeue: when to signal before the limit (default {DEFAULT_SIGNAL_BEFORE})")
+    add("--network-interface", default=None, metavar="IFNAME", help="passed to `lockstep run` on every node")
+    add("--max-restarts", type=int, default=0, help="passed to `lockstep run` on every node")
+    add("--run-dir", default=None, help="where the script and logs go (default ./runs/slurm-<timestamp>-<id>)")
+    add("--dry-run", action="store_true", help="print the script (and still save it); do not submit")
+    add("script", nargs="?", default=None)
+    add("script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def parse_args(argv: Sequence[str], *, cwd: str, python: str = sys.executable) -> tuple[SlurmSpec, bool]:
+    """argv (without 'slurm') -> (SlurmSpec, dry_run)."""
+    ns = build_parser().parse_args(list(argv))
+    if ns.script is None:
+        raise ConfigError("no script given; name the training script, e.g. `lockstep slurm --nodes 2 train.py`")
+    if not os.path.exists(os.path.join(cwd, ns.script)):
+        raise ConfigError(f"script {ns.script!r} not found (looked in {cwd!r}); the job runs it from this directory")
+    name = f"slurm-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    run_dir = os.path.abspath(os.path.join(cwd, ns.run_dir or os.path.join("runs", name)))
+    nproc = ns.nproc_per_node if ns.nproc_per_node is not None else (ns.gpus_per_node or 1)
+    spec = SlurmSpec(script=ns.script, args=tuple(ns.script_args), run_dir=run_dir, workdir=os.path.abspath(cwd),
+                     python=python, nodes=ns.nodes, nproc_per_node=nproc, gpus_per_node=ns.gpus_per_node,
+                     cpus_per_task=ns.cpus_per_task, partition=ns.partition, time=ns.time, account=ns.account,
+                     job_name=ns.job_name, requeue=ns.requeue, signal_before=ns.signal_before,
+                     network_interface=ns.network_interface, max_restarts=ns.max_restarts)
+    return spec, ns.dry_run
+
+
+def write_script(spec: SlurmSpec) -> str:
+    try:
+        os.makedirs(spec.run_dir, exist_ok=True)
+        with open(spec.script_path, "w") as fh:
+            fh.write(render_script(spec))
+        os.chmod(spec.script_path, 0o755)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {spec.script_path!r} ({exc.strerror}); pick a writable --run-dir") from None
+    return spec.script_path
+
+
+def submit(spec: SlurmSpec) -> int:
+    """`sbatch --parsable <script>` -> job id; LaunchError with sbatch's message when it refuses."""
+    try:
+        result = subprocess.run(["sbatch", "--parsable", spec.script_path], capture_output=True, text=True,
+                                cwd=spec.workdir, timeout=60)
+    except FileNotFoundError:
+        raise LaunchError("sbatch was not found on PATH; run `lockstep slurm` on a SLURM login node, "
+                          f"or submit {spec.script_path} yourself") from None
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"sbatch did not answer in 60 s; is slurmctld up? (`sinfo`); the script is {spec.script_path}") from None
+    job = result.stdout.strip().split(";")[0]
+    if result.returncode != 0 or not job.isdigit():
+        raise LaunchError(f"sbatch refused the job (exit {result.returncode}): {result.stderr.strip() or result.stdout.strip()}; "
+                          f"the script is {spec.script_path}")
+    return int(job)
+
+
+def main(argv: list[str]) -> int:
+    """`lockstep slurm ...`: write the script, print it (--dry-run) or submit it; print job id and logs."""
+    spec, dry_run = parse_args(argv, cwd=os.getcwd())
+    path = write_script(spec)
+    if dry_run:
+        sys.stdout.write(render_script(spec))
+        sys.stderr.write(f"lockstep slurm: dry run; script saved as {path} (submit it with `sbatch {path}`)\n")
+        return 0
+    job = submit(spec)
+    sys.stdout.write(
+        f"lockstep slurm: submitted job {job} ({spec.nodes} node{'s' if spec.nodes != 1 else ''} x "
+        f"{spec.nproc_per_node} process{'es' if spec.nproc_per_node != 1 else ''})\n"
+        f"  script:    {path}\n"
+        f"  output:    {spec.output_pattern.replace('%j', str(job))}\n"
+        f"  rank logs: {spec.run_dir}/logs/{job}.<restart>/rank<R>/{{stdout,stderr}}.log\n"
+        f"  watch:     squeue -j {job}; tail -f {spec.output_pattern.replace('%j', str(job))}\n"
+    )
+    return 0
+
+
+def _module_main() -> int:
+    """`python -m lockstep.launch.slurm ...`: the same as `lockstep slurm ...` (errors exit 2 / 1)."""
+    try:
+        return main(sys.argv[1:])
+    except ConfigError as exc:
+        sys.stderr.write(f"lockstep slurm: error: {exc}\n")
+        return 2
+    except LaunchError as exc:
+        sys.stderr.write(f"lockstep slurm: error: {exc}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(_module_main())

@@ -1,0 +1,136 @@
+"""`srun python script.py` with lockstep.init(), and `lockstep slurm` end to end, on a real SLURM cluster.
+
+The cluster (munged + slurmctld + slurmd, one node, 2 CPUs) is started once for this module by
+tests/testbed/slurm_cluster.py and stopped by PID afterwards; the module is skipped, with the reason, only
+where the machine cannot host it (not root, no apt to install slurm-wlm and munge).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cli.launch_util import child_env
+from tests.testbed.slurm_cluster import SlurmCluster, slurm_cluster, unavailable_reason
+
+TINY = Path(__file__).resolve().parents[1] / "testbed" / "tiny_train.py"
+STEPS = "30"
+JOB_TIMEOUT = 120.0
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no SLURM cluster on this machine: {reason}")
+    with slurm_cluster(tmp_path_factory.mktemp("slurm") / "cluster") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The tiny training run on this machine with `lockstep run -n 2` (no SLURM): what every job must match."""
+    import subprocess
+
+    cwd = tmp_path_factory.mktemp("reference")
+    out = subprocess.run([sys.executable, "-m", "lockstep", "run", "-n", "2", "--run-dir", "run", str(TINY),
+                          "--steps", STEPS], cwd=cwd, capture_output=True, text=True, timeout=JOB_TIMEOUT,
+                         env=child_env())
+    assert out.returncode == 0, out.stderr
+    return result_line(out.stdout)
+
+
+def result_line(text: str) -> dict[str, str]:
+    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, f"expected one RESULT line, got {lines!r} in:\n{text}"
+    return dict(item.split("=", 1) for item in lines[0].split()[1:])
+
+
+def slurm_cli(cluster: SlurmCluster, *args: str, cwd: Path):  # type: ignore[no-untyped-def]
+    """`lockstep slurm ...` (through the CLI dispatcher once it knows the command)."""
+    import lockstep.cli
+
+    command = ["-m", "lockstep", "slurm"] if "slurm" in lockstep.cli._COMMANDS else ["-m", "lockstep.launch.slurm"]
+    return cluster.run([sys.executable, *command, *args], cwd=cwd, env={"OMP_NUM_THREADS": "1"})
+
+
+def test_srun_tasks_init_all_reduce_and_match_local_run(cluster: SlurmCluster, tmp_path: Path,
+                                                        reference: dict[str, str]) -> None:
+    """`srun -N1 -n2 python tiny_train.py`: lockstep.init() maps SLURM's variables; gradients all-reduce."""
+    out = cluster.run(["srun", "-N1", "-n2", sys.executable, str(TINY), "--steps", STEPS], cwd=tmp_path,
+                      timeout=JOB_TIMEOUT, env={"OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr + cluster.logs()
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
+    port = re.search(r"endpoint \S+:(\d+)", lines[0]).group(1)  # type: ignore[union-attr]
+    job = int(port) - 15000  # slurm_port(job id): the port is derived from the job id
+    assert 0 < job < 1000
+    assert lines == [f"rank 0/2 local 0/2 node 0/1 via slurm endpoint {cluster.node}:{port}",
+                     f"rank 1/2 local 1/2 node 0/1 via slurm endpoint {cluster.node}:{port}"]
+    assert result_line(out.stdout) == reference
+
+
+def test_slurm_dry_run_prints_and_saves_script(cluster: SlurmCluster, tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    out = slurm_cli(cluster, "--dry-run", "--nodes", "2", "-n", "3", "--time", "30", "--requeue", "--run-dir", "r",
+                    "train.py", "--lr", "0.1", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    saved = (tmp_path / "r" / "sbatch.sh").read_text()
+    assert out.stdout == saved
+    assert "#SBATCH --nodes=2" in saved and "#SBATCH --signal=B:USR1@120" in saved
+    assert cluster.run(["squeue", "-h"]).stdout.strip() == ""  # nothing was submitted
+    # sbatch itself accepts it (--test-only validates the script and the request without queueing it)
+    check = cluster.run(["sbatch", "--test-only", "--nodes=1", str(tmp_path / "r" / "sbatch.sh")], cwd=tmp_path)
+    assert check.returncode == 0, check.stderr
+
+
+def test_slurm_job_completes_and_matches_local_run(cluster: SlurmCluster, tmp_path: Path,
+                                                   reference: dict[str, str]) -> None:
+    out = slurm_cli(cluster, "-n", "2", "--run-dir", "r", str(TINY), "--steps", STEPS, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    job = int(re.search(r"submitted job (\d+)", out.stdout).group(1))  # type: ignore[union-attr]
+    log = tmp_path / "r" / f"slurm-{job}.out"
+    assert f"output:    {log}" in out.stdout
+    info = cluster.wait(job, timeout=JOB_TIMEOUT)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED", text
+    assert result_line(text) == reference
+    assert f"rendezvous {cluster.node}:{15000 + job % 20000}" in text
+    assert (tmp_path / "r" / "logs" / f"{job}.0" / "rank1" / "stdout.log").exists()
+
+
+def test_slurm_requeue_checkpoints_and_resumes(cluster: SlurmCluster, tmp_path: Path,
+                                               reference: dict[str, str]) -> None:
+    progress = tmp_path / "progress"
+    out = slurm_cli(cluster, "-n", "2", "--requeue", "--time", "10", "--run-dir", "r", str(TINY), "--steps", STEPS,
+                    "--sleep", "0.3", "--ckpt-dir", str(tmp_path / "ckpt"), "--progress", str(progress), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    job = int(re.search(r"submitted job (\d+)", out.stdout).group(1))  # type: ignore[union-attr]
+    log = tmp_path / "r" / f"slurm-{job}.out"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not (progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= 3):
+        assert time.monotonic() < deadline, f"no progress: {cluster.job(job)}\n{log.read_text() if log.exists() else ''}"
+        assert cluster.state(job) in ("PENDING", "RUNNING", "CONFIGURING"), log.read_text() if log.exists() else ""
+        time.sleep(0.2)
+    # What SLURM does --signal-before seconds before the limit (#SBATCH --signal=B:USR1@...): signal the batch shell.
+    signalled = cluster.run(["scancel", "--signal=USR1", "--batch", str(job)])
+    assert signalled.returncode == 0, signalled.stderr
+    # SLURM holds a requeued job for about 2 minutes (Reason=BeginTime); the test lets it start at once.
+    cluster.wait(job, {"PENDING"}, restarts=1, timeout=JOB_TIMEOUT)
+    released = cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    assert released.returncode == 0, released.stderr
+    info = cluster.wait(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, restarts=1, timeout=JOB_TIMEOUT)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
+    checkpointed = re.search(r"CHECKPOINTED step=(\d+)", text)
+    assert checkpointed, text
+    assert "requeueing job" in text and f"job {job} (restart 1)" in text
+    result = result_line(text)
+    assert 0 < int(result.pop("resumed_from")) == int(checkpointed.group(1)) < int(STEPS)
+    assert result == {k: v for k, v in reference.items() if k != "resumed_from"}
