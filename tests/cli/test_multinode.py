@@ -1,0 +1,114 @@
+"""Two-node jobs across two network-namespace "hosts" (tests/testbed/netns.py), unshaped and at 1 Gbit/s.
+
+Each host is its own network stack with one veth on a shared bridge (10.X.Y.0/24); the job's traffic goes
+over that link, not loopback. The tiny training's parameters must be bitwise those of a single-node run
+with the same world size (`lockstep run -n 2` on this machine). Skipped, with the reason, only where the
+machine cannot create namespaces (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.cli.launch_util import child_env
+from tests.testbed.netns import Host, netns_hosts, unavailable_reason
+
+TINY = Path(__file__).resolve().parents[1] / "testbed" / "tiny_train.py"
+STEPS = "30"
+RUN_TIMEOUT = 90.0
+
+pytestmark = pytest.mark.timeout(200)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def namespaces_possible() -> None:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no network-namespace hosts on this machine: {reason}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    cwd = tmp_path_factory.mktemp("reference")
+    out = subprocess.run([sys.executable, "-m", "lockstep", "run", "-n", "2", "--run-dir", "run", str(TINY),
+                          "--steps", STEPS], cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+                         env=child_env())
+    assert out.returncode == 0, out.stderr
+    return result_line(out.stdout)
+
+
+def result_line(text: str) -> dict[str, str]:
+    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, f"expected one RESULT line, got {lines!r} in:\n{text}"
+    return dict(item.split("=", 1) for item in lines[0].split()[1:])
+
+
+def run_on_both(hosts: Sequence[Host], commands: Sequence[list[str]], envs: Sequence[dict[str, str]],
+                cwd: Path) -> list[tuple[int, str, str]]:
+    """Start one command per host at once; wait for all (killing every one on a hang); (rc, out, err) each."""
+    procs = [host.popen(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for host, cmd, env in zip(hosts, commands, envs)]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=RUN_TIMEOUT)
+            results.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                import os
+                import signal
+
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return results
+
+
+def tbf_bytes_sent(host: Host) -> int:
+    """Bytes that went out through the host's tbf qdisc (0 when there is none)."""
+    out = host.run(["tc", "-s", "qdisc", "show", "dev", host.ifname]).stdout
+    if "tbf" not in out:
+        return 0
+    return int(out.split("Sent ", 1)[1].split()[0])
+
+
+def test_two_hosts_explicit_env_match_single_node(tmp_path: Path, reference: dict[str, str]) -> None:
+    """lockstep.init(rank=..., world_size=...) with MASTER_ADDR on host 0 and gloo bound to the veth."""
+    with netns_hosts(2) as hosts:
+        base = {"MASTER_ADDR": hosts[0].addr, "MASTER_PORT": "29500", "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+        envs = [{**base, "RANK": str(i), "GLOO_SOCKET_IFNAME": h.ifname} for i, h in enumerate(hosts)]
+        cmd = [sys.executable, str(TINY), "--explicit", "--steps", STEPS]
+        results = run_on_both(hosts, [cmd, cmd], envs, tmp_path)
+    assert [rc for rc, _, _ in results] == [0, 0], results
+    assert f"rank 1/2 local 1/2 node 0/1 via explicit endpoint {hosts[0].addr}:29500" in results[1][1]
+    assert result_line(results[0][1]) == reference
+
+
+def launcher_commands(hosts: Sequence[Host], run_dir: Path) -> list[list[str]]:
+    endpoint = f"{hosts[0].addr}:29400"
+    return [[sys.executable, "-m", "lockstep", "run", "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint",
+             endpoint, "--rdzv-id", "multinode-test", "--local-addr", host.addr, "--network-interface", host.ifname,
+             "-n", "1", "--run-dir", str(run_dir / f"node{i}"), str(TINY), "--steps", STEPS]
+            for i, host in enumerate(hosts)]
+
+
+@pytest.mark.parametrize("rate", [None, "1gbit"], ids=["unshaped", "1gbit"])
+def test_lockstep_run_two_nodes_matches_single_node(tmp_path: Path, reference: dict[str, str],
+                                                    rate: str | None) -> None:
+    """`lockstep run --nnodes 2 --node-rank i --rdzv-endpoint HOST0:PORT --local-addr ... --network-interface ...`."""
+    with netns_hosts(2, rate=rate) as hosts:
+        results = run_on_both(hosts, launcher_commands(hosts, tmp_path), [child_env()] * 2, tmp_path)
+        sent = [tbf_bytes_sent(host) for host in hosts]
+    assert [rc for rc, _, _ in results] == [0, 0], results
+    for i, (_, out, err) in enumerate(results):
+        assert "1 process x 2 nodes (world 2)" in err
+        assert f"rank {i}/2 local 0/1 node {i}/2 via torchrun" in (out if i == 0 else (tmp_path / "node1" / "rank1" / "stdout.log").read_text())
+    assert result_line(results[0][1]) == reference
+    if rate:
+        # The job's traffic went through the rate-limited link, both ways.
+        assert all(count > 20_000 for count in sent), sent
