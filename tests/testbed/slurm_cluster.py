@@ -28,9 +28,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.testbed.system import ensure_commands, free_port, is_root, missing, stop_process
+from tests.testbed.netns import Host
+from tests.testbed.system import ensure_commands, free_port, is_root, stop_process
 
-COMMANDS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "squeue", "scancel", "unshare")
+COMMANDS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "unshare")
 PACKAGES = ("slurm-wlm", "munge")
 START_TIMEOUT = 30.0
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -51,6 +52,7 @@ class SlurmCluster:
     root: Path
     node: str
     cpus: int
+    hosts: list[Host] = field(default_factory=list)  # namespace hosts, one node each; empty: this machine
     env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -58,10 +60,18 @@ class SlurmCluster:
     def conf(self) -> Path:
         return self.root / "slurm.conf"
 
+    @property
+    def nodes(self) -> list[str]:
+        return [f"node{i}" for i in range(len(self.hosts))] if self.hosts else [self.node]
+
+    def command(self, cmd: Sequence[str]) -> list[str]:
+        """`cmd` as run on the first node (inside its network namespace when the nodes are namespaces)."""
+        return self.hosts[0].command(cmd) if self.hosts else list(cmd)
+
     def run(self, cmd: Sequence[str], *, timeout: float = 60.0, cwd: Path | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         """Run a command (srun, sbatch, scontrol, ...) against this cluster; never raises on exit codes."""
-        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, cwd=cwd,
+        return subprocess.run(self.command(cmd), capture_output=True, text=True, timeout=timeout, cwd=cwd,
                               env={**self.env, **(env or {})})
 
     def submit(self, script: Path, *extra: str, cwd: Path | None = None) -> int:
@@ -94,7 +104,7 @@ class SlurmCluster:
 
     def logs(self) -> str:
         parts = []
-        for name in ("slurmctld.log", "slurmd.log", "munged.log"):
+        for name in ("slurmctld.log", *[f"slurmd-{n}.log" for n in self.nodes], "munged.log"):
             path = self.root / name
             if path.exists():
                 parts.append(f"--- {name} (tail) ---\n" + "\n".join(path.read_text(errors="replace").splitlines()[-30:]))
@@ -102,11 +112,17 @@ class SlurmCluster:
 
 
 @contextlib.contextmanager
-def slurm_cluster(root: Path, *, cpus: int | None = None) -> Iterator[SlurmCluster]:
-    """Start munged, slurmctld and slurmd under `root`; yield once the node is idle; always stop them."""
+def slurm_cluster(root: Path, *, cpus: int | None = None, hosts: Sequence[Host] = ()) -> Iterator[SlurmCluster]:
+    """Start munged, slurmctld and slurmd under `root`; yield once the nodes are idle; always stop them.
+
+    With `hosts` (tests/testbed/netns.py), each host is a node named node<i> at its address: its slurmd runs
+    in that network namespace and in its own UTS and mount namespaces (hostname node<i>, an /etc/hosts
+    that names every node), slurmctld runs on node0, and `cluster.run` runs client commands there.
+    """
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o700)  # munged refuses a key or socket directory others can write to
-    cluster = SlurmCluster(root=root, node=socket.gethostname().split(".")[0], cpus=cpus or os.cpu_count() or 1)
+    cluster = SlurmCluster(root=root, node=socket.gethostname().split(".")[0], cpus=cpus or os.cpu_count() or 1,
+                           hosts=list(hosts))
     try:
         _start(cluster)
         yield cluster
@@ -133,22 +149,42 @@ def _start(cluster: SlurmCluster) -> None:
     for var in [k for k in cluster.env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))]:
         if var != "SLURM_CONF":
             cluster.env.pop(var)  # a test itself running inside a SLURM job must not leak its job here
-    # Each daemon is PID 1 of its own PID namespace: killing its `unshare` parent ends everything it started.
+    for name, argv in _daemons(cluster):
+        cluster.procs[name] = subprocess.Popen(argv, env=cluster.env, stdout=open(root / f"{name}.out", "wb"),
+                                               stderr=subprocess.STDOUT, start_new_session=True)
+    _wait_for(lambda: _nodes_idle(cluster), f"nodes {', '.join(cluster.nodes)} idle", cluster)
+
+
+def _daemons(cluster: SlurmCluster) -> list[tuple[str, list[str]]]:
+    """(name, argv) of slurmctld and each slurmd. Each daemon is PID 1 of its own PID namespace: killing
+    its `unshare` parent ends everything it started (slurmstepd, job tasks)."""
+    conf = str(cluster.conf)
     in_pid_ns = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
-    cluster.procs["slurmctld"] = subprocess.Popen(
-        [*in_pid_ns, "slurmctld", "-D", "-i", "-f", str(cluster.conf)], env=cluster.env,
-        stdout=open(root / "slurmctld.out", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    cluster.procs["slurmd"] = subprocess.Popen(
-        [*in_pid_ns, "slurmd", "-D", "-N", cluster.node, "-f", str(cluster.conf)], env=cluster.env,
-        stdout=open(root / "slurmd.out", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    _wait_for(lambda: _node_idle(cluster), f"node {cluster.node} idle", cluster)
+    if not cluster.hosts:
+        return [("slurmctld", [*in_pid_ns, "slurmctld", "-D", "-i", "-f", conf]),
+                ("slurmd", [*in_pid_ns, "slurmd", "-D", "-N", cluster.node, "-f", conf])]
+    hosts_file = cluster.root / "hosts"
+    hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{h.addr} {n}\n" for h, n in zip(cluster.hosts, cluster.nodes)))
+    # Its own hostname and /etc/hosts (a private mount: the machine's file is untouched), then the daemon.
+    as_node = [*in_pid_ns, "--uts", "sh", "-c", f'hostname "$0" && mount --bind {hosts_file} /etc/hosts && exec "$@"']
+    daemons = [("slurmctld", cluster.hosts[0].command([*as_node, cluster.nodes[0], "slurmctld", "-D", "-i", "-f", conf]))]
+    for host, node in zip(cluster.hosts, cluster.nodes):
+        daemons.append((f"slurmd-{node}", host.command([*as_node, node, "slurmd", "-D", "-N", node, "-f", conf])))
+    return daemons
 
 
 def _slurm_conf(cluster: SlurmCluster, munge_socket: Path, ctld_port: int, slurmd_port: int) -> str:
     root = cluster.root
+    if cluster.hosts:
+        ctld = f"{cluster.nodes[0]}({cluster.hosts[0].addr})"
+        node_lines = "".join(f"NodeName={n} NodeAddr={h.addr} CPUs={cluster.cpus} State=UNKNOWN\n"
+                             for h, n in zip(cluster.hosts, cluster.nodes))
+    else:
+        ctld = f"{cluster.node}(127.0.0.1)"
+        node_lines = f"NodeName={cluster.node} NodeAddr=127.0.0.1 CPUs={cluster.cpus} State=UNKNOWN\n"
     return f"""\
 ClusterName=lockstep-test
-SlurmctldHost={cluster.node}(127.0.0.1)
+SlurmctldHost={ctld}
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -157,11 +193,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={munge_socket}
 StateSaveLocation={root / 'state'}
-SlurmdSpoolDir={root / 'spool'}
+SlurmdSpoolDir={root / 'spool'}/%n
 SlurmctldPidFile={root / 'slurmctld.pid'}
-SlurmdPidFile={root / 'slurmd.pid'}
+SlurmdPidFile={root / 'slurmd-%n.pid'}
 SlurmctldLogFile={root / 'slurmctld.log'}
-SlurmdLogFile={root / 'slurmd.log'}
+SlurmdLogFile={root / 'slurmd-%n.log'}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -175,17 +211,17 @@ SchedulerParameters=sched_interval=1
 MinJobAge=300
 KillWait=5
 InactiveLimit=0
-NodeName={cluster.node} NodeAddr=127.0.0.1 CPUs={cluster.cpus} State=UNKNOWN
-PartitionName=debug Nodes={cluster.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+{node_lines}PartitionName=debug Nodes={",".join(cluster.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """
 
 
-def _node_idle(cluster: SlurmCluster) -> bool:
+def _nodes_idle(cluster: SlurmCluster) -> bool:
     for name, proc in cluster.procs.items():
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode} while starting\n{cluster.logs()}")
-    result = cluster.run(["sinfo", "-h", "-N", "-o", "%t"], timeout=10) if not missing(("sinfo",)) else None
-    return bool(result and result.returncode == 0 and result.stdout.strip().startswith("idle"))
+    result = cluster.run(["sinfo", "-h", "-N", "-o", "%t"], timeout=10)
+    states = result.stdout.split()
+    return result.returncode == 0 and len(states) == len(cluster.nodes) and all(s == "idle" for s in states)
 
 
 def _wait_for(check: object, what: str, cluster: SlurmCluster) -> None:
@@ -202,7 +238,7 @@ def _stop(cluster: SlurmCluster) -> None:
     if "slurmctld" in cluster.procs and cluster.procs["slurmctld"].poll() is None and cluster.env:
         with contextlib.suppress(Exception):
             cluster.run(["scancel", "--full", "--user=root"], timeout=10)
-    for name in ("slurmd", "slurmctld", "munged"):
+    for name in [*[n for n in cluster.procs if n.startswith("slurmd")], "slurmctld", "munged"]:
         proc = cluster.procs.get(name)
         if proc is not None:
             stop_process(proc)
