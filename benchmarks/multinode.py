@@ -1,0 +1,268 @@
+"""Benchmark: 2 nodes across two network namespaces with the link limited by tc (issue 7).
+
+For each link rate (unshaped, 10 Gbit/s, 1 Gbit/s, 100 Mbit/s) two "hosts" are built with
+tests/testbed/netns.py (a bridge, one veth each, a tbf on each veth's egress) and one process starts on each,
+joined by lockstep.init() over the veth (GLOO_SOCKET_IFNAME). Each pair measures
+
+- the all-reduce bandwidth gloo reaches (bytes each rank sends per second; for 2 ranks an all-reduce of
+  S bytes sends S bytes each way) against the link's limit;
+- the training step time of torch's DistributedDataParallel and lockstep.DistributedDataParallel, and both
+  with torch's fp16_compress_hook (lockstep's own compression hooks are not on main yet), on an MLP with
+  3.2M parameters (12.6 MB of fp32 gradients): identical weights and data, a gradient parity check first,
+  rounds in alternating order (A-B-..., then ...-B-A), each engine a warm-up step then timed steps, a step's
+  time is the slowest rank's; the median of per-round ratios to torch DDP with min-max. "torch (again)" is
+  torch against itself: the noise floor.
+
+Needs root (network namespaces). Both "hosts" share this machine's cores: compute is not parallel as on two
+real machines, so step times are comparable as ratios only.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/multinode.py            # about 4 minutes on 2 cores
+    .venv/bin/python benchmarks/multinode.py --rates 1gbit --rounds 2      # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINES = ("torch", "lockstep", "torch (again)", "torch+fp16", "lockstep+fp16")
+BATCH = 32
+
+
+# ---------------------------------------------------------------- worker (one per "host")
+
+
+def _model() -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                         nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def _data(rank: int, step: int) -> tuple[Any, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(rank * 100_000 + step)
+    return torch.randn(BATCH, 1024, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
+
+
+def _wrap(kind: str, state: dict[str, Any]) -> tuple[Any, Any]:
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import lockstep
+
+    model = _model()
+    model.load_state_dict(state)
+    wrapped = lockstep.DistributedDataParallel(model) if kind.startswith("lockstep") else TorchDDP(model)
+    if kind.endswith("+fp16"):
+        wrapped.register_comm_hook(None, fp16_compress_hook)
+    return wrapped, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _step(engine: tuple[Any, Any], rank: int, step: int) -> None:
+    import torch.nn.functional as F
+
+    model, opt = engine
+    x, y = _data(rank, step)
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _segment(engine: tuple[Any, Any], rank: int, warmup: int, steps: int) -> float:
+    """Mean step time of this segment, as the slowest rank saw it."""
+    import torch
+    import torch.distributed as dist
+
+    for i in range(warmup):
+        _step(engine, rank, i)
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        _step(engine, rank, warmup + i)
+    elapsed = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item())
+
+
+def _parity(state: dict[str, Any], rank: int) -> float:
+    """Max |grad difference| between torch DDP and lockstep after one step from the same weights and data."""
+    import torch.nn.functional as F
+
+    grads = []
+    for kind in ("torch", "lockstep"):
+        model, _ = _wrap(kind, state)
+        x, y = _data(rank, 0)
+        F.cross_entropy(model(x), y).backward()
+        grads.append([p.grad.detach().clone() for p in model.parameters()])
+    return max(float((a - b).abs().max()) for a, b in zip(*grads))
+
+
+def _allreduce_bandwidth(sizes_mb: list[float], reps: int) -> list[dict[str, float]]:
+    import torch
+    import torch.distributed as dist
+
+    rows = []
+    for size_mb in sizes_mb:
+        tensor = torch.ones(int(size_mb * 2**20 / 4))
+        dist.all_reduce(tensor)  # warm-up: connections and buffers
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            times.append(float(took.item()))
+        best = min(times)
+        # 2 ranks: each sends half the buffer in the reduce-scatter and half in the all-gather.
+        rows.append({"size_mb": size_mb, "seconds": best, "gbit_per_s": tensor.numel() * 4 * 8 / best / 1e9})
+    return rows
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    import lockstep
+
+    topo = lockstep.init(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=120)
+    rank = topo.rank
+    state = _model().state_dict()
+    result: dict[str, Any] = {"parity": _parity(state, rank)}
+    result["allreduce"] = _allreduce_bandwidth(args.sizes_mb, args.reps)
+    times: dict[str, list[float]] = {kind: [] for kind in ENGINES}
+    for round_index in range(args.rounds):
+        order = ENGINES if round_index % 2 == 0 else tuple(reversed(ENGINES))
+        for kind in order:
+            engine = _wrap(kind, state)
+            times[kind].append(_segment(engine, rank, args.warmup, args.steps))
+            del engine
+    result["times"] = times
+    dist.barrier()
+    if rank == 0:
+        Path(args.out_json).write_text(json.dumps(result))
+    lockstep.shutdown()
+
+
+# ---------------------------------------------------------------- driver (root namespace)
+
+
+def run_pair(rate: str | None, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(ROOT))
+    from tests.testbed.netns import netns_hosts
+
+    out_json = workdir / f"result-{rate or 'unshaped'}.json"
+    forward = ["--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--reps", str(args.reps), "--sizes-mb", *[str(s) for s in args.sizes_mb]]
+    with netns_hosts(2, rate=rate) as hosts:
+        procs = []
+        for rank, host in enumerate(hosts):
+            env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": hosts[0].addr, "MASTER_PORT": "29500",
+                   "GLOO_SOCKET_IFNAME": host.ifname, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            procs.append(host.popen([sys.executable, __file__, "--worker", "--out-json", str(out_json), *forward],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        outputs = [proc.communicate(timeout=args.timeout) for proc in procs]
+    if any(proc.returncode for proc in procs) or not out_json.exists():
+        raise RuntimeError(f"rate {rate}: workers failed: {[o[1][-2000:] for o in outputs]}")
+    return dict(json.loads(out_json.read_text()))
+
+
+def _ratio_text(times: dict[str, list[float]], kind: str) -> str:
+    ratios = [a / b for a, b in zip(times[kind], times["torch"])]
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+
+
+def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, seconds: float) -> str:
+    import torch
+
+    lines = [
+        f"# Multi-node benchmark: 2 namespace hosts, tc tbf link limit ({_dt.date.today().isoformat()})",
+        "",
+        f"Machine: {os.cpu_count()} cores ({platform.machine()}), torch {torch.__version__}, gloo on CPU, "
+        f"OMP_NUM_THREADS=1, both hosts on the same cores. Model: MLP 1024-1024-1024-1024-10 (3.16M parameters, "
+        f"12.6 MB fp32 gradients), batch {BATCH} per rank, SGD. {args.rounds} rounds in alternating order, "
+        f"{args.warmup} warm-up + {args.steps} timed steps per engine per round; step time = slowest rank; "
+        f"ratios = median (min-max) of per-round ratios to torch DDP. Run took {seconds:.0f} s.",
+        "`python benchmarks/multinode.py` (as root).",
+        "",
+        "## All-reduce bandwidth vs the link (best of "
+        f"{args.reps}; for 2 ranks an all-reduce of S bytes sends S bytes each way)",
+        "",
+        "| link | " + " | ".join(f"{s:g} MB: Gbit/s (% of link)" for s in args.sizes_mb) + " |",
+        "|---|" + "---|" * len(args.sizes_mb),
+    ]
+    for rate, res in results.items():
+        from tests.testbed.netns import rate_bits
+
+        limit = rate_bits(rate) / 1e9 if rate != "unshaped" else None
+        cells = [f"{row['gbit_per_s']:.3f}" + (f" ({100 * row['gbit_per_s'] / limit:.0f}%)" if limit else "")
+                 for row in res["allreduce"]]
+        lines.append(f"| {rate} | " + " | ".join(cells) + " |")
+    lines += ["", "## Step time (ms, median over rounds) and ratio to torch DDP", "",
+              "| link | grad parity (max abs diff) | " + " | ".join(ENGINES) + " | "
+              + " | ".join(f"{k} / torch" for k in ENGINES[1:]) + " |",
+              "|---|---|" + "---|" * (2 * len(ENGINES) - 1)]
+    for rate, res in results.items():
+        times = res["times"]
+        ms = [f"{1000 * statistics.median(times[k]):.0f}" for k in ENGINES]
+        ratios = [_ratio_text(times, k) for k in ENGINES[1:]]
+        lines.append(f"| {rate} | {res['parity']:.1e} | " + " | ".join(ms) + " | " + " | ".join(ratios) + " |")
+    lines += ["", "Notes:",
+              "- torch (again) / torch is the noise floor of this run.",
+              "- fp16: torch's `fp16_compress_hook` registered on each engine with `register_comm_hook`; "
+              "lockstep's own compression hooks (PowerSGD etc.) were not on main when this was measured.",
+              "- The two hosts share 2 cores, so compute does not overlap across hosts as it would on two "
+              "machines; on a slow link the all-reduce dominates and the ratios show what the engine adds.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out-json", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--rates", nargs="+", default=["unshaped", "10gbit", "1gbit", "100mbit"])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 16.0])
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--out", default=None, help="report path (default benchmarks/results/multinode-DATE.md)")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if os.geteuid() != 0:
+        sys.exit("benchmarks/multinode.py needs root (it creates network namespaces)")
+    started = time.time()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rate in args.rates:
+            t0 = time.time()
+            results[rate] = run_pair(None if rate == "unshaped" else rate, args, Path(tmp))
+            print(f"{rate}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    text = report(results, args, time.time() - started)
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"multinode-{_dt.date.today().isoformat()}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    print(f"written to {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
