@@ -121,9 +121,11 @@ def test_slurm_requeue_checkpoints_and_resumes(cluster: SlurmCluster, tmp_path: 
     # What SLURM does --signal-before seconds before the limit (#SBATCH --signal=B:USR1@...): signal the batch shell.
     signalled = cluster.run(["scancel", "--signal=USR1", "--batch", str(job)])
     assert signalled.returncode == 0, signalled.stderr
-    # SLURM holds a requeued job for about 2 minutes (Reason=BeginTime); the test lets it start at once.
+    # SLURM holds a requeued job for about 2 minutes (Reason=BeginTime); the test lets it start sooner, but
+    # not in the same second as the kill: slurmd still holds the job's revoked credential and would refuse
+    # to launch it ("Job credential revoked", seen here with StartTime=now).
     cluster.wait(job, {"PENDING"}, restarts=1, timeout=JOB_TIMEOUT)
-    released = cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    released = cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"])
     assert released.returncode == 0, released.stderr
     info = cluster.wait(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, restarts=1, timeout=JOB_TIMEOUT)
     text = log.read_text()
@@ -134,3 +136,15 @@ def test_slurm_requeue_checkpoints_and_resumes(cluster: SlurmCluster, tmp_path: 
     result = result_line(text)
     assert 0 < int(result.pop("resumed_from")) == int(checkpointed.group(1)) < int(STEPS)
     assert result == {k: v for k, v in reference.items() if k != "resumed_from"}
+
+
+def test_batch_script_without_srun_is_a_world_of_one(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """`sbatch -n2` whose script runs python directly (no srun): the batch shell has SLURM_PROCID=0 and
+    SLURM_NTASKS=2, yet it is no task of a step; lockstep.init() must not wait for a rank 1 that never comes."""
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\n{sys.executable} -c 'import lockstep; print(lockstep.init(timeout=20))'\n")
+    job = cluster.submit(script, "-n2", f"--output={tmp_path / 'out.txt'}", cwd=tmp_path)
+    info = cluster.wait(job, timeout=JOB_TIMEOUT)
+    text = (tmp_path / "out.txt").read_text()
+    assert info["JobState"] == "COMPLETED", text
+    assert "rank 0/1 (local 0/1, node 0/1) via none" in text

@@ -1,19 +1,28 @@
-"""A real one-node SLURM cluster (munged + slurmctld + slurmd, run as root) in a temporary directory.
+"""A real SLURM cluster (munged + slurmctld + slurmd, run as root) in a temporary directory.
 
-    with slurm_cluster(tmp_path) as cluster:
+    with slurm_cluster(tmp_path) as cluster:                      # one node: this machine
         out = cluster.run(["srun", "-N1", "-n2", "python", "script.py"])
-        job = cluster.submit(script_path)             # sbatch --parsable
+        job = cluster.submit(script_path)                         # sbatch --parsable
         cluster.wait(job, {"COMPLETED"})
+
+    with netns_hosts(2) as hosts, slurm_cluster(tmp_path, hosts=hosts, cpus=1) as cluster:   # two nodes
+        cluster.run(["srun", "-N2", "-n2", ...])
 
 Everything lives under the given directory: munge key and socket, slurm.conf (client commands find it
 through SLURM_CONF in `cluster.env`), state, spool and logs. Each daemon runs in the foreground as a child of
-this process; slurmctld and slurmd each run inside their own PID namespace (`unshare --pid --kill-child
+this process; slurmctld and each slurmd run inside their own PID namespace (`unshare --pid --kill-child
 --mount-proc`), so stopping the `unshare` process by its PID also ends every slurmstepd and job task the
 daemon started: nothing outlives the fixture, even when a test fails or a job hangs.
 
 Setup (found on Debian 12, slurm-wlm 22.05): proctrack/linuxproc and task/none (no cgroup setup), cons_tres
-with CR_CPU, accounting off, the node named after `hostname -s` at 127.0.0.1. The cluster is idle about
-1-2 s after start.
+with CR_CPU, accounting off. One node: named after `hostname -s`, at 127.0.0.1. Namespace hosts: node<i> at
+the host's address, each slurmd also in its own UTS and mount namespace (hostname node<i>, a private
+/etc/hosts naming every node), entered with nsenter (`ip netns exec` would hide /sys/fs/cgroup). The
+cluster is idle about 1-2 s after start.
+
+A requeued job is held by SLURM for about 2 minutes (Reason=BeginTime); a test may shorten that with
+`scontrol update JobId=N StartTime=now+3`, never to the same second as the kill (slurmd refuses the launch:
+"Job credential revoked").
 """
 
 from __future__ import annotations
