@@ -112,3 +112,36 @@ def test_lockstep_run_two_nodes_matches_single_node(tmp_path: Path, reference: d
     if rate:
         # The job's traffic went through the rate-limited link, both ways.
         assert all(count > 20_000 for count in sent), sent
+
+
+def test_node_failure_restarts_both_nodes_and_resumes(tmp_path: Path, reference: dict[str, str]) -> None:
+    """SIGKILL the worker on node 1 mid-training under --max-restarts 1: both nodes restart their workers,
+    which resume from the last checkpoint (on the shared filesystem) and end with the single-node parameters."""
+    import os
+    import signal
+    import time
+
+    progress, ckpt = tmp_path / "progress", tmp_path / "ckpt"
+    extra = ["--ckpt-dir", str(ckpt), "--ckpt-every", "5", "--sleep", "0.2", "--progress", str(progress)]
+    with netns_hosts(2) as hosts:
+        commands = [[*cmd[:4], "--max-restarts", "1", *cmd[4:], *extra] for cmd in launcher_commands(hosts, tmp_path)]
+        procs = [host.popen(cmd, env=child_env(), cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for host, cmd in zip(hosts, commands)]
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT
+            while not (progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= 7):
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no progress"
+                time.sleep(0.1)
+            victim = int((tmp_path / "node1" / "rank1" / "pid").read_text())
+            os.kill(victim, signal.SIGKILL)
+            outputs = [proc.communicate(timeout=RUN_TIMEOUT) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    assert "restart 1/1" in outputs[0][1] and "restart 1/1" in outputs[1][1]
+    result = result_line(outputs[0][0])
+    assert int(result.pop("resumed_from")) >= 5
+    assert result == {k: v for k, v in reference.items() if k != "resumed_from"}
