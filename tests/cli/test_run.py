@@ -148,3 +148,26 @@ def test_help_and_version() -> None:
     assert result.returncode == 0 and "--nproc-per-node" in result.stdout and "--rdzv-endpoint" in result.stdout
     result = subprocess.run(lockstep_cmd("--help"), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and all(cmd in result.stdout for cmd in ("run", "env", "train"))
+
+
+def test_no_backend_threads_outlive_shutdown(tmp_path: Path) -> None:
+    """An optimizer built after init (torch imports modules lazily then) must not pin the group past shutdown.
+
+    Pinned, gloo's threads live into interpreter teardown and a worker can abort as it exits.
+    """
+    script = write(tmp_path / "threads.py", """
+        import os
+        import torch
+        import lockstep
+
+        lockstep.init()
+        model = lockstep.DistributedDataParallel(torch.nn.Linear(4, 2))
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(3, 4)).sum().backward()
+        lockstep.shutdown()
+        names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+        print("threads after shutdown:", [n for n in names if "gloo" in n])
+    """)
+    proc = run_cli("run", "-n", "2", "--logs", "all", str(script), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("threads after shutdown: []") == 2, proc.stdout

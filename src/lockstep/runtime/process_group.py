@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# torch.distributed.nn.functional binds `group=group.WORLD` as default arguments at import time. Imported
+# after the group exists (torch imports it lazily, e.g. the first time an optimizer is built), it keeps
+# the default group alive past destroy_process_group(); gloo's threads then outlive the interpreter and a
+# worker can die with SIGABRT ("terminate called without an active exception") as it exits. Importing it
+# first (3 ms) binds None, which means "the default group" when called.
+import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
 from lockstep.errors import BackendUnavailableError, ConfigError, InitTimeoutError, rank_tag
 from lockstep.runtime.topology import Topology, resolve_topology
@@ -84,6 +92,10 @@ def init(
     else:
         _rendezvous(topo, backend, timeout)
     _current["topology"] = topo
+    if backend != "nccl":
+        # Leave a gloo group while the interpreter is whole: its threads must not outlive it (see above).
+        # Not for nccl, where tearing down beside a failed peer can block the exit.
+        atexit.register(shutdown)
     return topo
 
 
