@@ -9,15 +9,19 @@ Design note. One training step goes through four phases; the same names label th
 - post_accumulate_grad: a hook per parameter fires once its `.grad` holds this step's full gradient.
   Large gradients are copied into their bucket right away (scaled by 1/world on the way, one pass);
   a bucket of many small gradients is copied in one `_foreach_copy_` when it is complete, which keeps
-  the per-hook Python work to a few operations.
+  the per-hook Python work to a few operations. A gradient of 4 MiB or more has a "solo" bucket and
+  is reduced in place in `.grad` (no copy in, no copy out, no buffer memory), except with
+  gradient_as_bucket_view, whose contract is that grads are views of the flat buckets.
 - launch: a complete bucket goes to the communication hook (torch's contract:
   hook(state, GradBucket) -> Future[Tensor]), strictly in bucket order on every rank: bucket 3 waits
   for bucket 2, or collectives would pair up differently on different ranks.
 - finalize: an autograd engine callback at the end of backward. Parameters that got no gradient are
   filled in (zeros, or their no_sync-accumulated grads) and their buckets launched, so that every rank
-  issues the same collectives whatever happened, and nothing hangs; one small all-reduce lets every
-  rank agree on unused parameters (and raise the same error naming them); then wait, and write the
-  averages back into `.grad` (copies, or views of the bucket with gradient_as_bucket_view).
+  issues the same collectives whatever happened, and nothing hangs. Every rank's count of such
+  parameters rides in one extra element of the last bucket, so all ranks learn of a problem without an
+  extra collective and raise the same error naming the parameters and ranks (with a user comm hook, or
+  with find_unused_parameters' bitmap, a small separate all-reduce does it). Then wait, and write the
+  averages back into `.grad` (one `_foreach_copy_` per bucket, or views with gradient_as_bucket_view).
 """
 
 from __future__ import annotations
