@@ -22,13 +22,14 @@ def _data() -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])
 
 
-def _fit_toy(run_dir: str, batch_size: int, accum: int, max_steps: int | None, epochs: int = 2) -> dict:
+def _fit_toy(run_dir: str, batch_size: int, accum: int, max_steps: int | None, epochs: int = 2,
+             checkpoint_every: int = 3) -> dict:
     torch.manual_seed(0)
     model = ToyModel()
     train, test = _data()
     config = FitConfig(run_dir=run_dir, batch_size=batch_size, grad_accum_steps=accum, epochs=epochs,
                        max_steps=max_steps, optimizer="sgd", momentum=0.0, lr=0.05, task="regression",
-                       log_every=2, checkpoint_every=3, progress="lines", plot=False)
+                       log_every=2, checkpoint_every=checkpoint_every, progress="lines", plot=False)
     result = lockstep.fit(model, train, loss_fn=nn.functional.mse_loss, config=config, eval_data=test)
     return {"params": [p.detach().clone() for p in model.parameters()], "summary": result.summary}
 
@@ -64,6 +65,19 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     train_steps = [json.loads(line)["step"] for line in lines if "train_loss" in json.loads(line)]
     assert train_steps == [2, 4, 5, 6, 8, 10, 12, 14, 16]
     assert (tmp_path / "part" / "metrics.csv").read_text().count("\n") == len(lines) + 1
+
+
+def test_resume_from_a_checkpoint_on_an_epochs_last_step(tmp_path: Path) -> None:
+    # 8 steps per epoch; checkpoint_every=4 saves step 8 before the loop counts epoch 0 as done (as a run
+    # killed right after that save leaves it): the resumed run must go on with epoch 1, not replay epoch 0.
+    full = run_distributed(_fit_toy, 2, args=(str(tmp_path / "full"), 4, 1, None, 2, 4), timeout=120)
+    run_distributed(_fit_toy, 2, args=(str(tmp_path / "part"), 4, 1, 8, 2, 4), timeout=120)
+    resumed = run_distributed(_fit_toy, 2, args=(str(tmp_path / "part"), 4, 1, None, 2, 4), timeout=120)
+    assert resumed[0]["summary"]["steps_this_run"] == 8
+    assert resumed[0]["summary"]["epochs_completed"] == 2
+    _assert_same_params(resumed[0]["params"], full[0]["params"], atol=0)
+    records = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [8, 16]  # each epoch's evaluation once
 
 
 def test_logs_are_written_on_rank0(tmp_path: Path) -> None:

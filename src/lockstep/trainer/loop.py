@@ -25,7 +25,7 @@ from lockstep.data import DistributedSampler, EvalSampler
 from lockstep.engine.api import DistributedDataParallel
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError
-from lockstep.runtime import all_reduce_sum, barrier, get_logger, init
+from lockstep.runtime import all_reduce_sum, barrier, broadcast_object, get_logger, init
 from lockstep.runtime.topology import Topology
 from lockstep.trainer.config import FitConfig, config_to_dict
 from lockstep.trainer.logs import RunLog
@@ -162,8 +162,25 @@ class _Run:
         self.runlog.rewind(step or 0)
         if step is not None:
             self.saved_step = step
+            self._finish_epoch_cut_at_checkpoint()
             self.bar.message(f"resumed from step {step} (epoch {self.progress.epoch}) in {self.run_dir}")
             self.bar.advance(self.progress.step)
+
+    def _finish_epoch_cut_at_checkpoint(self) -> None:
+        """A checkpoint taken on an epoch's last step holds the epoch as unfinished, but its sampler as done.
+
+        The sampler knows where the data stands: count the epoch as done (else set_epoch would replay it),
+        and run the end-of-epoch evaluation that the stopped run may not have reached.
+        """
+        if self.sampler.epoch <= self.progress.epoch:
+            return
+        self.progress.epoch = self.sampler.epoch
+        if self.eval_loader is None or self.config.eval_every != 0:
+            return
+        step = self.progress.step
+        logged = any(r.get("step") == step and "eval_loss" in r for r in self.runlog.records)
+        if not broadcast_object(logged):  # only rank 0 keeps the log; every rank must agree to evaluate
+            self._evaluate()
 
     def _train_epoch(self) -> None:
         self.module.train()
