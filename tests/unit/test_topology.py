@@ -152,3 +152,15 @@ def test_slurm_without_nodelist_or_master() -> None:
     env = {k: v for k, v in SLURM_ENV.items() if "NODELIST" not in k}
     with pytest.raises(ConfigError, match=r"head node is unknown"):
         resolve_topology(env)
+
+
+def test_agent_store_attempt_is_the_jobs_attempt_under_lockstep_run() -> None:
+    """LOCKSTEP_ATTEMPT (the job's attempt, the same on every node) wins over this node's restart count."""
+    agent = {**TORCHRUN_ENV, "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert resolve_topology({**agent, "LOCKSTEP_ATTEMPT": "1"}).agent_store_attempt == 1
+    # Plain torchrun: only the restart count exists.
+    assert resolve_topology({**agent, "TORCHELASTIC_RESTART_COUNT": "2"}).agent_store_attempt == 2
+    # No agent store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or not under the agent): no prefix at all.
+    assert resolve_topology({**TORCHRUN_ENV, "LOCKSTEP_ATTEMPT": "1"}).agent_store_attempt is None
+    with pytest.raises(ConfigError, match="LOCKSTEP_ATTEMPT"):
+        resolve_topology({**agent, "LOCKSTEP_ATTEMPT": "x"})

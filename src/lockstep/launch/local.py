@@ -27,7 +27,9 @@ c10d rendezvous and monitors them. We add only what torch leaves out:
 
 Multi-node: `--nnodes`, `--rdzv-endpoint`, `--rdzv-id`, `--rdzv-conf`, `--local-addr` go to the agent
 unchanged; `--node-rank 0` / `N` become `is_host=1` / `0` for the c10d store unless `--rdzv-conf` says,
-and `--network-interface` sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for the workers.
+and `--network-interface` sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for the workers. The c10d
+rendezvous is torch's, wrapped (launch/rendezvous.py) so that every node numbers a restart the same way:
+after one node's failure all nodes restart, and their workers meet under the same attempt number.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def launch(spec: LaunchSpec, *, cwd: str | None = None, console: Console | None 
         if attempt == 0:
             console.line("stderr", header(spec, env0, threads_note, run_dir))
         else:
-            console.line("stderr", f"lockstep run: restart {attempt}/{spec.max_restarts}; logs in {os.path.dirname(next(iter(ranks.values())))}")
+            console.line("stderr", restart_line(attempt, int(env0.get("TORCHELASTIC_RESTART_COUNT", attempt)),
+                                                spec.max_restarts, os.path.dirname(next(iter(ranks.values())))))
         for rank, rank_dir in sorted(ranks.items()):
             relay.follow(rank, os.path.join(rank_dir, "stdout.log"), os.path.join(rank_dir, "stderr.log"))
 
@@ -124,6 +127,15 @@ def _run_agent(config: Any, spec: LaunchSpec, state: dict[str, Any]) -> tuple[in
             "uses the same --rdzv-endpoint and --rdzv-id, that the head node is reachable on that port, "
             "and set --local-addr / --network-interface to this node's address on the shared network"
         ) from exc
+
+
+def restart_line(attempt: int, own_restarts: int, max_restarts: int, logs: str) -> str:
+    """The line shown when the workers start again: the job's attempt and this node's restarts used. On a
+    node restarted for a peer's failure (the rendezvous reopened) the two differ: it spent none of its own."""
+    if own_restarts == attempt:
+        return f"lockstep run: restart {attempt}/{max_restarts}; logs in {logs}"
+    return (f"lockstep run: restart {attempt} of the job (another node's workers stopped; this node has used "
+            f"{own_restarts}/{max_restarts} of its restarts); logs in {logs}")
 
 
 def header(spec: LaunchSpec, env0: Mapping[str, str], threads_note: str, run_dir: str) -> str:
@@ -224,18 +236,24 @@ def _nodes(spec: LaunchSpec) -> str:
 def _launch_config(spec: LaunchSpec, run_dir: str, rdzv_conf: dict[str, Any], on_attempt: Any) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
+    from lockstep.launch import rendezvous
     from lockstep.launch.logs import RunDirLogs
 
+    agreed = rendezvous.AgreedAttempt()
+    backend, configs = spec.rdzv_backend, dict(rdzv_conf)
+    if backend == "c10d":
+        # torch's c10d rendezvous, plus one attempt number per round that every node agrees on.
+        backend, configs[rendezvous.SINK_KEY] = rendezvous.register(), agreed
     options: dict[str, Any] = {
         "min_nodes": spec.min_nodes,
         "max_nodes": spec.max_nodes,
         "nproc_per_node": spec.nproc_per_node,
-        "logs_specs": RunDirLogs(run_dir, on_attempt),
+        "logs_specs": RunDirLogs(run_dir, on_attempt, agreed),
         "run_id": spec.rdzv_id or (uuid.uuid4().hex if not spec.is_multi_node else "none"),
         "role": "worker",
         "rdzv_endpoint": spec.endpoint,
-        "rdzv_backend": spec.rdzv_backend,
-        "rdzv_configs": rdzv_conf,
+        "rdzv_backend": backend,
+        "rdzv_configs": configs,
         "max_restarts": spec.max_restarts,
         "monitor_interval": spec.monitor_interval,
         "start_method": "spawn",

@@ -4,6 +4,11 @@ A `torch.distributed.elastic.multiprocessing.LogsSpecs` (the agent's own extensi
 placement): torch redirects every worker's stdout and stderr to these files and tells each worker its
 error file through TORCHELASTIC_ERROR_FILE. Attempt k > 0 (after `--max-restarts`) writes under
 `<run_dir>/restart<k>/`. Each new attempt's files are announced to the launcher through `on_attempt`.
+
+The attempt number k is the job's, the same on every node: the one the rendezvous agreed for the round
+(launch/rendezvous.py), else (static rendezvous) the number of attempts this node started before. Each
+worker gets it as LOCKSTEP_ATTEMPT, its store prefix (runtime/process_group.py); TORCHELASTIC_RESTART_COUNT
+counts only this node's own failures and differs between nodes after a peer's failure.
 """
 
 from __future__ import annotations
@@ -13,17 +18,22 @@ from collections.abc import Callable, Mapping
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
+from lockstep.launch.rendezvous import AgreedAttempt
+
 OnAttempt = Callable[[int, Mapping[int, str], Mapping[str, str]], None]
 _STALE = ("stdout.log", "stderr.log", "error.json", "pid")
+ATTEMPT_VAR = "LOCKSTEP_ATTEMPT"
 
 
 class RunDirLogs(LogsSpecs):
     """Redirect every worker's stdout/stderr into its rank directory; the console relay shows them."""
 
-    def __init__(self, run_dir: str, on_attempt: OnAttempt) -> None:
+    def __init__(self, run_dir: str, on_attempt: OnAttempt, agreed: AgreedAttempt | None = None) -> None:
         super().__init__(log_dir=run_dir, redirects=Std.ALL, tee=Std.NONE)
         self._run_dir = run_dir
         self._on_attempt = on_attempt
+        self._agreed = agreed
+        self._started = 0  # attempts this node started: the number when no rendezvous agreed one
 
     @property
     def root_log_dir(self) -> str:
@@ -33,7 +43,9 @@ class RunDirLogs(LogsSpecs):
         """Called by the agent right before it starts the workers of an attempt, with their environments."""
         if not envs:
             return LogsDest()
-        attempt = int(envs[0].get("TORCHELASTIC_RESTART_COUNT", "0"))
+        agreed = self._agreed.value if self._agreed is not None else None
+        attempt = agreed if agreed is not None else self._started
+        self._started += 1
         base = self._run_dir if attempt == 0 else os.path.join(self._run_dir, f"restart{attempt}")
         stdouts, stderrs, error_files, ranks = {}, {}, {}, {}
         for local_rank, env in envs.items():
@@ -46,6 +58,7 @@ class RunDirLogs(LogsSpecs):
             stderrs[local_rank] = os.path.join(rank_dir, "stderr.log")
             error_files[local_rank] = os.path.join(rank_dir, "error.json")
             env["TORCHELASTIC_ERROR_FILE"] = error_files[local_rank]
+            env[ATTEMPT_VAR] = str(attempt)
             ranks[rank] = rank_dir
         self._on_attempt(attempt, ranks, envs[0])
         # By keyword: LogsDest gained fields over torch releases (these three exist in all of them).

@@ -182,10 +182,22 @@ def _from_torchrun(env: Mapping[str, str]) -> Topology:
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_master_port(env, 29500),
         launcher="torchrun",
-        agent_store_attempt=_int_var(env, "TORCHELASTIC_RESTART_COUNT", 0)
-        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        else None,
+        agent_store_attempt=_agent_store_attempt(env),
     )
+
+
+def _agent_store_attempt(env: Mapping[str, str]) -> int | None:
+    """Under torch's elastic agent (which hosts the store): the attempt this process belongs to.
+
+    LOCKSTEP_ATTEMPT (set by `lockstep run`) is the job's attempt, the same on every node. Under plain
+    torchrun only TORCHELASTIC_RESTART_COUNT exists; it counts this node's own restarts, which is the
+    job's attempt on one node but not across nodes once a peer restarted for a failure of its own.
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if env.get("LOCKSTEP_ATTEMPT", "") != "":
+        return _int_var(env, "LOCKSTEP_ATTEMPT")
+    return _int_var(env, "TORCHELASTIC_RESTART_COUNT", 0)
 
 
 def _from_slurm(env: Mapping[str, str]) -> Topology:
