@@ -1,4 +1,4 @@
-"""The `lockstep` command: a thin dispatcher to its subcommands (run, env, train; slurm later).
+"""The `lockstep` command: a thin dispatcher to its subcommands (run, slurm, env, train).
 
 Each subcommand's module is imported only when it is chosen, so `lockstep run` never imports the
 engine or the trainer. User mistakes (ConfigError) print one line naming what to fix and exit 2;
@@ -17,21 +17,22 @@ USAGE = """usage: lockstep <command> [options]
 
 commands:
   run     start N processes of a training script (torchrun's flags: -n, --nnodes, --rdzv-endpoint, ...)
+  slurm   write an sbatch script that runs `lockstep run` on every node, and submit it (--dry-run: print it)
   train   run a lockstep training job (e.g. `lockstep train digits -n 2`)
   env     print versions, backends, devices, threads, launcher and topology (paste it into bug reports)
 
 `lockstep <command> --help` describes a command.
 """
 
-# Where a future `lockstep slurm` plugs in: add ("slurm", "lockstep.launch.slurm") below with a
-# `main(argv: list[str]) -> int` in that module.
+# Each command is "module:function", a `main(argv: list[str]) -> int` imported only when chosen.
 _COMMANDS: dict[str, str] = {
     "run": "lockstep.cli:_run_main",
+    "slurm": "lockstep.launch.slurm:main",
     "env": "lockstep.launch.envinfo:main",
     "train": "lockstep.jobs.cli:main",
 }
-_PLANNED = {"slurm": "`lockstep slurm` is not available yet; submit with sbatch/srun and `lockstep.init()` "
-                     "reads SLURM's variables, or use `lockstep run` on each node"}
+# Commands announced but not built yet: name -> what to do instead (none at the moment).
+_PLANNED: dict[str, str] = {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,7 @@ where the machine cannot host it (not root, no apt to install slurm-wlm and mung
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -54,11 +55,8 @@ def result_line(text: str) -> dict[str, str]:
 
 
 def slurm_cli(cluster: SlurmCluster, *args: str, cwd: Path):  # type: ignore[no-untyped-def]
-    """`lockstep slurm ...` (through the CLI dispatcher once it knows the command)."""
-    import lockstep.cli
-
-    command = ["-m", "lockstep", "slurm"] if "slurm" in lockstep.cli._COMMANDS else ["-m", "lockstep.launch.slurm"]
-    return cluster.run([sys.executable, *command, *args], cwd=cwd, env={"OMP_NUM_THREADS": "1"})
+    """`lockstep slurm ...` through the CLI dispatcher, on the cluster's login side (sbatch on PATH)."""
+    return cluster.run([sys.executable, "-m", "lockstep", "slurm", *args], cwd=cwd, env={"OMP_NUM_THREADS": "1"})
 
 
 def test_srun_tasks_init_all_reduce_and_match_local_run(cluster: SlurmCluster, tmp_path: Path,
@@ -148,3 +146,28 @@ def test_batch_script_without_srun_is_a_world_of_one(cluster: SlurmCluster, tmp_
     text = (tmp_path / "out.txt").read_text()
     assert info["JobState"] == "COMPLETED", text
     assert "rank 0/1 (local 0/1, node 0/1) via none" in text
+
+
+def test_cli_dispatches_slurm_help_dry_run_and_errors(tmp_path: Path) -> None:
+    """`lockstep slurm` is a command of the CLI (no cluster needed to write a script): --help, --dry-run with
+    the script saved and printed, a missing script (exit 2, naming it), and no sbatch on PATH (exit 1)."""
+    import subprocess
+
+    def cli(*args: str, **env: str | None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "lockstep", "slurm", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60, env=child_env(**env))
+
+    shown = cli("--help")
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: lockstep slurm [options] SCRIPT"), shown
+    assert "--requeue" in shown.stdout and "--gpus-per-node" in shown.stdout
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    dry = cli("--dry-run", "--nodes", "2", "--gpus-per-node", "4", "--run-dir", "r", "train.py", "--lr", "0.1")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout == (tmp_path / "r" / "sbatch.sh").read_text()
+    assert "#SBATCH --nodes=2" in dry.stdout and "#SBATCH --gpus-per-node=4" in dry.stdout
+    assert " -n 4 " in dry.stdout and dry.stdout.rstrip().endswith("train.py --lr 0.1")
+    assert f"script saved as {tmp_path / 'r' / 'sbatch.sh'}" in dry.stderr
+    missing = cli("--dry-run", "absent.py")
+    assert missing.returncode == 2 and "lockstep slurm: error: script 'absent.py' not found" in missing.stderr
+    no_sbatch = cli("--run-dir", "s", "train.py", PATH=os.path.dirname(sys.executable))
+    assert no_sbatch.returncode == 1 and "sbatch was not found on PATH" in no_sbatch.stderr, no_sbatch.stderr
