@@ -16,8 +16,7 @@ import torch
 from torch.utils.data import Sampler
 
 from lockstep.data.gather import gather_eval
-from lockstep.errors import ConfigError
-from lockstep.runtime import get_rank, get_world_size
+from lockstep.data.sampler import resolve_replicas
 
 
 def shard_bounds(num_samples: int, num_replicas: int) -> list[int]:
@@ -30,13 +29,8 @@ class EvalSampler(Sampler[int]):
     """Every index of `dataset` exactly once over all ranks, in order, unequal shard sizes allowed."""
 
     def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None) -> None:
-        num_replicas = get_world_size() if num_replicas is None else num_replicas
-        rank = get_rank() if rank is None else rank
-        if not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ConfigError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
-        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
-            raise ConfigError(f"rank must be in [0, {num_replicas - 1}] for num_replicas={num_replicas}, got {rank!r}")
-        self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
+        self.dataset = dataset
+        self.num_replicas, self.rank = resolve_replicas(num_replicas, rank)
 
     def _bounds(self) -> tuple[int, int]:
         bounds = shard_bounds(len(self.dataset), self.num_replicas)

@@ -42,6 +42,17 @@ def shard_indices(
     return [order[position % len(order)] for position in range(start + rank, end, num_replicas)]
 
 
+def resolve_replicas(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """(num_replicas, rank) as given, or from the process group (a world of 1 without one); checked."""
+    num_replicas = get_world_size() if num_replicas is None else num_replicas
+    rank = get_rank() if rank is None else rank
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ConfigError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+    if not isinstance(rank, int) or not 0 <= rank < num_replicas:
+        raise ConfigError(f"rank must be in [0, {num_replicas - 1}] for num_replicas={num_replicas}, got {rank!r}")
+    return num_replicas, rank
+
+
 class DistributedSampler(Sampler[int]):
     """Drop-in for torch.utils.data.DistributedSampler whose order does not depend on the world size.
 
@@ -81,14 +92,8 @@ class DistributedSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        num_replicas = get_world_size() if num_replicas is None else num_replicas
-        rank = get_rank() if rank is None else rank
-        if not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ConfigError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
-        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
-            raise ConfigError(f"rank must be in [0, {num_replicas - 1}] for num_replicas={num_replicas}, got {rank!r}")
         self.dataset = dataset
-        self.num_replicas, self.rank = num_replicas, rank
+        self.num_replicas, self.rank = resolve_replicas(num_replicas, rank)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         self.epoch = 0
         self._start = 0  # resume position of self.epoch's next iteration
