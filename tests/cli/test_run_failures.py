@@ -135,3 +135,62 @@ def test_signal_to_launcher_leaves_no_process(tmp_path: Path, sig: signal.Signal
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
     assert not survivors, f"processes left behind after {sig.name}: {survivors}"
+
+
+SIGNALLED = """
+import os, signal, sys, time
+
+out, rank = sys.argv[1], os.environ["RANK"]
+
+def note(signum, frame):
+    open(os.path.join(out, f"{signal.Signals(signum).name}-rank{rank}"), "w").close()
+    if signum == signal.SIGTERM:  # a graceful stop: the script saves what it must, then exits
+        sys.exit(0)
+
+for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
+    signal.signal(sig, note)
+open(os.path.join(out, f"ready-rank{rank}"), "w").close()
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("usr1_ignored", [False, True], ids=["plain", "started-with-usr1-ignored"])
+def test_usr1_usr2_reach_every_worker_and_sigterm_stops_them_gracefully(tmp_path: Path, usr1_ignored: bool) -> None:
+    """SIGUSR1/SIGUSR2 to `lockstep run` reach both ranks and the run goes on; SIGTERM reaches both ranks'
+    handlers (which exit 0) and the launcher exits 143. A launcher started with SIGUSR1 ignored (`lockstep
+    slurm`'s `trap '' USR1`: srun signals the workers itself) does not pass it on."""
+    write(tmp_path / "signalled.py", SIGNALLED)
+    out = tmp_path / "seen"
+    out.mkdir()
+    command = lockstep_cmd("run", "-n", "2", "--run-dir", "run", "signalled.py", str(out))
+    if usr1_ignored:
+        command = ["bash", "-c", 'trap "" USR1; exec "$@"', "bash", *command]
+    launcher = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=child_env())
+
+    def wait_for(*names: str) -> None:
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while not all((out / name).exists() for name in names):
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, f"never saw {names}: {sorted(p.name for p in out.iterdir())}"
+            time.sleep(0.05)
+
+    try:
+        wait_for("ready-rank0", "ready-rank1")
+        launcher.send_signal(signal.SIGUSR2)
+        wait_for("SIGUSR2-rank0", "SIGUSR2-rank1")
+        launcher.send_signal(signal.SIGUSR1)
+        if usr1_ignored:
+            time.sleep(2)
+            assert not list(out.glob("SIGUSR1-*")) and launcher.poll() is None
+        else:
+            wait_for("SIGUSR1-rank0", "SIGUSR1-rank1")
+        assert launcher.poll() is None  # the run goes on
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+    assert (out / "SIGTERM-rank0").exists() and (out / "SIGTERM-rank1").exists()
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert "interrupted by SIGTERM" in stderr and "FAILED" not in stderr

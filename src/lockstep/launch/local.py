@@ -23,7 +23,10 @@ c10d rendezvous and monitors them. We add only what torch leaves out:
   exit code (128 + signal if it was killed), 128 + signal when the launcher itself is interrupted;
 - Ctrl-C / SIGTERM: torch's agent forwards the signal to every worker's process group and SIGKILLs them
   after `spec.shutdown_grace` seconds; then every worker's process group is SIGKILLed again, by the pids
-  the workers wrote, so that nothing outlives the launcher.
+  the workers wrote, so that nothing outlives the launcher. A script that handles SIGTERM gets that grace
+  to save its state and exit;
+- SIGUSR1 / SIGUSR2 are passed on to every worker (not to their DataLoader workers), and the run goes on:
+  SLURM's `--signal=USR1@T` before the time limit reaches the training script (see `_forward_signals`).
 
 Multi-node: `--nnodes`, `--rdzv-endpoint`, `--rdzv-id`, `--rdzv-conf`, `--local-addr` go to the agent
 unchanged; `--node-rank 0` / `N` become `is_host=1` / `0` for the c10d store unless `--rdzv-conf` says,
@@ -45,7 +48,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from lockstep.errors import ConfigError, LaunchError
@@ -54,6 +57,7 @@ from lockstep.launch.spec import LaunchSpec, check_entrypoint, parse_endpoint
 from lockstep.launch.worker import PID_FILE
 
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+_FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # for the script (e.g. SLURM's "checkpoint now")
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
 
@@ -89,7 +93,11 @@ def launch(spec: LaunchSpec, *, cwd: str | None = None, console: Console | None 
     worker_env = _worker_env(spec, threads)
     relay.start()
     code, report = 1, ""
-    with _environ(worker_env), _signals_raise(), _torch_logs(spec.verbose):
+
+    def forward_to() -> list[str]:  # this node's current attempt
+        return list(state["rank_dirs"].values())
+
+    with _environ(worker_env), _signals_raise(), _forward_signals(forward_to), _torch_logs(spec.verbose):
         try:
             code, report = _run_agent(config, spec, state)
         finally:
@@ -310,6 +318,64 @@ def _signals_raise() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _forward_signals(rank_dirs: Callable[[], list[str]]) -> Iterator[None]:
+    """SIGUSR1/SIGUSR2 sent to the launcher go on to every worker of this node's current attempt, and the
+    run goes on (what the script does with them is its own business: SLURM's `--signal=USR1@T` asks it to
+    checkpoint before the time limit). To the worker process only: its DataLoader workers would die of them.
+
+    A signal the launcher was started with ignored stays ignored, as a shell leaves it: `lockstep slurm`'s
+    script starts the launchers under `trap '' USR1` because srun already delivers USR1 to every process of
+    the step, workers included, and they must not get it twice.
+    """
+
+    def forward(signum: int, frame: Any) -> None:
+        for pid in worker_pids(rank_dirs()):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+
+    saved = {sig: signal.getsignal(sig) for sig in _FORWARDED_SIGNALS}
+    forwarded = [sig for sig, previous in saved.items() if previous != signal.SIG_IGN]
+    for sig in forwarded:
+        signal.signal(sig, forward)
+    try:
+        yield
+    finally:
+        for sig in forwarded:
+            previous = saved[sig]
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
+def worker_pids(rank_dirs: list[str]) -> list[int]:
+    """The pids the workers wrote in their rank directories, for those that are still this launcher's
+    children (a worker that exited may have left its pid to an unrelated process)."""
+    pids = []
+    for rank_dir in rank_dirs:
+        pid = _read_pid(rank_dir)
+        if pid is not None and _parent_of(pid) in (os.getpid(), None):
+            pids.append(pid)
+    return pids
+
+
+def _read_pid(rank_dir: str) -> int | None:
+    try:
+        with open(os.path.join(rank_dir, PID_FILE)) as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _parent_of(pid: int) -> int | None:
+    """pid's parent pid from /proc (-1 when pid is gone), or None where there is no /proc to ask."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])  # the name may hold spaces: split after it
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+@contextlib.contextmanager
 def _torch_logs(verbose: bool) -> Iterator[None]:
     """torch's agent logs every step at WARNING; our header and summary say it better, unless --verbose.
     torch sets a level on each of its module loggers, so each one is raised (and restored) here."""
@@ -346,10 +412,8 @@ def kill_leftovers(rank_dirs: list[str]) -> list[int]:
     its DataLoader workers and anything else it started, and nothing outside the run."""
     killed = []
     for rank_dir in rank_dirs:
-        try:
-            with open(os.path.join(rank_dir, PID_FILE)) as fh:
-                pid = int(fh.read().strip())
-        except (OSError, ValueError):
+        pid = _read_pid(rank_dir)
+        if pid is None:
             continue
         try:
             os.killpg(pid, signal.SIGKILL)

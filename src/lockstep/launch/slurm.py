@@ -13,8 +13,10 @@ With `--requeue`, SLURM sends SIGUSR1 to the batch shell `--signal-before` secon
 so a training script that handles SIGUSR1 saves a checkpoint and exits; then the script runs `scontrol
 requeue $SLURM_JOB_ID` and the requeued job (same id, SLURM_RESTART_COUNT > 0) resumes from the
 checkpoint. If the step is still running 10 s before the limit, the job is requeued anyway (it resumes
-from its latest periodic checkpoint). The `lockstep run` launchers ignore SIGUSR1 (`trap '' USR1`) so that
-only the workers react to it.
+from its latest periodic checkpoint). The `lockstep run` launchers are started with SIGUSR1 ignored
+(`trap '' USR1`), which they keep: srun already delivers it to every process of the step, workers included,
+and a launcher that also passed it on (what `lockstep run` does with a SIGUSR1 it does not ignore) would
+deliver it twice.
 
 `render_script(spec)` is pure (unit-tested line by line); `main(argv)` parses, writes, and submits with
 `sbatch --parsable`, then prints the job id and where the logs go.
