@@ -164,3 +164,46 @@ def test_agent_store_attempt_is_the_jobs_attempt_under_lockstep_run() -> None:
     assert resolve_topology({**TORCHRUN_ENV, "LOCKSTEP_ATTEMPT": "1"}).agent_store_attempt is None
     with pytest.raises(ConfigError, match="LOCKSTEP_ATTEMPT"):
         resolve_topology({**agent, "LOCKSTEP_ATTEMPT": "x"})
+
+
+def _node(local_rank: int, local_world: int, launcher: str = "torchrun") -> Topology:
+    return Topology(rank=local_rank, local_rank=local_rank, world_size=local_world, local_world_size=local_world,
+                    launcher=launcher)
+
+
+def test_local_cuda_index_one_process_per_device() -> None:
+    from lockstep.runtime.process_group import local_cuda_index
+
+    assert [local_cuda_index(_node(i, 4), None, 4, None) for i in range(4)] == [0, 1, 2, 3]
+    assert [local_cuda_index(_node(i, 2), "nccl", 8, "0,1,2,3,4,5,6,7") for i in range(2)] == [0, 1]
+    assert local_cuda_index(_node(1, 2), "gloo", 4, None) is None  # gloo picks no device
+    assert local_cuda_index(_node(0, 1), None, 0, None) is None  # no CUDA device at all
+
+
+def test_local_cuda_index_task_with_its_own_device() -> None:
+    """srun --gpus-per-task=1: each of 4 tasks sees one device (its own), so each drives cuda:0."""
+    from lockstep.runtime.process_group import local_cuda_index
+
+    for local_rank, visible in enumerate(["0", "1", "2", "3"]):
+        assert local_cuda_index(_node(local_rank, 4, "slurm"), "nccl", 1, visible) == 0
+        assert local_cuda_index(_node(local_rank, 4, "slurm"), None, 1, visible) == 0
+    # A launcher that gives each process its own device and says LOCAL_RANK=0 (torch's virtual local rank).
+    assert local_cuda_index(_node(0, 4), None, 1, "3") == 0
+
+
+@pytest.mark.parametrize(("local_rank", "backend", "count", "visible"), [
+    (3, None, 2, None),  # 4 processes, 2 devices: backend None means nccl on CUDA
+    (1, "nccl", 2, "0,1"),
+    (2, None, 1, "0"),  # every process of the node inherited the one device: local rank 2 shares it
+    (1, "nccl", 1, None),
+])
+def test_local_cuda_index_more_processes_than_devices_says_what_to_change(
+        local_rank: int, backend: str | None, count: int, visible: str | None) -> None:
+    from lockstep.runtime.process_group import local_cuda_index
+
+    with pytest.raises(ConfigError) as err:
+        local_cuda_index(_node(local_rank, 4), backend, count, visible)
+    message = str(err.value)
+    assert message.startswith(f"[rank {local_rank}/4] 4 processes on this node but only {count} CUDA device(s)")
+    assert f"lockstep run -n {count}" in message and "--gpus-per-task=1" in message and "backend='gloo'" in message
+    assert local_cuda_index(_node(local_rank, 4), "gloo", count, visible) is None  # gloo: the way out

@@ -50,16 +50,44 @@ def check_backend(backend: str, device_type: str) -> None:
 
 
 def _local_device(topo: Topology, backend: str | None) -> torch.device:
-    if backend in (None, "nccl") and torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if topo.local_world_size > count and backend == "nccl":
-            raise ConfigError(
-                f"{rank_tag(topo.rank, topo.world_size)}{topo.local_world_size} processes on this node but only "
-                f"{count} CUDA device(s); run at most {count} processes per node (lockstep run -n {count}, "
-                f"or srun --ntasks-per-node={count}), or use backend='gloo'"
-            )
-        return torch.device("cuda", topo.local_rank % count)
-    return torch.device("cpu")
+    if backend not in (None, "nccl") or not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = local_cuda_index(topo, backend, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return torch.device("cpu") if index is None else torch.device("cuda", index)
+
+
+def local_cuda_index(topo: Topology, backend: str | None, device_count: int, visible: str | None) -> int | None:
+    """Which of the `device_count` CUDA devices this process drives (None: the CPU). Pure: the count and
+    CUDA_VISIBLE_DEVICES (`visible`) are arguments.
+
+    - A process that sees exactly one device, set for it alone (`srun --gpus-per-task=1`, or a launcher
+      that gives each process its own CUDA_VISIBLE_DEVICES), drives cuda:0 whatever its local rank.
+    - Otherwise local rank i drives device i; more processes on this node than devices cannot work with
+      nccl (backend None means nccl here), so that is a ConfigError saying what to change.
+    """
+    if backend not in (None, "nccl") or device_count < 1:
+        return None
+    if device_count == 1 and _one_device_for_this_process(topo, visible):
+        return 0
+    if topo.local_world_size > device_count:
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise ConfigError(
+            f"{rank_tag(topo.rank, topo.world_size)}{topo.local_world_size} processes on this node but only "
+            f"{device_count} CUDA device(s) visible{shown}, and nccl needs one device per process; run at most "
+            f"{device_count} processes per node (lockstep run -n {device_count}, or srun "
+            f"--ntasks-per-node={device_count}; with srun, --gpus-per-task=1 gives each task its own), make "
+            "more devices visible, or pass backend='gloo'"
+        )
+    return topo.local_rank % device_count
+
+
+def _one_device_for_this_process(topo: Topology, visible: str | None) -> bool:
+    """CUDA_VISIBLE_DEVICES names one device, and it was chosen for this process rather than shared by the
+    node: under SLURM each task gets its own; elsewhere local rank 0 (or a node of one process) cannot
+    tell, and a local rank > 0 that sees one device shares it with local rank 0."""
+    if visible is None or len([d for d in visible.split(",") if d.strip()]) != 1:
+        return False
+    return topo.launcher == "slurm" or topo.local_rank == 0 or topo.local_world_size == 1
 
 
 def init(
