@@ -9,20 +9,61 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 
+from lockstep.engine.join import EngineJoin
 from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, SyncPolicy
 from lockstep.engine.reducer import CommHook
 from lockstep.engine.state import ReplicaState
 from lockstep.engine.stats import EngineStats
 from lockstep.errors import ConfigError
 
-_JOIN_LATER = (
-    "join() (uneven inputs) is not implemented yet in lockstep's engine (planned: issue 4); give every "
-    "rank the same number of batches, e.g. with lockstep.data.DistributedSampler(drop_last=True)"
-)
+
+class _JoinableReplica(Joinable):
+    """torch's Joinable protocol for both faces of the engine, forwarded to the replica's state.
+
+    `join()` here or torch's `Join([model, ...])` (with ZeroRedundancyOptimizer, say) both work.
+    """
+
+    _replica: ReplicaState
+
+    def __init__(self) -> None:  # Joinable's __init__ would set _join_config before the replica exists
+        pass
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> EngineJoin:
+        """Train on uneven inputs: `with model.join(): for batch in my_batches: ...` (torch's contract).
+
+        Ranks that run out of batches shadow the collectives of those still training until all are
+        done; then the replicas are made identical (the last rank to join broadcasts its parameters).
+        divide_by_initial_world_size: average over the initial world size (True) or over the ranks still
+        training (False). throw_on_early_termination: raise UnevenInputsError on every rank as soon as
+        one runs out (needed when forward has collectives of its own, such as SyncBatchNorm).
+        """
+        return EngineJoin([self], enable, throw_on_early_termination,
+                          divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return self._replica.join_hook(**kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._replica.join_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._replica.join_process_group
+
+    @property
+    def _join_config(self) -> _JoinConfig:
+        return self._replica._join_config
+
+    @_join_config.setter
+    def _join_config(self, config: _JoinConfig) -> None:
+        self._replica._join_config = config
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, _JoinableReplica):
     """Drop-in for torch.nn.parallel.DistributedDataParallel, on lockstep's engine.
 
     Same arguments and behaviour as torch's class: the wrapped module is `.module`, state_dict keys
@@ -90,10 +131,6 @@ class DistributedDataParallel(nn.Module):
         with self._replica.no_sync():
             yield
 
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Any:
-        raise NotImplementedError(_JOIN_LATER)
-
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """torch's contract: hook(state, bucket) -> Future[Tensor]; call once, before training."""
         self._replica.register_comm_hook(state, hook)
@@ -117,7 +154,7 @@ class DistributedDataParallel(nn.Module):
             raise
 
 
-class ReplicaHandle:
+class ReplicaHandle(_JoinableReplica):
     """What `replicate` returns: control over a module replicated in place."""
 
     def __init__(self, replica: ReplicaState, hooks: list[Any]) -> None:
@@ -143,9 +180,6 @@ class ReplicaHandle:
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self._replica.register_comm_hook(state, hook)
-
-    def join(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(_JOIN_LATER)
 
     def remove(self) -> None:
         """Undo replicate: the module trains locally again (no hooks, no communication)."""

@@ -171,6 +171,10 @@ class Reducer:
     def _bucket_dtype(self, p: torch.Tensor) -> torch.dtype:
         return self.policy.bucket_dtype(p.dtype)
 
+    def set_divisor(self, num_ranks: int) -> None:
+        """Average over `num_ranks` (join() with divide_by_initial_world_size=False); the built-in hook only."""
+        self._inv = 1.0 / num_ranks
+
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         if self._hook is not sum_hook:
             raise RuntimeError(
@@ -183,14 +187,22 @@ class Reducer:
 
     # ---------------------------------------------------------------- pre_forward
 
-    def maybe_rebuild(self) -> None:
-        """pre_forward, once after the first synced step: every rank adopts rank 0's ready order."""
-        if self._order is None or not self._order_complete:
+    def will_rebuild(self) -> bool:
+        """True when the next synced pre_forward rebuilds the buckets (once, after the first synced step)."""
+        return self._order is not None and self._order_complete
+
+    def maybe_rebuild(self, *, force: bool = False) -> None:
+        """pre_forward, once after the first synced step: every rank adopts rank 0's ready order.
+
+        `force`: a rank that ran out of inputs inside join() joins the others' rebuild (its own order may
+        be incomplete; rank 0's is what counts, and it sends what it saw).
+        """
+        if not force and not self.will_rebuild():
             return
         from lockstep.runtime.collectives import broadcast_object
 
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        order = broadcast_object(complete_order(self._order, self._n), src=src, group=self.group)
+        order = broadcast_object(complete_order(self._order or [], self._n), src=src, group=self.group)
         self._order = None
         self._build(order)
         self.rebuilt = True
@@ -465,6 +477,42 @@ class Reducer:
         self._expect = False
         self._used = bytearray(self._n)
         self._order_complete = self._order is not None
+
+
+    # ---------------------------------------------------------------- join: a joined rank's step
+
+    def shadow_backward(self) -> None:
+        """A rank that ran out of inputs inside join(): the collectives of a synced backward, with zeros.
+
+        The mirror of launch + finalize on a training rank, in the same order: every bucket through the
+        communication hook (same sizes and dtypes, the status element included), then the unused-parameter
+        agreement, and if a training rank lacks gradients, the same UnusedParameterError here too.
+        """
+        if self.world == 1:
+            return
+        futures = []
+        for b in self.buckets:
+            b.hook_buffer = self._zeros_like_launch(b)
+            futures.append(self._hook(self._hook_state, GradBucket(b, len(self.buckets))))
+        self._used = bytearray(self._n)  # this rank used nothing in the step it shadows
+        verdict = self._agree_on_unused([])
+        values = [f.wait() for f in futures]
+        for b in self.buckets:
+            b.hook_buffer = b.buffer
+        if verdict is None:
+            last = values[-1][0] if isinstance(values[-1], list) else values[-1]
+            verdict = self._name_unused([]) if int(last.reshape(-1)[-1].item()) else ""
+        if self._first_static:  # the training ranks have learned their static pattern in this step
+            self._static_hits, self._static_unused = [1] * self._n, []
+        if verdict:
+            raise UnusedParameterError(verdict)
+
+    def _zeros_like_launch(self, b: _Bucket) -> torch.Tensor:
+        if b.solo:
+            p = b.params[0]
+            return torch.zeros(p.numel(), dtype=b.dtype, device=p.device)
+        zeros = torch.zeros_like(b.storage)  # type: ignore[arg-type]  # only solo buckets have none
+        return zeros if b.status is not None and self._hook is sum_hook else zeros[: b.buffer.numel()]
 
 
 def _unreached(outputs: Sequence[torch.Tensor], index_of: dict[int, int]) -> list[int]:

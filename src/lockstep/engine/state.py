@@ -10,12 +10,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import _JoinConfig
 
 from lockstep.engine.init_sync import broadcast_coalesced, check_same_model
+from lockstep.engine.join import EngineJoinHook, JoinSession, join_pre_forward
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import CommHook, Reducer
 from lockstep.engine.stats import EngineStats
 from lockstep.errors import ConfigError, rank_tag
+from lockstep.runtime.collectives import comm_device
 
 _MARK = "_lockstep_replica"
 
@@ -41,6 +44,7 @@ class ReplicaState:
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
             raise ConfigError(f"{self.tag}{type(module).__name__} has no parameter that requires grad")
+        self.all_params: list[torch.Tensor] = [p for _, p in named]  # frozen ones too, for join()'s final sync
         self.buffers = [b for _, b in _unique_named(module.named_buffers())]
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
         if self.world > 1:
@@ -55,7 +59,11 @@ class ReplicaState:
             for i, (_, p) in enumerate(trainable)
         ]
         self.sync_enabled = True
-        self._sync_buffers_next = True  # torch's require_forward_param_sync
+        self.sync_buffers_next = True  # torch's require_forward_param_sync
+        # join(): torch's Join sets the config (read by its notify_join_context); join.py does the rest.
+        self._join_config = _JoinConfig.construct_disabled_join_config()
+        self.join_session: JoinSession | None = None
+        self._join_device = comm_device(group)
         self._t_forward = 0.0
         setattr(module, _MARK, self)
 
@@ -63,14 +71,21 @@ class ReplicaState:
     def pre_forward(self) -> None:
         self._t_forward = time.perf_counter()
         syncing = torch.is_grad_enabled() and self.sync_enabled
+        if self._join_config.enable:
+            join_pre_forward(self, syncing)
+            return
         if syncing:
             self.reducer.maybe_rebuild()
-        if self._sync_buffers_next and self.policy.broadcast_buffers and self.buffers and self.world > 1:
+        if self.sync_buffers_next and self.policy.broadcast_buffers and self.buffers and self.world > 1:
             broadcast_coalesced(self.buffers, self._src, self.group)
+
+    def will_broadcast_buffers(self) -> bool:
+        """pre_forward broadcasts buffers (the same test as above, for join's step record)."""
+        return self.sync_buffers_next and self.policy.broadcast_buffers and bool(self.buffers) and self.world > 1
 
     def post_forward(self, output: Any) -> Any:
         syncing = torch.is_grad_enabled() and self.sync_enabled
-        self._sync_buffers_next = syncing
+        self.sync_buffers_next = syncing
         if syncing:
             self.reducer.prepare_for_backward(list(_find_tensors(output)), self._t_forward)
         return output
@@ -87,6 +102,25 @@ class ReplicaState:
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self.reducer.register_comm_hook(state, hook)
+
+    # torch's Joinable protocol (the DDP wrapper and the handle forward to these)
+    def join_hook(self, **kwargs: Any) -> EngineJoinHook:
+        """A JoinHook for torch's Join manager; kwargs: divide_by_initial_world_size (default True)."""
+        self.join_session = JoinSession(bool(kwargs.get("divide_by_initial_world_size", True)))
+        return EngineJoinHook(self, self.join_session)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._join_device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.group if self.group is not None else dist.group.WORLD  # type: ignore[return-value]
+
+    def leave_join(self) -> None:
+        """The join() context closed: back to the common path (no per-step record, full-world average)."""
+        self.join_session = None
+        self.reducer.set_divisor(self.world)
 
     def stats(self) -> EngineStats:
         r = self.reducer
