@@ -89,10 +89,11 @@ def test_two_hosts_explicit_env_match_single_node(tmp_path: Path, reference: dic
     assert result_line(results[0][1]) == reference
 
 
-def launcher_commands(hosts: Sequence[Host], run_dir: Path) -> list[list[str]]:
+def launcher_commands(hosts: Sequence[Host], run_dir: Path, *, interface: bool = True) -> list[list[str]]:
     endpoint = f"{hosts[0].addr}:29400"
     return [[sys.executable, "-m", "lockstep", "run", "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint",
-             endpoint, "--rdzv-id", "multinode-test", "--local-addr", host.addr, "--network-interface", host.ifname,
+             endpoint, "--rdzv-id", "multinode-test", "--local-addr", host.addr,
+             *(["--network-interface", host.ifname] if interface else []),
              "-n", "1", "--run-dir", str(run_dir / f"node{i}"), str(TINY), "--steps", STEPS]
             for i, host in enumerate(hosts)]
 
@@ -106,12 +107,26 @@ def test_lockstep_run_two_nodes_matches_single_node(tmp_path: Path, reference: d
         sent = [tbf_bytes_sent(host) for host in hosts]
     assert [rc for rc, _, _ in results] == [0, 0], results
     for i, (_, out, err) in enumerate(results):
-        assert "1 process x 2 nodes (world 2)" in err
+        assert "1 process x 2 nodes (world 2)" in err and f"network interface {hosts[i].ifname})" in err
         assert f"rank {i}/2 local 0/1 node {i}/2 via torchrun" in (out if i == 0 else (tmp_path / "node1" / "rank1" / "stdout.log").read_text())
     assert result_line(results[0][1]) == reference
     if rate:
         # The job's traffic went through the rate-limited link, both ways.
         assert all(count > 20_000 for count in sent), sent
+
+
+def test_local_addr_alone_picks_the_interface_that_holds_it(tmp_path: Path, reference: dict[str, str]) -> None:
+    """Without --network-interface, gloo would bind to what the host name resolves to (127.0.0.1 here) and
+    tell the other node to connect there: a hang until the init timeout. --local-addr names the address;
+    the launcher finds its interface (the veth) and sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME from it."""
+    with netns_hosts(2) as hosts:
+        commands = launcher_commands(hosts, tmp_path, interface=False)
+        results = run_on_both(hosts, commands, [child_env(GLOO_SOCKET_IFNAME=None, NCCL_SOCKET_IFNAME=None)] * 2,
+                              tmp_path)
+    assert [rc for rc, _, _ in results] == [0, 0], results
+    for host, (_, _, err) in zip(hosts, results):
+        assert f"network interface {host.ifname} (it holds --local-addr {host.addr})" in err, err
+    assert result_line(results[0][1]) == reference
 
 
 def test_node_failure_restarts_both_nodes_and_resumes(tmp_path: Path, reference: dict[str, str]) -> None:

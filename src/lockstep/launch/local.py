@@ -30,7 +30,8 @@ c10d rendezvous and monitors them. We add only what torch leaves out:
 
 Multi-node: `--nnodes`, `--rdzv-endpoint`, `--rdzv-id`, `--rdzv-conf`, `--local-addr` go to the agent
 unchanged; `--node-rank 0` / `N` become `is_host=1` / `0` for the c10d store unless `--rdzv-conf` says,
-and `--network-interface` sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for the workers. The c10d
+and `--network-interface` sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for the workers (without it, the
+interface that holds `--local-addr`, unless those are set: `collective_interface`). The c10d
 rendezvous is torch's, wrapped (launch/rendezvous.py) so that every node numbers a restart the same way:
 after one node's failure all nodes restart, and their workers meet under the same attempt number.
 """
@@ -59,6 +60,7 @@ from lockstep.launch.worker import PID_FILE
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # for the script (e.g. SLURM's "checkpoint now")
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def launch(spec: LaunchSpec, *, cwd: str | None = None, console: Console | None = None) -> int:
@@ -86,11 +88,13 @@ def launch(spec: LaunchSpec, *, cwd: str | None = None, console: Console | None 
         for rank, rank_dir in sorted(ranks.items()):
             relay.follow(rank, os.path.join(rank_dir, "stdout.log"), os.path.join(rank_dir, "stderr.log"))
 
+    interface, interface_note = collective_interface(spec, os.environ)
     if spec.is_multi_node:
         console.line("stderr", f"lockstep run: waiting for {_nodes(spec)} at {spec.endpoint} "
-                               f"(rendezvous {spec.rdzv_backend}, id {spec.rdzv_id or 'none'}); logs in {run_dir}")
+                               f"(rendezvous {spec.rdzv_backend}, id {spec.rdzv_id or 'none'}"
+                               f"{', ' + interface_note if interface_note else ''}); logs in {run_dir}")
     config = _launch_config(spec, run_dir, rdzv_conf, on_attempt)
-    worker_env = _worker_env(spec, threads)
+    worker_env = _worker_env(spec, threads, interface)
     relay.start()
     code, report = 1, ""
 
@@ -273,13 +277,32 @@ def _launch_config(spec: LaunchSpec, run_dir: str, rdzv_conf: dict[str, Any], on
     return LaunchConfig(**options)
 
 
-def _worker_env(spec: LaunchSpec, threads: str) -> dict[str, str]:
+def _worker_env(spec: LaunchSpec, threads: str, interface: str | None) -> dict[str, str]:
     env = {"OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
-    if spec.network_interface:
-        env["GLOO_SOCKET_IFNAME"] = spec.network_interface
-        env["NCCL_SOCKET_IFNAME"] = spec.network_interface
+    if interface:
+        for name in _IFNAME_VARS:
+            env[name] = spec.network_interface or os.environ.get(name) or interface
     env.update(spec.env)
     return env
+
+
+def collective_interface(spec: LaunchSpec, environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """(the interface gloo and nccl use on this node, how it was chosen; "" when nothing is set).
+
+    --network-interface wins. Else, on a multi-node run with --local-addr, the interface that holds that
+    address, unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are already set (the user's, kept as they are):
+    without it, gloo tells its peers the address the host name resolves to, 127.0.0.1 on many containers.
+    """
+    if spec.network_interface:
+        return spec.network_interface, f"network interface {spec.network_interface}"
+    if not (spec.is_multi_node and spec.local_addr):
+        return None, ""
+    if all(environ.get(name) or spec.env.get(name) for name in _IFNAME_VARS):
+        return None, ""
+    from lockstep.launch.netif import interface_for
+
+    found = interface_for(spec.local_addr)
+    return found, (f"network interface {found} (it holds --local-addr {spec.local_addr})" if found else "")
 
 
 @contextlib.contextmanager
