@@ -65,6 +65,9 @@ class _Bucket:
         self.status = self.storage[total:] if self.storage is not None and last else None
         self.views = [] if self.solo else _views(self.buffer, self.params)
         self.eager = not self.solo and total >= EAGER_COPY_MIN_NUMEL * len(numels)
+        # bf16/fp16 grads in an fp32 bucket: scale after the copy, in fp32 (torch.mul(out=) would round
+        # the scaled value in the gradient's dtype first). Buckets never mix dtypes: one test suffices.
+        self.widen = dtype != self.params[0].dtype and dtype.itemsize >= self.params[0].dtype.itemsize
         self.nbytes = total * dtype.itemsize
         self.pending = len(self.params)
         self.future: torch.futures.Future[Any] | None = None
@@ -197,7 +200,7 @@ class Reducer:
         `force`: a rank that ran out of inputs inside join() joins the others' rebuild (its own order may
         be incomplete; rank 0's is what counts, and it sends what it saw).
         """
-        if not force and not self.will_rebuild():
+        if not force and (self._order is None or not self._order_complete):
             return
         from lockstep.runtime.collectives import broadcast_object
 
@@ -298,6 +301,9 @@ class Reducer:
         grad, view = b.params[pos].grad, b.views[pos]
         if grad is None:
             view.zero_()
+        elif self._prescale and b.widen:
+            view.copy_(grad)
+            view.mul_(self._inv)
         elif self._prescale:
             torch.mul(grad, self._inv, out=view)
         elif grad.data_ptr() != view.data_ptr():

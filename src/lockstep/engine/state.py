@@ -134,6 +134,7 @@ class ReplicaState:
             synced_steps=r.stats.steps,
             last=r.stats.last,
             mean=r.stats.mean(),
+            extras={"bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets]},
         )
 
     def remove(self) -> None:
