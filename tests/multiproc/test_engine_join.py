@@ -25,7 +25,7 @@ TIMEOUT = 60
 
 def _train(kind: str, name: str, num_batches: list[int], *, divide: bool = True, accumulate: int = 1,
            kwargs: dict[str, Any] | None = None, torch_join: bool = False, after: int = 0,
-           hook: bool = False) -> dict[str, Any]:
+           hook: bool = False, eval_forward: bool = False) -> dict[str, Any]:
     """Train under join() with this rank's number of batches; `after` more even steps once it closes."""
     rank = dist.get_rank()
     module = build(name, seed=rank)  # different init per rank: the wrap makes them equal
@@ -39,6 +39,9 @@ def _train(kind: str, name: str, num_batches: list[int], *, divide: bool = True,
     with ctx:
         for step in range(num_batches[rank]):
             x, y = batch(rank, step)
+            if eval_forward:  # a no_grad forward between steps (torch would expect a backward after it)
+                with torch.no_grad():
+                    model(x)
             sync = (step + 1) % accumulate == 0
             with nullcontext() if sync else handle.no_sync():
                 F.cross_entropy(model(x), y).backward()
@@ -75,6 +78,7 @@ def _parity(num_batches: list[int], cases: list[str]) -> dict[str, Any]:
             out[f"{case}/{kind}"] = _train(kind, name, num_batches, **spec)
     out["convbn/replicate"] = _train("replicate", "convbn", num_batches)
     out["convbn/ours_under_torch_join"] = _train("ours", "convbn", num_batches, torch_join=True)
+    out["eval_forward_inside/ours"] = _train("ours", "convbn", num_batches, eval_forward=True)  # no torch reference
     return out
 
 

@@ -22,6 +22,9 @@ Design note. One training step goes through four phases; the same names label th
   extra collective and raise the same error naming the parameters and ranks (with a user comm hook, or
   with find_unused_parameters' bitmap, a small separate all-reduce does it). Then wait, and write the
   averages back into `.grad` (one `_foreach_copy_` per bucket, or views with gradient_as_bucket_view).
+
+Inside join() (protocol in join.py) a rank that ran out of inputs mirrors launch and finalize with zero
+buckets (`shadow_backward`), so that the training ranks' collectives always find a partner.
 """
 
 from __future__ import annotations
