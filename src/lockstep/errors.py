@@ -23,6 +23,10 @@ class CollectiveMismatchError(LockstepError, RuntimeError):
     """Ranks disagree about something that must be identical (model structure, bucket layout, ...)."""
 
 
+class UnevenInputsError(CollectiveMismatchError):
+    """join(throw_on_early_termination=True): some rank ran out of inputs; raised on every rank."""
+
+
 class UnusedParameterError(LockstepError, RuntimeError):
     """A parameter got no gradient although the engine expected one from every parameter."""
 

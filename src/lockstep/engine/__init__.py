@@ -2,6 +2,7 @@
 
 Modules: policy (user knobs), bucketing (pure bucket assignment), init_sync (cross-rank model check and
 broadcast), reducer (per-bucket launch/wait/scale), state (per-model state and hook registration),
+join (uneven inputs: ranks that ran out shadow the others' collectives),
 stats (public timings), api (DistributedDataParallel and replicate).
 """
 

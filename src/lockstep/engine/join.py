@@ -38,16 +38,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
 from lockstep.engine.init_sync import broadcast_coalesced
-from lockstep.errors import CollectiveMismatchError, rank_tag
+from lockstep.errors import UnevenInputsError, rank_tag
 
 if TYPE_CHECKING:
     from lockstep.engine.state import ReplicaState
 
 _SYNC, _REBUILD, _BUFFERS = range(3)  # flags after the per-rank slots of a step record
-
-
-class UnevenInputsError(CollectiveMismatchError):
-    """join(throw_on_early_termination=True): some rank ran out of inputs; raised on every rank."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +109,8 @@ def _early_termination_message(replica: ReplicaState, record: StepRecord, steps_
 def join_pre_forward(replica: ReplicaState, syncing: bool) -> None:
     """pre_forward inside join(): the step record, then the usual rebuild and buffer broadcast."""
     session = replica.join_session
-    assert session is not None  # join_hook() made it when the context was built
+    if session is None:  # join_hook() makes it when the context is built
+        raise RuntimeError(f"{replica.tag}lockstep internal error: a forward inside join() found no join session")
     rebuild = syncing and replica.reducer.will_rebuild()
     buffers = replica.will_broadcast_buffers()
     # Under torch's Join its manager counts ranks with an all-reduce of its own (the replica quacks as a Joinable).
