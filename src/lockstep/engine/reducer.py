@@ -36,88 +36,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.engine.bucketing import BucketSpec, ParamSpec, assign_buckets, complete_order
+from lockstep.engine.bucketing import ParamSpec, assign_buckets, complete_order
+from lockstep.engine.buckets import Bucket, GradBucket, flat_views, sum_hook
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.stats import StatsRecorder, StepStats, union_ms
 from lockstep.errors import UnusedParameterError, rank_tag
 from lockstep.runtime.collectives import all_gather_object
 
 CommHook = Callable[[Any, "GradBucket"], "torch.futures.Future[Any]"]
-EAGER_COPY_MIN_NUMEL = 1 << 14  # below this mean size a bucket copies its gradients in one call
 # A gradient this large is reduced in place in its own bucket: no copy into a flat buffer and back
 # (two passes over memory saved, and the buffer's memory), at the price of one more collective.
 SOLO_BUCKET_BYTES = 4 * 1024 * 1024
-
-
-class _Bucket:
-    """The runtime side of a BucketSpec: parameters, flat buffer, views and this step's state."""
-
-    def __init__(
-        self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], dtype: torch.dtype, last: bool
-    ) -> None:
-        self.index = spec.index
-        self.indices = list(spec.params)
-        self.params = [params[i] for i in spec.params]
-        self.dtype, self.solo = dtype, spec.solo
-        numels = [p.numel() for p in self.params]
-        total = sum(numels)
-        # The last bucket carries one extra element: each rank's count of parameters without gradient,
-        # summed by the same all-reduce, so that all ranks agree on errors without another collective.
-        self.storage = None if self.solo else torch.zeros(total + int(last), dtype=dtype, device=self.params[0].device)
-        self.buffer = self.storage[:total] if self.storage is not None else torch.empty(0, dtype=dtype)
-        self.status = self.storage[total:] if self.storage is not None and last else None
-        self.views = [] if self.solo else _views(self.buffer, self.params)
-        self.eager = not self.solo and total >= EAGER_COPY_MIN_NUMEL * len(numels)
-        # bf16/fp16 grads in an fp32 bucket: scale after the copy, in fp32 (torch.mul(out=) would round
-        # the scaled value in the gradient's dtype first). Buckets never mix dtypes: one test suffices.
-        self.widen = dtype != self.params[0].dtype and dtype.itemsize >= self.params[0].dtype.itemsize
-        self.nbytes = total * dtype.itemsize
-        self.pending = len(self.params)
-        self.future: torch.futures.Future[Any] | None = None
-        self.hook_buffer = self.buffer
-        self.t_launch = 0.0
-        self.t_done = 0.0
-
-
-def _views(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    views, offset = [], 0
-    for p in params:
-        views.append(flat[offset : offset + p.numel()].view(p.shape))
-        offset += p.numel()
-    return views
-
-
-class GradBucket:
-    """What a communication hook receives; the methods of torch.distributed.GradBucket."""
-
-    def __init__(self, bucket: _Bucket, num_buckets: int) -> None:
-        self._bucket, self._num = bucket, num_buckets
-
-    def buffer(self) -> torch.Tensor:
-        return self._bucket.hook_buffer
-
-    def index(self) -> int:
-        return self._bucket.index
-
-    def is_last(self) -> bool:
-        return self._bucket.index == self._num - 1
-
-    def gradients(self) -> list[torch.Tensor]:
-        return _views(self._bucket.hook_buffer, self._bucket.params)
-
-    def parameters(self) -> list[torch.Tensor]:
-        return list(self._bucket.params)
-
-    def set_buffer(self, buffer: torch.Tensor) -> None:
-        self._bucket.hook_buffer = buffer
-
-    get_per_parameter_tensors = gradients
-    is_the_last_bucket_to_allreduce = is_last
-
-
-def sum_hook(group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[Any]:
-    """The built-in hook: an async all-reduce (sum) of a bucket already scaled by 1/world on copy-in."""
-    return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()  # type: ignore[union-attr]
 
 
 class Reducer:
@@ -165,11 +94,11 @@ class Reducer:
             order=order, solo_bytes=None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES,
         )
         self.buckets = [
-            _Bucket(s, self.params, self._bucket_dtype(self.params[s.params[0]]), s.index == len(layout) - 1)
+            Bucket(s, self.params, self._bucket_dtype(self.params[s.params[0]]), s.index == len(layout) - 1)
             for s in layout
         ]
         self._missing_count = 0
-        self._where: list[tuple[_Bucket, int]] = [None] * self._n  # type: ignore[list-item]
+        self._where: list[tuple[Bucket, int]] = [None] * self._n  # type: ignore[list-item]
         for b in self.buckets:
             for pos, i in enumerate(b.indices):
                 self._where[i] = (b, pos)
@@ -300,7 +229,7 @@ class Reducer:
         # static_graph's first step reduces at the end: how often each parameter fires is not known yet.
         return self.policy.static_graph and self._static_hits is None
 
-    def _copy_in_one(self, b: _Bucket, pos: int) -> None:
+    def _copy_in_one(self, b: Bucket, pos: int) -> None:
         grad, view = b.params[pos].grad, b.views[pos]
         if grad is None:
             view.zero_()
@@ -328,7 +257,7 @@ class Reducer:
 
     # ---------------------------------------------------------------- launch
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         if self.world == 1:
             return
         if b.solo:
@@ -351,7 +280,7 @@ class Reducer:
         fut.add_done_callback(lambda _f, b=b: setattr(b, "t_done", time.perf_counter()))
         b.future = fut
 
-    def _solo_buffer(self, b: _Bucket) -> None:
+    def _solo_buffer(self, b: Bucket) -> None:
         # Reduce .grad itself when it can be (contiguous, bucket dtype); else a temporary copy.
         p = b.params[0]
         grad = p.grad
@@ -437,7 +366,7 @@ class Reducer:
                 self._write_back_solo(b, result)
                 continue
             same = result.data_ptr() == b.buffer.data_ptr() and result.numel() >= b.buffer.numel()
-            views = b.views if same else _views(result.reshape(-1), b.params)
+            views = b.views if same else flat_views(result.reshape(-1), b.params)
             grads = [p.grad for p in b.params]
             if not as_view and not (skip and any(i in skip for i in b.indices)) and all(
                 g is not None and g.dtype == v.dtype for g, v in zip(grads, views)
@@ -456,7 +385,7 @@ class Reducer:
                 else:
                     grad.copy_(view)
 
-    def _write_back_solo(self, b: _Bucket, result: torch.Tensor) -> None:
+    def _write_back_solo(self, b: Bucket, result: torch.Tensor) -> None:
         p = b.params[0]
         if b.indices[0] in self._globally_unused:
             return
@@ -516,7 +445,7 @@ class Reducer:
         if verdict:
             raise UnusedParameterError(verdict)
 
-    def _zeros_like_launch(self, b: _Bucket) -> torch.Tensor:
+    def _zeros_like_launch(self, b: Bucket) -> torch.Tensor:
         if b.solo:
             p = b.params[0]
             return torch.zeros(p.numel(), dtype=b.dtype, device=p.device)

@@ -1,0 +1,88 @@
+"""The runtime side of gradient buckets: flat buffers and views, and what a communication hook receives.
+
+bucketing.py decides which parameters share a bucket (a pure function); this module holds a bucket's
+memory and per-step state for the reducer, and `GradBucket`, torch's hook-facing bucket interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lockstep.engine.bucketing import BucketSpec
+
+EAGER_COPY_MIN_NUMEL = 1 << 14  # below this mean size a bucket copies its gradients in one call
+
+
+class Bucket:
+    """The runtime side of a BucketSpec: parameters, flat buffer, views and this step's state."""
+
+    def __init__(
+        self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], dtype: torch.dtype, last: bool
+    ) -> None:
+        self.index = spec.index
+        self.indices = list(spec.params)
+        self.params = [params[i] for i in spec.params]
+        self.dtype, self.solo = dtype, spec.solo
+        numels = [p.numel() for p in self.params]
+        total = sum(numels)
+        # The last bucket carries one extra element: each rank's count of parameters without gradient,
+        # summed by the same all-reduce, so that all ranks agree on errors without another collective.
+        self.storage = None if self.solo else torch.zeros(total + int(last), dtype=dtype, device=self.params[0].device)
+        self.buffer = self.storage[:total] if self.storage is not None else torch.empty(0, dtype=dtype)
+        self.status = self.storage[total:] if self.storage is not None and last else None
+        self.views = [] if self.solo else flat_views(self.buffer, self.params)
+        self.eager = not self.solo and total >= EAGER_COPY_MIN_NUMEL * len(numels)
+        # bf16/fp16 grads in an fp32 bucket: scale after the copy, in fp32 (torch.mul(out=) would round
+        # the scaled value in the gradient's dtype first). Buckets never mix dtypes: one test suffices.
+        self.widen = dtype != self.params[0].dtype and dtype.itemsize >= self.params[0].dtype.itemsize
+        self.nbytes = total * dtype.itemsize
+        self.pending = len(self.params)
+        self.future: torch.futures.Future[Any] | None = None
+        self.hook_buffer = self.buffer
+        self.t_launch = 0.0
+        self.t_done = 0.0
+
+
+def flat_views(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return views
+
+
+class GradBucket:
+    """What a communication hook receives; the methods of torch.distributed.GradBucket."""
+
+    def __init__(self, bucket: Bucket, num_buckets: int) -> None:
+        self._bucket, self._num = bucket, num_buckets
+
+    def buffer(self) -> torch.Tensor:
+        return self._bucket.hook_buffer
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def is_last(self) -> bool:
+        return self._bucket.index == self._num - 1
+
+    def gradients(self) -> list[torch.Tensor]:
+        return flat_views(self._bucket.hook_buffer, self._bucket.params)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._bucket.params)
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._bucket.hook_buffer = buffer
+
+    get_per_parameter_tensors = gradients
+    is_the_last_bucket_to_allreduce = is_last
+
+
+def sum_hook(group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[Any]:
+    """The built-in hook: an async all-reduce (sum) of a bucket already scaled by 1/world on copy-in."""
+    return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()  # type: ignore[union-attr]
