@@ -74,3 +74,18 @@ def test_summary_block(tmp_path: Path) -> None:
     assert "also: rank 0 was killed by SIGTERM (exit code -15) (stopped by the launcher)" in text
     crash = format_failure([RankFailure(0, 0, 100, -11, {}, str(rank_dir))], 1)
     assert "killed by SIGSEGV" in crash and "no Python traceback was recorded" in crash and "<N/A>" not in crash
+
+
+def test_rank_stopped_while_exiting_keeps_the_code_it_chose() -> None:
+    """A rank that raised (its record says it exits 1) and was SIGTERMed by the agent in its atexit work,
+    because a peer's failure was seen first, is reported as exiting 1: the launcher does not exit 143."""
+    record = {"message": {"message": "ValueError: bad", "extraInfo": {"py_callstack": "Traceback...\nValueError: bad\n",
+                                                                      "lockstep_time": 1.0, "lockstep_exitcode": 1}}}
+    raised = RankFailure(1, 1, 101, -15, record, None)
+    peer = RankFailure(0, 0, 100, 1, _record("RuntimeError: Connection closed by peer", 1.2), None)
+    assert first_failure([peer, raised]) is raised and raised.exit_status == 1
+    assert "FAILED: rank 1/2 (local rank 1, pid 101) exited with code 1 (stopped by the launcher while exiting)" \
+        in format_failure([peer, raised], 2)
+    # Killed by a signal that is not the launcher's stop (a crash), or with no code recorded: the signal stands.
+    assert RankFailure(1, 1, 101, -11, record, None).exit_status == -11
+    assert RankFailure(1, 1, 101, -15, _record("ValueError: bad", 1.0), None).exit_status == -15

@@ -128,7 +128,8 @@ def _run_agent(config: Any, spec: LaunchSpec, state: dict[str, Any]) -> tuple[in
             for rank, f in err.failures.items()
         ]
         first = first_failure(failures)
-        return (first.exitcode if first.exitcode > 0 else 128 - first.exitcode), format_failure(failures, state["world_size"])
+        status = first.exit_status
+        return (status if status > 0 else 128 - status), format_failure(failures, state["world_size"])
     except (SignalException, KeyboardInterrupt) as exc:
         sig = getattr(exc, "sigval", signal.SIGINT)
         return 128 + int(sig), (f"lockstep run: interrupted by {signal.Signals(sig).name}; "

@@ -196,7 +196,19 @@ class RankFailure:
         except ValueError:
             return f"signal {-self.exitcode}"
 
+    @property
+    def exit_status(self) -> int:
+        """The exit code this rank chose, or its (negative) exit code when it was killed. A worker that had
+        recorded its exception and was stopped by the agent while still exiting (its atexit work racing
+        its peers' failures) chose the code in its record."""
+        chosen = self.record.get("extraInfo", {}).get("lockstep_exitcode") if self.record else None
+        if self.exitcode < 0 and -self.exitcode in _SHUTDOWN_SIGNALS and isinstance(chosen, int):
+            return chosen
+        return self.exitcode
+
     def how(self) -> str:
+        if self.exit_status != self.exitcode:
+            return f"exited with code {self.exit_status} (stopped by the launcher while exiting)"
         if self.exitcode < 0:
             return f"was killed by {self.signal_name} (exit code {self.exitcode})"
         return f"exited with code {self.exitcode}"

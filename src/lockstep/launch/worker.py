@@ -44,16 +44,17 @@ def main(argv: list[str] | None = None) -> None:
         _run(kind, target, args)
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            _record(error_file, exc, exc.__traceback__)
+            _record(error_file, exc, exc.__traceback__, exc.code if isinstance(exc.code, int) else 1)
         raise
     except BaseException as exc:
         tb = _user_frames(exc.__traceback__)
-        _record(error_file, exc, tb)
+        # An interrupted worker exits 130 (128 + SIGINT) as a shell would; any other exception exits 1.
+        code = 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+        _record(error_file, exc, tb, code)
         # Default hooks (and torch's rank-prefixing one) print exc.__traceback__, not the tb argument.
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.stderr.flush()
-        # An interrupted worker exits 130 (128 + SIGINT) as a shell would; any other exception exits 1.
-        raise SystemExit(128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1) from None
+        raise SystemExit(code) from None
 
 
 def _run(kind: str, target: str, args: list[str]) -> None:
@@ -87,8 +88,10 @@ def _is_bootstrap(filename: str) -> bool:
     return filename.startswith("<frozen runpy") or os.path.abspath(filename) in _BOOTSTRAP_FILES
 
 
-def _record(error_file: str | None, exc: BaseException, tb: TracebackType | None) -> None:
-    """Write the failure where torch's agent looks for it (ProcessFailure reads this JSON)."""
+def _record(error_file: str | None, exc: BaseException, tb: TracebackType | None, exitcode: int) -> None:
+    """Write the failure where torch's agent looks for it (ProcessFailure reads this JSON), with the exit code
+    this worker is about to exit with: if the agent stops it while it is still exiting (its peers failed
+    meanwhile), the launcher still reports the code it chose, not the agent's SIGTERM."""
     if not error_file:
         return
     if isinstance(exc, SystemExit):
@@ -104,6 +107,7 @@ def _record(error_file: str | None, exc: BaseException, tb: TracebackType | None
                 "timestamp": str(int(now)),
                 # Sub-second time of failure: picks the first failing rank when several fail in one second.
                 "lockstep_time": now,
+                "lockstep_exitcode": exitcode,
             },
         }
     }

@@ -285,7 +285,7 @@ def _expand_host(item: str) -> list[str]:
     close_at = item.index("]", open_at)
     prefix, ranges, rest = item[:open_at], item[open_at + 1 : close_at], item[close_at + 1 :]
     tails = _expand_host(rest) if rest else [""]
-    hosts = []
+    hosts: list[str] = []
     for piece in ranges.split(","):
         lo, _, hi = piece.partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
