@@ -296,7 +296,7 @@ def report(results: dict[str, dict[str, Any]], probes: dict[str, tuple[bool, str
         f"gloo on CPU, OMP_NUM_THREADS=1, both ranks on the same cores. Model: benchmarks/multinode.py's MLP "
         f"1024-1024-1024-1024-10 ({n_params / 1e6:.2f}M parameters, {4 * n_params / 1e6:.1f} MB of fp32 gradients), "
         f"batch {BATCH} per rank, SGD, bucket_cap_mb={BUCKET_CAP_MB:g} given to both engines (one bucket; see the "
-        "probes). PowerSGD: start_powerSGD_iter={START_POWERSGD_ITER}, "
+        f"probes). PowerSGD: start_powerSGD_iter={START_POWERSGD_ITER}, "
         "error feedback and warm start on, min_compression_rate 2. Every configuration warmed up "
         f"{WARMUP_ONCE} steps (compressing before timing); rounds: forward order then reversed, each configuration "
         f"{args.warmup} warm-up + N timed steps per round; a step's time is the slowest rank's; ratios are "
@@ -323,6 +323,9 @@ def report(results: dict[str, dict[str, Any]], probes: dict[str, tuple[bool, str
               "hook compares the engines (and the hooks' implementations) at equal bytes.",
               "- torch's DDP refuses a hook named bf16_compress_hook unless CUDA and NCCL >= 2.10 are present, so "
               "there is no torch bf16 row on CPU; lockstep's bf16 hook runs on gloo.",
+              "- torch's PowerSGD on several buckets fails either way on gloo: an abort (a size mismatch) or a hang "
+              "(both ranks killed at the probe's 60 s timeout), depending on how the ranks' collectives interleave; "
+              "lockstep's runs on the same models (tests/multiproc/test_hooks.py).",
               "- Both ranks share 2 cores: compression costs CPU that the all-reduce would otherwise compete for; on "
               "loopback it does not pay, on a slow link it does.", ""]
     return "\n".join(lines)
