@@ -97,7 +97,7 @@ class _Run:
     ) -> None:
         self.config, self.topo, self.loss_fn = config, topo, loss_fn
         self.log = get_logger("lockstep.fit")
-        self.device = _choose_device(config.device, topo)
+        self.device = _choose_device(config.device)
         torch.manual_seed(config.seed + topo.rank)  # per-rank streams for dropout/augmentation
         if config.sync_batchnorm:
             model = convert_sync_batchnorm(model)
@@ -331,12 +331,13 @@ class _Run:
         return torch.autocast(self.device.type, dtype=dtype)
 
 
-def _choose_device(requested: str, topo: Topology) -> torch.device:
+def _choose_device(requested: str) -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False; use device='cpu'")
-    return torch.device("cuda", topo.local_rank % torch.cuda.device_count())
+        raise ConfigError("device='cuda' was asked for but torch.cuda.is_available() is False; use device='cpu'")
+    # init() bound this process's device (srun --gpus-per-task, shared nodes, ...): follow its choice
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _eval_loader(eval_data: Dataset | None, config: FitConfig) -> DataLoader | None:
