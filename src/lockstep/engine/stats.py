@@ -16,7 +16,8 @@ class StepStats:
     - comm_hidden_ms: the part of comm_ms that ran while backward was still computing (overlap);
       comm_ms - comm_hidden_ms is what backward() waited for at its end.
     - finalize_ms: the end-of-backward work: waits, the unused-parameter agreement, writing grads back.
-    - bytes_communicated: bytes of bucket buffers handed to the communication hook.
+    - bytes_communicated: bytes of bucket buffers handed to the communication hook. A compressing hook
+      sends fewer: `lockstep.hooks.HookState` and `PowerSGDState` count what they really send (`.counter`).
     """
 
     step: int
