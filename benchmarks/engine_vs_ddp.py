@@ -4,7 +4,7 @@ Protocol (DESIGN.md): one launch per model and world size; both engines built fr
 and fed identical data; a gradient parity check before timing; rounds in A-B-B-A order, each a few
 warm-up steps then timed steps; a step's time is the slowest rank's (all-reduce MAX); the median of
 per-round ratios lockstep/torch with its min-max; the same protocol with torch on both sides gives the
-noise floor. Peak RSS per rank comes from separate launches, one per engine.
+noise floor. Peak RSS per rank comes from separate launches, interleaved, median of several per engine.
 
     OMP_NUM_THREADS=1 python benchmarks/engine_vs_ddp.py --models mlp --rounds 6 --world-sizes 1 2
 """
@@ -206,6 +206,16 @@ def memory_worker(name: str, kind: str, steps: int) -> float:
 # ---------------------------------------------------------------- driver
 
 
+def _memory_ratio(name: str, world: int, launches: int) -> str:
+    """Median peak RSS over interleaved launches: one launch's peak moves by +-5% with the allocator's luck."""
+    peaks: dict[str, list[float]] = {"lockstep": [], "torch": []}
+    for i in range(launches):
+        for kind in ("lockstep", "torch") if i % 2 == 0 else ("torch", "lockstep"):
+            peaks[kind].append(max(run_distributed(memory_worker, world, args=(name, kind, 4), timeout=600)))
+    ours, theirs = statistics.median(peaks["lockstep"]), statistics.median(peaks["torch"])
+    return f"{ours / theirs:.3f} ({ours:.0f}/{theirs:.0f} MiB, median of {launches})"
+
+
 def _fmt(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
 
@@ -219,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per engine per round")
     parser.add_argument("--no-noise-floor", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--memory-launches", type=int, default=3, help="launches per engine for peak RSS")
     parser.add_argument("--out", default=None, help="report path (default benchmarks/results/<date>-engine_vs_ddp.md)")
     args = parser.parse_args(argv)
     pairs = ["lockstep/torch"] + ([] if args.no_noise_floor else ["torch/torch"])
@@ -229,9 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                                   timeout=1800)[0]
             mem = ""
             if not args.no_memory:
-                ours = max(run_distributed(memory_worker, world, args=(name, "lockstep", 4), timeout=600))
-                theirs = max(run_distributed(memory_worker, world, args=(name, "torch", 4), timeout=600))
-                mem = f"{ours / theirs:.3f} ({ours:.0f}/{theirs:.0f} MiB)"
+                mem = _memory_ratio(name, world, args.memory_launches)
             main_pair = res["lockstep/torch"]
             floor = _fmt(res["torch/torch"]["ratios"]) if "torch/torch" in res else "-"
             st = res.get("lockstep_stats") or {}
