@@ -30,8 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
 import lockstep  # noqa: E402
 from lockstep import hooks  # noqa: E402
-from lockstep.testing import run_distributed  # noqa: E402
+from lockstep.testing import run_distributed, watch_collectives  # noqa: E402
 
 START_POWERSGD_ITER = 2  # torch's minimum with error feedback / warm start
 BUCKET_CAP_MB = 25.0
@@ -97,32 +97,18 @@ def _build(engine: str, hook: str | None, state: dict[str, Any]) -> tuple[Any, A
     return model, torch.optim.SGD(module.parameters(), lr=0.01)
 
 
-@contextmanager
-def _counting_collectives(counted: list[int]) -> Iterator[None]:
+def _counting_collectives(counted: list[int]) -> AbstractContextManager[None]:
     """Add the bytes of every floating-point tensor handed to all_reduce / all_gather to counted[0].
 
-    A pass-through: the real collective runs. Integer tensors (lockstep's agreement on unused parameters,
-    8 bytes a step) are not gradients and are left out. torch's own reducer calls no Python collective.
+    Integer tensors (lockstep's agreement on unused parameters, 8 bytes a step) are not gradients and
+    are left out. torch's own reducer calls no Python collective.
     """
-    real_reduce, real_gather = dist.all_reduce, dist.all_gather
 
     def add(tensor: torch.Tensor) -> None:
         if tensor.is_floating_point():
             counted[0] += tensor.numel() * tensor.element_size()
 
-    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        add(tensor)
-        return real_reduce(tensor, *args, **kwargs)
-
-    def all_gather(out: list[torch.Tensor], tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        add(tensor)
-        return real_gather(out, tensor, *args, **kwargs)
-
-    dist.all_reduce, dist.all_gather = all_reduce, all_gather  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        dist.all_reduce, dist.all_gather = real_reduce, real_gather  # type: ignore[assignment]
+    return watch_collectives(add)
 
 
 def _one_step(engine: tuple[Any, Any], rank: int, step: int) -> list[torch.Tensor]:

@@ -10,8 +10,8 @@ fixtures) because starting ranks costs more than the checks themselves.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import lockstep
 from lockstep import hooks
-from lockstep.testing import run_distributed
+from lockstep.testing import run_distributed, watch_collectives
 
 ENGINES = ("lockstep", "torch")
 HOOK_NAMES = {"allreduce": "allreduce_hook", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
@@ -134,23 +134,8 @@ class CollectiveSpy:
         counted.__annotations__ = dict(getattr(hook, "__annotations__", {}))
         return counted
 
-    @contextmanager
-    def active(self) -> Iterator[None]:
-        real_reduce, real_gather = dist.all_reduce, dist.all_gather
-
-        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self._add(tensor)
-            return real_reduce(tensor, *args, **kwargs)
-
-        def all_gather(out: list[torch.Tensor], tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self._add(tensor)
-            return real_gather(out, tensor, *args, **kwargs)
-
-        dist.all_reduce, dist.all_gather = all_reduce, all_gather  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            dist.all_reduce, dist.all_gather = real_reduce, real_gather  # type: ignore[assignment]
+    def active(self) -> AbstractContextManager[None]:
+        return watch_collectives(self._add)
 
     def _add(self, tensor: torch.Tensor) -> None:
         if self.inside:

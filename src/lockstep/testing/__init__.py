@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lockstep.testing.collectives import watch_collectives
 from lockstep.testing.spawn import run_distributed
 
-__all__ = ["run_distributed"]
+__all__ = ["run_distributed", "watch_collectives"]
