@@ -9,7 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+import lockstep
 from lockstep.errors import ConfigError
 from lockstep.jobs import datasets
 from lockstep.jobs.catalog import DigitsConfig, GptConfig
@@ -103,3 +105,14 @@ def test_shipped_data_is_there_and_deterministic() -> None:
     assert len(text_train) > 1000 and 40 < vocab < 200
     x, y = text_train[3]
     assert x.shape == (64,) and bool((x[1:] == y[:-1]).all())
+
+
+def test_fit_refuses_an_iterable_dataset_before_any_setup(tmp_path: Path) -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from (torch.zeros(2), torch.ones(2))
+
+    with pytest.raises(ConfigError, match=r"map-style dataset .* for train_data, got Stream"):
+        lockstep.fit(torch.nn.Linear(2, 1), Stream(), loss_fn=lambda out, batch: out.sum(),
+                     config=FitConfig(run_dir=str(tmp_path)))
+    assert not list(tmp_path.iterdir())  # nothing was written

@@ -76,6 +76,7 @@ class Reducer:
         self._order_complete = False
         self._static_hits: list[int] | None = None  # learned by static_graph in its first step
         self._static_unused: list[int] = []
+        self._unused_now: list[int] = []  # this step's unused parameters (indices); reset per step
         self._globally_unused: set[int] = set()
         self._used = bytearray(self._n)
         self._expect = False
@@ -163,7 +164,7 @@ class Reducer:
         self._step_bytes = 0
         self._started = False
         self._queued = False
-        self._unused_now: list[int] = []
+        self._unused_now = []
         self.t_forward_start = self.t_forward_end = self.t_backward = 0.0
         for b in self.buckets:
             b.pending, b.future, b.hook_buffer = len(b.params), None, b.buffer
@@ -277,7 +278,7 @@ class Reducer:
             b.hook_buffer = b.storage  # type: ignore[assignment]
         b.t_launch = time.perf_counter()
         fut = self._hook(self._hook_state, GradBucket(b, len(self.buckets)))
-        fut.add_done_callback(lambda _f, b=b: setattr(b, "t_done", time.perf_counter()))
+        fut.add_done_callback(_stamp_done(b))
         b.future = fut
 
     def _solo_buffer(self, b: Bucket) -> None:
@@ -478,3 +479,12 @@ def _unreached(outputs: Sequence[torch.Tensor], index_of: dict[int, int]) -> lis
             elif nxt not in seen:
                 stack.append(nxt)
     return [i for i in range(len(index_of)) if i not in reached]
+
+
+def _stamp_done(b: Bucket) -> Callable[[torch.futures.Future[Any]], None]:
+    """A future callback that records when bucket b's reduction finished (for stats' hidden time)."""
+
+    def stamp(_fut: torch.futures.Future[Any]) -> None:
+        b.t_done = time.perf_counter()
+
+    return stamp

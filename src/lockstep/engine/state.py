@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -153,7 +153,10 @@ def _make_hook(mark: Any, i: int) -> Any:
     return hook
 
 
-def _unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+T = TypeVar("T", bound=torch.Tensor)
+
+
+def _unique_named(items: Iterator[tuple[str, T]]) -> list[tuple[str, T]]:
     # named_parameters() already drops shared tensors; keep the first name like torch does.
     seen: set[int] = set()
     out = []

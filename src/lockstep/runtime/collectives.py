@@ -65,12 +65,13 @@ def all_reduce_mean(value: float | torch.Tensor | Sequence[float], group: dist.P
             tensor /= dist.get_world_size(group)
         return tensor.to(value.device)
     is_scalar = isinstance(value, (int, float))
-    packed = torch.tensor([value] if is_scalar else list(value), dtype=torch.float64, device=comm_device(group))
+    values = [float(value)] if isinstance(value, (int, float)) else list(value)
+    packed = torch.tensor(values, dtype=torch.float64, device=comm_device(group))
     if _active(group):
         dist.all_reduce(packed, group=group)
         packed /= dist.get_world_size(group)
-    values = packed.tolist()
-    return values[0] if is_scalar else values
+    means: list[float] = packed.tolist()
+    return means[0] if is_scalar else means
 
 
 def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup | None = None) -> list[float]:

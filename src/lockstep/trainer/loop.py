@@ -11,14 +11,14 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lockstep.checkpoint import CheckpointManager
 from lockstep.data import DistributedSampler, EvalSampler
@@ -74,12 +74,25 @@ def fit(
     Returns the summary on every rank; rank 0 also writes it, the logs and the plot to config.run_dir.
     """
     config = config or FitConfig()
+    _require_map_style(train_data, "train_data")
+    if eval_data is not None:
+        _require_map_style(eval_data, "eval_data")
     topo = init()
     run = _Run(model, train_data, eval_data, loss_fn, config, topo, optimizer)
     try:
         return run.train()
     finally:
         run.close()
+
+
+def _require_map_style(data: Any, what: str) -> None:
+    """fit shards by index (its samplers need len()): an IterableDataset has neither."""
+    if isinstance(data, IterableDataset) or not isinstance(data, Sized):
+        raise ConfigError(
+            f"fit() needs a map-style dataset (with __len__ and __getitem__) for {what}, got "
+            f"{type(data).__name__}: its samplers shard by index and resume mid-epoch by position. "
+            "Wrap the data in a map-style Dataset, or write your own loop with lockstep.DistributedDataParallel"
+        )
 
 
 class _Run:
@@ -105,7 +118,8 @@ class _Run:
         self.model = DistributedDataParallel(
             self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
-        self.sampler = DistributedSampler(train_data, shuffle=True, seed=config.seed, drop_last=True)
+        # fit() checked that the datasets are map-style (_require_map_style).
+        self.sampler = DistributedSampler(cast(Sized, train_data), shuffle=True, seed=config.seed, drop_last=True)
         # The loop tells the sampler what it consumed: with DataLoader workers, what the sampler yielded
         # runs ahead of what was trained on, and resume must continue after the last trained sample.
         self.sampler.advance(0)
@@ -251,7 +265,7 @@ class _Run:
         if count == 0:
             return
         record = {"step": self.progress.step, "epoch": self.progress.epoch, **means,
-                  "lr": self.scheduler.get_last_lr()[0]}
+                  "lr": float(self.scheduler.get_last_lr()[0])}
         self.last_train = record
         self.runlog.write(record)
         self.bar.report(self.progress.step, {k: v for k, v in record.items() if k != "epoch"})
@@ -343,7 +357,7 @@ def _choose_device(requested: str) -> torch.device:
 def _eval_loader(eval_data: Dataset | None, config: FitConfig) -> DataLoader | None:
     if eval_data is None:
         return None
-    return DataLoader(eval_data, batch_size=config.batch_size * 4, sampler=EvalSampler(eval_data),
+    return DataLoader(eval_data, batch_size=config.batch_size * 4, sampler=EvalSampler(cast(Sized, eval_data)),
                       num_workers=config.num_workers)
 
 
