@@ -21,6 +21,7 @@ train: install
 
 test: install
 	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 lint: install
