@@ -3,7 +3,8 @@
 Design note. One training step goes through four phases; the same names label the code below.
 
 - pre_forward: (between forward and backward, driven by state.py) reset the per-step bookkeeping;
-  rebuild the buckets once after the first synced step from rank 0's observed ready order; with
+  rebuild the buckets once after the first synced step from rank 0's observed ready order (kept as
+  they are, memory and views, when that order gives the same layout: the common case); with
   find_unused_parameters, walk the autograd graph from the outputs to find the parameters this rank
   did not use.
 - post_accumulate_grad: a hook per parameter fires once its `.grad` holds this step's full gradient.
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.engine.bucketing import ParamSpec, assign_buckets, complete_order
+from lockstep.engine.bucketing import BucketSpec, ParamSpec, assign_buckets, complete_order
 from lockstep.engine.buckets import Bucket, GradBucket, flat_views, sum_hook
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.stats import StatsRecorder, StepStats, union_ms
@@ -80,20 +81,26 @@ class Reducer:
         self._globally_unused: set[int] = set()
         self._used = bytearray(self._n)
         self._expect = False
+        self._specs: list[ParamSpec] | None = None
+        self._layout: list[BucketSpec] | None = None
         self._build(None)
         self._reset_step()
 
     # ---------------------------------------------------------------- layout
 
     def _build(self, order: Sequence[int] | None) -> None:
-        specs = [
-            ParamSpec(name, p.numel(), p.numel() * self._bucket_dtype(p).itemsize, str(p.device), str(p.dtype))
-            for name, p in zip(self.names, self.params)
-        ]
+        if self._specs is None:  # parameters never change: describe them once
+            self._specs = [
+                ParamSpec(name, p.numel(), p.numel() * self._bucket_dtype(p).itemsize, str(p.device), str(p.dtype))
+                for name, p in zip(self.names, self.params)
+            ]
         layout = assign_buckets(
-            specs, cap_bytes=self.policy.bucket_cap_bytes, first_cap_bytes=self.policy.first_bucket_bytes,
+            self._specs, cap_bytes=self.policy.bucket_cap_bytes, first_cap_bytes=self.policy.first_bucket_bytes,
             order=order, solo_bytes=None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES,
         )
+        if layout == self._layout:  # the observed order gives the same buckets: keep their memory and views
+            return
+        self._layout = layout
         self.buckets = [
             Bucket(s, self.params, self._bucket_dtype(self.params[s.params[0]]), s.index == len(layout) - 1)
             for s in layout
