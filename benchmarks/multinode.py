@@ -6,18 +6,19 @@ joined by lockstep.init() over the veth (GLOO_SOCKET_IFNAME). Each pair measures
 
 - the all-reduce bandwidth gloo reaches (bytes each rank sends per second; for 2 ranks an all-reduce of
   S bytes sends S bytes each way) against the link's limit;
-- the training step time of torch's DistributedDataParallel and lockstep.DistributedDataParallel, and both
-  with torch's fp16_compress_hook (lockstep's own compression hooks are not on main yet), on an MLP with
-  3.2M parameters (12.6 MB of fp32 gradients): identical weights and data, a gradient parity check first,
-  rounds in alternating order (A-B-..., then ...-B-A), each engine a warm-up step then timed steps, a step's
-  time is the slowest rank's; the median of per-round ratios to torch DDP with min-max. "torch (again)" is
-  torch against itself: the noise floor.
+- the training step time of torch's DistributedDataParallel and lockstep.DistributedDataParallel, torch's
+  and lockstep's fp16_compress_hook, and lockstep's PowerSGD (rank 4; torch's aborts or hangs on gloo with
+  more than one bucket, see benchmarks/hooks.py), for the benchmark models: an MLP with 3.2M parameters
+  (12.6 MB of fp32 gradients) and engine_vs_ddp.py's ResNet, GPT and many-small-layers models: identical
+  weights and data, a gradient parity check first, rounds in alternating order (A-B-..., then ...-B-A),
+  each engine a warm-up step then timed steps, a step's time is the slowest rank's; the median of
+  per-round ratios to torch DDP with min-max. "torch (again)" is torch against itself: the noise floor.
 
 Needs root (network namespaces). Both "hosts" share this machine's cores: compute is not parallel as on two
 real machines, so step times are comparable as ratios only.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/multinode.py            # about 4 minutes on 2 cores
-    .venv/bin/python benchmarks/multinode.py --rates 1gbit --rounds 2      # quicker
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/multinode.py            # about 15 minutes on 2 cores
+    .venv/bin/python benchmarks/multinode.py --rates 1gbit --models mlp --rounds 2      # quicker
 """
 
 from __future__ import annotations
@@ -36,79 +37,104 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINES = ("torch", "lockstep", "torch (again)", "torch+fp16", "lockstep+fp16")
+ENGINES = ("torch", "lockstep", "torch (again)", "torch+fp16", "lockstep+fp16", "lockstep+powerSGD r4")
+MODELS = ("mlp", "resnet", "gpt", "many_small")  # mlp is this file's; the others are engine_vs_ddp.py's
 BATCH = 32
 
 
 # ---------------------------------------------------------------- worker (one per "host")
 
 
-def _model() -> Any:
+def _model(name: str) -> Any:
     import torch
     from torch import nn
 
     torch.manual_seed(0)
+    if name != "mlp":
+        import engine_vs_ddp  # this script's folder is on sys.path
+
+        return engine_vs_ddp.MODELS[name]()
     return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
                          nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
-def _data(rank: int, step: int) -> tuple[Any, Any]:
+def _data(name: str, rank: int, step: int) -> tuple[Any, Any]:
     import torch
 
+    if name != "mlp":
+        import engine_vs_ddp
+
+        return engine_vs_ddp._data(name, rank, step)
     gen = torch.Generator().manual_seed(rank * 100_000 + step)
     return torch.randn(BATCH, 1024, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
 
 
-def _wrap(kind: str, state: dict[str, Any]) -> tuple[Any, Any]:
-    import torch
+def _loss(name: str, out: Any, y: Any) -> Any:
+    import engine_vs_ddp
+
+    return engine_vs_ddp._loss(name, out, y)  # cross-entropy for mlp, as for the other classifiers
+
+
+def _comm_hook(kind: str) -> tuple[Any, Any] | None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    from lockstep import hooks
+
+    if kind == "torch+fp16":
+        return None, fp16_compress_hook
+    if kind == "lockstep+fp16":
+        return hooks.HookState(None), hooks.fp16_compress_hook
+    if kind == "lockstep+powerSGD r4":  # compressed from the first timed step (step 0 is the warm-up)
+        return hooks.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=1), hooks.powerSGD_hook
+    return None
+
+
+def _wrap(kind: str, name: str, state: dict[str, Any]) -> tuple[Any, Any]:
+    import torch
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import lockstep
 
-    model = _model()
+    model = _model(name)
     model.load_state_dict(state)
     wrapped = lockstep.DistributedDataParallel(model) if kind.startswith("lockstep") else TorchDDP(model)
-    if kind.endswith("+fp16"):
-        wrapped.register_comm_hook(None, fp16_compress_hook)
+    hook = _comm_hook(kind)
+    if hook is not None:
+        wrapped.register_comm_hook(*hook)
     return wrapped, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
-def _step(engine: tuple[Any, Any], rank: int, step: int) -> None:
-    import torch.nn.functional as F
-
+def _step(engine: tuple[Any, Any], name: str, rank: int, step: int) -> None:
     model, opt = engine
-    x, y = _data(rank, step)
+    x, y = _data(name, rank, step)
     opt.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x), y).backward()
+    _loss(name, model(x), y).backward()
     opt.step()
 
 
-def _segment(engine: tuple[Any, Any], rank: int, warmup: int, steps: int) -> float:
+def _segment(engine: tuple[Any, Any], name: str, rank: int, warmup: int, steps: int) -> float:
     """Mean step time of this segment, as the slowest rank saw it."""
     import torch
     import torch.distributed as dist
 
     for i in range(warmup):
-        _step(engine, rank, i)
+        _step(engine, name, rank, i)
     dist.barrier()
     start = time.perf_counter()
     for i in range(steps):
-        _step(engine, rank, warmup + i)
+        _step(engine, name, rank, warmup + i)
     elapsed = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed.item())
 
 
-def _parity(state: dict[str, Any], rank: int) -> float:
+def _parity(name: str, state: dict[str, Any], rank: int) -> float:
     """Max |grad difference| between torch DDP and lockstep after one step from the same weights and data."""
-    import torch.nn.functional as F
-
     grads = []
     for kind in ("torch", "lockstep"):
-        model, _ = _wrap(kind, state)
-        x, y = _data(rank, 0)
-        F.cross_entropy(model(x), y).backward()
+        model, _ = _wrap(kind, name, state)
+        x, y = _data(name, rank, 0)
+        _loss(name, model(x), y).backward()
         grads.append([p.grad.detach().clone() for p in model.parameters()])
     return max(float((a - b).abs().max()) for a, b in zip(*grads))
 
@@ -142,17 +168,19 @@ def worker(args: argparse.Namespace) -> None:
 
     topo = lockstep.init(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=120)
     rank = topo.rank
-    state = _model().state_dict()
-    result: dict[str, Any] = {"parity": _parity(state, rank)}
-    result["allreduce"] = _allreduce_bandwidth(args.sizes_mb, args.reps)
-    times: dict[str, list[float]] = {kind: [] for kind in ENGINES}
-    for round_index in range(args.rounds):
-        order = ENGINES if round_index % 2 == 0 else tuple(reversed(ENGINES))
-        for kind in order:
-            engine = _wrap(kind, state)
-            times[kind].append(_segment(engine, rank, args.warmup, args.steps))
-            del engine
-    result["times"] = times
+    result: dict[str, Any] = {"allreduce": _allreduce_bandwidth(args.sizes_mb, args.reps), "models": {}}
+    for name in args.models:
+        model = _model(name)
+        state = model.state_dict()
+        times: dict[str, list[float]] = {kind: [] for kind in ENGINES}
+        for round_index in range(args.rounds):
+            order = ENGINES if round_index % 2 == 0 else tuple(reversed(ENGINES))
+            for kind in order:
+                engine = _wrap(kind, name, state)
+                times[kind].append(_segment(engine, name, rank, args.warmup, args.steps))
+                del engine
+        result["models"][name] = {"parity": _parity(name, state, rank), "times": times,
+                                  "grad_mb": sum(p.numel() * 4 for p in model.parameters()) / 1e6}
     dist.barrier()
     if rank == 0:
         Path(args.out_json).write_text(json.dumps(result))
@@ -167,7 +195,8 @@ def run_pair(rate: str | None, args: argparse.Namespace, workdir: Path) -> dict[
     from tests.testbed.netns import netns_hosts
 
     out_json = workdir / f"result-{rate or 'unshaped'}.json"
-    forward = ["--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
+    rounds = args.slow_rounds if rate == "100mbit" else args.rounds
+    forward = ["--models", *args.models, "--rounds", str(rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--reps", str(args.reps), "--sizes-mb", *[str(s) for s in args.sizes_mb]]
     with netns_hosts(2, rate=rate) as hosts:
         procs = []
@@ -194,8 +223,9 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, seconds
         f"# Multi-node benchmark: 2 namespace hosts, tc tbf link limit ({_dt.date.today().isoformat()})",
         "",
         f"Machine: {os.cpu_count()} cores ({platform.machine()}), torch {torch.__version__}, gloo on CPU, "
-        f"OMP_NUM_THREADS=1, both hosts on the same cores. Model: MLP 1024-1024-1024-1024-10 (3.16M parameters, "
-        f"12.6 MB fp32 gradients), batch {BATCH} per rank, SGD. {args.rounds} rounds in alternating order, "
+        f"OMP_NUM_THREADS=1, both hosts on the same cores. Models: mlp = MLP 1024-1024-1024-1024-10 (batch "
+        f"{BATCH} per rank); resnet, gpt, many_small as in engine_vs_ddp.py; SGD. {args.rounds} rounds in "
+        f"alternating order ({args.slow_rounds} at 100mbit), "
         f"{args.warmup} warm-up + {args.steps} timed steps per engine per round; step time = slowest rank; "
         f"ratios = median (min-max) of per-round ratios to torch DDP. Run took {seconds:.0f} s.",
         "`python benchmarks/multinode.py` (as root).",
@@ -214,18 +244,21 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, seconds
                  for row in res["allreduce"]]
         lines.append(f"| {rate} | " + " | ".join(cells) + " |")
     lines += ["", "## Step time (ms, median over rounds) and ratio to torch DDP", "",
-              "| link | grad parity (max abs diff) | " + " | ".join(ENGINES) + " | "
+              "| link | model (fp32 grads) | grad parity (max abs diff) | " + " | ".join(ENGINES) + " | "
               + " | ".join(f"{k} / torch" for k in ENGINES[1:]) + " |",
-              "|---|---|" + "---|" * (2 * len(ENGINES) - 1)]
+              "|---|---|---|" + "---|" * (2 * len(ENGINES) - 1)]
     for rate, res in results.items():
-        times = res["times"]
-        ms = [f"{1000 * statistics.median(times[k]):.0f}" for k in ENGINES]
-        ratios = [_ratio_text(times, k) for k in ENGINES[1:]]
-        lines.append(f"| {rate} | {res['parity']:.1e} | " + " | ".join(ms) + " | " + " | ".join(ratios) + " |")
+        for name, model in res["models"].items():
+            times = model["times"]
+            ms = [f"{1000 * statistics.median(times[k]):.0f}" for k in ENGINES]
+            ratios = [_ratio_text(times, k) for k in ENGINES[1:]]
+            lines.append(f"| {rate} | {name} ({model['grad_mb']:.1f} MB) | {model['parity']:.1e} | "
+                         + " | ".join(ms) + " | " + " | ".join(ratios) + " |")
     lines += ["", "Notes:",
               "- torch (again) / torch is the noise floor of this run.",
-              "- fp16: torch's `fp16_compress_hook` registered on each engine with `register_comm_hook`; "
-              "lockstep's own compression hooks (PowerSGD etc.) were not on main when this was measured.",
+              "- torch+fp16: torch's `fp16_compress_hook`; lockstep+fp16: lockstep.hooks' (the same contract); "
+              "lockstep+powerSGD r4: lockstep.hooks.powerSGD_hook, rank 4, compressing from the first timed step. "
+              "torch's PowerSGD is not in the table: on gloo it aborts or hangs once a model has several buckets.",
               "- The two hosts share 2 cores, so compute does not overlap across hosts as it would on two "
               "machines; on a slow link the all-reduce dominates and the ratios show what the engine adds.", ""]
     return "\n".join(lines)
@@ -236,7 +269,9 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out-json", default="", help=argparse.SUPPRESS)
     parser.add_argument("--rates", nargs="+", default=["unshaped", "10gbit", "1gbit", "100mbit"])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--slow-rounds", type=int, default=2, help="rounds at 100mbit")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)
