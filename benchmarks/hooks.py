@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from benchmarks.engine_vs_ddp import _fmt  # noqa: E402
 from benchmarks.multinode import BATCH, _data, _model, _segment  # noqa: E402
+from benchmarks.netns_pair import run_pair  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
@@ -86,7 +86,7 @@ def _hook(spec: str) -> tuple[Any, Callable[..., Any]]:
 
 
 def _build(engine: str, hook: str | None, state: dict[str, Any]) -> tuple[Any, Any]:
-    module = _model()
+    module = _model("mlp")
     module.load_state_dict(state)
     # 25 MB given explicitly: torch 2.13 then also caps its first bucket at 25 MB (by default at 1 MB), so
     # this 12.6 MB model is one bucket and torch's PowerSGD hook can run on gloo (see the probe).
@@ -113,7 +113,7 @@ def _counting_collectives(counted: list[int]) -> AbstractContextManager[None]:
 
 def _one_step(engine: tuple[Any, Any], rank: int, step: int) -> list[torch.Tensor]:
     model, opt = engine
-    x, y = _data(rank, step)
+    x, y = _data("mlp", rank, step)
     opt.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
     grads = [p.grad.detach().clone() for p in model.module.parameters()]
@@ -134,7 +134,7 @@ def _parity(state: dict[str, Any], rank: int) -> dict[str, float]:
 
 def bench_worker(rounds: int, warmup: int, steps: int, skip: list[str]) -> dict[str, Any]:
     rank = dist.get_rank()
-    state = _model().state_dict()
+    state = _model("mlp").state_dict()
     result: dict[str, Any] = {"parity": _parity(state, rank), "bytes": {}, "refused": {}}
     engines: dict[str, tuple[Any, Any]] = {}
     for label, engine, hook in CONFIGS:
@@ -151,13 +151,13 @@ def bench_worker(rounds: int, warmup: int, steps: int, skip: list[str]) -> dict[
         counted = [0]
         with _counting_collectives(counted):
             _one_step(built, rank, WARMUP_ONCE)
-        result["bytes"][label] = counted[0] if hook is not None else 4 * sum(p.numel() for p in _model().parameters())
+        result["bytes"][label] = counted[0] if hook is not None else 4 * sum(p.numel() for p in _model("mlp").parameters())
         engines[label] = built
     labels = list(engines)
     times: dict[str, list[float]] = {label: [] for label in labels}
     for r in range(rounds):
         for label in labels if r % 2 == 0 else reversed(labels):
-            times[label].append(_segment(engines[label], rank, warmup, steps))
+            times[label].append(_segment(engines[label], "mlp", rank, warmup, steps))
     result["times"] = times
     return result
 
@@ -179,7 +179,7 @@ def probe_worker(model: str, cap_mb: float | None, log_dir: str) -> str:
     log = os.open(os.path.join(log_dir, f"rank{dist.get_rank()}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 2)
     torch.manual_seed(0)
-    module = medium_mlp() if model == "medium" else _model()
+    module = medium_mlp() if model == "medium" else _model("mlp")
     ddp = TorchDDP(module, bucket_cap_mb=cap_mb)
     ddp.register_comm_hook(torch_powersgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2),
                            torch_powersgd.powerSGD_hook)
@@ -188,7 +188,7 @@ def probe_worker(model: str, cap_mb: float | None, log_dir: str) -> str:
             x, y = medium_batch(dist.get_rank(), step)
             F.mse_loss(ddp(x), y).backward()
         else:
-            x, y = _data(dist.get_rank(), step)
+            x, y = _data("mlp", dist.get_rank(), step)
             F.cross_entropy(ddp(x), y).backward()
         module.zero_grad()
     return "ran 5 steps"
@@ -214,24 +214,9 @@ def run_loopback(args: argparse.Namespace, skip: list[str]) -> dict[str, Any]:
 
 
 def run_netns(rate: str, args: argparse.Namespace, skip: list[str], workdir: Path) -> dict[str, Any]:
-    from tests.testbed.netns import netns_hosts
-
     rounds, steps = (args.slow_rounds, args.slow_steps) if rate == "100mbit" else (args.rounds, args.steps)
-    out_json = workdir / f"hooks-{rate}.json"
-    forward = ["--worker", "--out-json", str(out_json), "--rounds", str(rounds), "--steps", str(steps),
-               "--warmup", str(args.warmup), "--skip", *skip]
-    with netns_hosts(2, rate=rate) as hosts:
-        procs = []
-        for rank, host in enumerate(hosts):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": hosts[0].addr,
-                   "MASTER_PORT": "29511", "GLOO_SOCKET_IFNAME": host.ifname, "OMP_NUM_THREADS": "1",
-                   "PYTHONPATH": str(ROOT)}
-            procs.append(host.popen([sys.executable, __file__, *forward], env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE))
-        outputs = [proc.communicate(timeout=args.timeout) for proc in procs]
-    if any(proc.returncode for proc in procs) or not out_json.exists():
-        raise RuntimeError(f"{rate}: workers failed: {[o[1][-2000:] for o in outputs]}")
-    return dict(json.loads(out_json.read_text()))
+    forward = ["--rounds", str(rounds), "--steps", str(steps), "--warmup", str(args.warmup), "--skip", *skip]
+    return run_pair(__file__, rate, forward, workdir / f"hooks-{rate}.json", port=29511, timeout=args.timeout)
 
 
 def netns_worker(args: argparse.Namespace) -> None:
@@ -275,7 +260,7 @@ def table(res: dict[str, Any]) -> list[str]:
 
 def report(results: dict[str, dict[str, Any]], probes: dict[str, tuple[bool, str]], args: argparse.Namespace,
            seconds: float) -> str:
-    n_params = sum(p.numel() for p in _model().parameters())
+    n_params = sum(p.numel() for p in _model("mlp").parameters())
     lines = [
         f"# Communication hooks: lockstep vs torch, 2 gloo ranks ({_dt.date.today().isoformat()})", "",
         f"Machine: {platform.node()}, {os.cpu_count()} cores ({platform.machine()}), torch {torch.__version__}, "

@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +50,7 @@ def _model(name: str) -> Any:
 
     torch.manual_seed(0)
     if name != "mlp":
-        import engine_vs_ddp  # this script's folder is on sys.path
+        from benchmarks import engine_vs_ddp  # the workers run with PYTHONPATH=ROOT
 
         return engine_vs_ddp.MODELS[name]()
     return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
@@ -62,7 +61,7 @@ def _data(name: str, rank: int, step: int) -> tuple[Any, Any]:
     import torch
 
     if name != "mlp":
-        import engine_vs_ddp
+        from benchmarks import engine_vs_ddp
 
         return engine_vs_ddp._data(name, rank, step)
     gen = torch.Generator().manual_seed(rank * 100_000 + step)
@@ -70,7 +69,7 @@ def _data(name: str, rank: int, step: int) -> tuple[Any, Any]:
 
 
 def _loss(name: str, out: Any, y: Any) -> Any:
-    import engine_vs_ddp
+    from benchmarks import engine_vs_ddp
 
     return engine_vs_ddp._loss(name, out, y)  # cross-entropy for mlp, as for the other classifiers
 
@@ -190,25 +189,15 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- driver (root namespace)
 
 
-def run_pair(rate: str | None, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def run_rate(rate: str | None, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
-    from tests.testbed.netns import netns_hosts
+    from benchmarks.netns_pair import run_pair
 
-    out_json = workdir / f"result-{rate or 'unshaped'}.json"
     rounds = args.slow_rounds if rate == "100mbit" else args.rounds
-    forward = ["--models", *args.models, "--rounds", str(rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--reps", str(args.reps), "--sizes-mb", *[str(s) for s in args.sizes_mb]]
-    with netns_hosts(2, rate=rate) as hosts:
-        procs = []
-        for rank, host in enumerate(hosts):
-            env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": hosts[0].addr, "MASTER_PORT": "29500",
-                   "GLOO_SOCKET_IFNAME": host.ifname, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-            procs.append(host.popen([sys.executable, __file__, "--worker", "--out-json", str(out_json), *forward],
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-        outputs = [proc.communicate(timeout=args.timeout) for proc in procs]
-    if any(proc.returncode for proc in procs) or not out_json.exists():
-        raise RuntimeError(f"rate {rate}: workers failed: {[o[1][-2000:] for o in outputs]}")
-    return dict(json.loads(out_json.read_text()))
+    forward = ["--models", *args.models, "--rounds", str(rounds), "--steps", str(args.steps), "--warmup",
+               str(args.warmup), "--reps", str(args.reps), "--sizes-mb", *[str(s) for s in args.sizes_mb]]
+    out_json = workdir / f"result-{rate or 'unshaped'}.json"
+    return run_pair(__file__, rate, forward, out_json, port=29500, timeout=args.timeout)
 
 
 def _ratio_text(times: dict[str, list[float]], kind: str) -> str:
@@ -289,7 +278,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:
             t0 = time.time()
-            results[rate] = run_pair(None if rate == "unshaped" else rate, args, Path(tmp))
+            results[rate] = run_rate(None if rate == "unshaped" else rate, args, Path(tmp))
             print(f"{rate}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     text = report(results, args, time.time() - started)
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"multinode-{_dt.date.today().isoformat()}.md"
