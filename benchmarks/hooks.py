@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from benchmarks.engine_vs_ddp import _fmt  # noqa: E402
 from benchmarks.multinode import BATCH, _data, _model, _segment  # noqa: E402
-from benchmarks.netns_pair import run_pair  # noqa: E402
+from benchmarks.netns_pair import add_worker_flags, run_pair  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
@@ -304,8 +304,7 @@ def report(results: dict[str, dict[str, Any]], probes: dict[str, tuple[bool, str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out-json", default="", help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     parser.add_argument("--skip", nargs="*", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--links", nargs="+", default=["loopback", "1gbit", "100mbit"])
     parser.add_argument("--rounds", type=int, default=6)

@@ -254,9 +254,11 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, seconds
 
 
 def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.netns_pair import add_worker_flags
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out-json", default="", help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     parser.add_argument("--rates", nargs="+", default=["unshaped", "10gbit", "1gbit", "100mbit"])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--rounds", type=int, default=4)

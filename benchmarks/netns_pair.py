@@ -7,6 +7,7 @@ the host's veth; rank 0 writes the JSON result to F. Needs root.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -16,6 +17,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_worker_flags(parser: argparse.ArgumentParser) -> None:
+    """The hidden flags with which run_pair starts SCRIPT on each host."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out-json", default="", help=argparse.SUPPRESS)
 
 
 def run_pair(script: str, rate: str | None, argv: Sequence[str], out_json: Path, *, port: int,
