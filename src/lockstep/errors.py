@@ -11,6 +11,10 @@ class ConfigError(LockstepError, ValueError):
     """A setting, argument or environment variable is wrong or missing."""
 
 
+class NoTrainableParametersError(ConfigError, RuntimeError):
+    """The module to replicate has no parameter that requires grad (a RuntimeError in torch's DDP too)."""
+
+
 class BackendUnavailableError(ConfigError):
     """The requested collective backend cannot be used for this device or build of torch."""
 

@@ -54,7 +54,7 @@ class _Recorder:
         self.group, self.seen = group, []
 
 
-def _recording_hook(state: _Recorder, bucket) -> torch.futures.Future:
+def _recording_hook(state, bucket):  # unannotated: torch checks annotations against its own types
     state.seen.append((bucket.index(), bucket.is_last(), len(bucket.parameters()), len(bucket.gradients())))
     return default_hooks.allreduce_hook(state.group, bucket)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -10,9 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from lockstep.engine.join import EngineJoin
-from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, SyncPolicy
+from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, SyncPolicy
 from lockstep.engine.reducer import CommHook
 from lockstep.engine.state import ReplicaState
 from lockstep.engine.stats import EngineStats
@@ -25,7 +29,9 @@ class _JoinableReplica(Joinable):
     `join()` here or torch's `Join([model, ...])` (with ZeroRedundancyOptimizer, say) both work.
     """
 
-    _replica: ReplicaState
+    @property
+    def _engine(self) -> ReplicaState:
+        raise NotImplementedError
 
     def __init__(self) -> None:  # Joinable's __init__ would set _join_config before the replica exists
         pass
@@ -44,33 +50,38 @@ class _JoinableReplica(Joinable):
                           divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        return self._replica.join_hook(**kwargs)
+        return self._engine.join_hook(**kwargs)
 
     @property
     def join_device(self) -> torch.device:
-        return self._replica.join_device
+        return self._engine.join_device
 
     @property
     def join_process_group(self) -> Any:
-        return self._replica.join_process_group
+        return self._engine.join_process_group
 
     @property
     def _join_config(self) -> _JoinConfig:
-        return self._replica._join_config
+        return self._engine._join_config
 
     @_join_config.setter
     def _join_config(self, config: _JoinConfig) -> None:
-        self._replica._join_config = config
+        self._engine._join_config = config
 
 
-class DistributedDataParallel(nn.Module, _JoinableReplica):
+class DistributedDataParallel(_JoinableReplica, TorchDDP):
     """Drop-in for torch.nn.parallel.DistributedDataParallel, on lockstep's engine.
 
-    Same arguments and behaviour as torch's class: the wrapped module is `.module`, state_dict keys
-    carry the `module.` prefix, `no_sync()` accumulates locally. Differences, all on the side of the user:
+    A subclass of torch's class (so that `isinstance(model, torch.nn.parallel.DistributedDataParallel)`
+    holds and every tool that unwraps DDP by isinstance treats it as torch's), but none of torch's
+    reducer runs: torch's constructor is not called and every method that would reach torch's C++
+    reducer is lockstep's. Same arguments, attributes and flags as torch's class: `.module`,
+    `module.`-prefixed state_dict keys, `no_sync()`, `require_backward_grad_sync`,
+    `require_forward_param_sync`, `process_group`, `bucket_bytes_cap`, `_set_static_graph()`.
+    docs/compat.md lists every attribute and behaviour. Additions, all on the side of the user:
     load_state_dict accepts keys with or without the prefix; attributes missing on the wrapper are
-    looked up on the wrapped module; different models on different ranks raise an error naming the
-    rank and parameter; unused parameters are named; `stats()` reports timings and overlap.
+    looked up on the wrapped module; different models on different ranks raise an error naming the rank
+    and parameter; unused parameters are named; `stats()` reports timings and overlap.
     """
 
     def __init__(
@@ -79,7 +90,8 @@ class DistributedDataParallel(nn.Module, _JoinableReplica):
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool | None = True,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
@@ -90,53 +102,146 @@ class DistributedDataParallel(nn.Module, _JoinableReplica):
         param_to_hook_all_reduce: Any = None,
         mixed_precision: Any = None,
         device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
     ) -> None:
-        super().__init__()
-        for name, value in (("delay_all_reduce_named_params", delay_all_reduce_named_params),
-                            ("param_to_hook_all_reduce", param_to_hook_all_reduce),
-                            ("mixed_precision", mixed_precision), ("device_mesh", device_mesh)):
-            if value is not None:
-                raise NotImplementedError(f"lockstep.DistributedDataParallel does not support {name} (got {value!r})")
+        nn.Module.__init__(self)  # not torch's DDP constructor: it would build torch's reducer
+        _refuse_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
+                            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+                            bucket_cap_mb_list=bucket_cap_mb_list)
         if dim != 0:
             raise NotImplementedError(f"lockstep.DistributedDataParallel scatters nothing; dim={dim!r} is not used")
+        if check_reduction:
+            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
+                          "Please avoid using it.", FutureWarning, stacklevel=2)
+        self.process_group, self.device_mesh = _resolve_group(process_group, device_mesh)
+        _check_parameters(module)
         self.module = module
         self.device_ids, self.output_device = _check_devices(module, device_ids, output_device)
+        self.device_type = next(p.device.type for p in module.parameters())
+        self.device = next(p.device for p in module.parameters())
+        self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1
         self.dim = dim
-        policy = SyncPolicy(
-            bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            broadcast_buffers=True if broadcast_buffers is None else bool(broadcast_buffers),
-        )
-        self.broadcast_buffers = policy.broadcast_buffers
+        sync_buffers = forward_sync_buffers if forward_sync_buffers is not None else broadcast_buffers is not False
+        self.forward_sync_buffers = bool(sync_buffers)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
-        self.process_group = process_group
-        self._replica = ReplicaState(module, policy, process_group)
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
+        self.mixed_precision = None
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.broadcast_bucket_size = 250 * 1024 * 1024
+        cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        self.bucket_bytes_cap = int(cap_mb * 1024 * 1024)
+        self.bucket_bytes_cap_list: list[int] = []
+        self.bucket_bytes_cap_default = bucket_cap_mb is None
+        self._use_python_reducer = False
+        self._init_sync_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
+        # torch's first bucket is 1 MiB only with the default cap; an explicit cap applies to every bucket
+        self._policy = SyncPolicy(
+            bucket_cap_mb=cap_mb,
+            first_bucket_mb=DEFAULT_FIRST_BUCKET_MB if bucket_cap_mb is None else cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=self.forward_sync_buffers,
+        )
+        self._replica: ReplicaState | None = ReplicaState(module, self._policy, self.process_group, flags=self,
+                                                          init_sync=init_sync)
+
+    # ---- the engine behind the wrapper (built again, without collectives, after unpickling) ----------
+
+    @property
+    def _engine(self) -> ReplicaState:
+        replica = self.__dict__.get("_replica")
+        if replica is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    "this DistributedDataParallel was unpickled or copied in a process without a process "
+                    "group; call torch.distributed.init_process_group (or lockstep.init) before running it, "
+                    "or use its .module"
+                )
+            self.process_group = _default_group()
+            replica = ReplicaState(self.module, self._policy, self.process_group, flags=self, init_sync=False)
+            if self.static_graph:
+                replica.reducer.enable_static_graph()
+            self.__dict__["_replica"] = replica
+        return replica
+
+    def __getstate__(self) -> dict[str, Any]:
+        _check_default_group(self.process_group)
+        state = dict(self.__dict__)
+        for transient in ("_replica", "process_group", "device_mesh"):
+            state.pop(transient, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        nn.Module.__setstate__(self, state)
+        self.__dict__["_replica"] = None  # rebuilt at the first forward, on the default group, no collectives
+        self.__dict__["process_group"] = _default_group() if dist.is_available() and dist.is_initialized() else None
+        self.__dict__["device_mesh"] = None
+
+    # ---- torch's interface --------------------------------------------------------------------------
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        replica = self._engine
         compiling = torch.compiler.is_compiling()
         # Under torch.compile of the wrapper the engine's bookkeeping runs eagerly (graph breaks around
         # it) while dynamo compiles the user's module.
-        (_eager(self._replica.pre_forward) if compiling else self._replica.pre_forward)()
+        (_eager(replica.pre_forward) if compiling else replica.pre_forward)()
         if self.device_ids:
             inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", self.device_ids[0]))
         output = self.module(*inputs, **kwargs)
-        return (_eager(self._replica.post_forward) if compiling else self._replica.post_forward)(output)
+        return (_eager(replica.post_forward) if compiling else replica.post_forward)(output)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        with self._replica.no_sync():
+        """Forwards inside keep their gradients local; the first synced backward after reduces the sum."""
+        before = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
             yield
+        finally:
+            self.require_backward_grad_sync = before
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """torch's contract: hook(state, bucket) -> Future[Tensor]; call once, before training."""
-        self._replica.register_comm_hook(state, hook)
+        check_comm_hook(hook)
+        self._engine.register_comm_hook(state, hook)
+
+    def _set_static_graph(self) -> None:
+        """torch's private switch, as torch: like static_graph=True, before the first iteration."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        self.static_graph = True
+        self._policy = dataclasses.replace(self._policy, static_graph=True)
+        self._engine.reducer.enable_static_graph()
+
+    def will_sync_module_buffers(self) -> bool:
+        return bool(self.require_forward_param_sync and self.forward_sync_buffers and self._engine.buffers)
 
     def stats(self) -> EngineStats:
-        return self._replica.stats()
+        return self._engine.stats()
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        raise RuntimeError(
+            "lockstep.DistributedDataParallel has no C++ logger (torch's _get_ddp_logging_data is private to "
+            "torch's reducer); use model.stats() for timings, buckets and bytes"
+        )
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Accepts keys with the `module.` prefix (torch's DDP checkpoints) and without (plain ones)."""
@@ -149,7 +254,7 @@ class DistributedDataParallel(nn.Module, _JoinableReplica):
             return super().__getattr__(name)
         except AttributeError:
             modules = self.__dict__.get("_modules", {})
-            if "module" in modules and name not in ("_replica",):
+            if "module" in modules and not name.startswith("__") and name != "_replica":
                 return getattr(modules["module"], name)
             raise
 
@@ -159,6 +264,10 @@ class ReplicaHandle(_JoinableReplica):
 
     def __init__(self, replica: ReplicaState, hooks: list[Any]) -> None:
         self._replica, self._hooks = replica, hooks
+
+    @property
+    def _engine(self) -> ReplicaState:
+        return self._replica
 
     @property
     def module(self) -> nn.Module:
@@ -197,16 +306,99 @@ def replicate(
     Parameters and buffers are checked and broadcast from rank 0 now; from then on every forward
     with grad enabled is followed by a backward that averages gradients across ranks.
     """
+    if any(isinstance(getattr(h, "__self__", None), _ForwardHooks) for h in module._forward_pre_hooks.values()):
+        raise ConfigError(
+            f"module {type(module).__name__} is already replicated; call remove() on its handle "
+            "before replicating it again"
+        )
     replica = ReplicaState(module, policy or SyncPolicy(), process_group)
+    hooks = _ForwardHooks(replica)
+    return ReplicaHandle(replica, [module.register_forward_pre_hook(hooks.before),
+                                   module.register_forward_hook(hooks.after)])
 
-    def before(_m: nn.Module, args: Any) -> None:
-        replica.pre_forward()
 
-    def after(_m: nn.Module, args: Any, output: Any) -> Any:
-        return replica.post_forward(output)
+class _ForwardHooks:
+    """replicate's forward hooks on the user's module (their owner marks the module as replicated)."""
 
-    hooks = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
-    return ReplicaHandle(replica, hooks)
+    def __init__(self, replica: ReplicaState) -> None:
+        self.replica = replica
+
+    def before(self, _module: nn.Module, _args: Any) -> None:
+        self.replica.pre_forward()
+
+    def after(self, _module: nn.Module, _args: Any, output: Any) -> Any:
+        return self.replica.post_forward(output)
+
+
+def check_comm_hook(hook: Any) -> None:
+    """torch's checks of a communication hook, with torch's exception types."""
+    if not callable(hook):
+        raise TypeError("Communication hook must be callable.")
+    signature = inspect.signature(hook)
+    bucket = signature.parameters.get("bucket")
+    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+    if signature.return_annotation not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+        raise ValueError("Communication hook: return annotation should be torch.futures.Future[torch.Tensor].")
+
+
+def _refuse_unsupported(**settings: Any) -> None:
+    for name, value in settings.items():
+        if value is not None:
+            raise NotImplementedError(f"lockstep.DistributedDataParallel does not support {name} (got {value!r})")
+
+
+def _default_group() -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    return _get_default_group()
+
+
+def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> tuple[dist.ProcessGroup, Any]:
+    """torch's rules: a group, or a 1-D device mesh's group, or the default group."""
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        return device_mesh.get_group(mesh_dim=0), device_mesh
+    if process_group is not None:
+        return process_group, None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "no process group: call lockstep.init() (or torch.distributed.init_process_group) before "
+            "wrapping the model"
+        )
+    return _default_group(), None
+
+
+def _check_default_group(group: dist.ProcessGroup | None) -> None:
+    try:
+        is_default = group is not None and group == _default_group()
+    except (RuntimeError, ValueError):
+        is_default = False
+    if not is_default:
+        raise RuntimeError(
+            "DDP Pickling/Unpickling are only supported when using DDP with the default process group. "
+            "That is, when you have called init_process_group and have not passed process_group argument "
+            "to DDP constructor"
+        )
+
+
+def _check_parameters(module: nn.Module) -> None:
+    """torch's wrap-time checks of the parameters, with torch's exception types."""
+    params = list(module.parameters())
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in params):
+        raise RuntimeError(
+            "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
+            "Run a dummy forward pass to correctly initialize the modules"
+        )
+    device_types = {p.device.type for p in params}
+    if len(device_types) > 1:
+        raise ConfigError(
+            "DistributedDataParallel's input module must be on the same type of devices, but input module "
+            f"parameters locate in {device_types}."
+        )
 
 
 def _check_devices(

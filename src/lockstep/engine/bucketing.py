@@ -11,7 +11,9 @@ same layout from the same inputs and the rules can be unit-tested with fake devi
 - buckets are numbered in the order in which their first parameter is visited: the order of launch;
 - optionally, a parameter of at least `solo_bytes` gets a bucket of its own (`solo`): the reducer then
   reduces its `.grad` in place, with no copy into and out of a flat buffer. The last bucket is never
-  solo (the reducer appends a status element to it).
+  solo (the reducer appends a status element to it);
+- a sparse parameter (nn.Embedding(sparse=True)) always has a bucket of its own, the last one included:
+  sparse gradients cannot share a flat buffer.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class ParamSpec:
     nbytes: int  # bytes it takes in the bucket (numel times the element size of the bucket dtype)
     device: str
     dtype: str
+    sparse: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class BucketSpec:
     params: tuple[int, ...]
     nbytes: int
     solo: bool = False
+    sparse: bool = False
 
 
 def assign_buckets(
@@ -67,7 +71,7 @@ def assign_buckets(
     for index in visit:
         spec = params[index]
         key = (spec.device, spec.dtype)
-        if solo_bytes is not None and spec.nbytes >= solo_bytes:
+        if spec.sparse or (solo_bytes is not None and spec.nbytes >= solo_bytes):
             closed.append((key, [index], spec.nbytes))
             solos.add(index)
             continue
@@ -85,7 +89,8 @@ def assign_buckets(
     closed.sort(key=lambda item: position[item[1][0]])
     return [
         BucketSpec(index=i, device=key[0], dtype=key[1], params=tuple(members), nbytes=nbytes,
-                   solo=members[0] in solos and i < len(closed) - 1)
+                   solo=members[0] in solos and (i < len(closed) - 1 or params[members[0]].sparse),
+                   sparse=params[members[0]].sparse)
         for i, (key, members, nbytes) in enumerate(closed)
     ]
 

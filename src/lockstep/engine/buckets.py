@@ -26,7 +26,7 @@ class Bucket:
         self.index = spec.index
         self.indices = list(spec.params)
         self.params = [params[i] for i in spec.params]
-        self.dtype, self.solo = dtype, spec.solo
+        self.dtype, self.solo, self.sparse = dtype, spec.solo, spec.sparse
         numels = [p.numel() for p in self.params]
         total = sum(numels)
         # The last bucket carries one extra element: each rank's count of parameters without gradient,
@@ -45,6 +45,13 @@ class Bucket:
         self.hook_buffer = self.buffer
         self.t_launch = 0.0
         self.t_done = 0.0
+
+
+def empty_sparse_grad(p: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient with no rows, shaped like an embedding's (sparse over dim 0, dense after)."""
+    indices = torch.empty((1, 0), dtype=torch.int64, device=p.device)
+    values = torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
+    return torch.sparse_coo_tensor(indices, values, p.shape)
 
 
 def flat_views(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -70,6 +77,8 @@ class GradBucket:
         return self._bucket.index == self._num - 1
 
     def gradients(self) -> list[torch.Tensor]:
+        if self._bucket.sparse:
+            return [self._bucket.hook_buffer]
         return flat_views(self._bucket.hook_buffer, self._bucket.params)
 
     def parameters(self) -> list[torch.Tensor]:

@@ -37,10 +37,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
+from lockstep.engine.buckets import empty_sparse_grad
 from lockstep.engine.init_sync import broadcast_coalesced
-from lockstep.errors import UnevenInputsError, rank_tag
+from lockstep.errors import UnevenInputsError, UnusedParameterError, rank_tag
 
 if TYPE_CHECKING:
+    from lockstep.engine.buckets import Bucket
+    from lockstep.engine.reducer import Reducer
     from lockstep.engine.state import ReplicaState
 
 _SYNC, _REBUILD, _BUFFERS = range(3)  # flags after the per-rank slots of a step record
@@ -140,12 +143,48 @@ def _shadow_step(replica: ReplicaState, record: StepRecord) -> None:
     if record.buffers:
         broadcast_coalesced(replica.buffers, _global(replica, max(record.training)), replica.group)
     if record.sync:
-        replica.reducer.shadow_backward()
+        shadow_backward(replica.reducer)
+
+
+def shadow_backward(reducer: Reducer) -> None:
+    """The collectives of a synced backward, with zeros, on a rank that ran out of inputs.
+
+    The mirror of launch + finalize on a training rank, in the same order: every bucket through the
+    communication hook (same sizes and dtypes, the status element included), then the unused-parameter
+    agreement, and if a training rank lacks gradients, the same UnusedParameterError here too.
+    """
+    if reducer.world == 1:
+        return
+    futures = []
+    for b in reducer.buckets:
+        b.hook_buffer = _zeros_like_launch(reducer, b)
+        futures.append(reducer.launch_hook(b))
+    reducer.reset_used()  # this rank used nothing in the step it shadows
+    verdict = reducer.agree_on_unused([])
+    values = [f.wait() for f in futures]
+    for b in reducer.buckets:
+        b.hook_buffer = b.buffer
+    if verdict is None:
+        last = values[-1][0] if isinstance(values[-1], list) else values[-1]
+        verdict = reducer.name_missing([]) if int(last.reshape(-1)[-1].item()) else ""
+    reducer.learn_static_from_shadow()
+    if verdict:
+        raise UnusedParameterError(verdict)
+
+
+def _zeros_like_launch(reducer: Reducer, b: Bucket) -> torch.Tensor:
+    p = b.params[0]
+    if b.sparse:
+        return empty_sparse_grad(p)
+    if b.solo:
+        return torch.zeros(p.numel(), dtype=b.dtype, device=p.device)
+    zeros = torch.zeros_like(b.storage)  # type: ignore[arg-type]  # only solo buckets have none
+    return zeros if b.status is not None and not reducer.has_user_hook else zeros[: b.buffer.numel()]
 
 
 def _sync_final_model(replica: ReplicaState, is_last_joiner: bool) -> None:
     """Everyone joined: the highest rank among the last to join broadcasts parameters (and buffers)."""
-    replica.sync_buffers_next = True  # the same on every rank, whatever each saw last
+    replica.flags.require_forward_param_sync = True  # the same on every rank, whatever each saw last
     if replica.world == 1:
         return
     candidate = torch.tensor([replica.rank if is_last_joiner else -1], dtype=torch.int64, device=replica.join_device)

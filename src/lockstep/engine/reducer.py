@@ -2,30 +2,31 @@
 
 Design note. One training step goes through four phases; the same names label the code below.
 
-- pre_forward: (between forward and backward, driven by state.py) reset the per-step bookkeeping;
-  rebuild the buckets once after the first synced step from rank 0's observed ready order (kept as
-  they are, memory and views, when that order gives the same layout: the common case); with
-  find_unused_parameters, walk the autograd graph from the outputs to find the parameters this rank
-  did not use.
-- post_accumulate_grad: a hook per parameter fires once its `.grad` holds this step's full gradient.
+- pre_forward: (driven by state.py) rebuild the buckets once after the first synced step from rank 0's
+  observed ready order (kept as they are, memory and views, when that order gives the same layout: the
+  common case). After a synced forward the reducer is *armed* (`ArmedForward`, torch's
+  prepare_for_backward): with find_unused_parameters it walks the autograd graph from the outputs to
+  find the parameters this rank did not use.
+- post_accumulate_grad: a hook per parameter fires once its `.grad` holds this backward's gradient. The
+  first one of an armed forward starts the step (`StepState`, step.py); `torch.autograd.grad` calls
+  never accumulate into `.grad`, so they never start one (gradient penalties work as with torch).
   Large gradients are copied into their bucket right away (scaled by 1/world on the way, one pass);
-  a bucket of many small gradients is copied in one `_foreach_copy_` when it is complete, which keeps
-  the per-hook Python work to a few operations. A gradient of 4 MiB or more has a "solo" bucket and
-  is reduced in place in `.grad` (no copy in, no copy out, no buffer memory), except with
-  gradient_as_bucket_view, whose contract is that grads are views of the flat buckets.
+  a bucket of many small gradients is copied in one `_foreach_copy_` when it is complete. A gradient of
+  4 MiB or more, and every sparse gradient, has a "solo" bucket and is reduced in `.grad` itself (no
+  copy in or out, no buffer memory), except with gradient_as_bucket_view for dense ones.
 - launch: a complete bucket goes to the communication hook (torch's contract:
   hook(state, GradBucket) -> Future[Tensor]), strictly in bucket order on every rank: bucket 3 waits
   for bucket 2, or collectives would pair up differently on different ranks.
-- finalize: an autograd engine callback at the end of backward. Parameters that got no gradient are
-  filled in (zeros, or their no_sync-accumulated grads) and their buckets launched, so that every rank
-  issues the same collectives whatever happened, and nothing hangs. Every rank's count of such
-  parameters rides in one extra element of the last bucket, so all ranks learn of a problem without an
-  extra collective and raise the same error naming the parameters and ranks (with a user comm hook, or
-  with find_unused_parameters' bitmap, a small separate all-reduce does it). Then wait, and write the
-  averages back into `.grad` (one `_foreach_copy_` per bucket, or views with gradient_as_bucket_view).
+- finalize: an autograd engine callback at the end of the backward (queued from the outputs' gradient
+  hooks, so that it belongs to the outermost backward even under reentrant checkpointing). A pass that
+  started no step (an autograd.grad call) leaves the reducer armed. Otherwise parameters without
+  gradient are filled in (zeros, or their no_sync-accumulated grads) and their buckets launched, so
+  that every rank issues the same collectives; the ranks agree on unused parameters (unused.py), wait,
+  and write the averages back into `.grad`.
 
-Inside join() (protocol in join.py) a rank that ran out of inputs mirrors launch and finalize with zero
-buckets (`shadow_backward`), so that the training ranks' collectives always find a partner.
+All bucket arithmetic runs under no_grad: with backward(create_graph=True) gradients carry a graph of
+their own, which the reduction leaves alone (torch's DDP does not sync higher-order gradients either).
+Inside join() (join.py) a rank that ran out of inputs mirrors launch and finalize with zeros.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.engine import unused
 from lockstep.engine.bucketing import BucketSpec, ParamSpec, assign_buckets, complete_order
-from lockstep.engine.buckets import Bucket, GradBucket, flat_views, sum_hook
+from lockstep.engine.buckets import Bucket, GradBucket, empty_sparse_grad, flat_views, sum_hook
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.stats import StatsRecorder, StepStats, union_ms
+from lockstep.engine.step import ArmedForward, StepState
 from lockstep.errors import UnusedParameterError, rank_tag
-from lockstep.runtime.collectives import all_gather_object
 
 CommHook = Callable[[Any, "GradBucket"], "torch.futures.Future[Any]"]
 # A gradient this large is reduced in place in its own bucket: no copy into a flat buffer and back
@@ -51,7 +53,7 @@ SOLO_BUCKET_BYTES = 4 * 1024 * 1024
 
 
 class Reducer:
-    """Buckets, per-step readiness and the four phases (see the module docstring)."""
+    """Buckets and the four phases (see the module docstring); one StepState per backward."""
 
     def __init__(
         self,
@@ -62,37 +64,44 @@ class Reducer:
         *,
         rank: int,
         world_size: int,
+        sparse: Sequence[bool],
+        device: torch.device,
     ) -> None:
         self.params, self.names, self.policy, self.group = list(params), list(names), policy, group
-        self.rank, self.world = rank, world_size
+        self.rank, self.world, self.device = rank, world_size, device
+        self.sparse = list(sparse)
         self._n = len(self.params)
         self._tag = rank_tag(rank, world_size)
-        self._hook: CommHook = sum_hook
-        self._hook_state: Any = group
+        self.hook: CommHook = sum_hook
+        self.hook_state: Any = group
         self._prescale = True
+        self._divisor = world_size
         self._inv = 1.0 / world_size
+        self.static_graph = policy.static_graph
         self.stats = StatsRecorder()
         self.rebuilt = False
         self._order: list[int] | None = []  # ready order of the first synced step, for the rebuild
         self._order_complete = False
         self._static_hits: list[int] | None = None  # learned by static_graph in its first step
         self._static_unused: list[int] = []
-        self._unused_now: list[int] = []  # this step's unused parameters (indices); reset per step
         self._globally_unused: set[int] = set()
-        self._used = bytearray(self._n)
-        self._expect = False
+        self._used = bytearray(self._n)  # parameters used since the last synced step (no_sync included)
+        self._armed: ArmedForward | None = None
+        self._step: StepState | None = None
+        self._queued = False
         self._specs: list[ParamSpec] | None = None
         self._layout: list[BucketSpec] | None = None
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._build(None)
-        self._reset_step()
 
     # ---------------------------------------------------------------- layout
 
     def _build(self, order: Sequence[int] | None) -> None:
         if self._specs is None:  # parameters never change: describe them once
             self._specs = [
-                ParamSpec(name, p.numel(), p.numel() * self._bucket_dtype(p).itemsize, str(p.device), str(p.dtype))
-                for name, p in zip(self.names, self.params)
+                ParamSpec(name, p.numel(), p.numel() * self._bucket_dtype(p).itemsize, str(p.device), str(p.dtype),
+                          sparse=sparse)
+                for name, p, sparse in zip(self.names, self.params, self.sparse)
             ]
         layout = assign_buckets(
             self._specs, cap_bytes=self.policy.bucket_cap_bytes, first_cap_bytes=self.policy.first_bucket_bytes,
@@ -105,7 +114,6 @@ class Reducer:
             Bucket(s, self.params, self._bucket_dtype(self.params[s.params[0]]), s.index == len(layout) - 1)
             for s in layout
         ]
-        self._missing_count = 0
         self._where: list[tuple[Bucket, int]] = [None] * self._n  # type: ignore[list-item]
         for b in self.buckets:
             for pos, i in enumerate(b.indices):
@@ -116,17 +124,23 @@ class Reducer:
 
     def set_divisor(self, num_ranks: int) -> None:
         """Average over `num_ranks` (join() with divide_by_initial_world_size=False); the built-in hook only."""
-        self._inv = 1.0 / num_ranks
+        self._divisor, self._inv = num_ranks, 1.0 / num_ranks
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        if self._hook is not sum_hook:
+        if self.hook is not sum_hook:
             raise RuntimeError(
-                f"{self._tag}register_comm_hook can be called only once per model (like torch); "
-                f"a hook {getattr(self._hook, '__name__', self._hook)!r} is already registered"
+                f"{self._tag}register_comm_hook or register_builtin_comm_hook can only be called once. "
+                f"A hook {getattr(self.hook, '__name__', self.hook)!r} is already registered on this model"
             )
-        if not callable(hook):
-            raise TypeError(f"{self._tag}the communication hook must be callable, got {hook!r}")
-        self._hook, self._hook_state, self._prescale = hook, state, False
+        self.hook, self.hook_state, self._prescale = hook, state, False
+
+    def enable_static_graph(self) -> None:
+        """torch's _set_static_graph(): before the first backward, like static_graph=True."""
+        self.static_graph = True
+
+    @property
+    def has_user_hook(self) -> bool:
+        return self.hook is not sum_hook
 
     # ---------------------------------------------------------------- pre_forward
 
@@ -151,42 +165,23 @@ class Reducer:
         self.rebuilt = True
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor], t_forward_start: float) -> None:
-        """pre_forward (after the forward): expect hooks; find this rank's unused parameters."""
-        self._reset_step()
-        self._expect = True
-        self.t_forward_start, self.t_forward_end = t_forward_start, time.perf_counter()
+        """Arm for the backward of this forward (the last synced forward wins, like torch)."""
         if self._static_hits is not None:
-            self._unused_now = self._static_unused
-        elif self.policy.find_unused_parameters and not self.policy.static_graph:
-            self._unused_now = _unreached(outputs, self._index_of)
+            forward_unused = self._static_unused
+        elif self.policy.find_unused_parameters and not self.static_graph:
+            forward_unused = unused.unreached(outputs, self._index_of)
+        else:
+            forward_unused = []
+        self._armed = ArmedForward(forward_unused, t_forward_start)
+        self._step = None
         for t in outputs:
             if t.requires_grad:
                 t.register_hook(self._on_output_grad)
 
-    def _reset_step(self) -> None:
-        self._ready = bytearray(self._n)
-        self._hits = [0] * self._n if self.policy.static_graph else None
-        self._defer = self._first_static
-        self._next = 0
-        self._step_bytes = 0
-        self._started = False
-        self._queued = False
-        self._unused_now = []
-        self.t_forward_start = self.t_forward_end = self.t_backward = 0.0
-        for b in self.buckets:
-            b.pending, b.future, b.hook_buffer = len(b.params), None, b.buffer
-
-    @property
-    def _index_of(self) -> dict[int, int]:
-        cached = getattr(self, "_index_cache", None)
-        if cached is None:
-            cached = self._index_cache = {id(p): i for i, p in enumerate(self.params)}
-        return cached
-
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         # Queued from an output's gradient, the callback belongs to the outermost backward, even when
         # reentrant checkpointing runs nested backwards that fire parameter hooks.
-        if self._expect and not self._queued:
+        if self._armed is not None and not self._queued:
             self._queue_finalize()
 
     def _queue_finalize(self) -> None:
@@ -198,49 +193,63 @@ class Reducer:
     def post_accumulate_grad(self, i: int) -> None:
         """The per-parameter hook: param i's .grad is complete for this backward."""
         self._used[i] = 1
-        if not self._expect:
-            return  # no_sync, eval, or a backward that did not follow our forward: accumulate locally
-        if not self._started:
-            self._start_backward()
-        if self._hits is not None:
-            self._hits[i] += 1
-            if self._static_hits is not None and self._hits[i] < self._static_hits[i]:
+        if self._armed is None:
+            return  # no_sync, eval, or a backward that did not follow a synced forward: accumulate locally
+        if torch.is_grad_enabled():  # backward(create_graph=True): keep the reduction out of the graph
+            with torch.no_grad():
+                self._accumulated(i)
+        else:
+            self._accumulated(i)
+
+    def _accumulated(self, i: int) -> None:
+        step = self._step or self._start_step()
+        if step.hits is not None:
+            step.hits[i] += 1
+            if self._static_hits is not None and step.hits[i] < self._static_hits[i]:
                 return
-        if self._ready[i]:
+        if step.ready[i]:
             self._ready_again(i)
             return
-        self._mark_ready(i)
+        self._mark_ready(step, i)
 
-    def _start_backward(self) -> None:
-        self._started = True
-        self.t_backward = time.perf_counter()
+    def _start_step(self) -> StepState:
+        step = self._step = StepState(self._n, count_hits=self.static_graph, defer=self._first_static)
+        for b in self.buckets:
+            b.pending, b.future, b.hook_buffer = len(b.params), None, b.buffer
         if not self._queued:
             self._queue_finalize()
-        for i in self._unused_now:
-            self._mark_ready(i)
+        for i in self._armed.unused if self._armed is not None else ():
+            self._mark_ready(step, i)
+        return step
 
-    def _mark_ready(self, i: int) -> None:
-        self._ready[i] = 1
+    def _mark_ready(self, step: StepState, i: int) -> None:
+        step.ready[i] = 1
         if self._order is not None:
             self._order.append(i)
         b, pos = self._where[i]
         if b.eager and self.world > 1:
             self._copy_in_one(b, pos)
         b.pending -= 1
-        if b.pending == 0 and not self._defer:
-            while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-                self._launch(self.buckets[self._next])
-                self._next += 1
+        if b.pending == 0 and not step.defer:
+            while step.next_bucket < len(self.buckets) and self.buckets[step.next_bucket].pending == 0:
+                self._launch(step, self.buckets[step.next_bucket])
+                step.next_bucket += 1
 
     @property
     def _first_static(self) -> bool:
         # static_graph's first step reduces at the end: how often each parameter fires is not known yet.
-        return self.policy.static_graph and self._static_hits is None
+        return self.static_graph and self._static_hits is None
 
     def _copy_in_one(self, b: Bucket, pos: int) -> None:
         grad, view = b.params[pos].grad, b.views[pos]
         if grad is None:
             view.zero_()
+        elif grad.is_sparse:
+            raise RuntimeError(
+                f"{self._tag}parameter {self.names[b.indices[pos]]!r} received a sparse gradient, but it was "
+                "not declared sparse when the model was wrapped (only nn.Embedding/nn.EmbeddingBag with "
+                "sparse=True are, like torch's DDP); make the layer produce dense gradients"
+            )
         elif self._prescale and b.widen:
             view.copy_(grad)
             view.mul_(self._inv)
@@ -256,8 +265,8 @@ class Reducer:
                 self._copy_in_one(b, pos)  # the grad grew since: copy the total again
             return
         raise RuntimeError(
-            f"{self._tag}parameter {self.names[i]!r} received a gradient again after its bucket was "
-            "reduced in this backward (it is used in several autograd passes, as with reentrant "
+            f"{self._tag}Expected to mark a variable ready only once. Parameter {self.names[i]!r} received a "
+            "gradient again after its bucket was reduced in this backward (it is used in several autograd passes, as with reentrant "
             "activation checkpointing). Pass static_graph=True if the graph is the same every step, or "
             "use torch.utils.checkpoint with use_reentrant=False, and do not combine reentrant "
             "checkpointing with find_unused_parameters=True"
@@ -265,34 +274,47 @@ class Reducer:
 
     # ---------------------------------------------------------------- launch
 
-    def _launch(self, b: Bucket) -> None:
+    def _launch(self, step: StepState, b: Bucket) -> None:
         if self.world == 1:
             return
-        if b.solo:
+        if b.sparse:
+            self._sparse_buffer(b)
+        elif b.solo:
             self._solo_buffer(b)
         elif not b.eager:
             grads = [p.grad for p in b.params]
-            if any(g is None for g in grads):
+            if any(g is None or g.is_sparse for g in grads):
                 for pos in range(len(grads)):
                     self._copy_in_one(b, pos)
             else:
                 torch._foreach_copy_(b.views, grads)  # type: ignore[arg-type]
                 if self._prescale:
                     b.buffer.mul_(self._inv)
-        self._step_bytes += b.hook_buffer.numel() * b.hook_buffer.element_size()  # gradient payload
-        if b.status is not None and self._hook is sum_hook:
-            b.status.fill_(float(self._missing_count))
+        step.bytes_sent += b.hook_buffer.numel() * b.hook_buffer.element_size()  # gradient payload
+        if b.status is not None and self.hook is sum_hook:
+            b.status.fill_(float(step.missing_count))
             b.hook_buffer = b.storage  # type: ignore[assignment]
         b.t_launch = time.perf_counter()
-        fut = self._hook(self._hook_state, GradBucket(b, len(self.buckets)))
-        fut.add_done_callback(_stamp_done(b))
-        b.future = fut
+        b.future = self.launch_hook(b)
+        b.future.add_done_callback(_stamp_done(b))
+
+    def launch_hook(self, b: Bucket) -> torch.futures.Future[Any]:
+        """Hand bucket b (its hook_buffer) to the communication hook; check what comes back."""
+        fut = self.hook(self.hook_state, GradBucket(b, len(self.buckets)))
+        if not isinstance(fut, torch._C.Future):
+            raise RuntimeError(
+                f"{self._tag}callback must return a torch.futures.Future object, but got "
+                f"{type(fut).__module__}.{type(fut).__qualname__}: the communication hook "
+                f"{getattr(self.hook, '__name__', self.hook)!r} must return a Future (torch's contract: "
+                "hook(state, bucket) -> torch.futures.Future[torch.Tensor])"
+            )
+        return fut
 
     def _solo_buffer(self, b: Bucket) -> None:
-        # Reduce .grad itself when it can be (contiguous, bucket dtype); else a temporary copy.
+        # Reduce .grad itself when it can be (contiguous, bucket dtype, no graph); else a temporary copy.
         p = b.params[0]
         grad = p.grad
-        if grad is not None and grad.dtype == b.dtype and grad.is_contiguous():
+        if grad is not None and grad.dtype == b.dtype and grad.is_contiguous() and not grad.requires_grad:
             buf = grad
         elif grad is None:
             buf = torch.zeros(p.shape, dtype=b.dtype, device=p.device)
@@ -302,65 +324,73 @@ class Reducer:
             buf.mul_(self._inv)
         b.hook_buffer = buf.view(-1)
 
+    def _sparse_buffer(self, b: Bucket) -> None:
+        # torch's sparse path: the gradient itself goes to the hook, divided (not multiplied) by the world.
+        p = b.params[0]
+        grad = p.grad
+        if grad is None:
+            grad = empty_sparse_grad(p)
+        elif not grad.is_sparse:
+            raise RuntimeError(
+                f"{self._tag}parameter {self.names[b.indices[0]]!r} is declared sparse (nn.Embedding or "
+                "nn.EmbeddingBag with sparse=True) but received a dense gradient on this rank; every rank must "
+                "produce the same kind of gradient, like with torch's DDP"
+            )
+        elif self._prescale:
+            grad = grad.div_(self._divisor)
+        b.hook_buffer = grad
+
     # ---------------------------------------------------------------- finalize
 
     def finalize(self) -> None:
         """End of backward: fill in, launch the rest, agree on unused parameters, wait, write back."""
         self._queued = False
-        if not self._expect:
-            return
-        t_end_backward = time.perf_counter()
-        missing = [i for i in range(self._n) if not self._ready[i]] if 0 in self._ready else []
-        self._missing_count = len(missing)
-        for i in missing:
-            self._mark_ready(i)  # zeros or no_sync-accumulated grads: every rank launches every bucket
-        while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
-            self._next += 1
-        verdict = self._agree_on_unused(missing)
-        self._write_back()
-        if verdict is None:  # the count travelled in the last bucket's status element
-            total = int(self.buckets[-1].status.item()) if self.buckets[-1].status is not None else 0
-            verdict = self._name_unused(missing) if total else ""
-        self._missing_count = 0
-        self._finish_step(t_end_backward, missing)
+        step = self._step
+        if step is None:
+            return  # a pass that accumulated no gradient (autograd.grad): stay armed for the real backward
+        with torch.no_grad():
+            verdict = self._finalize(step)
         if verdict:
             raise UnusedParameterError(verdict)
 
-    def _agree_on_unused(self, missing: list[int]) -> str | None:
+    def _finalize(self, step: StepState) -> str:
+        t_end_backward = time.perf_counter()
+        missing = step.missing()
+        step.missing_count = len(missing)
+        step.defer = False
+        for i in missing:
+            self._mark_ready(step, i)  # zeros or no_sync-accumulated grads: every rank launches every bucket
+        while step.next_bucket < len(self.buckets):
+            self._launch(step, self.buckets[step.next_bucket])
+            step.next_bucket += 1
+        verdict = self.agree_on_unused(missing)
+        self._write_back()
+        if verdict is None:  # the count travelled in the last bucket's status element
+            total = int(self.buckets[-1].status.item()) if self.buckets[-1].status is not None else 0
+            verdict = unused.name_missing(self.names, missing, self._tag, self.group) if total else ""
+        self._finish_step(step, t_end_backward, missing)
+        return verdict
+
+    def agree_on_unused(self, missing: list[int]) -> str | None:
         """An error message (the same on every rank), '' when all is well, None: read the status element."""
-        tolerant = self.policy.find_unused_parameters or self.policy.static_graph
+        tolerant = self.policy.find_unused_parameters or self.static_graph
         if self.world == 1:
-            self._globally_unused = {i for i in missing} if tolerant else set()
-            return "" if tolerant or not missing else self._unused_message({0: [self.names[i] for i in missing]})
+            self._globally_unused = set(missing) if tolerant else set()
+            if tolerant or not missing:
+                return ""
+            return unused.missing_message(self._tag, {0: [self.names[i] for i in missing]})
         if self._static_hits is not None:
             return ""  # learned in the first step: the graph does not change
         if tolerant:
-            used = torch.frombuffer(bytearray(self._used), dtype=torch.uint8).to(torch.int32)
-            dist.all_reduce(used, group=self.group)
-            self._globally_unused = {i for i in (used == 0).nonzero().flatten().tolist()}
+            self._globally_unused = unused.globally_unused(self._used, self.group, self.device)
             return ""
-        if self._hook is sum_hook and self.buckets[-1].status is not None:
+        if self.hook is sum_hook and self.buckets[-1].status is not None:
             return None
-        count = torch.tensor([len(missing)], dtype=torch.int64)
-        dist.all_reduce(count, group=self.group)
-        return self._name_unused(missing) if int(count.item()) else ""
+        total = unused.total_missing(len(missing), self.group, self.device)
+        return unused.name_missing(self.names, missing, self._tag, self.group) if total else ""
 
-    def _name_unused(self, missing: list[int]) -> str:
-        per_rank = all_gather_object([self.names[i] for i in missing], group=self.group)
-        return self._unused_message({r: names for r, names in enumerate(per_rank) if names})
-
-    def _unused_message(self, per_rank: dict[int, list[str]]) -> str:
-        parts = [
-            f"rank {r}: {', '.join(repr(n) for n in names[:10])}{' ...' if len(names) > 10 else ''}"
-            for r, names in per_rank.items()
-        ]
-        return (
-            f"{self._tag}parameters received no gradient in this backward although every parameter was "
-            f"expected to: {'; '.join(parts)}. If some parameters are not used in every forward, pass "
-            "find_unused_parameters=True (SyncPolicy(find_unused_parameters=True) for replicate); if they "
-            "are never used, delete them or set requires_grad=False"
-        )
+    def name_missing(self, missing: list[int]) -> str:
+        return unused.name_missing(self.names, missing, self._tag, self.group)
 
     def _write_back(self) -> None:
         as_view = self.policy.gradient_as_bucket_view
@@ -397,95 +427,44 @@ class Reducer:
         p = b.params[0]
         if b.indices[0] in self._globally_unused:
             return
-        if p.grad is None:
+        if b.sparse:
+            p.grad = result
+        elif p.grad is None:
             p.grad = result.view(p.shape).to(p.dtype)
         elif result.data_ptr() != p.grad.data_ptr():
             p.grad.copy_(result.view(p.shape))
 
-    def _finish_step(self, t_end_backward: float, missing: list[int]) -> None:
+    def _finish_step(self, step: StepState, t_end_backward: float, missing: list[int]) -> None:
         if self._first_static:
-            self._static_hits = [max(h, 1) for h in self._hits or [0] * self._n]
+            self._static_hits = [max(h, 1) for h in step.hits or [0] * self._n]
             self._static_unused = list(missing)
+        armed = self._armed
         now = time.perf_counter()
         spans = [(b.t_launch, max(b.t_done, b.t_launch)) for b in self.buckets if b.future is not None]
-        comm = union_ms(spans)
         self.stats.record(
             StepStats(
                 step=self.stats.steps + 1,
-                forward_ms=(self.t_forward_end - self.t_forward_start) * 1000.0 if self.t_forward_start else 0.0,
-                backward_ms=(t_end_backward - self.t_backward) * 1000.0 if self.t_backward else 0.0,
-                comm_ms=comm,
+                forward_ms=(armed.t_end - armed.t_start) * 1000.0 if armed and armed.t_start else 0.0,
+                backward_ms=(t_end_backward - step.t_backward) * 1000.0,
+                comm_ms=union_ms(spans),
                 comm_hidden_ms=union_ms(spans, until=t_end_backward),
                 finalize_ms=(now - t_end_backward) * 1000.0,
-                bytes_communicated=self._step_bytes,
+                bytes_communicated=step.bytes_sent,
             )
         )
-        self._expect = False
+        self._armed = self._step = None
         self._used = bytearray(self._n)
         self._order_complete = self._order is not None
 
+    # ---------------------------------------------------------------- join's shadow step (join.py)
 
-    # ---------------------------------------------------------------- join: a joined rank's step
-
-    def shadow_backward(self) -> None:
-        """A rank that ran out of inputs inside join(): the collectives of a synced backward, with zeros.
-
-        The mirror of launch + finalize on a training rank, in the same order: every bucket through the
-        communication hook (same sizes and dtypes, the status element included), then the unused-parameter
-        agreement, and if a training rank lacks gradients, the same UnusedParameterError here too.
-        """
-        if self.world == 1:
-            return
-        futures = []
-        for b in self.buckets:
-            b.hook_buffer = self._zeros_like_launch(b)
-            futures.append(self._hook(self._hook_state, GradBucket(b, len(self.buckets))))
-        self._used = bytearray(self._n)  # this rank used nothing in the step it shadows
-        verdict = self._agree_on_unused([])
-        values = [f.wait() for f in futures]
-        for b in self.buckets:
-            b.hook_buffer = b.buffer
-        if verdict is None:
-            last = values[-1][0] if isinstance(values[-1], list) else values[-1]
-            verdict = self._name_unused([]) if int(last.reshape(-1)[-1].item()) else ""
-        if self._first_static:  # the training ranks have learned their static pattern in this step
+    def learn_static_from_shadow(self) -> None:
+        """A joined rank shadowed static_graph's first step: the training ranks learned their pattern."""
+        if self._first_static:
             self._static_hits, self._static_unused = [1] * self._n, []
-        if verdict:
-            raise UnusedParameterError(verdict)
 
-    def _zeros_like_launch(self, b: Bucket) -> torch.Tensor:
-        if b.solo:
-            p = b.params[0]
-            return torch.zeros(p.numel(), dtype=b.dtype, device=p.device)
-        zeros = torch.zeros_like(b.storage)  # type: ignore[arg-type]  # only solo buckets have none
-        return zeros if b.status is not None and self._hook is sum_hook else zeros[: b.buffer.numel()]
-
-
-def _unreached(outputs: Sequence[torch.Tensor], index_of: dict[int, int]) -> list[int]:
-    """Indices of parameters whose AccumulateGrad node is not reachable from `outputs` (as torch does)."""
-    reached: set[int] = set()
-    seen: set[Any] = set()
-    stack = []
-    for t in outputs:
-        if t.grad_fn is not None:
-            stack.append(t.grad_fn)
-        elif t.requires_grad and id(t) in index_of:
-            reached.add(index_of[id(t)])
-    while stack:
-        fn = stack.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        for nxt, _ in fn.next_functions:
-            if nxt is None:
-                continue
-            var = getattr(nxt, "variable", None)
-            if var is not None:
-                if id(var) in index_of:
-                    reached.add(index_of[id(var)])
-            elif nxt not in seen:
-                stack.append(nxt)
-    return [i for i in range(len(index_of)) if i not in reached]
+    def reset_used(self) -> None:
+        self._used = bytearray(self._n)
 
 
 def _stamp_done(b: Bucket) -> Callable[[torch.futures.Future[Any]], None]:

@@ -17,75 +17,97 @@ from lockstep.engine.join import EngineJoinHook, JoinSession, join_pre_forward
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import CommHook, Reducer
 from lockstep.engine.stats import EngineStats
-from lockstep.errors import ConfigError, rank_tag
+from lockstep.errors import ConfigError, NoTrainableParametersError, rank_tag
 from lockstep.runtime.collectives import comm_device
 
-_MARK = "_lockstep_replica"
+
+class SyncFlags:
+    """The two switches torch's DDP keeps as attributes, for `replicate` (the DDP wrapper is its own flags).
+
+    require_backward_grad_sync: False makes the next forward's backward keep its gradients local (what
+    no_sync() sets). require_forward_param_sync: buffers are broadcast before the next forward (set by
+    the engine after each forward: True after a synced one). broadcast_buffers: the policy's switch.
+    """
+
+    def __init__(self, broadcast_buffers: bool) -> None:
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.broadcast_buffers = broadcast_buffers
 
 
 class ReplicaState:
-    """Everything the engine keeps for one replicated module; driven by api.py's forward wrappers."""
+    """Everything the engine keeps for one replicated module; driven by api.py's forward wrappers.
 
-    def __init__(self, module: nn.Module, policy: SyncPolicy, group: dist.ProcessGroup | None) -> None:
+    Nothing is stored on the user's module: it pickles, deep-copies and re-wraps like a plain module.
+    """
+
+    def __init__(self, module: nn.Module, policy: SyncPolicy, group: dist.ProcessGroup | None, *,
+                 flags: Any = None, init_sync: bool = True) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 "no process group: call lockstep.init() (or torch.distributed.init_process_group) before "
                 "wrapping the model"
             )
-        if getattr(module, _MARK, None) is not None:
-            raise ConfigError(
-                f"module {type(module).__name__} is already replicated; call remove() on its handle "
-                "before replicating it again"
-            )
         self.module, self.policy, self.group = module, policy, group
+        self.flags = flags if flags is not None else SyncFlags(policy.broadcast_buffers)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.tag = rank_tag(self.rank, self.world)
-        named = _unique_named(module.named_parameters())
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))  # torch's ignore list
+        named = [(n, p) for n, p in _unique_named(module.named_parameters()) if n not in ignored]
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
-            raise ConfigError(f"{self.tag}{type(module).__name__} has no parameter that requires grad")
+            raise NoTrainableParametersError(
+                f"{self.tag}{type(module).__name__} has no parameter that requires grad, so there is nothing "
+                "to average across ranks (torch's DDP refuses it too); wrap a module with trainable parameters"
+            )
+        self._ignored_buffers = ignored
         self.all_params: list[torch.Tensor] = [p for _, p in named]  # frozen ones too, for join()'s final sync
-        self.buffers = [b for _, b in _unique_named(module.named_buffers())]
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
-        if self.world > 1:
+        if self.world > 1 and init_sync:
             check_same_model(named, group, self.rank, self.world)
             broadcast_coalesced([p for _, p in named] + self.buffers, self._src, group)
+        self.comm_device = comm_device(group)
         self.reducer = Reducer(
             [p for _, p in trainable], [n for n, _ in trainable], policy, group, rank=self.rank,
-            world_size=self.world,
+            world_size=self.world, sparse=_sparse_flags(module, [p for _, p in trainable]),
+            device=self.comm_device,
         )
         self._handles = [
             p.register_post_accumulate_grad_hook(_make_hook(self.reducer.post_accumulate_grad, i))
             for i, (_, p) in enumerate(trainable)
         ]
-        self.sync_enabled = True
-        self.sync_buffers_next = True  # torch's require_forward_param_sync
         # join(): torch's Join sets the config (read by its notify_join_context); join.py does the rest.
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self.join_session: JoinSession | None = None
-        self._join_device = comm_device(group)
         self._t_forward = 0.0
-        setattr(module, _MARK, self)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The module's buffers now (looked up each time: a program may reassign one, like torch allows)."""
+        return [b for n, b in _unique_named(self.module.named_buffers()) if n not in self._ignored_buffers]
 
     # pre_forward: the engine's work before the user's forward
     def pre_forward(self) -> None:
         self._t_forward = time.perf_counter()
-        syncing = torch.is_grad_enabled() and self.sync_enabled
+        syncing = torch.is_grad_enabled() and self.flags.require_backward_grad_sync
         if self._join_config.enable:
             join_pre_forward(self, syncing)
             return
         if syncing:
             self.reducer.maybe_rebuild()
-        if self.sync_buffers_next and self.policy.broadcast_buffers and self.buffers and self.world > 1:
-            broadcast_coalesced(self.buffers, self._src, self.group)
+        if self.will_broadcast_buffers():
+            with torch.no_grad():
+                broadcast_coalesced(self.buffers, self._src, self.group)
 
     def will_broadcast_buffers(self) -> bool:
-        """pre_forward broadcasts buffers (the same test as above, for join's step record)."""
-        return self.sync_buffers_next and self.policy.broadcast_buffers and bool(self.buffers) and self.world > 1
+        """pre_forward broadcasts buffers (torch's will_sync_module_buffers, in a world above 1)."""
+        flags = self.flags
+        return bool(flags.require_forward_param_sync and flags.broadcast_buffers and self.world > 1
+                    and self.buffers)
 
     def post_forward(self, output: Any) -> Any:
-        syncing = torch.is_grad_enabled() and self.sync_enabled
-        self.sync_buffers_next = syncing
+        syncing = torch.is_grad_enabled() and self.flags.require_backward_grad_sync
+        self.flags.require_forward_param_sync = syncing
         if syncing:
             self.reducer.prepare_for_backward(list(_find_tensors(output)), self._t_forward)
         return output
@@ -93,12 +115,12 @@ class ReplicaState:
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Forwards inside accumulate gradients locally; the next synced backward reduces the sum."""
-        before = self.sync_enabled
-        self.sync_enabled = False
+        before = self.flags.require_backward_grad_sync
+        self.flags.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self.sync_enabled = before
+            self.flags.require_backward_grad_sync = before
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self.reducer.register_comm_hook(state, hook)
@@ -111,7 +133,7 @@ class ReplicaState:
 
     @property
     def join_device(self) -> torch.device:
-        return self._join_device
+        return self.comm_device
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:
@@ -142,8 +164,15 @@ class ReplicaState:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if getattr(self.module, _MARK, None) is self:
-            delattr(self.module, _MARK)
+
+
+def _sparse_flags(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
+    """Which parameters get sparse gradients: those of nn.Embedding/EmbeddingBag(sparse=True), like torch."""
+    sparse_ids = {
+        id(p) for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+        for p in m.parameters(recurse=False)
+    }
+    return [id(p) in sparse_ids for p in params]
 
 
 def _make_hook(mark: Any, i: int) -> Any:

@@ -1,0 +1,81 @@
+"""Unused parameters: which ones a forward did not reach, and how all ranks agree on them and on errors.
+
+Every rank must issue the same collectives whatever it used, so parameters without a gradient are
+filled in and reduced like the others; what differs is what happens afterwards:
+
+- find_unused_parameters / static_graph: the ranks all-reduce a used-bitmap; a parameter no rank used
+  keeps its `.grad` untouched (None stays None), like torch.
+- otherwise a missing gradient is an error, raised on every rank: each rank's count of missing
+  parameters is summed (in the last bucket's status element, or by a small all-reduce), and if the sum
+  is not zero every rank gathers the names and raises the same message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lockstep.runtime.collectives import all_gather_object
+
+
+def unreached(outputs: Sequence[torch.Tensor], index_of: dict[int, int]) -> list[int]:
+    """Indices of parameters whose AccumulateGrad node is not reachable from `outputs` (as torch does)."""
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    stack = []
+    for t in outputs:
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad and id(t) in index_of:
+            reached.add(index_of[id(t)])
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        for nxt, _ in fn.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None:
+                if id(var) in index_of:
+                    reached.add(index_of[id(var)])
+            elif nxt not in seen:
+                stack.append(nxt)
+    return [i for i in range(len(index_of)) if i not in reached]
+
+
+def globally_unused(used: bytearray, group: dist.ProcessGroup | None, device: torch.device) -> set[int]:
+    """Parameters that no rank used since the last synced step (one all-reduce of the used-bitmap)."""
+    flags = torch.frombuffer(bytearray(used), dtype=torch.uint8).to(device=device, dtype=torch.int32)
+    dist.all_reduce(flags, group=group)
+    return set((flags == 0).nonzero().flatten().tolist())
+
+
+def total_missing(count: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """Sum over ranks of the number of parameters without gradient (one 8-byte all-reduce)."""
+    total = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(total, group=group)
+    return int(total.item())
+
+
+def name_missing(names: Sequence[str], missing: list[int], tag: str, group: dist.ProcessGroup | None) -> str:
+    """The error message every rank raises: each rank's parameters without gradient, by name."""
+    per_rank = all_gather_object([names[i] for i in missing], group=group)
+    return missing_message(tag, {r: ranked for r, ranked in enumerate(per_rank) if ranked})
+
+
+def missing_message(tag: str, per_rank: dict[int, list[str]]) -> str:
+    parts = [
+        f"rank {r}: {', '.join(repr(n) for n in names[:10])}{' ...' if len(names) > 10 else ''}"
+        for r, names in per_rank.items()
+    ]
+    return (
+        f"{tag}parameters received no gradient in this backward although every parameter was "
+        f"expected to: {'; '.join(parts)}. If some parameters are not used in every forward, pass "
+        "find_unused_parameters=True (SyncPolicy(find_unused_parameters=True) for replicate); if they "
+        "are never used, delete them or set requires_grad=False"
+    )
