@@ -67,7 +67,7 @@ def train(args):
     criterion = nn.CrossEntropyLoss()
 
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)  # as in the tutorial; lockstep's sampler also advances by itself
+        sampler.set_epoch(epoch)  # as in the tutorial; without it every epoch repeats epoch 0's order
         model.train()
         for data, target in train_loader:
             data, target = data.to(device), target.to(device)

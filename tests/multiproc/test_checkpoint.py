@@ -60,7 +60,8 @@ def _train(state: dict[str, Any], stop: int, manager: CheckpointManager, saves: 
         try:
             x, y = next(batches)
         except StopIteration:
-            batches = iter(loader)  # the sampler moves to the next epoch by itself
+            state["sampler"].set_epoch(state["sampler"].epoch + 1)  # iter() alone repeats the epoch, as torch
+            batches = iter(loader)
             continue
         scale = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
         loss = nn.functional.mse_loss(model(x), y) * scale

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,8 +31,12 @@ def _fit_toy(run_dir: str, batch_size: int, accum: int, max_steps: int | None, e
     config = FitConfig(run_dir=run_dir, batch_size=batch_size, grad_accum_steps=accum, epochs=epochs,
                        max_steps=max_steps, optimizer="sgd", momentum=0.0, lr=0.05, task="regression",
                        log_every=2, checkpoint_every=checkpoint_every, progress="lines", plot=False)
-    result = lockstep.fit(model, train, loss_fn=nn.functional.mse_loss, config=config, eval_data=test)
-    return {"params": [p.detach().clone() for p in model.parameters()], "summary": result.summary}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = lockstep.fit(model, train, loss_fn=nn.functional.mse_loss, config=config, eval_data=test)
+    repeated = [str(w.message) for w in caught if "second full pass" in str(w.message)]
+    return {"params": [p.detach().clone() for p in model.parameters()], "summary": result.summary,
+            "repeated_epoch_warnings": repeated}
 
 
 def _assert_same_params(a: list[torch.Tensor], b: list[torch.Tensor], atol: float = 1e-6) -> None:
@@ -60,6 +65,8 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     resumed = run_distributed(_fit_toy, 2, args=(str(tmp_path / "part"), 4, 1, None), timeout=120)
     assert resumed[0]["summary"]["steps_this_run"] == 16 - 5
     _assert_same_params(resumed[0]["params"], full[0]["params"], atol=0)
+    # fit calls set_epoch each epoch: the sampler's repeated-epoch warning never fires, resumed or not
+    assert [rank["repeated_epoch_warnings"] for rank in full + resumed] == [[]] * 4
     # The logs hold the whole history once: what the first part logged, then the rest.
     lines = (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
     train_steps = [json.loads(line)["step"] for line in lines if "train_loss" in json.loads(line)]
@@ -76,6 +83,7 @@ def test_resume_from_a_checkpoint_on_an_epochs_last_step(tmp_path: Path) -> None
     assert resumed[0]["summary"]["steps_this_run"] == 8
     assert resumed[0]["summary"]["epochs_completed"] == 2
     _assert_same_params(resumed[0]["params"], full[0]["params"], atol=0)
+    assert [rank["repeated_epoch_warnings"] for rank in full + resumed] == [[]] * 4
     records = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval_loss" in r] == [8, 16]  # each epoch's evaluation once
 

@@ -7,10 +7,12 @@ advance(); the global batches after the resume are the uninterrupted run's, sinc
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
 from lockstep.data import DistributedSampler
 from lockstep.runtime import get_world_size
@@ -44,14 +46,21 @@ def _train_part(steps: int) -> tuple[list[list[int]], dict[str, Any], int]:
     return batches, sampler.state_dict(), sampler._yielded * get_world_size()
 
 
-def _resume_part(state: dict[str, Any]) -> tuple[list[list[list[int]]], list[int]]:
+def _resume_part(state: dict[str, Any]) -> tuple[list[list[list[int]]], list[int], list[int], int]:
     sampler = DistributedSampler(_Indices(), seed=SEED)
     sampler.load_state_dict(state)
     loader = _loader(sampler)
-    epochs = [[batch.tolist() for batch in loader] for _ in range(2)]  # rest of epoch 0, then epoch 1
+    epochs = []
+    for epoch in range(2):  # rest of epoch 0 (set_epoch of the loaded epoch keeps its position), then epoch 1
+        sampler.set_epoch(epoch)
+        epochs.append([batch.tolist() for batch in loader])
     uneven = DistributedSampler(_Indices(), seed=SEED, drop_last=False)
     uneven.load_state_dict({**state, "num_consumed": 52})  # 8 left: 3 ranks do not divide them
-    return epochs, list(uneven)
+    shard = list(uneven)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = list(uneven)  # no set_epoch: epoch 0 again, whole and from its start, as torch
+    return epochs, shard, again, sum("second full pass" in str(w.message) for w in caught)
 
 
 def _global_batches(per_rank: list[list[list[int]]]) -> list[list[int]]:
@@ -81,7 +90,7 @@ def test_stop_at_two_ranks_resume_at_three_and_one_on_the_same_global_batches() 
     assert seen == reference[0][:4]
 
     resumed = run_distributed(_resume_part, 3, args=(states[0],), timeout=90)
-    rest, next_epoch = (_global_batches([r[e] for r, _ in resumed]) for e in (0, 1))
+    rest, next_epoch = (_global_batches([r[e] for r, *_ in resumed]) for e in (0, 1))
     assert rest == reference[0][4:]  # exactly the unseen samples, in the same global batches
     assert sorted(sum(seen + rest, [])) == list(range(SIZE))  # each sample once: nothing lost or repeated
     assert next_epoch == reference[1]
@@ -90,7 +99,11 @@ def test_stop_at_two_ranks_resume_at_three_and_one_on_the_same_global_batches() 
     single.load_state_dict(states[0])
     assert _global_batches([[b.tolist() for b in _loader(single)]]) == reference[0][4:]
 
-    _check_padding([shard for _, shard in resumed])
+    _check_padding([shard for _, shard, _, _ in resumed])
+    for rank, (_, _, again, warned) in enumerate(resumed):
+        torch_sampler = TorchSampler(_Indices(), num_replicas=3, rank=rank, seed=SEED)
+        assert again == list(torch_sampler)
+        assert warned == (1 if rank == 0 else 0)  # the repeated epoch is named once, by rank 0 only
 
 
 def _check_padding(shards: list[list[int]]) -> None:

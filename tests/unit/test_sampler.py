@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import warnings
 from collections import Counter
 
 import pytest
@@ -50,26 +51,131 @@ def test_global_batches_are_the_same_samples_for_every_world_size_with_the_same_
         assert global_batches(world) == reference[: len(global_batches(world))]
 
 
-def test_iterating_again_starts_the_next_epoch_and_set_epoch_wins() -> None:
-    sampler = DistributedSampler(range(12), num_replicas=2, rank=1, seed=5)
-    torch_sampler = TorchSampler(range(12), num_replicas=2, rank=1, seed=5)
+# A program's calls, replayed on lockstep's sampler and on torch's: ("set", e) is set_epoch(e), ("iter",)
+# one full iteration, ("peek",) one index taken from a fresh iterator (a loop peeking at its first batch).
+PROGRAMS = {
+    "no_set_epoch": [("iter",), ("iter",), ("iter",)],
+    "peek_then_train": [("set", 3), ("peek",), ("iter",), ("set", 4), ("peek",), ("iter",)],
+    "tutorial_peek_before_set_epoch": [("peek",), ("set", 0), ("iter",), ("peek",), ("set", 1), ("iter",)],
+    "set_then_iterate_twice": [("set", 3), ("iter",), ("iter",)],
+    "epochs_0_1_2": [("set", 0), ("iter",), ("set", 1), ("iter",), ("set", 2), ("iter",)],
+    "epochs_2_0_5": [("set", 2), ("iter",), ("set", 0), ("iter",), ("set", 5), ("iter",)],
+    "same_epoch_each_time": [("set", 1), ("iter",), ("set", 1), ("iter",)],
+}
 
-    def torch_epoch(epoch: int) -> list[int]:
-        torch_sampler.set_epoch(epoch)
-        return list(torch_sampler)
 
-    assert list(sampler) == torch_epoch(0)
-    assert list(sampler) == torch_epoch(1)  # forgetting set_epoch no longer repeats the order
-    assert sampler.epoch == 1
-    sampler.set_epoch(7)
-    assert list(sampler) == torch_epoch(7)
-    sampler.set_epoch(7)  # set_epoch wins, even to repeat an epoch (torch's behaviour)
-    assert list(sampler) == torch_epoch(7)
-    # the tutorials' loop: set_epoch(e) before each epoch gives torch's sequence
-    fresh = DistributedSampler(range(12), num_replicas=2, rank=1, seed=5)
-    for epoch in range(3):
-        fresh.set_epoch(epoch)
-        assert list(fresh) == torch_epoch(epoch)
+def _replay(sampler: DistributedSampler | TorchSampler, program: list[tuple]) -> list[object]:
+    """What the program sees: len() before every step and the indices each step yields."""
+    seen: list[object] = []
+    for step in program:
+        seen.append(len(sampler))
+        if step[0] == "set":
+            sampler.set_epoch(step[1])
+        elif step[0] == "peek":
+            seen.append(next(iter(sampler), None))
+        else:
+            seen.append(list(sampler))
+        seen.append(sampler.epoch)
+    return seen
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("shuffle,drop_last", [(True, False), (True, True), (False, False), (False, True)])
+def test_any_sequence_of_set_epoch_calls_gives_torchs_order(world: int, program: str, shuffle: bool,
+                                                            drop_last: bool) -> None:
+    for size in (1, 7, 10, 13):  # 7, 10 and 13 do not divide by 3 or 4; 1 is fewer samples than ranks
+        for rank in range(world):
+            ours = DistributedSampler(range(size), world, rank, shuffle=shuffle, seed=5, drop_last=drop_last)
+            theirs = TorchSampler(range(size), world, rank, shuffle=shuffle, seed=5, drop_last=drop_last)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the repeated-epoch warning has its own tests
+                assert _replay(ours, PROGRAMS[program]) == _replay(theirs, PROGRAMS[program])
+            assert len(ours) == len(theirs) == ours.num_samples == theirs.num_samples
+
+
+REPEATED = "second full pass ran with epoch number"
+
+
+def _repeat_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if REPEATED in str(w.message)]
+
+
+def test_repeating_an_epoch_warns_once_on_rank_0() -> None:
+    sampler = DistributedSampler(range(10), num_replicas=2, rank=0, seed=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        first = list(sampler)
+    assert _repeat_warnings(record) == []
+    with pytest.warns(UserWarning, match=r"epoch number 0 .*repeated epoch 0's order.*set_epoch\(epoch\)") as caught:
+        assert list(sampler) == first  # torch's behaviour: the same order again
+    assert len(_repeat_warnings(caught.list)) == 1
+    assert caught.list[0].filename == __file__  # points at the code that pulled the indices
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        list(sampler)
+        sampler.set_epoch(4)
+        list(sampler)
+        sampler.set_epoch(4)
+        list(sampler)
+    assert _repeat_warnings(record) == []  # once per sampler
+
+
+def test_repeating_the_same_set_epoch_warns_too() -> None:
+    sampler = DistributedSampler(range(10), num_replicas=1, rank=0)
+    sampler.set_epoch(3)
+    list(sampler)
+    sampler.set_epoch(3)
+    with pytest.warns(UserWarning, match="epoch number 3"):
+        list(sampler)
+
+
+def _warnings_of(program: list[tuple], **kwargs: object) -> list[str]:
+    sampler = DistributedSampler(range(12), **{"num_replicas": 2, "rank": 0, **kwargs})  # type: ignore[arg-type]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _replay(sampler, program)
+    return _repeat_warnings(record)
+
+
+def test_no_repeated_epoch_warning_where_nothing_is_wrong() -> None:
+    for name in ("epochs_0_1_2", "epochs_2_0_5", "peek_then_train", "tutorial_peek_before_set_epoch"):
+        assert _warnings_of(PROGRAMS[name]) == [], name  # a peek is no pass over the epoch
+    for name in ("no_set_epoch", "same_epoch_each_time"):
+        assert len(_warnings_of(PROGRAMS[name])) == 1, name
+        assert _warnings_of(PROGRAMS[name], rank=1) == [], name  # rank 0 speaks for all ranks
+        assert _warnings_of(PROGRAMS[name], shuffle=False) == [], name  # no shuffle: every epoch is the same
+    eval_sampler = EvalSampler(range(12), num_replicas=2, rank=0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert [list(eval_sampler) for _ in range(3)] == [list(range(6))] * 3
+    assert record == []
+
+
+def test_a_loader_that_never_calls_set_epoch_warns_through_the_dataloader() -> None:
+    sampler = DistributedSampler(range(10), num_replicas=1, rank=0, seed=3)
+    loader = DataLoader(range(10), batch_size=4, sampler=sampler, drop_last=True)
+    first = [batch.tolist() for batch in loader]
+    with pytest.warns(UserWarning, match=REPEATED):
+        assert [batch.tolist() for batch in loader] == first
+
+
+def test_a_resumed_epoch_iterated_again_is_the_whole_epoch_in_torchs_order() -> None:
+    before = _ranks(20, 2, seed=1)
+    seen = _consume(before, 3)
+    state = before[0].state_dict()
+    assert (state["epoch"], state["num_consumed"]) == (0, 6)
+    after = _ranks(20, 3, seed=1)
+    for sampler in after:
+        sampler.load_state_dict(state)
+    assert seen + _rest(after) == epoch_order(20, seed=1, epoch=0, shuffle=True)[:18] + [
+        epoch_order(20, seed=1, epoch=0, shuffle=True)[i] for i in (18, 19, 0)]  # 14 left on 3 ranks: 1 padded
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for rank, sampler in enumerate(after):
+            assert sampler.epoch == 0
+            assert list(sampler) == list(TorchSampler(range(20), 3, rank, seed=1))  # from position 0, as torch
+    assert len(_repeat_warnings(record)) == 1  # the resumed pass and this one both ran epoch 0 (rank 0 says so)
 
 
 def _consume(samplers: list[DistributedSampler], per_rank: int) -> list[int]:
@@ -109,7 +215,7 @@ def test_resume_at_any_world_size_yields_exactly_the_unseen_samples(size: int, o
             assert len(sequence) - size < max(old, new)
 
 
-def test_a_resumed_epoch_is_followed_by_normal_epochs() -> None:
+def test_a_resumed_epoch_is_followed_by_the_epochs_set_next() -> None:
     before = _ranks(20, 2, seed=1)
     _consume(before, 4)
     state = before[0].state_dict()
@@ -117,17 +223,36 @@ def test_a_resumed_epoch_is_followed_by_normal_epochs() -> None:
     resumed.load_state_dict(state)
     assert len(resumed) == 4  # ceil(12 / 3) still to go in this epoch
     assert len(list(resumed)) == 4
-    reference = DistributedSampler(range(20), 3, 0, seed=1)
+    assert resumed.state_dict()["epoch"] == 1  # the loop's next epoch
+    reference = TorchSampler(range(20), 3, 0, seed=1)
+    resumed.set_epoch(1)
     reference.set_epoch(1)
+    assert len(resumed) == len(reference)
     assert list(resumed) == list(reference)
     assert resumed.epoch == 1
 
 
-def test_state_after_a_finished_epoch_points_at_the_next_one() -> None:
+def _position(sampler: DistributedSampler) -> tuple[int, int]:
+    state = sampler.state_dict()
+    return state["epoch"], state["num_consumed"]
+
+
+def test_state_before_during_and_after_an_iteration() -> None:
     sampler = DistributedSampler(range(9), num_replicas=2, rank=0)
-    assert sampler.state_dict()["epoch"] == 0 and sampler.state_dict()["num_consumed"] == 0
-    list(sampler)
-    assert (sampler.state_dict()["epoch"], sampler.state_dict()["num_consumed"]) == (1, 0)
+    assert _position(sampler) == (0, 0)  # nothing iterated: the epoch's start
+    sampler.set_epoch(4)
+    assert _position(sampler) == (4, 0)
+    it = iter(sampler)
+    next(it), next(it)
+    assert _position(sampler) == (4, 4)  # in progress: what was consumed
+    list(it)
+    assert _position(sampler) == (5, 0)  # finished: the loop goes on with the next epoch
+    assert sampler.epoch == 4 and len(sampler) == 5  # but iter() alone repeats epoch 4, as torch
+    again = iter(sampler)
+    next(again)
+    assert _position(sampler) == (4, 2)  # a repeated epoch counts from its start again
+    sampler.set_epoch(5)
+    assert _position(sampler) == (5, 0)
     # set_epoch(e) on the epoch a loaded state is inside keeps the resume position (the tutorials' loop)
     resumed = DistributedSampler(range(9), num_replicas=2, rank=0)
     resumed.load_state_dict({"epoch": 2, "num_consumed": 4})

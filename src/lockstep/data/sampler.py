@@ -6,6 +6,7 @@ The invariants are in DistributedSampler's docstring; the pure functions below c
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -57,8 +58,9 @@ class DistributedSampler(Sampler[int]):
     """Drop-in for torch.utils.data.DistributedSampler whose order does not depend on the world size.
 
     Same arguments as torch's; `num_replicas` and `rank` default to lockstep's process group (a world
-    of 1 without one). Adds: the next epoch starts by itself, `state_dict()` / `load_state_dict()` for
-    an exact mid-epoch resume at any world size, and `advance()` for loaders that prefetch.
+    of 1 without one). Under torch's name it yields torch's order for any sequence of `set_epoch()` calls,
+    none included. Adds: `state_dict()` / `load_state_dict()` for an exact mid-epoch resume at any world
+    size, `advance()` for loaders that prefetch, and a one-time warning when an epoch number is repeated.
 
     Invariants (tests/unit/test_sampler.py pins each one):
 
@@ -67,20 +69,28 @@ class DistributedSampler(Sampler[int]):
     2. Position p of the epoch's sequence is `order[p % len(dataset)]` (positions past the end wrap: that is
        torch's padding). Rank r of N takes positions start + r, start + r + N, ... below the epoch's end, so
        with per-rank batch b the i-th global batch is positions [i*N*b, (i+1)*N*b): the same samples for
-       every N with the same N*b. A fresh epoch (start 0) yields exactly what torch's sampler yields.
+       every N with the same N*b. A fresh epoch (start 0) yields exactly what torch's sampler yields, and
+       `len()` is then torch's `num_samples`.
     3. The end of an epoch that starts at position `start` is `start + ceil(remaining / N) * N` (padding by
        wrapping, as torch) or, with drop_last, `start + floor(remaining / N) * N` (the tail is dropped),
        where remaining = len(dataset) - start.
     4. `state_dict()` is plain JSON: the epoch and `num_consumed`, the global number of positions of that
-       epoch already consumed. A sampler loaded from it, at any world size, continues at position
-       `num_consumed`: exactly the samples not yet seen, then later epochs as usual. When the remaining
-       count does not divide by the new world size, padding or drop_last applies to the remainder only.
+       epoch already consumed: (epoch, resume position) before the epoch's iteration starts, (epoch,
+       consumed) while it runs, and (epoch + 1, 0) once it has consumed the epoch's end (the loop's next
+       epoch). A sampler loaded from it, at any world size, continues at position `num_consumed`: exactly
+       the samples not yet seen. When the remaining count does not divide by the new world size, padding or
+       drop_last applies to the remainder only.
     5. By default `num_consumed` = start + (indices this rank's iterator has yielded) * N. A DataLoader with
        workers prefetches, so it pulls indices before the loop sees them: the loop then calls
        `advance(num_global_samples)` after each step (once called, the state counts only what was
        advanced; call `advance(0)` up front to use that mode from the first batch on).
-    6. Each `iter()` starts the next epoch by itself; `set_epoch(e)` wins: the next `iter()` runs epoch e
-       (from its resume position if e is the epoch a loaded state was in the middle of).
+    6. `iter()` never changes `epoch`: every iteration runs epoch `self.epoch`, as torch's does, until
+       `set_epoch()` or `load_state_dict()` names another. The first iteration after `load_state_dict()`
+       (kept by `set_epoch(e)` with e the loaded epoch) starts at the loaded resume position; any further
+       iteration of that epoch starts at position 0, as torch. When an iteration yields the last index of
+       an epoch whose previous full pass had the same epoch number (set_epoch forgotten or repeated), rank 0
+       warns once per sampler, with shuffle only: the order is torch's, only the warning is added. A
+       partial iteration (peeking at one batch) is not a pass, so torch's tutorials never warn.
     """
 
     def __init__(
@@ -96,13 +106,15 @@ class DistributedSampler(Sampler[int]):
         self.num_replicas, self.rank = resolve_replicas(num_replicas, rank)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         self.epoch = 0
-        self._start = 0  # resume position of self.epoch's next iteration
-        self._started = False  # an iterator of self.epoch exists: the next iter() moves on
+        self._start = 0  # where the next iteration of self.epoch begins (a loaded resume position, else 0)
+        self._started = False  # an iteration began since set_epoch/load_state_dict: the next one starts at 0
         self._end = 0  # end position of the iteration in progress
         self._yielded = 0
         self._advanced = 0
         self._explicit = False  # advance() was called: count what the loop consumed, not what was yielded
         self._token = 0  # identifies the live iterator; older ones stop counting
+        self._last_pass: int | None = None  # epoch number of the last iteration that yielded all its indices
+        self._warned = False  # the repeated-epoch warning was given (once per sampler)
 
     # ---- torch's interface ----------------------------------------------------------------------------
 
@@ -131,8 +143,9 @@ class DistributedSampler(Sampler[int]):
         return self._length(0 if self._started else self._start)
 
     def __iter__(self) -> Iterator[int]:
+        """This rank's indices of epoch `self.epoch`; never changes the epoch (torch's behaviour)."""
         if self._started:
-            self.epoch, self._start = self.epoch + 1, 0
+            self._start = 0  # another iteration of the same epoch: from its beginning, as torch
         self._started, self._yielded, self._advanced = True, 0, 0
         self._token += 1
         size = len(self.dataset)
@@ -172,7 +185,11 @@ class DistributedSampler(Sampler[int]):
         return self._consumed() if self._started else self._start
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain JSON data: the epoch to continue and the global number of its samples already consumed."""
+        """Plain JSON data: the epoch to continue and the global number of its samples already consumed.
+
+        Before the epoch's iteration starts: (epoch, its resume position). While it runs: (epoch, samples
+        consumed). Once it consumed the epoch's end: (epoch + 1, 0), the epoch a training loop goes on with.
+        """
         epoch, consumed = self.epoch, self.num_consumed
         if self._started and consumed >= self._end:
             epoch, consumed = epoch + 1, 0  # the epoch is done: resume with the next one
@@ -192,10 +209,31 @@ class DistributedSampler(Sampler[int]):
     # ---- internals ------------------------------------------------------------------------------------
 
     def _count(self, indices: list[int], token: int) -> Iterator[int]:
+        if not indices and token == self._token:
+            self._finish_pass()
         for index in indices:
             if token == self._token:
                 self._yielded += 1
+                if self._yielded == len(indices):
+                    self._finish_pass()
             yield index
+
+    def _finish_pass(self) -> None:
+        """The live iterator hands out its last index: one warning when this pass repeats the last one's epoch."""
+        repeated = self._last_pass == self.epoch
+        self._last_pass = self.epoch
+        if not repeated or self._warned or not self.shuffle or self.rank != 0:
+            return
+        self._warned = True
+        warnings.warn(
+            f"DistributedSampler: a second full pass ran with epoch number {self.epoch} (set_epoch() was not "
+            f"called, or called with the same number), so it repeated epoch {self.epoch}'s order, as torch's "
+            "DistributedSampler does. Call sampler.set_epoch(epoch) before each epoch for a new shuffle each "
+            "epoch; for evaluation, where the order does not matter, pass shuffle=False or use "
+            "lockstep.data.EvalSampler (shown once, on rank 0)",
+            UserWarning,
+            stacklevel=3,  # _finish_pass <- _count <- whatever pulled the index (the loader, or the loop)
+        )
 
     def _consumed(self) -> int:
         counted = self._advanced if self._explicit else self._yielded * self.num_replicas
