@@ -116,7 +116,7 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
         if check_reduction:
             warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
                           "Please avoid using it.", FutureWarning, stacklevel=2)
-        self.process_group, self.device_mesh = _resolve_group(process_group, device_mesh)
+        group, self.device_mesh = _resolve_group(process_group, device_mesh)
         _check_parameters(module)
         self.module = module
         self.device_ids, self.output_device = _check_devices(module, device_ids, output_device)
@@ -151,8 +151,11 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=self.forward_sync_buffers,
         )
-        self._replica: ReplicaState | None = ReplicaState(module, self._policy, self.process_group, flags=self,
+        # The engine gets None for the default group (not the group object): a wrap-time error's traceback
+        # then holds no reference that outlives destroy_process_group() (gloo aborts at exit if one does).
+        self._replica: ReplicaState | None = ReplicaState(module, self._policy, group, flags=self,
                                                           init_sync=init_sync)
+        self.process_group = group if group is not None else _default_group()
 
     # ---- the engine behind the wrapper (built again, without collectives, after unpickling) ----------
 
@@ -166,8 +169,8 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
                     "group; call torch.distributed.init_process_group (or lockstep.init) before running it, "
                     "or use its .module"
                 )
+            replica = ReplicaState(self.module, self._policy, None, flags=self, init_sync=False)
             self.process_group = _default_group()
-            replica = ReplicaState(self.module, self._policy, self.process_group, flags=self, init_sync=False)
             if self.static_graph:
                 replica.reducer.enable_static_graph()
             self.__dict__["_replica"] = replica
@@ -354,22 +357,15 @@ def _default_group() -> dist.ProcessGroup:
     return _get_default_group()
 
 
-def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> tuple[dist.ProcessGroup, Any]:
-    """torch's rules: a group, or a 1-D device mesh's group, or the default group."""
+def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> tuple[dist.ProcessGroup | None, Any]:
+    """torch's rules: a group, or a 1-D device mesh's group, or (None) the default group."""
     if process_group is not None and device_mesh is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh is not None:
         if device_mesh.ndim != 1:
             raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
         return device_mesh.get_group(mesh_dim=0), device_mesh
-    if process_group is not None:
-        return process_group, None
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError(
-            "no process group: call lockstep.init() (or torch.distributed.init_process_group) before "
-            "wrapping the model"
-        )
-    return _default_group(), None
+    return process_group, None
 
 
 def _check_default_group(group: dist.ProcessGroup | None) -> None:

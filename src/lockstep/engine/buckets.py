@@ -51,7 +51,7 @@ def empty_sparse_grad(p: torch.Tensor) -> torch.Tensor:
     """A sparse gradient with no rows, shaped like an embedding's (sparse over dim 0, dense after)."""
     indices = torch.empty((1, 0), dtype=torch.int64, device=p.device)
     values = torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
-    return torch.sparse_coo_tensor(indices, values, p.shape)
+    return torch.sparse_coo_tensor(indices, values, p.shape, device=p.device)
 
 
 def flat_views(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

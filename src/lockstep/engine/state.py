@@ -19,6 +19,7 @@ from lockstep.engine.reducer import CommHook, Reducer
 from lockstep.engine.stats import EngineStats
 from lockstep.errors import ConfigError, NoTrainableParametersError, rank_tag
 from lockstep.runtime.collectives import comm_device
+from lockstep.runtime.process_group import unpin_world_group_defaults
 
 
 class SyncFlags:
@@ -48,6 +49,7 @@ class ReplicaState:
                 "no process group: call lockstep.init() (or torch.distributed.init_process_group) before "
                 "wrapping the model"
             )
+        unpin_world_group_defaults()
         self.module, self.policy, self.group = module, policy, group
         self.flags = flags if flags is not None else SyncFlags(policy.broadcast_buffers)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)

@@ -7,7 +7,7 @@ unpickle whatever arrives). Each helper also works without a process group (a wo
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,10 +33,23 @@ def is_main() -> bool:
 
 
 def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device on which this group's backend expects tensors (cuda for nccl, cpu otherwise)."""
-    if _active(group) and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device on which this group's backend expects lockstep's own tensors (cuda for nccl, else cpu).
+
+    Every tensor that lockstep creates for a collective (flags, counts, JSON payloads, join records) is
+    made on this device: an NCCL group rejects CPU tensors.
+    """
+    if not _active(group):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group))
+    capability = dist.Backend.backend_capability.get(backend.lower(), ["cpu"])
+    return device_for_backend(capability, lambda: torch.cuda.current_device())
+
+
+def device_for_backend(capability: Sequence[str], current_index: Callable[[], int]) -> torch.device:
+    """cpu when the backend takes CPU tensors (gloo, mpi), else its accelerator's current device (nccl)."""
+    if "cpu" in capability or not capability:
+        return torch.device("cpu")
+    return torch.device(capability[0], current_index())
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:

@@ -19,6 +19,24 @@ import torch.distributed.nn.functional  # noqa: F401  isort: skip
 from lockstep.errors import BackendUnavailableError, ConfigError, InitTimeoutError, rank_tag
 from lockstep.runtime.topology import Topology, resolve_topology
 
+
+def unpin_world_group_defaults() -> None:
+    """Undo the pin above when torch.distributed.nn.functional was imported after the group existed.
+
+    A program that calls init_process_group itself and only then touches lockstep's engine imports that
+    module late: its defaults then hold the group object itself. None has the same meaning ("the default
+    group") and lets destroy_process_group() really destroy it (a caught wrap-time error followed by
+    destroy_process_group() and exit aborted in about 1 run of 6 before this).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.group.WORLD
+    for fn in vars(torch.distributed.nn.functional).values():
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(d is world for d in defaults):
+            fn.__defaults__ = tuple(None if d is world else d for d in defaults)
+
+
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 _BACKENDS = ("gloo", "nccl", "mpi")
 

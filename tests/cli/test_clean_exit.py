@@ -1,0 +1,48 @@
+"""A program that catches a wrap-time error, destroys its group and exits, exits cleanly (plain torchrun).
+
+The program creates the group itself and reaches lockstep's engine only afterwards, the order that used to
+leave the default group pinned by torch.distributed.nn.functional's defaults: gloo's threads outlived the
+interpreter and a rank died with SIGABRT ("terminate called without an active exception") in about one
+run of six. Each run checks the mechanism too: no default argument still holds the destroyed group.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.cli.launch_util import RUN_TIMEOUT, child_env, write
+
+PROGRAM = """
+    import torch
+    import torch.distributed as dist
+    import lockstep
+
+    def pinned():
+        import torch.distributed.nn.functional as fn  # a function: no global may hold the group itself
+        world = dist.group.WORLD
+        return [n for n, f in vars(fn).items() if any(d is world for d in getattr(f, "__defaults__", None) or ())]
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        lockstep.DistributedDataParallel(torch.nn.Linear(4, 4 + rank))  # different models: refused
+    except RuntimeError as error:
+        print(f"rank {rank} caught {type(error).__name__}", flush=True)
+    assert not pinned(), f"defaults still hold the default group: {pinned()}"
+    dist.destroy_process_group()
+"""
+
+
+def test_caught_wrap_error_then_destroy_exits_cleanly(tmp_path: Path) -> None:
+    script = write(tmp_path / "caught.py", PROGRAM)
+    for attempt in range(4):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", "127.0.0.1:0", str(script)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=child_env())
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"attempt {attempt}: exit {proc.returncode}\n{output[-3000:]}"
+        assert "terminate called" not in output
+        assert output.count("caught CollectiveMismatchError") == 2
