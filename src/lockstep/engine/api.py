@@ -20,7 +20,7 @@ from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_M
 from lockstep.engine.reducer import CommHook
 from lockstep.engine.state import ReplicaState
 from lockstep.engine.stats import EngineStats
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, NoTrainableParametersError
 
 
 class _JoinableReplica(Joinable):
@@ -384,6 +384,11 @@ def _check_default_group(group: dist.ProcessGroup | None) -> None:
 def _check_parameters(module: nn.Module) -> None:
     """torch's wrap-time checks of the parameters, with torch's exception types."""
     params = list(module.parameters())
+    if not any(p.requires_grad for p in params):
+        raise NoTrainableParametersError(
+            "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a "
+            f"gradient ({type(module).__name__} has {len(params)} parameter(s), none with requires_grad=True)"
+        )
     if any(isinstance(p, nn.parameter.UninitializedParameter) for p in params):
         raise RuntimeError(
             "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
