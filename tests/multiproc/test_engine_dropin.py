@@ -845,3 +845,39 @@ def test_wrap_time_errors_like_torch(checked: list[dict[str, Any]]) -> None:
                 except AssertionError as exc:
                     problems.append(str(exc).splitlines()[0])
     assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------- buffers at wrap time, bf16 parameters
+
+
+def _buffers_and_half_precision(kind: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    bn = nn.BatchNorm1d(4)
+    bn.running_mean.fill_(float(rank + 1))
+    _ddp(kind, nn.Sequential(nn.Linear(4, 4), bn), broadcast_buffers=False)
+    kept = bn.running_mean.clone()  # torch: broadcast_buffers=False leaves each rank's buffers alone
+    module = _seeded(MLP, 10 + rank).to(torch.bfloat16)
+    model = _ddp(kind, module, bucket_cap_mb=0.001)
+
+    def loss(m: nn.Module, step: int) -> Tensor:
+        x, y = batch(rank, step)
+        return F.cross_entropy(m(x.to(torch.bfloat16)).float(), y)
+
+    run = _train(model, module, loss, 2)
+    run["bucket_dtypes"] = model.stats().extras["bucket_dtypes"] if kind == "ours" else None
+    return {"kept": kept, "bf16": run}
+
+
+def _buffers_and_half_precision_both() -> dict[str, Any]:
+    return {kind: _buffers_and_half_precision(kind) for kind in ("ours", "torch")}
+
+
+def test_unsynced_buffers_at_wrap_and_bf16_parameters_like_torch() -> None:
+    out = run_distributed(_buffers_and_half_precision_both, WORLD, timeout=90)
+    for rank, rank_out in enumerate(out):
+        for kind in ("ours", "torch"):
+            assert torch.equal(rank_out[kind]["kept"], torch.full((4,), float(rank + 1))), (kind, rank)
+        # torch reduces bf16 gradients in bf16; the drop-in class does the same, bit for bit
+        _assert_runs_same(rank_out["ours"]["bf16"], rank_out["torch"]["bf16"], f"bf16 rank {rank}")
+        assert all(g.dtype == torch.bfloat16 for g in rank_out["ours"]["bf16"]["grads"][0])
+        assert set(rank_out["ours"]["bf16"]["bucket_dtypes"]) == {"bfloat16"}  # not widened to fp32

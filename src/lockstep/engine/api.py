@@ -141,7 +141,6 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
         self.bucket_bytes_cap_list: list[int] = []
         self.bucket_bytes_cap_default = bucket_cap_mb is None
         self._use_python_reducer = False
-        self._init_sync_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
         # torch's first bucket is 1 MiB only with the default cap; an explicit cap applies to every bucket
         self._policy = SyncPolicy(
             bucket_cap_mb=cap_mb,
@@ -150,11 +149,13 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=self.forward_sync_buffers,
+            upcast_half_precision=False,  # torch reduces half-precision gradients in their own dtype
         )
         # The engine gets None for the default group (not the group object): a wrap-time error's traceback
         # then holds no reference that outlives destroy_process_group() (gloo aborts at exit if one does).
-        self._replica: ReplicaState | None = ReplicaState(module, self._policy, group, flags=self,
-                                                          init_sync=init_sync)
+        self._replica: ReplicaState | None = ReplicaState(
+            module, self._policy, group, flags=self, init_sync=init_sync,
+            init_sync_buffers=forward_sync_buffers is not None or broadcast_buffers is not False)
         self.process_group = group if group is not None else _default_group()
 
     # ---- the engine behind the wrapper (built again, without collectives, after unpickling) ----------

@@ -31,6 +31,8 @@ class SyncPolicy:
     - reduce_dtype: dtype of the bucket (the all-reduce). None: float16/bfloat16 gradients are reduced
       in float32 (summing in half precision loses bits with every rank) and cast back; every other dtype
       is reduced as is. Set it to torch.bfloat16/float16 to communicate in the parameter dtype.
+    - upcast_half_precision: with reduce_dtype None, reduce float16/bfloat16 gradients in float32 (True,
+      lockstep's default) or in their own dtype (False: torch's DDP, which the drop-in class follows).
     """
 
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
@@ -40,6 +42,7 @@ class SyncPolicy:
     gradient_as_bucket_view: bool = False
     broadcast_buffers: bool = True
     reduce_dtype: torch.dtype | None = None
+    upcast_half_precision: bool = True
 
     def __post_init__(self) -> None:
         for name in ("bucket_cap_mb", "first_bucket_mb"):
@@ -66,4 +69,4 @@ class SyncPolicy:
         """The dtype in which gradients of `grad_dtype` are communicated."""
         if self.reduce_dtype is not None:
             return self.reduce_dtype
-        return torch.float32 if grad_dtype in _LOW_PRECISION else grad_dtype
+        return torch.float32 if grad_dtype in _LOW_PRECISION and self.upcast_half_precision else grad_dtype

@@ -43,7 +43,7 @@ class ReplicaState:
     """
 
     def __init__(self, module: nn.Module, policy: SyncPolicy, group: dist.ProcessGroup | None, *,
-                 flags: Any = None, init_sync: bool = True) -> None:
+                 flags: Any = None, init_sync: bool = True, init_sync_buffers: bool = True) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 "no process group: call lockstep.init() (or torch.distributed.init_process_group) before "
@@ -67,7 +67,7 @@ class ReplicaState:
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
         if self.world > 1 and init_sync:
             check_same_model(named, group, self.rank, self.world)
-            broadcast_coalesced([p for _, p in named] + self.buffers, self._src, group)
+            broadcast_coalesced([p for _, p in named] + (self.buffers if init_sync_buffers else []), self._src, group)
         self.comm_device = comm_device(group)
         self.reducer = Reducer(
             [p for _, p in trainable], [n for n, _ in trainable], policy, group, rank=self.rank,
