@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # These machines keep a CPU build of torch 2.13.0 on disk; elsewhere pip picks a release from PyPI.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test lint clean
+.PHONY: install train test lint compat clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,12 @@ test: install
 lint: install
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m mypy
+
+# torch's own DDP tests (in the torch wheel) on torch's DDP and on lockstep's: docs/compat/torch_ddp_tests.md.
+# Long (tens of minutes on 2 cores); COMPAT_ARGS=--reuse-baseline reuses torch's column from the last JSON.
+compat: install
+	$(PY) -c "import expecttest" 2>/dev/null || $(PY) -m pip install -q -r tools/compat/requirements.txt
+	OMP_NUM_THREADS=1 $(PY) tools/compat/run_torch_ddp_tests.py $(COMPAT_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
