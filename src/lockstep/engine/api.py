@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -151,10 +152,11 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
             broadcast_buffers=self.forward_sync_buffers,
             upcast_half_precision=False,  # torch reduces half-precision gradients in their own dtype
         )
-        # The engine gets None for the default group (not the group object): a wrap-time error's traceback
-        # then holds no reference that outlives destroy_process_group() (gloo aborts at exit if one does).
+        # The engine gets None for the default group (not the group object), and the wrapper only through a
+        # weak proxy (no reference cycle): nothing keeps the group alive past destroy_process_group() or
+        # leaves it to the cyclic collector at exit, where gloo's threads abort the process.
         self._replica: ReplicaState | None = ReplicaState(
-            module, self._policy, group, flags=self, init_sync=init_sync,
+            module, self._policy, group, flags=weakref.proxy(self), init_sync=init_sync,
             init_sync_buffers=forward_sync_buffers is not None or broadcast_buffers is not False)
         self.process_group = group if group is not None else _default_group()
 
@@ -170,7 +172,7 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
                     "group; call torch.distributed.init_process_group (or lockstep.init) before running it, "
                     "or use its .module"
                 )
-            replica = ReplicaState(self.module, self._policy, None, flags=self, init_sync=False)
+            replica = ReplicaState(self.module, self._policy, None, flags=weakref.proxy(self), init_sync=False)
             self.process_group = _default_group()
             if self.static_graph:
                 replica.reducer.enable_static_graph()
@@ -223,14 +225,23 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """torch's contract: hook(state, bucket) -> Future[Tensor]; call once, before training."""
-        check_comm_hook(hook)
-        self._engine.register_comm_hook(state, hook)
+        try:
+            check_comm_hook(hook)
+            self._engine.register_comm_hook(state, hook)
+        except (TypeError, ValueError, RuntimeError) as error:
+            self.__dict__["_logged_error"] = str(error)  # torch logs it for _get_ddp_logging_data()
+            raise
 
     def _set_static_graph(self) -> None:
         """torch's private switch, as torch: like static_graph=True, before the first iteration."""
         if self.static_graph:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
+        if self._engine.reducer.stats.steps:
+            message = ("_set_static_graph() should be called before training loop starts: this model already "
+                       f"ran {self._engine.reducer.stats.steps} synced step(s); pass static_graph=True instead")
+            self.__dict__["_logged_error"] = message
+            raise RuntimeError(message)
         self.static_graph = True
         self._policy = dataclasses.replace(self._policy, static_graph=True)
         self._engine.reducer.enable_static_graph()
@@ -242,10 +253,18 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
         return self._engine.stats()
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        raise RuntimeError(
-            "lockstep.DistributedDataParallel has no C++ logger (torch's _get_ddp_logging_data is private to "
-            "torch's reducer); use model.stats() for timings, buckets and bytes"
-        )
+        """torch's private debugging dict, from lockstep's facts (the keys tools read; stats() has more)."""
+        engine = self._engine
+        error = self.__dict__.get("_logged_error", "")
+        return {
+            "module_name": type(self.module).__name__, "world_size": engine.world, "rank": engine.rank,
+            "iteration": engine.reducer.stats.steps, "static_graph": int(self.static_graph),
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "is_multi_device_module": int(self.is_multi_device_module), "bucket_cap_bytes": self.bucket_bytes_cap,
+            "backend_name": str(dist.get_backend(self.process_group)),
+            "has_error": int(bool(error)), "error": error,
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Accepts keys with the `module.` prefix (torch's DDP checkpoints) and without (plain ones)."""
