@@ -54,8 +54,8 @@ def _engine_class() -> type:
 
 ENGINE_DDP: type = _engine_class()
 if ENGINE_DDP is not TORCH_DDP:
-    torch.nn.parallel.DistributedDataParallel = ENGINE_DDP  # type: ignore[misc]
-    distributed_test.DistributedDataParallel = ENGINE_DDP  # type: ignore[misc]
+    torch.nn.parallel.DistributedDataParallel = ENGINE_DDP  # type: ignore[misc,assignment]
+    distributed_test.DistributedDataParallel = ENGINE_DDP  # type: ignore[misc,assignment]
 
 
 def swapped_names() -> dict[str, Any]:
@@ -91,6 +91,7 @@ class CompatDistBackend(TestDistBackend, DistributedTest._DistTestBase):  # type
         expected = ENGINE_DDP
         for name, value in swapped_names().items():
             self.assertIs(value, expected, f"{name} is {value!r} in rank {self.rank}, expected {expected!r}")
+        self.assertIs(torch.nn.parallel.distributed.DistributedDataParallel, TORCH_DDP, "torch's class was replaced")
         model = ENGINE_DDP(torch.nn.Linear(2, 2))
         self.assertIs(type(model), expected)
         model(torch.ones(1, 2)).sum().backward()

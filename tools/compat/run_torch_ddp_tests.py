@@ -7,9 +7,9 @@ class in for the names the tests use. Selected: the tests whose name contains `d
 `DistributedDataParallel` (any case), and the other tests whose body, or a `self._helper` it calls
 (transitively), names DistributedDataParallel.
 
-    python tools/compat/run_torch_ddp_tests.py                  # both engines, all selected tests
-    python tools/compat/run_torch_ddp_tests.py --reuse-baseline # torch's results from the last JSON
-    python tools/compat/run_torch_ddp_tests.py --only 'no_sync' --engine lockstep
+    .venv/bin/python tools/compat/run_torch_ddp_tests.py                    # both engines, every selected test
+    .venv/bin/python tools/compat/run_torch_ddp_tests.py --reuse-baseline   # torch's column from docs/compat
+    .venv/bin/python tools/compat/run_torch_ddp_tests.py --only no_sync --engine lockstep
 
 Writes docs/compat/torch_ddp_tests.md and .json (or, with --only, build/compat/), and one log per test
 and engine under build/compat/logs/. Exit status: 0 when every test that passes on torch passes on
@@ -54,13 +54,17 @@ WORKER_START_TIMEOUT_S = 300.0  # importing torch's test modules on a loaded 2-c
 Record = dict[str, Any]
 
 
+class HarnessError(Exception):
+    """The harness itself failed (a worker that does not start, a swap probe that fails): exit status 2."""
+
+
 # ---------------------------------------------------------------------------------------------- selection
 
 
 @dataclass(frozen=True)
 class Selected:
     name: str
-    selected_by: str  # "name", "body" or "helper:<name of the helper that constructs DDP>"
+    selected_by: str  # "name", "body" or "helper:<the self._helper through which it reaches DDP>"
 
 
 def _source(obj: Any) -> str:
@@ -72,25 +76,16 @@ def _source(obj: Any) -> str:
 
 def select_tests(base: type) -> list[Selected]:
     """The DDP tests of `base` (torch's _DistTestBase), in name order, each with why it was selected."""
-    memo: dict[str, str | None] = {}
 
-    def helper_constructing_ddp(name: str, seen: set[str]) -> str | None:
-        """The first `self._helper` reached from `name` whose source names DistributedDataParallel."""
-        if name in memo:
-            return memo[name]
+    def helper_naming_ddp(name: str, seen: set[str]) -> str | None:
+        """The first `self._helper` called from `name` that names DistributedDataParallel, itself or below."""
         seen.add(name)
-        found = None
         for helper in sorted(set(HELPER_CALL.findall(_source(getattr(base, name))))):
             if helper in seen or not callable(getattr(base, helper, None)):
                 continue
-            if "DistributedDataParallel" in _source(getattr(base, helper)):
-                found = helper
-            else:
-                found = helper_constructing_ddp(helper, seen) and helper
-            if found:
-                break
-        memo[name] = found
-        return found
+            if "DistributedDataParallel" in _source(getattr(base, helper)) or helper_naming_ddp(helper, seen):
+                return helper
+        return None
 
     selected = []
     for name in sorted(n for n in dir(base) if n.startswith("test") and callable(getattr(base, n))):
@@ -98,7 +93,7 @@ def select_tests(base: type) -> list[Selected]:
             selected.append(Selected(name, "name"))
         elif "DistributedDataParallel" in _source(getattr(base, name)):
             selected.append(Selected(name, "body"))
-        elif helper := helper_constructing_ddp(name, set()):
+        elif helper := helper_naming_ddp(name, set()):
             selected.append(Selected(name, f"helper:{helper}"))
     return selected
 
@@ -144,7 +139,7 @@ class Worker:
         ready = self._answer(WORKER_START_TIMEOUT_S)
         if ready is None or not ready.get("ready"):
             self.kill()
-            raise RuntimeError(f"{self.engine} worker did not start; see {self.log_dir}/worker-{self.tag}.log")
+            raise HarnessError(f"{self.engine} worker did not start; see {self.log_dir}/worker-{self.tag}.log")
         self.engine_class = str(ready["class"])
 
     @staticmethod
@@ -173,8 +168,12 @@ class Worker:
 
     def run(self, name: str, log_path: Path, timeout: float) -> Record:
         if self.proc is None or self.proc.poll() is not None:
-            self.start()
+            try:
+                self.start()
+            except HarnessError as error:
+                return {"name": name, "status": "error", "duration_s": 0.0, "reason": str(error), "error_tail": []}
         assert self.proc is not None and self.proc.stdin is not None
+        log_path.write_text("", encoding="utf-8")  # this run's output only
         start = time.monotonic()
         self.proc.stdin.write(f"{name}\t{log_path}\n")
         self.proc.stdin.flush()
@@ -219,6 +218,11 @@ def _tail_of_file(path: Path, lines: int = 15) -> list[str]:
     return [line.rstrip() for line in text.splitlines() if line.strip()][-lines:]
 
 
+def _shown(path: Path) -> str:
+    """`path` relative to the repository when it is inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def _log_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".log"
 
@@ -230,12 +234,14 @@ def run_engine(engine: str, names: list[str], args: argparse.Namespace,
     log_dir.mkdir(parents=True, exist_ok=True)
     inner = max(10, int(args.timeout) - 15)
     start = time.monotonic()
+    for old_log in log_dir.glob("worker-*.log"):
+        old_log.unlink()
     probe_worker = Worker(engine, log_dir, inner, f"{engine}-0")
-    probe = probe_worker.run(PROBE, log_dir / _log_name(PROBE), args.timeout)
+    probe = probe_worker.run(PROBE, log_dir / _log_name(PROBE), max(args.timeout, 120.0))
     if probe["status"] != "passed":
         probe_worker.kill()
         tail = "\n    ".join(probe.get("error_tail") or [])
-        raise SystemExit(f"swap probe failed on {engine}: {probe['status']} {probe.get('reason', '')}\n    {tail}")
+        raise HarnessError(f"swap probe failed on {engine}: {probe['status']} {probe.get('reason', '')}\n    {tail}")
     engine_class = probe_worker.engine_class
     progress(f"[{engine}] probe passed: the spawned ranks use {engine_class}")
 
@@ -253,7 +259,7 @@ def run_engine(engine: str, names: list[str], args: argparse.Namespace,
                 except queue.Empty:
                     return
                 record = worker.run(name, log_dir / _log_name(name), args.timeout)
-                record["log"] = str((log_dir / _log_name(name)).relative_to(ROOT))
+                record["log"] = _shown(log_dir / _log_name(name))
                 with lock:
                     results[name] = record
                     done = len(results)
@@ -320,6 +326,8 @@ def _md(text: str) -> str:
 
 
 def _last_error_line(record: Record | None) -> str:
+    if record is not None and record.get("status") == "timeout" and record.get("reason"):
+        return str(record["reason"])
     tail = (record or {}).get("error_tail") or []
     return str(tail[-1]) if tail else str((record or {}).get("reason", ""))
 
@@ -418,7 +426,9 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=1, help="tests at a time (keep 1 on a 2-core machine)")
     parser.add_argument("--timeout", type=float, default=120.0, help="hard timeout per test, seconds")
     parser.add_argument("--reuse-baseline", action="store_true",
-                        help="take torch's results from the existing JSON instead of running them")
+                        help="take torch's results from --baseline instead of running them")
+    parser.add_argument("--baseline", type=Path, default=DOCS_DIR / f"{STEM}.json",
+                        help="the JSON that --reuse-baseline reads (default: the committed table's)")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help=f"default {DOCS_DIR.relative_to(ROOT)}, or {BUILD_DIR.relative_to(ROOT)} with --only")
     parser.add_argument("--log-dir", type=Path, default=BUILD_DIR / "logs")
@@ -428,11 +438,12 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
         parser.error("--jobs must be at least 1")
     if args.out_dir is None:
         args.out_dir = BUILD_DIR if args.only else DOCS_DIR
-    args.out_dir, args.log_dir = args.out_dir.resolve(), args.log_dir.resolve()
+    args.out_dir, args.log_dir, args.baseline = args.out_dir.resolve(), args.log_dir.resolve(), args.baseline.resolve()
     return args
 
 
 def main(argv: Iterable[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     os.environ["COMPAT_ENGINE"] = "torch"  # the driver only reads the test class; the swap is the workers'
     sys.path.insert(0, str(HERE))
@@ -458,9 +469,11 @@ def main(argv: Iterable[str] | None = None) -> int:
     baseline: dict[str, Record] = {}
     meta_engines: dict[str, Record] = {}
     if args.reuse_baseline:
-        old = json.loads(json_path.read_text(encoding="utf-8"))
+        if not args.baseline.is_file():
+            raise SystemExit(f"--reuse-baseline: no {args.baseline}; run without it once")
+        old = json.loads(args.baseline.read_text(encoding="utf-8"))
         if old["meta"]["torch_version"] != torch.__version__:
-            raise SystemExit(f"baseline in {json_path} is for torch {old['meta']['torch_version']}, "
+            raise SystemExit(f"baseline in {args.baseline} is for torch {old['meta']['torch_version']}, "
                              f"this is {torch.__version__}: run without --reuse-baseline")
         baseline = {row["name"]: row["torch"] for row in old["tests"] if row.get("torch")}
         meta_engines["torch"] = dict(old["meta"]["engines"]["torch"], reused=True)
@@ -480,7 +493,11 @@ def main(argv: Iterable[str] | None = None) -> int:
             if not todo:
                 continue
         version = (_lockstep_commit(), lockstep_fingerprint())
-        records, engine_class, wall = run_engine(engine, todo, args, progress)
+        try:
+            records, engine_class, wall = run_engine(engine, todo, args, progress)
+        except HarnessError as error:
+            print(f"harness error: {error}", file=sys.stderr)
+            return 2
         if engine == "lockstep":
             lockstep_version = (*version, version != (_lockstep_commit(), lockstep_fingerprint()))
         results.setdefault(engine, {}).update(records)
@@ -496,7 +513,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     summary = summarize(rows)
     meta = {
         "generated": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": " ".join(["tools/compat/run_torch_ddp_tests.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(["tools/compat/run_torch_ddp_tests.py", *argv]),
         "torch_version": torch.__version__,
         "lockstep_commit": lockstep_version[0],
         "lockstep_sources": lockstep_version[1],
@@ -520,10 +537,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     t, ls = summary["torch"], summary["lockstep"]
     print(f"\nselected {summary['selected']}; ran on CPU: torch {t['ran_on_cpu']}, lockstep {ls['ran_on_cpu']}; "
           f"passed: torch {t['passed']}, lockstep {ls['passed']}; wall: {_walls(meta)}")
-    print(f"wrote {md_path.relative_to(ROOT) if md_path.is_relative_to(ROOT) else md_path} and .json")
-    stale = [n for n in summary["allowed_internals"]]
-    if stale:
-        print(f"allow-listed (torch internals), failing on lockstep: {len(stale)}")
+    print(f"wrote {_shown(md_path)} and .json")
+    if summary["allowed_internals"]:
+        print(f"allow-listed (torch internals), failing on lockstep: {', '.join(summary['allowed_internals'])}")
     passing_allowed = [r["name"] for r in rows if r.get("internals") and _ok(r.get("lockstep"))]
     if passing_allowed:
         print(f"note: allow-listed but passing on lockstep: {', '.join(passing_allowed)}")

@@ -158,7 +158,7 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
         self._replica: ReplicaState | None = ReplicaState(
             module, self._policy, group, flags=weakref.proxy(self), init_sync=init_sync,
             init_sync_buffers=forward_sync_buffers is not None or broadcast_buffers is not False)
-        self.process_group = group if group is not None else _default_group()
+        self._group = group
 
     # ---- the engine behind the wrapper (built again, without collectives, after unpickling) ----------
 
@@ -173,7 +173,6 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
                     "or use its .module"
                 )
             replica = ReplicaState(self.module, self._policy, None, flags=weakref.proxy(self), init_sync=False)
-            self.process_group = _default_group()
             if self.static_graph:
                 replica.reducer.enable_static_graph()
             self.__dict__["_replica"] = replica
@@ -182,17 +181,30 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
     def __getstate__(self) -> dict[str, Any]:
         _check_default_group(self.process_group)
         state = dict(self.__dict__)
-        for transient in ("_replica", "process_group", "device_mesh"):
+        for transient in ("_replica", "_group", "device_mesh"):
             state.pop(transient, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         nn.Module.__setstate__(self, state)
         self.__dict__["_replica"] = None  # rebuilt at the first forward, on the default group, no collectives
-        self.__dict__["process_group"] = _default_group() if dist.is_available() and dist.is_initialized() else None
+        self.__dict__["_group"] = None  # the default group, looked up when read
         self.__dict__["device_mesh"] = None
 
     # ---- torch's interface --------------------------------------------------------------------------
+
+    @property  # type: ignore[override]
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group, as torch's attribute; the default group is looked up when read, never held, so that
+        destroy_process_group() really ends it (None once it is destroyed)."""
+        group = self.__dict__.get("_group")
+        if group is not None:
+            return group
+        return _default_group() if dist.is_available() and dist.is_initialized() else None
+
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup | None) -> None:
+        self.__dict__["_group"] = group
 
     @property
     def broadcast_buffers(self) -> bool:
