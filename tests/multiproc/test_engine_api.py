@@ -64,8 +64,8 @@ def _hooks(hook_name: str) -> dict:
     out = {}
     for kind in ("ours", "torch"):
         out[kind] = _train_with_hook(kind, hook)
-    recorder = _Recorder(None)
-    out["recorded"] = _train_with_hook("ours", _recording_hook, recorder, bucket_cap_mb=0.0003)["seen"]
+    for kind in ("ours", "torch"):
+        out[f"recorded {kind}"] = _train_with_hook(kind, _recording_hook, _Recorder(None), bucket_cap_mb=0.0003)["seen"]
     return out
 
 
@@ -91,11 +91,15 @@ def test_torch_comm_hooks_run_unchanged(hook_name: str) -> None:
     for rank_out in out:
         for step in range(3):
             assert_close_lists(rank_out["ours"]["grads"][step], rank_out["torch"]["grads"][step], atol=1e-6)
-        seen = rank_out["recorded"]
-        per_step = len(seen) // 3
-        assert per_step > 2 and [s[0] for s in seen[:per_step]] == list(range(per_step))
-        assert [s[1] for s in seen[:per_step]] == [False] * (per_step - 1) + [True]
-        assert sum(s[2] for s in seen[:per_step]) == 28  # many_small: 14 linear layers
+        # the hook sees torch's buckets: (index, is_last, parameters, gradients) per call, in torch's order
+        seen = rank_out["recorded ours"]
+        assert seen == rank_out["recorded torch"], (seen, rank_out["recorded torch"])
+        assert seen[0] == (0, True, 28, 28)  # the first step: one bucket (many_small: 14 linear layers)
+        per_step = (len(seen) - 1) // 2  # then rebuilt in the ready order into small buckets
+        rebuilt = seen[1 : 1 + per_step]
+        assert per_step > 2 and [s[0] for s in rebuilt] == list(range(per_step)) and seen[1 + per_step :] == rebuilt
+        assert [s[1] for s in rebuilt] == [False] * (per_step - 1) + [True]
+        assert sum(s[2] for s in rebuilt) == 28
         assert all(s[2] == s[3] for s in seen)
 
 

@@ -699,6 +699,10 @@ def _surface() -> dict[str, Any]:
         res["dcp optim state keys"] = sorted(optim_sd["state"])
         res["dcp optim group params"] = [list(g["params"]) for g in optim_sd["param_groups"]]
         res["state_dict keys"] = list(ddp.state_dict())
+        _ce(rank)(ddp, 1).backward()  # the second forward rebuilds the buckets
+        res["rebuilt"] = ddp._has_rebuilt_buckets
+        res["module parameters"] = [p is q for p, q in zip(ddp._module_parameters, module.parameters())]
+        res["reducer"] = _raised(lambda ddp=ddp, kind=kind: ddp.reducer if kind == "ours" else ddp.no_such_attribute)
         # _set_static_graph() before training: like static_graph=True
         static_module = _seeded(WithUnused, rank)
         static = _ddp(kind, static_module)
@@ -732,7 +736,11 @@ def test_isinstance_state_dicts_and_torch_attributes() -> None:
                                                                               theirs["dcp optim state keys"])
         assert ours["dcp optim group params"] == theirs["dcp optim group params"]
         assert ours["state_dict keys"] == theirs["state_dict keys"], (ours["state_dict keys"], theirs["state_dict keys"])
-        # 9. torch's attributes
+        # 9. torch's attributes; the C++ reducer's internals are named as such, not blamed on the module
+        assert ours["rebuilt"] and theirs["rebuilt"]
+        assert ours["module parameters"] == theirs["module parameters"] == [True] * 6
+        _assert_raised(ours["reducer"], AttributeError, "'reducer': it is an internal of torch's C\\+\\+ DDP",
+                       "lockstep reducer")
         assert ours["default group"] and theirs["default group"]
         assert ours["bucket_bytes_cap"] == theirs["bucket_bytes_cap"], (ours["bucket_bytes_cap"],
                                                                         theirs["bucket_bytes_cap"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lockstep.engine.bucketing import ParamSpec, assign_buckets, complete_order
+from lockstep.engine.bucketing import ParamSpec, assign_buckets, complete_order, specs_from_index_lists
 from lockstep.engine.policy import SyncPolicy
 from lockstep.errors import ConfigError
 
@@ -90,3 +90,20 @@ def test_large_parameters_get_solo_buckets_except_the_last() -> None:
     params = [spec(8 * MB), spec(100), spec(8 * MB), spec(100)]
     buckets = assign_buckets(params, cap_bytes=25 * MB, first_cap_bytes=MB, solo_bytes=4 * MB)
     assert [(b.params, b.solo) for b in buckets] == [((3, 1), False), ((2,), True), ((0,), False)]
+
+
+def test_specs_from_index_lists_describe_torchs_buckets_in_launch_order() -> None:
+    params = [
+        ParamSpec("a", 10, 40, "cpu", "torch.float32"),
+        ParamSpec("b", 5, 40, "cpu", "torch.float64"),
+        ParamSpec("emb", 100, 400, "cpu", "torch.float32", sparse=True),
+        ParamSpec("c", 20, 80, "cpu", "torch.float32"),
+    ]
+    specs = specs_from_index_lists(params, [[3, 0], [2], [1]])
+    assert [(s.index, s.params, s.nbytes, s.dtype, s.sparse, s.solo) for s in specs] == [
+        (0, (3, 0), 120, "torch.float32", False, False),
+        (1, (2,), 400, "torch.float32", True, True),  # a sparse gradient never shares a buffer
+        (2, (1,), 40, "torch.float64", False, False),
+    ]
+    with pytest.raises(ConfigError, match="permutation"):
+        specs_from_index_lists(params, [[3, 0], [1]])  # a parameter in no bucket

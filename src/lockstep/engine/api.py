@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from lockstep.engine.join import EngineJoin
 from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, SyncPolicy
-from lockstep.engine.reducer import CommHook
+from lockstep.engine.reducer import CommHook, Reducer
 from lockstep.engine.state import ReplicaState
 from lockstep.engine.stats import EngineStats
 from lockstep.errors import ConfigError, NoTrainableParametersError
@@ -151,6 +151,7 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=self.forward_sync_buffers,
             upcast_half_precision=False,  # torch reduces half-precision gradients in their own dtype
+            torch_bucket_layout=True,  # torch's buckets: torch's sums, bit for bit, at any world size
         )
         # The engine gets None for the default group (not the group object), and the wrapper only through a
         # weak proxy (no reference cycle): nothing keeps the group alive past destroy_process_group() or
@@ -275,7 +276,7 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
             "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
             "is_multi_device_module": int(self.is_multi_device_module), "bucket_cap_bytes": self.bucket_bytes_cap,
             "backend_name": str(dist.get_backend(self.process_group)),
-            "has_error": int(bool(error)), "error": error,
+            "has_error": int(bool(error)), "error": error, **_layout_logging(engine.reducer),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -284,14 +285,39 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
             state_dict = {f"module.{k}": v for k, v in state_dict.items()}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
+    @property
+    def _has_rebuilt_buckets(self) -> bool:  # type: ignore[override]
+        return self._engine.reducer.rebuilt
+
+    @property
+    def _module_parameters(self) -> list[nn.Parameter]:  # type: ignore[override]
+        return list(self._engine.reducer.params)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
             modules = self.__dict__.get("_modules", {})
             if "module" in modules and not name.startswith("__") and name != "_replica":
-                return getattr(modules["module"], name)
+                try:
+                    return getattr(modules["module"], name)
+                except AttributeError:
+                    if name in _TORCH_INTERNALS:
+                        raise AttributeError(
+                            f"lockstep.DistributedDataParallel has no {name!r}: it is an internal of torch's C++ "
+                            "DDP, which lockstep's engine replaces (see docs/compat.md); use stats() or "
+                            "_get_ddp_logging_data() for what the engine did"
+                        ) from None
+                    raise
             raise
+
+
+# Attributes of torch's DistributedDataParallel that only its C++ reducer gives meaning to.
+_TORCH_INTERNALS = frozenset({
+    "reducer", "logger", "_accum_grad_hooks", "_bucket_config", "_ddp_sink_clone", "_delay_grad_buffer",
+    "_delay_grad_views", "_delay_all_reduce_params", "_delay_all_reduce_all_params", "_lazy_init_ran",
+    "_comm_hooks", "use_side_stream_for_tensor_copies", "modules_buffers", "named_module_buffers",
+})
 
 
 class ReplicaHandle(_JoinableReplica):
@@ -375,6 +401,18 @@ def check_comm_hook(hook: Any) -> None:
         raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
     if signature.return_annotation not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
         raise ValueError("Communication hook: return annotation should be torch.futures.Future[torch.Tensor].")
+
+
+def _layout_logging(reducer: Reducer) -> dict[str, Any]:
+    """torch's logging keys for the bucket layout: sizes in bytes, and after the rebuild parameter indices."""
+    keys: dict[str, Any] = {
+        "bucket_sizes": ", ".join(str(b.nbytes) for b in reducer.initial_layout),
+        "has_rebuilt_buckets": int(reducer.rebuilt),
+    }
+    if reducer.rebuilt:
+        keys["rebuilt_bucket_sizes"] = ", ".join(str(b.nbytes) for b in reducer.layout)
+        keys["rebuilt_per_bucket_param_indices"] = ", ".join(" ".join(map(str, b.params)) for b in reducer.layout)
+    return keys
 
 
 def _refuse_unsupported(**settings: Any) -> None:

@@ -14,6 +14,9 @@ same layout from the same inputs and the rules can be unit-tested with fake devi
   solo (the reducer appends a status element to it);
 - a sparse parameter (nn.Embedding(sparse=True)) always has a bucket of its own, the last one included:
   sparse gradients cannot share a flat buffer.
+
+The drop-in class takes torch's layout instead (SyncPolicy.torch_bucket_layout): the reducer asks torch's
+own assignment function for lists of indices, and `specs_from_index_lists` describes them.
 """
 
 from __future__ import annotations
@@ -92,6 +95,17 @@ def assign_buckets(
                    solo=members[0] in solos and (i < len(closed) - 1 or params[members[0]].sparse),
                    sparse=params[members[0]].sparse)
         for i, (key, members, nbytes) in enumerate(closed)
+    ]
+
+
+def specs_from_index_lists(params: Sequence[ParamSpec], index_lists: Sequence[Sequence[int]]) -> list[BucketSpec]:
+    """BucketSpecs for buckets given as lists of parameter indices, in launch order (torch's layout)."""
+    _check_permutation([i for members in index_lists for i in members], len(params))
+    return [
+        BucketSpec(index=i, device=params[members[0]].device, dtype=params[members[0]].dtype, params=tuple(members),
+                   nbytes=sum(params[m].nbytes for m in members), solo=params[members[0]].sparse,
+                   sparse=params[members[0]].sparse)
+        for i, members in enumerate(index_lists)
     ]
 
 

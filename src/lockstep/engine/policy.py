@@ -33,6 +33,12 @@ class SyncPolicy:
       is reduced as is. Set it to torch.bfloat16/float16 to communicate in the parameter dtype.
     - upcast_half_precision: with reduce_dtype None, reduce float16/bfloat16 gradients in float32 (True,
       lockstep's default) or in their own dtype (False: torch's DDP, which the drop-in class follows).
+    - torch_bucket_layout: lay buckets out exactly as torch's DDP does (torch's own assignment function;
+      one bucket per dtype and device in the first step unless find_unused_parameters, rebuilt once in
+      the observed ready order unless find_unused_parameters without static_graph; no solo buckets, no
+      status element). Ring all-reduces then sum the same elements in the same order as torch's, so the
+      bits equal torch's at any world size. False (lockstep's own layout): large gradients are reduced
+      in place and the missing-gradient count rides in the last bucket. The drop-in class sets True.
     """
 
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
@@ -43,6 +49,7 @@ class SyncPolicy:
     broadcast_buffers: bool = True
     reduce_dtype: torch.dtype | None = None
     upcast_half_precision: bool = True
+    torch_bucket_layout: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bucket_cap_mb", "first_bucket_mb"):

@@ -13,7 +13,8 @@ Design note. One training step goes through four phases; the same names label th
   Large gradients are copied into their bucket right away (scaled by 1/world on the way, one pass);
   a bucket of many small gradients is copied in one `_foreach_copy_` when it is complete. A gradient of
   4 MiB or more, and every sparse gradient, has a "solo" bucket and is reduced in `.grad` itself (no
-  copy in or out, no buffer memory), except with gradient_as_bucket_view for dense ones.
+  copy in or out, no buffer memory), except with gradient_as_bucket_view for dense ones. The drop-in
+  class lays buckets out as torch does instead (SyncPolicy.torch_bucket_layout): no solo buckets.
 - launch: a complete bucket goes to the communication hook (torch's contract:
   hook(state, GradBucket) -> Future[Tensor]), strictly in bucket order on every rank: bucket 3 waits
   for bucket 2, or collectives would pair up differently on different ranks.
@@ -31,6 +32,7 @@ Inside join() (join.py) a rank that ran out of inputs mirrors launch and finaliz
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,7 +41,13 @@ import torch
 import torch.distributed as dist
 
 from lockstep.engine import unused
-from lockstep.engine.bucketing import BucketSpec, ParamSpec, assign_buckets, complete_order
+from lockstep.engine.bucketing import (
+    BucketSpec,
+    ParamSpec,
+    assign_buckets,
+    complete_order,
+    specs_from_index_lists,
+)
 from lockstep.engine.buckets import Bucket, GradBucket, empty_sparse_grad, flat_views, sum_hook
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.stats import StatsRecorder, StepStats, union_ms
@@ -80,7 +88,8 @@ class Reducer:
         self.static_graph = policy.static_graph
         self.stats = StatsRecorder()
         self.rebuilt = False
-        self._order: list[int] | None = []  # ready order of the first synced step, for the rebuild
+        # ready order of the first synced step, for the rebuild; torch never rebuilds with find_unused_parameters
+        self._order: list[int] | None = None if self._torch_skips_rebuild() else []
         self._order_complete = False
         self._static_hits: list[int] | None = None  # learned by static_graph in its first step
         self._static_unused: list[int] = []
@@ -93,8 +102,14 @@ class Reducer:
         self._layout: list[BucketSpec] | None = None
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._build(None)
+        self.initial_layout: list[BucketSpec] = list(self._layout or [])
 
     # ---------------------------------------------------------------- layout
+
+    @property
+    def layout(self) -> list[BucketSpec]:
+        """The buckets now, in launch order."""
+        return list(self._layout or [])
 
     def _build(self, order: Sequence[int] | None) -> None:
         if self._specs is None:  # parameters never change: describe them once
@@ -103,21 +118,41 @@ class Reducer:
                           sparse=sparse)
                 for name, p, sparse in zip(self.names, self.params, self.sparse)
             ]
-        layout = assign_buckets(
-            self._specs, cap_bytes=self.policy.bucket_cap_bytes, first_cap_bytes=self.policy.first_bucket_bytes,
-            order=order, solo_bytes=None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES,
-        )
+        if self.policy.torch_bucket_layout:
+            layout = specs_from_index_lists(self._specs, self._torch_index_lists(order))
+        else:
+            layout = assign_buckets(
+                self._specs, cap_bytes=self.policy.bucket_cap_bytes, first_cap_bytes=self.policy.first_bucket_bytes,
+                order=order, solo_bytes=None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES,
+            )
         if layout == self._layout:  # the observed order gives the same buckets: keep their memory and views
             return
         self._layout = layout
+        status = not self.policy.torch_bucket_layout  # torch's layout has no room for the status element
         self.buckets = [
-            Bucket(s, self.params, self._bucket_dtype(self.params[s.params[0]]), s.index == len(layout) - 1)
+            Bucket(s, self.params, self._bucket_dtype(self.params[s.params[0]]), status and s.index == len(layout) - 1)
             for s in layout
         ]
         self._where: list[tuple[Bucket, int]] = [None] * self._n  # type: ignore[list-item]
         for b in self.buckets:
             for pos, i in enumerate(b.indices):
                 self._where[i] = (b, pos)
+
+    def _torch_index_lists(self, order: Sequence[int] | None) -> list[list[int]]:
+        """torch's buckets, from torch's own assignment function, as DistributedDataParallel calls it."""
+        first, cap = self.policy.first_bucket_bytes, self.policy.bucket_cap_bytes
+        assign = dist._compute_bucket_assignment_by_size
+        tensors: list[torch.Tensor] = list(self.params)
+        if order is None:  # construction: all in one bucket unless unused parameters are searched for
+            one_bucket = self.static_graph or not self.policy.find_unused_parameters
+            limits = [sys.maxsize] if one_bucket else [first, cap] if first < cap else [cap]
+            lists, _ = assign(tensors, limits, self.sparse)
+            return list(reversed(lists))  # launch order: the last parameters' gradients come first
+        lists, _ = assign([tensors[i] for i in order], [first, cap], self.sparse, list(order))
+        return lists  # the rebuild: already in ready order
+
+    def _torch_skips_rebuild(self) -> bool:
+        return self.policy.torch_bucket_layout and self.policy.find_unused_parameters and not self.static_graph
 
     def _bucket_dtype(self, p: torch.Tensor) -> torch.dtype:
         return self.policy.bucket_dtype(p.dtype)
@@ -137,6 +172,8 @@ class Reducer:
     def enable_static_graph(self) -> None:
         """torch's _set_static_graph(): before the first backward, like static_graph=True."""
         self.static_graph = True
+        if self._order is None and not self.rebuilt:
+            self._order = []  # torch rebuilds under a static graph, find_unused_parameters or not
 
     @property
     def has_user_hook(self) -> bool:
@@ -435,7 +472,8 @@ class Reducer:
             p.grad.copy_(result.view(p.shape))
 
     def _finish_step(self, step: StepState, t_end_backward: float, missing: list[int]) -> None:
-        if self._first_static:
+        learned_static = self._first_static
+        if learned_static:
             self._static_hits = [max(h, 1) for h in step.hits or [0] * self._n]
             self._static_unused = list(missing)
         armed = self._armed
@@ -454,7 +492,10 @@ class Reducer:
         )
         self._armed = self._step = None
         self._used = bytearray(self._n)
-        self._order_complete = self._order is not None
+        if learned_static and self.policy.torch_bucket_layout and self._order is not None:
+            self._order = []  # torch observes the ready order in the second step of a static graph
+        else:
+            self._order_complete = self._order is not None
 
     # ---------------------------------------------------------------- join's shadow step (join.py)
 
