@@ -47,6 +47,10 @@ class DistributedTestError(LockstepError, RuntimeError):
     """A function run by lockstep.testing failed or hung on one or more ranks."""
 
 
+class InternalError(LockstepError, RuntimeError):
+    """A bug in lockstep itself (an internal invariant does not hold), not a mistake of the user."""
+
+
 def rank_tag(rank: int | None, world_size: int | None) -> str:
     """The `[rank r/w]` prefix used in every message that involves a rank."""
     if rank is None or world_size is None:
