@@ -25,7 +25,7 @@ FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "frombuffer", "arange",
 NOT_SENT = {
     ("runtime/collectives.py", "frombuffer", "torch.frombuffer(bytearray(data)"): "_encode: callers .to(device)",
     ("runtime/collectives.py", "empty", "torch.empty(0, dtype=torch.uint8)"): "_encode: callers .to(device)",
-    ("engine/buckets.py", "empty", "torch.empty(0, dtype=dtype)"): "a solo bucket's unused placeholder",
+    ("engine/bucket_memory.py", "empty", "torch.empty(0, dtype=dtype)"): "a solo bucket's unused placeholder",
     ("engine/powersgd.py", "empty", "torch.empty(0)"): "placeholder replaced before any collective",
     ("engine/powersgd.py", "randn", "torch.randn(mem.q.numel(), generator"): "copied into Q (on its device)",
     ("data/gather.py", "empty", "torch.empty(0, *shape, dtype=dtype)"): "copied into a comm_device buffer",

@@ -302,7 +302,9 @@ def _weights_only_bytes(pickled: dict[str, Any]) -> bytes:
                 f"state[{name!r}] holds objects that torch.load(weights_only=True) refuses to load ({', '.join(unsafe)}); "
                 "checkpoints must hold plain data: give that object a state_dict() of tensors, numbers, strings, "
                 "lists and dicts")
-    raise CheckpointError(f"the training state holds objects torch.load(weights_only=True) refuses: {_unsafe_globals(data)}")
+    raise CheckpointError(
+        f"the training state holds objects torch.load(weights_only=True) refuses: {_unsafe_globals(data)}; "
+        "checkpoints must hold plain data (tensors, numbers, strings, lists, dicts, state_dict()s)")
 
 
 def _unsafe_globals(data: bytes) -> list[str]:
@@ -321,12 +323,14 @@ def _plan(directory: Path, entries: dict[str, Any], state: Mapping[str, Any]) ->
         if info["kind"] == "value":
             if is_stateful(obj):
                 raise CheckpointError(f"checkpoint {directory} saved {name!r} as a plain value, but state[{name!r}] "
-                                      f"is a {type(target).__name__} with load_state_dict()")
+                                      f"is a {type(target).__name__} with load_state_dict(); pass the kind of "
+                                      "object it was saved from, or start a fresh run_dir")
             plan.append((name, None, pickled[name]))
             continue
         if not is_stateful(obj):
             raise CheckpointError(f"checkpoint {directory} saved the state_dict() of a {info.get('type')} as "
-                                  f"{name!r}, but state[{name!r}] is a {type(obj).__name__} without load_state_dict()")
+                                  f"{name!r}, but state[{name!r}] is a {type(obj).__name__} without load_state_dict(); "
+                                  "pass the object it was saved from, or start a fresh run_dir")
         if info["kind"] == "tensors":
             saved: Any = safetensors.torch.load_file(str(directory / info["file"]), device="cpu")
         else:

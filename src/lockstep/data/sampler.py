@@ -48,9 +48,11 @@ def resolve_replicas(num_replicas: int | None, rank: int | None) -> tuple[int, i
     num_replicas = get_world_size() if num_replicas is None else num_replicas
     rank = get_rank() if rank is None else rank
     if not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ConfigError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+        raise ConfigError(f"num_replicas must be an int >= 1, got {num_replicas!r}; pass the world size, or leave "
+                          "it None to take it from the process group")
     if not isinstance(rank, int) or not 0 <= rank < num_replicas:
-        raise ConfigError(f"rank must be in [0, {num_replicas - 1}] for num_replicas={num_replicas}, got {rank!r}")
+        raise ConfigError(f"rank must be in [0, {num_replicas - 1}] for num_replicas={num_replicas}, got {rank!r}; "
+                          "pass this process's rank, or leave it None to take it from the process group")
     return num_replicas, rank
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import warnings
 import weakref
+from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -21,7 +22,17 @@ from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_M
 from lockstep.engine.reducer import CommHook, Reducer
 from lockstep.engine.state import ReplicaState
 from lockstep.engine.stats import EngineStats
-from lockstep.errors import ConfigError, NoTrainableParametersError
+from lockstep.errors import (
+    CommHookTypeError,
+    CommHookValueError,
+    ConfigError,
+    DDPArgumentError,
+    NoProcessGroupError,
+    NoTrainableParametersError,
+    NotSupportedError,
+    TorchInternalAttributeError,
+    UsageError,
+)
 
 
 class _JoinableReplica(Joinable):
@@ -31,8 +42,9 @@ class _JoinableReplica(Joinable):
     """
 
     @property
+    @abstractmethod
     def _engine(self) -> ReplicaState:
-        raise NotImplementedError
+        """The replica's engine state (each face keeps it its own way)."""
 
     def __init__(self) -> None:  # Joinable's __init__ would set _join_config before the replica exists
         pass
@@ -62,12 +74,12 @@ class _JoinableReplica(Joinable):
         return self._engine.join_process_group
 
     @property
-    def _join_config(self) -> _JoinConfig:
-        return self._engine._join_config
+    def _join_config(self) -> _JoinConfig:  # torch's Joinable attribute, read and set by its Join manager
+        return self._engine.join_config
 
     @_join_config.setter
     def _join_config(self, config: _JoinConfig) -> None:
-        self._engine._join_config = config
+        self._engine.join_config = config
 
 
 class DistributedDataParallel(_JoinableReplica, TorchDDP):
@@ -113,7 +125,10 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
                             param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
                             bucket_cap_mb_list=bucket_cap_mb_list)
         if dim != 0:
-            raise NotImplementedError(f"lockstep.DistributedDataParallel scatters nothing; dim={dim!r} is not used")
+            raise NotSupportedError(
+                f"lockstep.DistributedDataParallel scatters nothing, so dim={dim!r} has no meaning here; "
+                "pass each rank's own batch to forward and leave dim=0"
+            )
         if check_reduction:
             warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
                           "Please avoid using it.", FutureWarning, stacklevel=2)
@@ -168,7 +183,7 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
         replica = self.__dict__.get("_replica")
         if replica is None:
             if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError(
+                raise NoProcessGroupError(
                     "this DistributedDataParallel was unpickled or copied in a process without a process "
                     "group; call torch.distributed.init_process_group (or lockstep.init) before running it, "
                     "or use its .module"
@@ -254,7 +269,7 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
             message = ("_set_static_graph() should be called before training loop starts: this model already "
                        f"ran {self._engine.reducer.stats.steps} synced step(s); pass static_graph=True instead")
             self.__dict__["_logged_error"] = message
-            raise RuntimeError(message)
+            raise UsageError(message)
         self.static_graph = True
         self._policy = dataclasses.replace(self._policy, static_graph=True)
         self._engine.reducer.enable_static_graph()
@@ -303,7 +318,7 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
                     return getattr(modules["module"], name)
                 except AttributeError:
                     if name in _TORCH_INTERNALS:
-                        raise AttributeError(
+                        raise TorchInternalAttributeError(
                             f"lockstep.DistributedDataParallel has no {name!r}: it is an internal of torch's C++ "
                             "DDP, which lockstep's engine replaces (see docs/compat.md); use stats() or "
                             "_get_ddp_logging_data() for what the engine did"
@@ -394,13 +409,24 @@ class _ForwardHooks:
 def check_comm_hook(hook: Any) -> None:
     """torch's checks of a communication hook, with torch's exception types."""
     if not callable(hook):
-        raise TypeError("Communication hook must be callable.")
+        raise CommHookTypeError(
+            f"Communication hook must be callable. Got {type(hook).__name__} {hook!r}; pass a function "
+            "hook(state, bucket) -> torch.futures.Future[torch.Tensor]"
+        )
     signature = inspect.signature(hook)
     bucket = signature.parameters.get("bucket")
     if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
-        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+        raise CommHookValueError(
+            "Communication hook: bucket annotation should be dist.GradBucket. "
+            f"{getattr(hook, '__name__', hook)!r} annotates it as {bucket.annotation!r}; annotate "
+            "`bucket: dist.GradBucket` or leave it unannotated"
+        )
     if signature.return_annotation not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
-        raise ValueError("Communication hook: return annotation should be torch.futures.Future[torch.Tensor].")
+        raise CommHookValueError(
+            "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. "
+            f"{getattr(hook, '__name__', hook)!r} annotates {signature.return_annotation!r}; return the "
+            "Future of an async collective, e.g. dist.all_reduce(..., async_op=True).get_future()"
+        )
 
 
 def _layout_logging(reducer: Reducer) -> dict[str, Any]:
@@ -411,14 +437,19 @@ def _layout_logging(reducer: Reducer) -> dict[str, Any]:
     }
     if reducer.rebuilt:
         keys["rebuilt_bucket_sizes"] = ", ".join(str(b.nbytes) for b in reducer.layout)
-        keys["rebuilt_per_bucket_param_indices"] = ", ".join(" ".join(map(str, b.params)) for b in reducer.layout)
+        keys["rebuilt_per_bucket_param_indices"] = ", ".join(
+            " ".join(map(str, b.param_indices)) for b in reducer.layout
+        )
     return keys
 
 
 def _refuse_unsupported(**settings: Any) -> None:
     for name, value in settings.items():
         if value is not None:
-            raise NotImplementedError(f"lockstep.DistributedDataParallel does not support {name} (got {value!r})")
+            raise NotSupportedError(
+                f"lockstep.DistributedDataParallel does not support {name} (got {value!r}); leave it None, "
+                "or use torch.nn.parallel.DistributedDataParallel for this model (docs/compat.md)"
+            )
 
 
 def _default_group() -> dist.ProcessGroup:
@@ -430,10 +461,16 @@ def _default_group() -> dist.ProcessGroup:
 def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> tuple[dist.ProcessGroup | None, Any]:
     """torch's rules: a group, or a 1-D device mesh's group, or (None) the default group."""
     if process_group is not None and device_mesh is not None:
-        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+        raise DDPArgumentError(
+            "Cannot specify both process_group and device_mesh arguments. Pass one of them "
+            "(the mesh's group is device_mesh.get_group(0))"
+        )
     if device_mesh is not None:
         if device_mesh.ndim != 1:
-            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+            raise DDPArgumentError(
+                f"Only 1D device mesh is supported, but got {device_mesh}. Pass a 1-D mesh, or its "
+                "data-parallel dimension (mesh['dp'])"
+            )
         return device_mesh.get_group(mesh_dim=0), device_mesh
     return process_group, None
 
@@ -444,7 +481,7 @@ def _check_default_group(group: dist.ProcessGroup | None) -> None:
     except (RuntimeError, ValueError):
         is_default = False
     if not is_default:
-        raise RuntimeError(
+        raise DDPArgumentError(
             "DDP Pickling/Unpickling are only supported when using DDP with the default process group. "
             "That is, when you have called init_process_group and have not passed process_group argument "
             "to DDP constructor"
@@ -460,7 +497,7 @@ def _check_parameters(module: nn.Module) -> None:
             f"gradient ({type(module).__name__} has {len(params)} parameter(s), none with requires_grad=True)"
         )
     if any(isinstance(p, nn.parameter.UninitializedParameter) for p in params):
-        raise RuntimeError(
+        raise DDPArgumentError(
             "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
             "Run a dummy forward pass to correctly initialize the modules"
         )

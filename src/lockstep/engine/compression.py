@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.errors import CommHookTypeError
+
 HookFuture = torch.futures.Future[torch.Tensor]
 
 
@@ -105,7 +107,7 @@ def group_of(state: Any) -> dist.ProcessGroup | None:
         return state.process_group
     if state is None or isinstance(state, dist.ProcessGroup):
         return state
-    raise TypeError(
+    raise CommHookTypeError(
         f"a communication hook's state must be a ProcessGroup, None or a lockstep HookState, got "
         f"{type(state).__name__} {state!r}; register the hook as ddp.register_comm_hook(None, hook) or "
         f"ddp.register_comm_hook(lockstep.hooks.HookState(group), hook)"

@@ -25,26 +25,22 @@ UnevenInputsError naming the rank(s) and the step, before the forward, whose own
 Outside join() none of this runs: the engine checks one flag per forward. Under torch's own
 `Join([model, zero_optimizer])` the same hooks run, and the model also sends torch's notification
 all-reduce before its record, as torch's manager expects.
+
+join.py sees a replica only through `JoinReplica` and its reducer only through `JoinReducer` (below):
+ReplicaState and Reducer implement them, and mypy checks that they do where state.py hands itself over.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
-from lockstep.engine.buckets import empty_sparse_grad
-from lockstep.engine.init_sync import broadcast_coalesced
-from lockstep.errors import UnevenInputsError, UnusedParameterError, rank_tag
-
-if TYPE_CHECKING:
-    from lockstep.engine.buckets import Bucket
-    from lockstep.engine.reducer import Reducer
-    from lockstep.engine.state import ReplicaState
+from lockstep.errors import InternalError, UnevenInputsError
 
 _SYNC, _REBUILD, _BUFFERS = range(3)  # flags after the per-rank slots of a step record
 
@@ -69,7 +65,83 @@ class JoinSession:
         self.pending: StepRecord | None = None  # the record EngineJoin's loop already exchanged
 
 
-def _exchange(replica: ReplicaState, *, training: bool, sync: bool = False, rebuild: bool = False,
+class JoinReducer(Protocol):
+    """What join() needs of a replica's reducer (lockstep.engine.reducer.Reducer)."""
+
+    def will_rebuild(self) -> bool:
+        """The next synced forward rebuilds the buckets."""
+        ...
+
+    def maybe_rebuild(self, *, force: bool = False) -> None:
+        """Rebuild the buckets from rank 0's order now (force: a joined rank follows the others)."""
+        ...
+
+    def set_divisor(self, num_ranks: int) -> None:
+        """Average the next backwards over `num_ranks`."""
+        ...
+
+    def shadow_backward(self) -> None:
+        """The collectives of a synced backward, with zeros (raises what the training ranks raise)."""
+        ...
+
+
+class JoinReplica(Protocol):
+    """What join() needs of a replica (lockstep.engine.state.ReplicaState); join.py reads nothing else.
+
+    The replica is also handed to torch's Join.notify_join_context, which reads torch's Joinable
+    attributes (join_device, join_process_group, _join_config) by itself.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def tag(self) -> str:
+        """The `[rank r/w] ` prefix of messages."""
+        ...
+
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+
+    @property
+    def join_device(self) -> torch.device: ...
+
+    @property
+    def join_config(self) -> _JoinConfig:
+        """Set by torch's Join: enable, throw_on_early_termination."""
+        ...
+
+    @property
+    def join_session(self) -> JoinSession | None: ...
+
+    @property
+    def reducer(self) -> JoinReducer: ...
+
+    def will_broadcast_buffers(self) -> bool:
+        """The next forward broadcasts buffers."""
+        ...
+
+    def broadcast_buffers_from(self, group_rank: int) -> None:
+        """Every rank takes the buffers of `group_rank` (a rank in the replica's group)."""
+        ...
+
+    def broadcast_model_from(self, group_rank: int) -> None:
+        """Every rank takes the parameters (and, when the policy says so, buffers) of `group_rank`."""
+        ...
+
+    def request_forward_param_sync(self) -> None:
+        """Broadcast buffers before the next forward."""
+        ...
+
+    def leave_join(self) -> None:
+        """The context closed: back to the path without step records."""
+        ...
+
+
+def _exchange(replica: JoinReplica, *, training: bool, sync: bool = False, rebuild: bool = False,
               buffers: bool = False) -> StepRecord:
     world = replica.world
     values = [0] * (world + 3)
@@ -86,18 +158,14 @@ def _exchange(replica: ReplicaState, *, training: bool, sync: bool = False, rebu
     )
 
 
-def _global(replica: ReplicaState, group_rank: int) -> int:
-    return dist.get_global_rank(replica.group, group_rank) if replica.group is not None else group_rank
-
-
 def _names(ranks: list[int] | tuple[int, ...]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
-def _early_termination_message(replica: ReplicaState, record: StepRecord, steps_done: int) -> str:
+def _early_termination_message(replica: JoinReplica, record: StepRecord, steps_done: int) -> str:
     joined = [r for r in range(replica.world) if r not in record.training]
     return (
-        f"{rank_tag(replica.rank, replica.world)}uneven inputs: {_names(joined)} ran out of batches after "
+        f"{replica.tag}uneven inputs: {_names(joined)} ran out of batches after "
         f"{steps_done} steps inside join(), while {_names(record.training)} went on to step {steps_done + 1}. "
         "join(throw_on_early_termination=True) makes every rank raise here instead of shadowing the ranks "
         "that ran out (needed when forward has its own collectives, such as SyncBatchNorm). Catch this "
@@ -109,11 +177,14 @@ def _early_termination_message(replica: ReplicaState, record: StepRecord, steps_
 # ---------------------------------------------------------------- a training rank's side
 
 
-def join_pre_forward(replica: ReplicaState, syncing: bool) -> None:
+def join_pre_forward(replica: JoinReplica, syncing: bool) -> None:
     """pre_forward inside join(): the step record, then the usual rebuild and buffer broadcast."""
     session = replica.join_session
     if session is None:  # join_hook() makes it when the context is built
-        raise RuntimeError(f"{replica.tag}lockstep internal error: a forward inside join() found no join session")
+        raise InternalError(
+            f"{replica.tag}lockstep bug: a forward inside join() found no join session (join_hook() makes "
+            "one when the context is built); please report it"
+        )
     rebuild = syncing and replica.reducer.will_rebuild()
     buffers = replica.will_broadcast_buffers()
     # Under torch's Join its manager counts ranks with an all-reduce of its own (the replica quacks as a Joinable).
@@ -121,7 +192,7 @@ def join_pre_forward(replica: ReplicaState, syncing: bool) -> None:
     record = _exchange(replica, training=True, sync=syncing, rebuild=rebuild, buffers=buffers)
     if work is not None:
         work.wait()  # issued before the record, so already done
-    if replica._join_config.throw_on_early_termination and len(record.training) < replica.world:
+    if replica.join_config.throw_on_early_termination and len(record.training) < replica.world:
         raise UnevenInputsError(_early_termination_message(replica, record, session.steps))
     session.steps += 1
     if syncing:
@@ -130,73 +201,36 @@ def join_pre_forward(replica: ReplicaState, syncing: bool) -> None:
     if rebuild:
         replica.reducer.maybe_rebuild()
     if buffers:
-        broadcast_coalesced(replica.buffers, _global(replica, max(record.training)), replica.group)
+        replica.broadcast_buffers_from(max(record.training))
 
 
 # ---------------------------------------------------------------- a joined rank's side
 
 
-def _shadow_step(replica: ReplicaState, record: StepRecord) -> None:
+def _shadow_step(replica: JoinReplica, record: StepRecord) -> None:
     """Mirror, with zeros, what the training ranks do in the step this record announced."""
     if record.rebuild:
         replica.reducer.maybe_rebuild(force=True)
     if record.buffers:
-        broadcast_coalesced(replica.buffers, _global(replica, max(record.training)), replica.group)
+        replica.broadcast_buffers_from(max(record.training))
     if record.sync:
-        shadow_backward(replica.reducer)
+        replica.reducer.shadow_backward()
 
 
-def shadow_backward(reducer: Reducer) -> None:
-    """The collectives of a synced backward, with zeros, on a rank that ran out of inputs.
-
-    The mirror of launch + finalize on a training rank, in the same order: every bucket through the
-    communication hook (same sizes and dtypes, the status element included), then the unused-parameter
-    agreement, and if a training rank lacks gradients, the same UnusedParameterError here too.
-    """
-    if reducer.world == 1:
-        return
-    futures = []
-    for b in reducer.buckets:
-        b.hook_buffer = _zeros_like_launch(reducer, b)
-        futures.append(reducer.launch_hook(b))
-    reducer.reset_used()  # this rank used nothing in the step it shadows
-    verdict = reducer.agree_on_unused([])
-    values = [f.wait() for f in futures]
-    for b in reducer.buckets:
-        b.hook_buffer = b.buffer
-    if verdict is None:
-        last = values[-1][0] if isinstance(values[-1], list) else values[-1]
-        verdict = reducer.name_missing([]) if int(last.reshape(-1)[-1].item()) else ""
-    reducer.learn_static_from_shadow()
-    if verdict:
-        raise UnusedParameterError(verdict)
-
-
-def _zeros_like_launch(reducer: Reducer, b: Bucket) -> torch.Tensor:
-    p = b.params[0]
-    if b.sparse:
-        return empty_sparse_grad(p)
-    if b.solo:
-        return torch.zeros(p.numel(), dtype=b.dtype, device=p.device)
-    zeros = torch.zeros_like(b.storage)  # type: ignore[arg-type]  # only solo buckets have none
-    return zeros if b.status is not None and not reducer.has_user_hook else zeros[: b.buffer.numel()]
-
-
-def _sync_final_model(replica: ReplicaState, is_last_joiner: bool) -> None:
+def _sync_final_model(replica: JoinReplica, is_last_joiner: bool) -> None:
     """Everyone joined: the highest rank among the last to join broadcasts parameters (and buffers)."""
-    replica.flags.require_forward_param_sync = True  # the same on every rank, whatever each saw last
+    replica.request_forward_param_sync()  # the same on every rank, whatever each saw last
     if replica.world == 1:
         return
     candidate = torch.tensor([replica.rank if is_last_joiner else -1], dtype=torch.int64, device=replica.join_device)
     dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=replica.group)
-    tensors = replica.all_params + (replica.buffers if replica.policy.broadcast_buffers else [])
-    broadcast_coalesced(tensors, _global(replica, int(candidate.item())), replica.group)
+    replica.broadcast_model_from(int(candidate.item()))
 
 
 class EngineJoinHook(JoinHook):
     """torch's JoinHook for a lockstep replica: shadow each step (main_hook), then sync (post_hook)."""
 
-    def __init__(self, replica: ReplicaState, session: JoinSession) -> None:
+    def __init__(self, replica: JoinReplica, session: JoinSession) -> None:
         self.replica, self.session = replica, session
 
     def main_hook(self) -> None:
@@ -221,7 +255,11 @@ class EngineJoin(Join):
         super().__init__(joinables, enable, throw_on_early_termination, **kwargs)
         lead = self._join_hooks[0]
         if not isinstance(lead, EngineJoinHook):
-            raise TypeError(f"EngineJoin must be led by a lockstep model, got {type(joinables[0]).__name__}")
+            raise InternalError(
+                f"lockstep bug: EngineJoin must be led by a lockstep model's EngineJoinHook, got a "
+                f"{type(lead).__name__} from {type(joinables[0]).__name__} (model.join() builds it so; did a "
+                "subclass override join_hook()?); please report it"
+            )
         self._lead = lead
         lead.session.record_is_notification = True
 

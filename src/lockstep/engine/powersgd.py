@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.engine.compression import HookFuture, HookState, all_reduce_future, torch_signature, world_of
-from lockstep.errors import ConfigError
+from lockstep.errors import CommHookTypeError, CommHookValueError, ConfigError, InternalError
 
 # ---------------------------------------------------------------- pure parts: planning and algebra
 
@@ -200,7 +200,7 @@ class PowerSGDState(HookState):
             plan = plan_bucket(shapes, rank=self.matrix_approximation_rank,
                                min_compression_rate=self.min_compression_rate)
             if plan.numel != buffer.numel():
-                raise ValueError(
+                raise CommHookValueError(
                     f"PowerSGD: bucket {index} holds {buffer.numel()} elements but its gradients' shapes "
                     f"{shapes!r} add up to {plan.numel}; the bucket must pack its gradients back to back"
                 )
@@ -246,7 +246,10 @@ class _Job:
 def powerSGD_hook(state: PowerSGDState, bucket: Any) -> HookFuture:  # noqa: N802 (torch's name)
     """PowerSGD (see the module docstring); plain averaging until `state.start_powerSGD_iter`."""
     if not isinstance(state, PowerSGDState):
-        raise TypeError(f"powerSGD_hook needs a lockstep PowerSGDState as its state, got {type(state).__name__}")
+        raise CommHookTypeError(
+            f"powerSGD_hook needs a lockstep PowerSGDState as its state, got {type(state).__name__}; register "
+            "it as ddp.register_comm_hook(lockstep.hooks.PowerSGDState(process_group=None), powerSGD_hook)"
+        )
     group = state.process_group
     world = world_of(group)
     buffer = bucket.buffer()
@@ -342,7 +345,10 @@ def _launch_q(job: _Job) -> None:
 def _p_future_of(job: _Job) -> torch.futures.Future[Any]:
     fut = job.p_future
     if fut is None:
-        raise RuntimeError("PowerSGD internal error: a bucket reached its Q phase without a P all-reduce")
+        raise InternalError(
+            f"lockstep bug: a PowerSGD bucket of {job.buffer.numel()} elements reached its Q phase without a "
+            f"P all-reduce (step {job.step}); please report it"
+        )
     return fut
 
 

@@ -27,7 +27,8 @@ Design note. One training step goes through four phases; the same names label th
 
 All bucket arithmetic runs under no_grad: with backward(create_graph=True) gradients carry a graph of
 their own, which the reduction leaves alone (torch's DDP does not sync higher-order gradients either).
-Inside join() (join.py) a rank that ran out of inputs mirrors launch and finalize with zeros.
+Inside join() (join.py) a rank that ran out of inputs mirrors launch and finalize with zeros
+(shadow_backward). join.py uses will_rebuild, maybe_rebuild, set_divisor and shadow_backward, nothing else.
 """
 
 from __future__ import annotations
@@ -41,18 +42,18 @@ import torch
 import torch.distributed as dist
 
 from lockstep.engine import unused
-from lockstep.engine.bucketing import (
+from lockstep.engine.bucket_layout import (
     BucketSpec,
     ParamSpec,
     assign_buckets,
     complete_order,
     specs_from_index_lists,
 )
-from lockstep.engine.buckets import Bucket, GradBucket, empty_sparse_grad, flat_views, sum_hook
+from lockstep.engine.bucket_memory import Bucket, GradBucket, empty_sparse_grad, flat_views, sum_hook
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.stats import StatsRecorder, StepStats, union_ms
 from lockstep.engine.step import ArmedForward, StepState
-from lockstep.errors import UnusedParameterError, rank_tag
+from lockstep.errors import CommHookResultError, GradientError, UnusedParameterError, UsageError, rank_tag
 
 CommHook = Callable[[Any, "GradBucket"], "torch.futures.Future[Any]"]
 # A gradient this large is reduced in place in its own bucket: no copy into a flat buffer and back
@@ -130,7 +131,8 @@ class Reducer:
         self._layout = layout
         status = not self.policy.torch_bucket_layout  # torch's layout has no room for the status element
         self.buckets = [
-            Bucket(s, self.params, self._bucket_dtype(self.params[s.params[0]]), status and s.index == len(layout) - 1)
+            Bucket(s, self.params, self._bucket_dtype(self.params[s.param_indices[0]]),
+                   status and s.index == len(layout) - 1)
             for s in layout
         ]
         self._where: list[tuple[Bucket, int]] = [None] * self._n  # type: ignore[list-item]
@@ -163,9 +165,10 @@ class Reducer:
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         if self.hook is not sum_hook:
-            raise RuntimeError(
+            raise UsageError(
                 f"{self._tag}register_comm_hook or register_builtin_comm_hook can only be called once. "
-                f"A hook {getattr(self.hook, '__name__', self.hook)!r} is already registered on this model"
+                f"A hook {getattr(self.hook, '__name__', self.hook)!r} is already registered on this model; "
+                "register a single hook that does all the communication, before the first backward"
             )
         self.hook, self.hook_state, self._prescale = hook, state, False
 
@@ -174,10 +177,6 @@ class Reducer:
         self.static_graph = True
         if self._order is None and not self.rebuilt:
             self._order = []  # torch rebuilds under a static graph, find_unused_parameters or not
-
-    @property
-    def has_user_hook(self) -> bool:
-        return self.hook is not sum_hook
 
     # ---------------------------------------------------------------- pre_forward
 
@@ -282,7 +281,7 @@ class Reducer:
         if grad is None:
             view.zero_()
         elif grad.is_sparse:
-            raise RuntimeError(
+            raise GradientError(
                 f"{self._tag}parameter {self.names[b.indices[pos]]!r} received a sparse gradient, but it was "
                 "not declared sparse when the model was wrapped (only nn.Embedding/nn.EmbeddingBag with "
                 "sparse=True are, like torch's DDP); make the layer produce dense gradients"
@@ -301,7 +300,7 @@ class Reducer:
             if b.eager and self.world > 1:
                 self._copy_in_one(b, pos)  # the grad grew since: copy the total again
             return
-        raise RuntimeError(
+        raise GradientError(
             f"{self._tag}Expected to mark a variable ready only once. Parameter {self.names[i]!r} received a "
             "gradient again after its bucket was reduced in this backward (it is used in several autograd passes, as with reentrant "
             "activation checkpointing). Pass static_graph=True if the graph is the same every step, or "
@@ -332,14 +331,14 @@ class Reducer:
             b.status.fill_(float(step.missing_count))
             b.hook_buffer = b.storage  # type: ignore[assignment]
         b.t_launch = time.perf_counter()
-        b.future = self.launch_hook(b)
+        b.future = self._call_hook(b)
         b.future.add_done_callback(_stamp_done(b))
 
-    def launch_hook(self, b: Bucket) -> torch.futures.Future[Any]:
+    def _call_hook(self, b: Bucket) -> torch.futures.Future[Any]:
         """Hand bucket b (its hook_buffer) to the communication hook; check what comes back."""
         fut = self.hook(self.hook_state, GradBucket(b, len(self.buckets)))
         if not isinstance(fut, torch._C.Future):
-            raise RuntimeError(
+            raise CommHookResultError(
                 f"{self._tag}callback must return a torch.futures.Future object, but got "
                 f"{type(fut).__module__}.{type(fut).__qualname__}: the communication hook "
                 f"{getattr(self.hook, '__name__', self.hook)!r} must return a Future (torch's contract: "
@@ -368,7 +367,7 @@ class Reducer:
         if grad is None:
             grad = empty_sparse_grad(p)
         elif not grad.is_sparse:
-            raise RuntimeError(
+            raise GradientError(
                 f"{self._tag}parameter {self.names[b.indices[0]]!r} is declared sparse (nn.Embedding or "
                 "nn.EmbeddingBag with sparse=True) but received a dense gradient on this rank; every rank must "
                 "produce the same kind of gradient, like with torch's DDP"
@@ -400,7 +399,7 @@ class Reducer:
         while step.next_bucket < len(self.buckets):
             self._launch(step, self.buckets[step.next_bucket])
             step.next_bucket += 1
-        verdict = self.agree_on_unused(missing)
+        verdict = self._agree_on_unused(missing)
         self._write_back()
         if verdict is None:  # the count travelled in the last bucket's status element
             total = int(self.buckets[-1].status.item()) if self.buckets[-1].status is not None else 0
@@ -408,7 +407,7 @@ class Reducer:
         self._finish_step(step, t_end_backward, missing)
         return verdict
 
-    def agree_on_unused(self, missing: list[int]) -> str | None:
+    def _agree_on_unused(self, missing: list[int]) -> str | None:
         """An error message (the same on every rank), '' when all is well, None: read the status element."""
         tolerant = self.policy.find_unused_parameters or self.static_graph
         if self.world == 1:
@@ -425,9 +424,6 @@ class Reducer:
             return None
         total = unused.total_missing(len(missing), self.group, self.device)
         return unused.name_missing(self.names, missing, self._tag, self.group) if total else ""
-
-    def name_missing(self, missing: list[int]) -> str:
-        return unused.name_missing(self.names, missing, self._tag, self.group)
 
     def _write_back(self) -> None:
         as_view = self.policy.gradient_as_bucket_view
@@ -499,13 +495,42 @@ class Reducer:
 
     # ---------------------------------------------------------------- join's shadow step (join.py)
 
-    def learn_static_from_shadow(self) -> None:
-        """A joined rank shadowed static_graph's first step: the training ranks learned their pattern."""
-        if self._first_static:
-            self._static_hits, self._static_unused = [1] * self._n, []
+    def shadow_backward(self) -> None:
+        """The collectives of a synced backward, with zeros, on a rank that ran out of inputs (join()).
 
-    def reset_used(self) -> None:
-        self._used = bytearray(self._n)
+        The mirror of launch + finalize on a training rank, in the same order: every bucket through the
+        communication hook (same sizes and dtypes, the status element included), then the unused-parameter
+        agreement, and if a training rank lacks gradients, the same UnusedParameterError here too.
+        """
+        if self.world == 1:
+            return
+        futures = []
+        for b in self.buckets:
+            b.hook_buffer = self._shadow_buffer(b)
+            futures.append(self._call_hook(b))
+        self._used = bytearray(self._n)  # this rank used nothing in the step it shadows
+        verdict = self._agree_on_unused([])
+        values = [f.wait() for f in futures]
+        for b in self.buckets:
+            b.hook_buffer = b.buffer
+        if verdict is None:  # the training ranks' count travelled in the last bucket's status element
+            last = values[-1][0] if isinstance(values[-1], list) else values[-1]
+            missing_anywhere = int(last.reshape(-1)[-1].item())
+            verdict = unused.name_missing(self.names, [], self._tag, self.group) if missing_anywhere else ""
+        if self._first_static:  # the training ranks learned their pattern in the step shadowed here
+            self._static_hits, self._static_unused = [1] * self._n, []
+        if verdict:
+            raise UnusedParameterError(verdict)
+
+    def _shadow_buffer(self, b: Bucket) -> torch.Tensor:
+        """Zeros shaped as what a training rank hands the hook for bucket b (see _launch)."""
+        p = b.params[0]
+        if b.sparse:
+            return empty_sparse_grad(p)
+        if b.solo:
+            return torch.zeros(p.numel(), dtype=b.dtype, device=p.device)
+        zeros = torch.zeros_like(b.storage)  # type: ignore[arg-type]  # only solo buckets have none
+        return zeros if b.status is not None and self.hook is sum_hook else zeros[: b.buffer.numel()]
 
 
 def _stamp_done(b: Bucket) -> Callable[[torch.futures.Future[Any]], None]:

@@ -17,7 +17,7 @@ from lockstep.engine.join import EngineJoinHook, JoinSession, join_pre_forward
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import CommHook, Reducer
 from lockstep.engine.stats import EngineStats
-from lockstep.errors import ConfigError, NoTrainableParametersError, rank_tag
+from lockstep.errors import NoProcessGroupError, NoTrainableParametersError, rank_tag
 from lockstep.runtime.collectives import comm_device
 from lockstep.runtime.process_group import unpin_world_group_defaults
 
@@ -45,9 +45,9 @@ class ReplicaState:
     def __init__(self, module: nn.Module, policy: SyncPolicy, group: dist.ProcessGroup | None, *,
                  flags: Any = None, init_sync: bool = True, init_sync_buffers: bool = True) -> None:
         if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError(
-                "no process group: call lockstep.init() (or torch.distributed.init_process_group) before "
-                "wrapping the model"
+            raise NoProcessGroupError(
+                f"no process group: {type(module).__name__} was wrapped before torch.distributed was "
+                "initialized; call lockstep.init() (or torch.distributed.init_process_group) first"
             )
         unpin_world_group_defaults()
         self.module, self.policy, self.group = module, policy, group
@@ -63,7 +63,7 @@ class ReplicaState:
                 "to average across ranks (torch's DDP refuses it too); wrap a module with trainable parameters"
             )
         self._ignored_buffers = ignored
-        self.all_params: list[torch.Tensor] = [p for _, p in named]  # frozen ones too, for join()'s final sync
+        self._all_params: list[torch.Tensor] = [p for _, p in named]  # frozen ones too, for join()'s final sync
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
         if self.world > 1 and init_sync:
             check_same_model(named, group, self.rank, self.world)
@@ -138,6 +138,15 @@ class ReplicaState:
         return self.comm_device
 
     @property
+    def join_config(self) -> _JoinConfig:
+        """torch's join settings (enable, throw_on_early_termination), set by its Join manager."""
+        return self._join_config
+
+    @join_config.setter
+    def join_config(self, config: _JoinConfig) -> None:
+        self._join_config = config  # the name torch's Join.notify_join_context reads
+
+    @property
     def join_process_group(self) -> dist.ProcessGroup:
         return self.group if self.group is not None else dist.group.WORLD  # type: ignore[return-value]
 
@@ -145,6 +154,24 @@ class ReplicaState:
         """The join() context closed: back to the common path (no per-step record, full-world average)."""
         self.join_session = None
         self.reducer.set_divisor(self.world)
+
+    # what else join.py needs (its JoinReplica protocol)
+    def broadcast_buffers_from(self, group_rank: int) -> None:
+        """Every rank takes the buffers of `group_rank` (join(): the highest rank still training)."""
+        broadcast_coalesced(self.buffers, self._global_rank(group_rank), self.group)
+
+    def broadcast_model_from(self, group_rank: int) -> None:
+        """Every rank takes the parameters (frozen ones too) and, if the policy broadcasts buffers, the
+        buffers of `group_rank` (join()'s end: the replicas leave the context identical)."""
+        tensors = self._all_params + (self.buffers if self.policy.broadcast_buffers else [])
+        broadcast_coalesced(tensors, self._global_rank(group_rank), self.group)
+
+    def request_forward_param_sync(self) -> None:
+        """Broadcast buffers before the next forward (torch's require_forward_param_sync)."""
+        self.flags.require_forward_param_sync = True
+
+    def _global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
     def stats(self) -> EngineStats:
         r = self.reducer

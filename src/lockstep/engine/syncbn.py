@@ -236,12 +236,12 @@ class SyncBatchNorm(_BatchNorm):
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"SyncBatchNorm expected an input of shape (N, C, ...) with at least 2 dimensions, got shape "
                 f"{tuple(input.shape)!r}: add a batch dimension, e.g. input.unsqueeze(0)"
             )
         if input.size(1) != self.num_features:
-            raise ValueError(
+            raise ConfigError(
                 f"SyncBatchNorm({self.num_features}) got an input with {input.size(1)!r} channels "
                 f"(shape {tuple(input.shape)!r}); expected dimension 1 to be {self.num_features}: "
                 "check the layer's num_features against the previous layer's output"

@@ -24,12 +24,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, InternalError
 
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """What bucketing needs to know of one parameter (index = position in registration order)."""
+    """What bucket assignment needs to know of one parameter (index = position in registration order)."""
 
     name: str
     numel: int
@@ -46,7 +46,7 @@ class BucketSpec:
     index: int
     device: str
     dtype: str
-    params: tuple[int, ...]
+    param_indices: tuple[int, ...]  # positions in registration order, in buffer order
     nbytes: int
     solo: bool = False
     sparse: bool = False
@@ -62,7 +62,11 @@ def assign_buckets(
 ) -> list[BucketSpec]:
     """Group `params` into buckets (see the module docstring); `order` is a permutation of indices."""
     if cap_bytes <= 0 or first_cap_bytes <= 0:
-        raise ConfigError(f"bucket caps must be positive, got cap={cap_bytes!r} first={first_cap_bytes!r}")
+        # Reachable from the user's settings: SyncPolicy(bucket_cap_mb=1e-9) is positive but 0 bytes.
+        raise ConfigError(
+            f"bucket caps must be positive, got cap_bytes={cap_bytes!r} first_cap_bytes={first_cap_bytes!r}; "
+            "pass SyncPolicy(bucket_cap_mb=..., first_bucket_mb=...) of at least 1 byte (1e-6 MiB) each"
+        )
     visit = list(reversed(range(len(params)))) if order is None else list(order)
     _check_permutation(visit, len(params))
     position = {index: pos for pos, index in enumerate(visit)}
@@ -91,7 +95,7 @@ def assign_buckets(
         closed.append((key, members, open_bytes[key]))
     closed.sort(key=lambda item: position[item[1][0]])
     return [
-        BucketSpec(index=i, device=key[0], dtype=key[1], params=tuple(members), nbytes=nbytes,
+        BucketSpec(index=i, device=key[0], dtype=key[1], param_indices=tuple(members), nbytes=nbytes,
                    solo=members[0] in solos and (i < len(closed) - 1 or params[members[0]].sparse),
                    sparse=params[members[0]].sparse)
         for i, (key, members, nbytes) in enumerate(closed)
@@ -102,7 +106,8 @@ def specs_from_index_lists(params: Sequence[ParamSpec], index_lists: Sequence[Se
     """BucketSpecs for buckets given as lists of parameter indices, in launch order (torch's layout)."""
     _check_permutation([i for members in index_lists for i in members], len(params))
     return [
-        BucketSpec(index=i, device=params[members[0]].device, dtype=params[members[0]].dtype, params=tuple(members),
+        BucketSpec(index=i, device=params[members[0]].device, dtype=params[members[0]].dtype,
+                   param_indices=tuple(members),
                    nbytes=sum(params[m].nbytes for m in members), solo=params[members[0]].sparse,
                    sparse=params[members[0]].sparse)
         for i, members in enumerate(index_lists)
@@ -116,7 +121,10 @@ def complete_order(observed: Sequence[int], num_params: int) -> list[int]:
     order: list[int] = []
     for index in observed:
         if not 0 <= index < num_params:
-            raise ConfigError(f"ready order names parameter index {index!r}, expected 0..{num_params - 1}")
+            raise InternalError(
+                f"lockstep bug: the observed ready order names parameter index {index!r}, expected "
+                f"0..{num_params - 1} (the reducer records only its own indices); please report it"
+            )
         if index not in seen:
             seen.add(index)
             order.append(index)
@@ -125,8 +133,9 @@ def complete_order(observed: Sequence[int], num_params: int) -> list[int]:
 
 
 def _check_permutation(visit: Sequence[int], num_params: int) -> None:
+    # Orders and index lists come from the reducer (complete_order, torch's assignment), never the user.
     if sorted(visit) != list(range(num_params)):
-        raise ConfigError(
-            f"bucket order must be a permutation of 0..{num_params - 1}, got {list(visit)[:20]!r}"
-            f"{' ...' if len(visit) > 20 else ''} ({len(visit)} entries)"
+        raise InternalError(
+            f"lockstep bug: a bucket order must be a permutation of 0..{num_params - 1}, got "
+            f"{list(visit)[:20]!r}{' ...' if len(visit) > 20 else ''} ({len(visit)} entries); please report it"
         )

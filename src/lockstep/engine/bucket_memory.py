@@ -1,7 +1,8 @@
-"""The runtime side of gradient buckets: flat buffers and views, and what a communication hook receives.
+"""The memory of gradient buckets: flat buffers and views, per-step state, and what a hook receives.
 
-bucketing.py decides which parameters share a bucket (a pure function); this module holds a bucket's
-memory and per-step state for the reducer, and `GradBucket`, torch's hook-facing bucket interface.
+bucket_layout.py decides which parameters share a bucket (a pure function of sizes, devices and dtypes);
+this module holds each bucket's memory and per-step state for the reducer, and `GradBucket`, torch's
+hook-facing bucket interface.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.engine.bucketing import BucketSpec
+from lockstep.engine.bucket_layout import BucketSpec
 
 EAGER_COPY_MIN_NUMEL = 1 << 14  # below this mean size a bucket copies its gradients in one call
 
@@ -24,8 +25,8 @@ class Bucket:
         self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], dtype: torch.dtype, last: bool
     ) -> None:
         self.index = spec.index
-        self.indices = list(spec.params)
-        self.params = [params[i] for i in spec.params]
+        self.indices = list(spec.param_indices)  # positions in registration order, in buffer order
+        self.params = [params[i] for i in spec.param_indices]
         self.dtype, self.solo, self.sparse = dtype, spec.solo, spec.sparse
         numels = [p.numel() for p in self.params]
         total = sum(numels)
