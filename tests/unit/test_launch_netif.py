@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from lockstep.launch.local import _worker_env, collective_interface
+from lockstep.launch.agent_config import collective_interface
+from lockstep.launch.agent_config import worker_env as _worker_env
 from lockstep.launch.netif import interface_addresses, interface_for
 from lockstep.launch.spec import LaunchSpec
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from lockstep.launch.output import Console, ConsoleRelay, RankFailure, first_failure, format_failure
+from lockstep.launch.console_relay import Console, ConsoleRelay
+from lockstep.launch.failure_report import RankFailure, first_failure, format_failure
 
 
 def _relay(tmp_path: Path, logs: str, files: dict[int, tuple[str, str]]) -> tuple[str, str]:

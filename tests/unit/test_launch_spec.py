@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lockstep.errors import ConfigError
-from lockstep.launch.local import omp_threads, rendezvous_conf, usable_cores
-from lockstep.launch.spec import LaunchSpec, check_entrypoint, parse_endpoint, parse_run_args
+from lockstep.launch.agent_config import omp_threads, rendezvous_conf, usable_cores
+from lockstep.launch.flag_values import parse_endpoint
+from lockstep.launch.spec import LaunchSpec, check_entrypoint, parse_run_args
 
 
 def test_script_args_pass_through_untouched() -> None:

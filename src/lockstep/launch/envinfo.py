@@ -19,10 +19,8 @@ from lockstep.errors import ConfigError
 
 # Variables that decide how a job starts; shown when set.
 _RELEVANT_PREFIXES = ("SLURM_", "TORCHELASTIC_", "NCCL_", "GLOO_", "TORCH_DISTRIBUTED", "LOCKSTEP_")
-_RELEVANT_NAMES = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED",
-)
+# With runtime/env_contract.TORCHRUN_VARS and CUDA_VISIBLE_DEVICES_VAR (read in `collect`: they load torch).
+_RELEVANT_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED")
 _SLURM_SHOWN = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_NNODES",
                 "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_NODELIST", "SLURM_JOB_NODELIST",
                 "SLURM_TASKS_PER_NODE")
@@ -34,6 +32,7 @@ def collect(env: Mapping[str, str]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lockstep import __version__
+    from lockstep.runtime.env_contract import CUDA_VISIBLE_DEVICES_VAR, TORCHRUN_VARS
     from lockstep.runtime.topology import detect_launcher, resolve_topology
 
     info: dict[str, Any] = {
@@ -63,14 +62,15 @@ def collect(env: Mapping[str, str]) -> dict[str, Any]:
         info["topology"] = str(resolve_topology(env))
     except ConfigError as exc:
         info["topology"] = f"ERROR: {exc}"
-    info["env"] = {key: env[key] for key in sorted(env) if _relevant(key)}
+    names = {*TORCHRUN_VARS, CUDA_VISIBLE_DEVICES_VAR, *_RELEVANT_NAMES}
+    info["env"] = {key: env[key] for key in sorted(env) if _relevant(key, names)}
     return info
 
 
-def _relevant(key: str) -> bool:
+def _relevant(key: str, names: set[str]) -> bool:
     if key.startswith("SLURM_"):
         return key in _SLURM_SHOWN
-    return key in _RELEVANT_NAMES or key.startswith(_RELEVANT_PREFIXES)
+    return key in names or key.startswith(_RELEVANT_PREFIXES)
 
 
 def _lockstep_file() -> str:

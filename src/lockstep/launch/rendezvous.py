@@ -10,8 +10,9 @@ Every node, however, goes through the same rendezvous rounds. `AttemptRendezvous
 rendezvous handler (the behaviour is torch's, unchanged) and, after each completed round, agrees on a
 number through the round's store, which all its nodes share: the node of group rank 0 takes the next value
 of a counter kept on the job's store (`add`, atomic), publishes it under the round's prefix, and every node
-reads it there. The launcher passes the number to its workers as LOCKSTEP_ATTEMPT (launch/logs.py), and
-runtime/topology.py prefers it to TORCHELASTIC_RESTART_COUNT. Only public c10d Store calls are used.
+reads it there. The launcher passes the number to its workers as LOCKSTEP_ATTEMPT (launch/rank_logs.py;
+the name is runtime/env_contract.ATTEMPT_VAR), and runtime/topology.py prefers it to
+TORCHELASTIC_RESTART_COUNT. Only public c10d Store calls are used.
 """
 
 from __future__ import annotations
@@ -90,9 +91,12 @@ class AttemptRendezvous(RendezvousHandler):
         return self._inner.shutdown()
 
     def __getattr__(self, name: str) -> Any:  # anything a newer agent asks for: torch's handler answers
-        if name.startswith("__") or name in ("_inner", "_sink"):
-            raise AttributeError(name)
-        return getattr(self._inner, name)
+        inner = self.__dict__.get("_inner")
+        if name.startswith("__") or inner is None:
+            # Python's own lookup, which fails with the usual AttributeError: special names are never
+            # forwarded, and a half-built handler (copy, unpickling) has no `_inner` to forward to.
+            return object.__getattribute__(self, name)
+        return getattr(inner, name)
 
 
 def _create(params: RendezvousParameters) -> RendezvousHandler:

@@ -4,7 +4,8 @@ Pure: parsing and checking only, no process is started and nothing outside the g
 (except `check_entrypoint`, which looks for the script on disk). Flag names follow torchrun where they
 overlap (`-n/--nproc-per-node`, `--nnodes`, `--node-rank`, `--rdzv-endpoint`, `--rdzv-id`,
 `--max-restarts`, `-m`), with torchrun's underscore spellings accepted too. Everything after the script
-(or the `-m` module) is the script's own argv, passed through untouched.
+(or the `-m` module) is the script's own argv, passed through untouched. The flags' values are parsed
+by launch/flag_values.py.
 """
 
 from __future__ import annotations
@@ -13,13 +14,20 @@ import argparse
 import importlib.machinery
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
 from lockstep.errors import ConfigError
+from lockstep.launch.flag_values import (
+    DEFAULT_RDZV_PORT,
+    int_flag,
+    parse_endpoint,
+    parse_key_values,
+    parse_nnodes,
+    seconds_flag,
+)
 
-DEFAULT_RDZV_PORT = 29400
 STANDALONE_ENDPOINT = "127.0.0.1:0"  # port 0: the kernel picks a free port atomically when the store binds
 LOG_MODES = ("rank0", "all")
 RDZV_BACKENDS = ("c10d", "static")
@@ -115,55 +123,6 @@ def _check_int(flag: str, value: object, *, minimum: int, example: str) -> None:
         raise ConfigError(f"{flag} must be an integer >= {minimum}, got {value!r}; e.g. {example}")
 
 
-def parse_endpoint(text: str, default_port: int = DEFAULT_RDZV_PORT) -> tuple[str, int]:
-    """'host:port', 'host' or '[v6addr]:port' -> (host, port); ConfigError naming --rdzv-endpoint otherwise."""
-    raw = text.strip()
-    if raw.startswith("["):
-        host, sep, rest = raw[1:].partition("]")
-        if not sep or (rest and not rest.startswith(":")):
-            raise ConfigError(f"--rdzv-endpoint {text!r} is not HOST:PORT; write an IPv6 address as [addr]:port")
-        port_text = rest[1:] if rest else ""
-    elif raw.count(":") == 1:
-        host, _, port_text = raw.partition(":")
-    elif ":" in raw:
-        raise ConfigError(f"--rdzv-endpoint {text!r} is ambiguous; write an IPv6 address as [addr]:port")
-    else:
-        host, port_text = raw, ""
-    if not host:
-        raise ConfigError(f"--rdzv-endpoint {text!r} has no host; expected HOST:PORT, e.g. 10.0.0.1:29400")
-    if not port_text:
-        return host, default_port
-    if not port_text.isdigit() or not 0 <= int(port_text) < 65536:
-        raise ConfigError(
-            f"--rdzv-endpoint {text!r} has port {port_text!r}, which is not a TCP port (0-65535); "
-            f"expected HOST:PORT, e.g. {host}:{DEFAULT_RDZV_PORT}"
-        )
-    return host, int(port_text)
-
-
-def parse_nnodes(text: str) -> tuple[int, int]:
-    """'2' -> (2, 2); '1:4' -> (1, 4), as torchrun's --nnodes."""
-    lo, sep, hi = text.partition(":")
-    try:
-        low = int(lo)
-        high = int(hi) if sep else low
-    except ValueError:
-        raise ConfigError(f"--nnodes {text!r} is not N or MIN:MAX (integers), e.g. --nnodes 2") from None
-    return low, high
-
-
-def parse_key_values(items: Sequence[str], flag: str) -> dict[str, str]:
-    """['a=1', 'b=2'] (or 'a=1,b=2' for --rdzv-conf) -> {'a': '1', 'b': '2'}."""
-    pairs: dict[str, str] = {}
-    for item in items:
-        for part in item.split(",") if flag == "--rdzv-conf" else [item]:
-            key, sep, value = part.partition("=")
-            if not sep or not key.strip():
-                raise ConfigError(f"{flag} {part!r} is not KEY=VALUE, e.g. {flag} is_host=1")
-            pairs[key.strip()] = value.strip() if flag == "--rdzv-conf" else value
-    return pairs
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse that raises ConfigError (exit code 2 in the CLI) instead of exiting from inside a library."""
 
@@ -184,7 +143,7 @@ def build_parser(prog: str = "lockstep run") -> argparse.ArgumentParser:
     add("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1", metavar="N",
         help="processes on this node (default 1)")
     add("--nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes (default 1)")
-    add("--node-rank", "--node_rank", dest="node_rank", type=_int_arg("--node-rank"), default=None,
+    add("--node-rank", "--node_rank", dest="node_rank", default=None,
         help="this node's index; 0 hosts the rendezvous store (default: decided by the rendezvous)")
     add("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None, metavar="HOST:PORT",
         help="rendezvous address of the head node (required with --nnodes > 1; default: 127.0.0.1, free port)")
@@ -197,9 +156,8 @@ def build_parser(prog: str = "lockstep run") -> argparse.ArgumentParser:
         help="this node's address as the other nodes see it")
     add("--network-interface", dest="network_interface", default=None, metavar="IFNAME",
         help="network interface for collectives (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME)")
-    add("--max-restarts", "--max_restarts", dest="max_restarts", type=_int_arg("--max-restarts"), default=0)
-    add("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=_float_arg("--monitor-interval"),
-        default=0.1, metavar="SECONDS")
+    add("--max-restarts", "--max_restarts", dest="max_restarts", default=0)
+    add("--monitor-interval", "--monitor_interval", dest="monitor_interval", default=0.1, metavar="SECONDS")
     add("--run-dir", "--log-dir", "--log_dir", dest="run_dir", default=None,
         help="where per-rank logs go (default ./runs/<timestamp>-<id>)")
     add("--logs", choices=LOG_MODES, default="rank0",
@@ -211,26 +169,6 @@ def build_parser(prog: str = "lockstep run") -> argparse.ArgumentParser:
     add("script", nargs="?", default=None, help="the training script (or module with -m)")
     add("script_args", nargs=argparse.REMAINDER, help="arguments for the script, passed through untouched")
     return parser
-
-
-def _int_arg(flag: str) -> Callable[[str], int]:
-    def convert(text: str) -> int:
-        try:
-            return int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} expects an integer, got {text!r}") from None
-
-    return convert
-
-
-def _float_arg(flag: str) -> Callable[[str], float]:
-    def convert(text: str) -> float:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} expects a number of seconds, got {text!r}") from None
-
-    return convert
 
 
 def parse_run_args(argv: Sequence[str], prog: str = "lockstep run") -> LaunchSpec:
@@ -255,15 +193,15 @@ def parse_run_args(argv: Sequence[str], prog: str = "lockstep run") -> LaunchSpe
         nproc_per_node=nproc,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        node_rank=ns.node_rank,
+        node_rank=int_flag(ns.node_rank, "--node-rank", prog),
         rdzv_backend=ns.rdzv_backend,
         rdzv_endpoint=None if ns.standalone else ns.rdzv_endpoint,
         rdzv_id=ns.rdzv_id,
         rdzv_conf=parse_key_values(ns.rdzv_conf, "--rdzv-conf"),
         local_addr=ns.local_addr,
         network_interface=ns.network_interface,
-        max_restarts=ns.max_restarts,
-        monitor_interval=ns.monitor_interval,
+        max_restarts=int_flag(ns.max_restarts, "--max-restarts", prog) or 0,
+        monitor_interval=seconds_flag(ns.monitor_interval, "--monitor-interval", prog),
         run_dir=ns.run_dir,
         logs=ns.logs,
         env=parse_key_values(ns.env, "--env"),

@@ -26,7 +26,8 @@ import traceback
 from types import TracebackType
 
 _BOOTSTRAP_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-PID_FILE = "pid"
+PID_FILE = "pid"  # in the rank directory, next to the error file: read by launch/process_sweep.py
+ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"  # set by torch's agent from launch/rank_logs.py's placement
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,9 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2 or argv[0] not in ("script", "module"):
         sys.stderr.write("usage: python -m lockstep.launch.worker (script PATH | module NAME) [ARGS...]\n")
-        raise SystemExit(2)
+        sys.exit(2)  # an exit status for the launcher that started this bootstrap wrongly, not an error to catch
     kind, target, args = argv[0], argv[1], argv[2:]
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") or None
+    error_file = os.environ.get(ERROR_FILE_VAR) or None
     if error_file:
         _write_pid(os.path.dirname(error_file))
     faulthandler.enable(all_threads=True)
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         # Default hooks (and torch's rank-prefixing one) print exc.__traceback__, not the tb argument.
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.stderr.flush()
-        raise SystemExit(code) from None
+        sys.exit(code)  # the exit status torch's agent reports; the error itself is in the error file
 
 
 def _run(kind: str, target: str, args: list[str]) -> None:

@@ -1,10 +1,16 @@
-"""Form (and tear down) the default process group from a Topology, with errors that explain failures."""
+"""Own the default process group's lifetime: form it from a Topology, leave it, explain failures.
+
+Topology is a frozen description and owns nothing; `with lockstep.init():` (a JoinedTopology) leaves the
+group on exit only where that very init() call formed it.
+"""
 
 from __future__ import annotations
 
 import atexit
 import os
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
 from lockstep.errors import BackendUnavailableError, ConfigError, InitTimeoutError, rank_tag
+from lockstep.runtime.env_contract import CUDA_VISIBLE_DEVICES_VAR
 from lockstep.runtime.topology import Topology, resolve_topology
 
 
@@ -40,8 +47,48 @@ def unpin_world_group_defaults() -> None:
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 _BACKENDS = ("gloo", "nccl", "mpi")
 
-# The topology this process was initialised with, so that a second `init()` returns the same facts.
-_current: dict[str, Topology] = {}
+
+@dataclass(frozen=True, eq=False, repr=False)
+class JoinedTopology(Topology):
+    """The Topology that init() returns; as a context manager, it leaves the group on exit only if the
+    init() call that returned it formed the group. A group that existed before (the caller's own init()
+    or dist.init_process_group) is left alone, so library code may write `with lockstep.init():` too.
+    Equal to a Topology with the same facts."""
+
+    # Which group this init() call formed (the process's count of formed groups), None: it joined one.
+    formed_group: int | None = field(default=None, repr=False)
+
+    def __enter__(self) -> JoinedTopology:
+        # The name bound by `as` describes the group; ownership stays with this `with` statement, so a
+        # nested `with topo:` cannot leave the group under the outer block.
+        return _formed.view or replace(self, formed_group=None)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.formed_group is not None and self.formed_group == _formed.count and _formed.view is not None:
+            shutdown()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Topology):
+            return NotImplemented
+        return _facts(self) == _facts(other)
+
+    __hash__ = Topology.__hash__
+
+
+def _facts(topo: Topology) -> dict[str, Any]:
+    return {f.name: getattr(topo, f.name) for f in fields(Topology)}
+
+
+@dataclass
+class _FormedGroups:
+    """The groups init() formed in this process: the live one, returned by every later init(), and how
+    many there were, so that a `with` over a group since left (and formed again) does nothing."""
+
+    view: JoinedTopology | None = None
+    count: int = 0
+
+
+_formed = _FormedGroups()
 
 
 def choose_backend(device_type: str) -> str:
@@ -70,7 +117,7 @@ def check_backend(backend: str, device_type: str) -> None:
 def _local_device(topo: Topology, backend: str | None) -> torch.device:
     if backend not in (None, "nccl") or not torch.cuda.is_available():
         return torch.device("cpu")
-    index = local_cuda_index(topo, backend, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    index = local_cuda_index(topo, backend, torch.cuda.device_count(), os.environ.get(CUDA_VISIBLE_DEVICES_VAR))
     return torch.device("cpu") if index is None else torch.device("cuda", index)
 
 
@@ -114,18 +161,19 @@ def init(
     timeout: timedelta | float = DEFAULT_TIMEOUT,
     rank: int | None = None,
     world_size: int | None = None,
-) -> Topology:
+) -> JoinedTopology:
     """Join the job's default process group and bind this process's device; return its Topology.
 
     Reads torchrun's or SLURM's variables (or the explicit `rank`/`world_size` of the tutorials'
     `setup(rank, world_size)`), or runs a world of 1 when there are none, so that `python train.py` works.
-    Idempotent: a second call returns the same Topology. Use as `with lockstep.init() as topo:` to shut
-    down on exit.
+    Idempotent: once the group exists, every call returns the same facts (the same object, when init()
+    formed the group). `with lockstep.init() as topo:` leaves the group on exit if this call formed it,
+    and leaves a group that existed before alone.
     """
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     if dist.is_initialized():
-        return _current.get("topology") or _topology_of_existing_group()
+        return _formed.view or _topology_of_existing_group()
     topo = resolve_topology(os.environ, rank=rank, world_size=world_size)
     device = _local_device(topo, backend)
     backend = backend or choose_backend(device.type)
@@ -137,12 +185,13 @@ def init(
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         _rendezvous(topo, backend, timeout)
-    _current["topology"] = topo
+    _formed.count += 1
+    _formed.view = JoinedTopology(**_facts(topo))
     if backend != "nccl":
         # Leave a gloo group while the interpreter is whole: its threads must not outlive it (see above).
         # Not for nccl, where tearing down beside a failed peer can block the exit.
         atexit.register(shutdown)
-    return topo
+    return replace(_formed.view, formed_group=_formed.count)
 
 
 def _rendezvous(topo: Topology, backend: str, timeout: timedelta) -> None:
@@ -171,10 +220,10 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _topology_of_existing_group() -> Topology:
+def _topology_of_existing_group() -> JoinedTopology:
     """The user called dist.init_process_group themselves (drop-in use): describe what exists."""
     topo = resolve_topology(os.environ)
-    return Topology(
+    return JoinedTopology(
         rank=dist.get_rank(),
         local_rank=topo.local_rank if topo.world_size == dist.get_world_size() else dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -192,8 +241,8 @@ def is_initialized() -> bool:
 
 
 def shutdown() -> None:
-    """Leave the process group. Safe to call twice, or without init()."""
-    _current.pop("topology", None)
+    """Leave the process group, whoever formed it. Safe to call twice, or without init()."""
+    _formed.view = None
     if is_initialized():
         dist.destroy_process_group()
 
@@ -201,5 +250,5 @@ def shutdown() -> None:
 def current_topology() -> Topology:
     """The Topology of this process: from init(), from an existing group, or from the environment."""
     if is_initialized():
-        return _current.get("topology") or _topology_of_existing_group()
+        return _formed.view or _topology_of_existing_group()
     return resolve_topology(os.environ)

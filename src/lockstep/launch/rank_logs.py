@@ -2,13 +2,13 @@
 
 A `torch.distributed.elastic.multiprocessing.LogsSpecs` (the agent's own extension point for log
 placement): torch redirects every worker's stdout and stderr to these files and tells each worker its
-error file through TORCHELASTIC_ERROR_FILE. Attempt k > 0 (after `--max-restarts`) writes under
+error file through TORCHELASTIC_ERROR_FILE (worker.ERROR_FILE_VAR). Attempt k > 0 (after `--max-restarts`) writes under
 `<run_dir>/restart<k>/`. Each new attempt's files are announced to the launcher through `on_attempt`.
 
 The attempt number k is the job's, the same on every node: the one the rendezvous agreed for the round
 (launch/rendezvous.py), else (static rendezvous) the number of attempts this node started before. Each
-worker gets it as LOCKSTEP_ATTEMPT, its store prefix (runtime/process_group.py); TORCHELASTIC_RESTART_COUNT
-counts only this node's own failures and differs between nodes after a peer's failure.
+worker gets it as ATTEMPT_VAR (runtime/env_contract.py, which says why torch's own restart count is not
+enough), its store prefix in runtime/process_group.py.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from collections.abc import Callable, Mapping
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
 from lockstep.launch.rendezvous import AgreedAttempt
+from lockstep.launch.worker import ERROR_FILE_VAR, PID_FILE
+from lockstep.runtime.env_contract import ATTEMPT_VAR, RANK_VAR
 
+# Called with (the job's attempt, {global rank: its directory}, the first worker's environment).
 OnAttempt = Callable[[int, Mapping[int, str], Mapping[str, str]], None]
-_STALE = ("stdout.log", "stderr.log", "error.json", "pid")
-ATTEMPT_VAR = "LOCKSTEP_ATTEMPT"
+_STALE = ("stdout.log", "stderr.log", "error.json", PID_FILE)
 
 
 class RunDirLogs(LogsSpecs):
@@ -49,7 +51,7 @@ class RunDirLogs(LogsSpecs):
         base = self._run_dir if attempt == 0 else os.path.join(self._run_dir, f"restart{attempt}")
         stdouts, stderrs, error_files, ranks = {}, {}, {}, {}
         for local_rank, env in envs.items():
-            rank = int(env.get("RANK", local_rank))
+            rank = int(env.get(RANK_VAR, local_rank))
             rank_dir = os.path.join(base, f"rank{rank}")
             os.makedirs(rank_dir, exist_ok=True)
             for name in _STALE:  # a reused --run-dir: never read (or kill by) an older run's files
@@ -57,7 +59,7 @@ class RunDirLogs(LogsSpecs):
             stdouts[local_rank] = os.path.join(rank_dir, "stdout.log")
             stderrs[local_rank] = os.path.join(rank_dir, "stderr.log")
             error_files[local_rank] = os.path.join(rank_dir, "error.json")
-            env["TORCHELASTIC_ERROR_FILE"] = error_files[local_rank]
+            env[ERROR_FILE_VAR] = error_files[local_rank]
             env[ATTEMPT_VAR] = str(attempt)
             ranks[rank] = rank_dir
         self._on_attempt(attempt, ranks, envs[0])
