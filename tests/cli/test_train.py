@@ -58,7 +58,15 @@ def test_show_config_and_bad_settings(tmp_path: Path) -> None:
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["lr"] == 0.01
     bad = lockstep_cli("train", "toy", "--learning-rate", "3", timeout=60)
-    assert bad.returncode == 2 and "unknown setting(s) ['learning_rate']" in bad.stderr
+    assert bad.returncode == 2 and "unknown setting(s) for ToyConfig: 'learning_rate' from --learning-rate" in bad.stderr
+    wrong = lockstep_cli("train", "toy", "--show-config", "--batch-size", "four", timeout=60)
+    assert wrong.returncode == 2
+    assert "batch_size='four' from --batch-size: expected an int >= 1" in wrong.stderr, wrong.stderr
+    config = tmp_path / "toy.yaml"
+    config.write_text("batch_size: 16\nsync_batchnorm: 1\n")
+    from_file = lockstep_cli("train", "toy", "--show-config", "--config", str(config), timeout=60)
+    assert from_file.returncode == 2
+    assert f"sync_batchnorm=1 from {config}: expected a bool (true or false), got an int" in from_file.stderr
     unknown = lockstep_cli("train", "imagenet", timeout=60)
     assert unknown.returncode == 2 and "invalid choice: 'imagenet'" in unknown.stderr
 

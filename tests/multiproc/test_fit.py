@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections import namedtuple
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 import lockstep
 from lockstep.jobs.models import ToyModel
@@ -30,7 +32,7 @@ def _fit_toy(run_dir: str, batch_size: int, accum: int, max_steps: int | None, e
     train, test = _data()
     config = FitConfig(run_dir=run_dir, batch_size=batch_size, grad_accum_steps=accum, epochs=epochs,
                        max_steps=max_steps, optimizer="sgd", momentum=0.0, lr=0.05, task="regression",
-                       log_every=2, checkpoint_every=checkpoint_every, progress="lines", plot=False)
+                       log_every=2, checkpoint_every=checkpoint_every, progress="lines")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = lockstep.fit(model, train, loss_fn=nn.functional.mse_loss, config=config, eval_data=test)
@@ -104,3 +106,72 @@ def test_resume_at_another_world_size_with_the_same_global_batch(tmp_path: Path)
     resumed = run_distributed(_fit_toy, 1, args=(str(tmp_path / "part"), 8, 1, None), timeout=120)
     assert resumed[0]["summary"]["steps_this_run"] == 16 - 5
     _assert_same_params(resumed[0]["params"], full[0]["params"], atol=1e-5)
+
+
+Features = namedtuple("Features", ["x", "scale"])
+
+
+class _StructuredData(Dataset):
+    """The same samples as _data(), as (Features(x, scale), {"y": y}): a namedtuple and a dict per batch."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[Features, dict[str, torch.Tensor]]:
+        x, y = self.data[index]
+        return Features(x=x, scale=torch.tensor(1.0)), {"y": y}
+
+
+class _ToyOnFeatures(ToyModel):
+    def forward(self, features: Features) -> torch.Tensor:  # type: ignore[override]
+        assert type(features) is Features, type(features)  # the batch kept its type on the way to the device
+        return super().forward(features.x * features.scale.unsqueeze(-1))
+
+
+class HostCopyCounter(torch.Tensor):
+    """A loss tensor that records each call copying its value (or a value computed from it) to the host."""
+
+    calls: ClassVar[list[str]] = []
+    HOST_COPIES: ClassVar[tuple[str, ...]] = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in cls.HOST_COPIES:
+            cls.calls.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _fit_structured_counting_host_copies(run_dir: str, structured: bool) -> dict:
+    torch.manual_seed(0)
+    model = _ToyOnFeatures() if structured else ToyModel()
+    train, test = _data()
+
+    def loss_fn(outputs: torch.Tensor, targets: Any) -> torch.Tensor:
+        loss = nn.functional.mse_loss(outputs, targets["y"] if structured else targets)
+        return loss.as_subclass(HostCopyCounter) if structured else loss
+
+    config = FitConfig(run_dir=run_dir, batch_size=4, grad_accum_steps=2, epochs=2, optimizer="sgd", momentum=0.0,
+                       lr=0.05, task="regression", log_every=3, progress="lines")
+    HostCopyCounter.calls.clear()
+    data = (_StructuredData(train), _StructuredData(test)) if structured else (train, test)
+    result = lockstep.fit(model, data[0], loss_fn=loss_fn, config=config, eval_data=data[1])
+    return {"params": [p.detach().clone() for p in model.parameters()], "summary": result.summary,
+            "host_copies": list(HostCopyCounter.calls)}
+
+
+def test_structured_batches_and_metrics_copied_to_the_host_on_log_steps_only(tmp_path: Path) -> None:
+    # 64 samples on 2 ranks x batch 4 x accum 2: 8 steps over 2 epochs, 16 micro-batches and 2 evaluations per rank
+    plain = run_distributed(_fit_structured_counting_host_copies, 2, args=(str(tmp_path / "plain"), False), timeout=120)
+    structured = run_distributed(_fit_structured_counting_host_copies, 2, args=(str(tmp_path / "nested"), True),
+                                 timeout=120)
+    _assert_same_params(structured[0]["params"], plain[0]["params"], atol=0)
+    for key in ("eval_loss", "final_train"):
+        assert structured[0]["summary"][key] == plain[0]["summary"][key]
+    records = [json.loads(line) for line in (tmp_path / "nested" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train_loss" in r] == [3, 6, 8]  # log_every=3, then the run's end
+    assert [r["step"] for r in records if "eval_loss" in r] == [4, 8]  # each epoch's end
+    # The loss's value reaches the host once per record (one packed copy), never per micro-batch (16 of them).
+    assert [rank["host_copies"] for rank in structured] == [["tolist"] * len(records)] * 2

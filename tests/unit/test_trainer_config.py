@@ -16,34 +16,39 @@ from lockstep.errors import ConfigError
 from lockstep.jobs import datasets
 from lockstep.jobs.catalog import DigitsConfig, GptConfig
 from lockstep.jobs.cli import resolve_config
-from lockstep.trainer.config import FitConfig, config_from_mapping, parse_overrides
+from lockstep.trainer.config import FitConfig, Source, config_from_mapping, read_overrides
 from lockstep.trainer.optim import lr_factor
 
 
 def test_overrides_parse_both_spellings() -> None:
-    assert parse_overrides(["--lr", "0.1", "--max-steps=5", "--sync-batchnorm", "true"]) == {
-        "lr": "0.1", "max_steps": "5", "sync_batchnorm": "true"}
-    with pytest.raises(ConfigError, match="needs a value"):
-        parse_overrides(["--lr"])
+    values, sources = read_overrides(["--lr", "0.1", "--max-steps=5", "--sync_batchnorm", "true"])
+    assert values == {"lr": "0.1", "max_steps": "5", "sync_batchnorm": "true"}
+    assert sources == {"lr": Source.flag("--lr"), "max_steps": Source.flag("--max-steps"),
+                       "sync_batchnorm": Source.flag("--sync_batchnorm")}  # named as typed
+    with pytest.raises(ConfigError, match="--lr needs a value"):
+        read_overrides(["--lr"])
+    with pytest.raises(ConfigError, match="--sync-batchnorm needs a value"):
+        read_overrides(["--sync-batchnorm", "--lr", "3"])
     with pytest.raises(ConfigError, match="expected --key value"):
-        parse_overrides(["lr", "3"])
+        read_overrides(["lr", "3"])
 
 
-def test_values_are_coerced_to_field_types() -> None:
-    config = config_from_mapping(GptConfig, {"lr": "0.5", "max_steps": "none", "clip_grad_norm": "2",
-                                             "sync_batchnorm": "yes", "precision": "bf16"})
+def test_flag_values_are_read_as_field_types() -> None:
+    values, sources = read_overrides(["--lr", "0.5", "--max-steps", "none", "--clip-grad-norm=2",
+                                      "--sync-batchnorm", "yes", "--precision", "bf16"])
+    config = config_from_mapping(GptConfig, values, sources)
     assert (config.lr, config.max_steps, config.clip_grad_norm, config.sync_batchnorm) == (0.5, None, 2.0, True)
     assert config.precision == "bf16"
 
 
 def test_bad_values_are_named() -> None:
-    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['lrr'\]"):
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) for FitConfig: 'lrr' from FitConfig\(\.\.\.\) \(did you mean 'lr'\?\)"):
         config_from_mapping(FitConfig, {"lrr": "1"})
-    with pytest.raises(ConfigError, match=r"precision='fp8' is not one of 'fp32', 'bf16', 'fp16'"):
+    with pytest.raises(ConfigError, match=r"precision='fp8' from FitConfig\(\.\.\.\): expected one of 'fp32', 'bf16', 'fp16'"):
         FitConfig(precision="fp8")
-    with pytest.raises(ConfigError, match=r"--epochs 'many': expected"):
-        config_from_mapping(FitConfig, {"epochs": "many"})
-    with pytest.raises(ConfigError, match=r"batch_size=0 must be at least 1"):
+    with pytest.raises(ConfigError, match=r"epochs='many' from --epochs: expected an int >= 1"):
+        config_from_mapping(FitConfig, *read_overrides(["--epochs", "many"]))
+    with pytest.raises(ConfigError, match=r"batch_size=0 from FitConfig\(\.\.\.\): expected an int >= 1, got 0"):
         FitConfig(batch_size=0)
 
 

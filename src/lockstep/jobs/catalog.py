@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from lockstep.errors import ConfigError
 from lockstep.jobs import datasets, models
-from lockstep.trainer.config import FitConfig
+from lockstep.trainer.config import Bound, FitConfig, at_least
 
 
 @dataclass
@@ -24,6 +24,8 @@ class ToyConfig(FitConfig):
     epochs: int = 5
     lr: float = 1e-2
 
+    BOUNDS: ClassVar[Mapping[str, Bound]] = {"num_samples": at_least(1)}
+
 
 @dataclass
 class DigitsConfig(FitConfig):
@@ -33,6 +35,8 @@ class DigitsConfig(FitConfig):
     epochs: int = 20
     lr: float = 2e-3
     lr_schedule: str = "cosine"
+
+    BOUNDS: ClassVar[Mapping[str, Bound]] = {"hidden": at_least(1)}
 
 
 @dataclass
@@ -55,6 +59,8 @@ class ResnetConfig(FitConfig):
     epochs: int = 2
     lr: float = 2e-3
 
+    BOUNDS: ClassVar[Mapping[str, Bound]] = {"num_samples": at_least(1), "width": at_least(1)}
+
 
 @dataclass
 class GptConfig(FitConfig):
@@ -70,6 +76,8 @@ class GptConfig(FitConfig):
     lr_schedule: str = "cosine"
     warmup_steps: int = 20
     clip_grad_norm: float | None = 1.0
+
+    BOUNDS: ClassVar[Mapping[str, Bound]] = {name: at_least(1) for name in ("context", "dim", "depth", "heads")}
 
 
 @dataclass

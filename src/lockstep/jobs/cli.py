@@ -8,7 +8,6 @@ The launcher process resolves the job's config (dataclass defaults, then the YAM
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,10 +17,11 @@ from lockstep.errors import ConfigError
 from lockstep.jobs.catalog import JOBS, job
 from lockstep.trainer.config import (
     FitConfig,
+    Source,
     config_from_mapping,
     config_to_dict,
     load_config_file,
-    parse_overrides,
+    read_overrides,
 )
 
 EPILOG = """\
@@ -58,14 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(job_name: str, config_file: str | None, overrides: list[str], run_dir: str | None) -> FitConfig:
-    """Defaults, then the file, then --key value overrides; run_dir from --run-dir."""
+    """Defaults, then the file, then --key value overrides; run_dir from --run-dir. Errors name each value's source."""
     config_cls, _ = job(job_name)
     values: dict[str, Any] = {}
+    sources: dict[str, Source] = {}
     if config_file:
-        values.update(load_config_file(config_file))
-    values.update(parse_overrides(overrides))
-    values["run_dir"] = run_dir or values.get("run_dir") or f"runs/{job_name}"
-    return config_from_mapping(config_cls, values)
+        from_file = load_config_file(config_file)
+        values.update(from_file)
+        sources.update(dict.fromkeys(from_file, Source.file(config_file)))
+    flag_values, flag_sources = read_overrides(overrides)
+    values.update(flag_values)
+    sources.update(flag_sources)
+    if run_dir:
+        values["run_dir"], sources["run_dir"] = run_dir, Source.flag("--run-dir")
+    values.setdefault("run_dir", f"runs/{job_name}")
+    return config_from_mapping(config_cls, values, sources)
 
 
 def save_config(config: FitConfig, run_dir: Path) -> Path:
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc_per_node < 1:
         parser.error(f"-n {args.nproc_per_node}: need at least 1 process")
     run_dir = Path(config.run_dir)
-    config_path = save_config(dataclasses.replace(config), run_dir)
+    config_path = save_config(config, run_dir)
     from lockstep.launch.local import launch
     from lockstep.launch.spec import LaunchSpec
 

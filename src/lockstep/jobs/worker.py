@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 from lockstep.jobs.catalog import build, job
 from lockstep.runtime import init, shutdown
-from lockstep.trainer.config import config_from_mapping
+from lockstep.trainer.config import Source, config_from_mapping, load_config_file
 from lockstep.trainer.loop import fit
 
 
 def run_job(name: str, config_path: str) -> dict:
     config_cls, _ = job(name)
-    config = config_from_mapping(config_cls, json.loads(Path(config_path).read_text()))
+    config = config_from_mapping(config_cls, load_config_file(config_path), Source.file(config_path))
     init()
     built = build(name, config)
     result = fit(built.model, built.train_data, loss_fn=built.loss_fn, config=config, eval_data=built.eval_data)

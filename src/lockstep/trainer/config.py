@@ -1,15 +1,23 @@
-"""FitConfig: every setting of a training run in one dataclass, validated, readable from YAML/JSON and --key value."""
+"""FitConfig: every setting of a training run in one dataclass, type-checked per field from Python, files and flags.
+
+The check is a small coercion of our own driven by the dataclass annotations, not a library (pydantic,
+msgspec): the fields are scalars (int, float, bool, str, optional), so a library would add a compiled core
+dependency for ~100 lines, and every error must name lockstep's sources (FitConfig(...), a file, a --flag).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from lockstep.errors import ConfigError
 
@@ -17,6 +25,74 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
 TASKS = ("classification", "regression", "language_model")  # accuracy only for classification
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+NONE_WORDS = ("none", "null")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a value came from: Python code (`FitConfig(...)`), a config file, or a `--flag`."""
+
+    label: str
+    kind: str = "python"  # python | file | flag
+
+    @staticmethod
+    def python(config_cls: type) -> Source:
+        return Source(f"{config_cls.__name__}(...)", "python")
+
+    @staticmethod
+    def file(path: str | Path) -> Source:
+        return Source(str(path), "file")
+
+    @staticmethod
+    def flag(flag: str) -> Source:
+        return Source(flag, "flag")
+
+    def example(self, name: str, value: Any) -> str:
+        """How to write `name = value` in this source, for the fix part of a message."""
+        if self.kind == "flag":
+            return f"{self.label} {_flag_text(value)}"
+        if self.kind == "file":
+            return f"{name}: {json.dumps(value)}"
+        return f"{name}={value!r}"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The values a field allows beyond its type: a minimum (inclusive, or exclusive when `strict`) or choices."""
+
+    minimum: float | None = None
+    strict: bool = False
+    choices: tuple[str, ...] = ()
+
+    def admits(self, value: Any) -> bool:
+        if value is None:
+            return True
+        if self.choices:
+            return value in self.choices
+        if self.minimum is None:
+            return True
+        return bool(value > self.minimum) if self.strict else bool(value >= self.minimum)
+
+    def describe(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(map(repr, self.choices))
+        if self.minimum is None:
+            return ""
+        return f"{'>' if self.strict else '>='} {_number_text(self.minimum)}"
+
+
+def at_least(minimum: int) -> Bound:
+    return Bound(minimum=minimum)
+
+
+def positive() -> Bound:
+    return Bound(minimum=0, strict=True)
+
+
+def one_of(*choices: str) -> Bound:
+    return Bound(choices=choices)
 
 
 @dataclass
@@ -47,95 +123,222 @@ class FitConfig:
     num_workers: int = 0
     device: str = "auto"  # auto | cpu | cuda
     progress: str = "auto"  # auto | bar | lines | none
-    plot: bool = True
+
+    # Allowed values beyond the annotation, by field. A subclass adds its own: the MRO is searched.
+    BOUNDS: ClassVar[Mapping[str, Bound]] = {
+        "epochs": at_least(1),
+        "max_steps": at_least(1),
+        "batch_size": at_least(1),
+        "grad_accum_steps": at_least(1),
+        "optimizer": one_of(*OPTIMIZERS),
+        "lr": positive(),
+        "weight_decay": at_least(0),
+        "momentum": at_least(0),
+        "lr_schedule": one_of(*SCHEDULES),
+        "warmup_steps": at_least(0),
+        "clip_grad_norm": positive(),
+        "precision": one_of(*PRECISIONS),
+        "task": one_of(*TASKS),
+        "eval_every": at_least(0),
+        "log_every": at_least(1),
+        "checkpoint_every": at_least(0),
+        "keep_checkpoints": at_least(1),
+        "resume": one_of("auto", "never"),
+        "num_workers": at_least(0),
+        "device": one_of("auto", "cpu", "cuda"),
+        "progress": one_of("auto", "bar", "lines", "none"),
+    }
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("lr_schedule", self.lr_schedule, SCHEDULES)
-        _choice("task", self.task, TASKS)
-        _choice("resume", self.resume, ("auto", "never"))
-        _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _choice("progress", self.progress, ("auto", "bar", "lines", "none"))
-        for name in ("epochs", "batch_size", "grad_accum_steps", "log_every", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be at least 1")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "num_workers"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be 0 or more")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"max_steps={self.max_steps!r} must be at least 1 (or None for no limit)")
-        if self.lr <= 0:
-            raise ConfigError(f"lr={self.lr!r} must be positive")
-
-
-def _choice(name: str, value: str, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+        """Check every field against its annotation and bound (ints given for floats become floats)."""
+        source = Source.python(type(self))
+        for f in fields(self):
+            setattr(self, f.name, check_setting(type(self), f.name, getattr(self, f.name), source))
 
 
 C = TypeVar("C")
 
 
-def config_from_mapping(cls: type[C], values: Mapping[str, Any]) -> C:
-    """Build a config dataclass from plain values, naming unknown keys and coercing string values."""
-    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {unknown!r} for {cls.__name__}; known: {', '.join(sorted(known))}")
-    hints = typing.get_type_hints(cls)
-    coerced = {name: coerce(name, value, hints[name]) for name, value in values.items()}
-    return cls(**coerced)
+def check_setting(cls: type, name: str, value: Any, source: Source) -> Any:
+    """`value` as field `name` of config dataclass `cls` holds it, or a ConfigError naming field, value, source."""
+    hints = _field_types(cls)
+    bound = _bound(cls, name)
+    try:
+        converted = _convert(hints[name], value, source.kind)
+        if not bound.admits(converted):
+            raise ConfigError(f"got {converted!r}")
+    except ConfigError as mismatch:  # the reason alone ("got a str"), from the helpers below
+        expected = _describe(hints[name], bound, source.kind)
+        default = _default(cls, name)
+        fix = f" (e.g. {source.example(name, default)}, the default)" if default is not dataclasses.MISSING else ""
+        raise ConfigError(f"{name}={value!r} from {source.label}: expected {expected}, {mismatch}{fix}") from None
+    return converted
 
 
-def coerce(name: str, value: Any, annotation: Any) -> Any:
-    """Turn a command-line string (or YAML scalar) into the field's type: int, float, bool, str or optional."""
-    if not isinstance(value, str):
-        return value
-    options = [a for a in typing.get_args(annotation)] if _is_union(annotation) else [annotation]
-    if type(None) in options and value.lower() in ("none", "null", ""):
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _bound(cls: type, name: str) -> Bound:
+    for klass in cls.__mro__:
+        bounds = vars(klass).get("BOUNDS", {})
+        if name in bounds:
+            return bounds[name]
+    return Bound()
+
+
+def _default(cls: type, name: str) -> Any:
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name == name:
+            return f.default
+    return dataclasses.MISSING
+
+
+def _options(annotation: Any) -> list[Any]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return list(typing.get_args(annotation))
+    return [annotation]
+
+
+def _convert(annotation: Any, value: Any, kind: str) -> Any:
+    options = _options(annotation)
+    if not all(option in (bool, int, float, str, type(None)) for option in options):
+        return value  # a subclass's field of another type: its own validate() checks it
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError("got None")
+    if kind == "flag" and isinstance(value, str):
+        return _parse_text(options, value)
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return _finite(float(value))
+        if option is str and isinstance(value, str):
+            return value
+    if kind == "file" and float in options and isinstance(value, str):
+        # YAML 1.1 (pyyaml) reads `lr: 1e-3` as the string '1e-3': accept what float() reads as a number.
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None:
+            return _finite(number)
+    kind_name = type(value).__name__
+    raise ConfigError(f"got {'an' if kind_name[0] in 'aeiou' else 'a'} {kind_name}")
+
+
+def _parse_text(options: list[Any], text: str) -> Any:
+    """A --flag's text as the first type of the annotation that reads it."""
+    word = text.strip().lower()
+    if type(None) in options and word in NONE_WORDS:
         return None
     for option in options:
-        if option is bool:
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected true or false")
+        if option is bool and word in TRUE_WORDS + FALSE_WORDS:
+            return word in TRUE_WORDS
         if option in (int, float):
             try:
-                return option(value)
+                number = option(text)
             except ValueError:
                 continue
+            return _finite(number) if option is float else number
         if option is str:
-            return value
-    raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected {annotation}")
+            return text
+    raise ConfigError("got text that does not read as one")
 
 
-def _is_union(annotation: Any) -> bool:
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ConfigError(f"got {value!r}")
+    return value
 
 
-def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
-    """`--key value` and `--key=value` pairs into a dict (dashes become underscores)."""
+def _describe(annotation: Any, bound: Bound, kind: str) -> str:
+    """`an int >= 1`, `a float > 0 or none`, `one of 'auto', 'never'`."""
+    options = _options(annotation)
+    words = []
+    for option in options:
+        if option is type(None):
+            continue
+        if bound.choices and option is str:
+            words.append(bound.describe())
+            continue
+        booleans = "True or False" if kind == "python" else "true or false"
+        name = {bool: f"a bool ({booleans})", int: "an int", float: "a finite float", str: "a str"}[option]
+        words.append(f"{name} {bound.describe()}".strip() if option in (int, float) else name)
+    if type(None) in options:
+        words.append("none" if kind == "flag" else "None")
+    return " or ".join(words)
+
+
+def _number_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _flag_text(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def config_from_mapping(cls: type[C], values: Mapping[str, Any], source: Source | Mapping[str, Source] | None = None) -> C:
+    """Build config dataclass `cls` from plain values, each checked against its field and named with its source.
+
+    `source` is one Source for all values (a file), or one per key (keys from a file and from --flags);
+    a key without a source counts as Python code.
+    """
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+
+    def source_of(name: str) -> Source:
+        if isinstance(source, Source):
+            return source
+        return (source or {}).get(name) or Source.python(cls)
+
+    unknown = sorted(set(values) - known)
+    if unknown:
+        described = ", ".join(_unknown_text(name, source_of(name), known) for name in unknown)
+        raise ConfigError(
+            f"unknown setting(s) for {cls.__name__}: {described}; known settings: {', '.join(sorted(known))}"
+        )
+    checked = {name: check_setting(cls, name, value, source_of(name)) for name, value in values.items()}
+    return cls(**checked)
+
+
+def _unknown_text(name: str, source: Source, known: set[str]) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{name!r} from {source.label}{hint}"
+
+
+def read_overrides(tokens: Sequence[str]) -> tuple[dict[str, str], dict[str, Source]]:
+    """`--key value` and `--key=value` pairs: the values by key (dashes become underscores) and their flags."""
     values: dict[str, str] = {}
+    sources: dict[str, Source] = {}
     index = 0
     while index < len(tokens):
         token = tokens[index]
         if not token.startswith("--") or token == "--":
             raise ConfigError(f"expected --key value, got {token!r}")
-        key, eq, value = token[2:].partition("=")
+        flag, eq, value = token.partition("=")
         if not eq:
-            if index + 1 >= len(tokens):
-                raise ConfigError(f"--{key} needs a value")
+            if index + 1 >= len(tokens) or tokens[index + 1].startswith("--"):
+                raise ConfigError(f"{flag} needs a value: {flag} VALUE or {flag}=VALUE")
             value = tokens[index + 1]
             index += 1
-        values[key.replace("-", "_")] = value
+        key = flag[2:].replace("-", "_")
+        values[key] = value
+        sources[key] = Source.flag(flag)
         index += 1
-    return values
+    return values, sources
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -149,9 +352,15 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             import yaml
         except ImportError:
             raise ConfigError(f"{path} is YAML but pyyaml is not installed: pip install pyyaml") from None
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc} (a .yaml/.yml name reads YAML)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of settings, got {type(data).__name__}")
     return data

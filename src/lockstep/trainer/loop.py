@@ -25,13 +25,14 @@ from lockstep.data import DistributedSampler, EvalSampler
 from lockstep.engine.api import DistributedDataParallel
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError
-from lockstep.runtime import all_reduce_sum, barrier, broadcast_object, get_logger, init
+from lockstep.runtime import barrier, broadcast_object, get_logger, init
 from lockstep.runtime.topology import Topology
+from lockstep.trainer.batches import batch_len, split_batch, to_device
 from lockstep.trainer.config import FitConfig, config_to_dict
-from lockstep.trainer.logs import RunLog
 from lockstep.trainer.metrics import MetricBuffer
 from lockstep.trainer.optim import build_optimizer, build_scheduler
-from lockstep.trainer.progress import Progress
+from lockstep.trainer.progress import ProgressBar
+from lockstep.trainer.run_log import RunLog
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -44,8 +45,8 @@ class FitResult:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-class TrainProgress:
-    """Where the run is: optimizer steps taken and the epoch; checkpointed so that resume is exact."""
+class TrainCounters:
+    """Where the run is: optimizer steps taken, epochs finished, samples trained on; checkpointed for exact resume."""
 
     def __init__(self) -> None:
         self.step = 0
@@ -73,7 +74,11 @@ def fit(
     `optimizer`, when given, builds the optimizer from the parameters (default: from config.optimizer).
     Returns the summary on every rank; rank 0 also writes it, the logs and the plot to config.run_dir.
     """
-    config = config or FitConfig()
+    config = FitConfig() if config is None else config
+    if not isinstance(config, FitConfig):
+        raise ConfigError(f"fit(config={config!r}): expected a FitConfig (or None for the defaults), "
+                          f"got a {type(config).__name__}; build one with FitConfig(**settings)")
+    config.validate()  # again: fields may have been assigned since the config was built
     _require_map_style(train_data, "train_data")
     if eval_data is not None:
         _require_map_style(eval_data, "eval_data")
@@ -126,12 +131,14 @@ class _Run:
         # Its own generator, reseeded each epoch: otherwise iter(loader) draws worker seeds from the global
         # stream, and a resumed run (which calls iter() at another step) would shift every later draw.
         self.loader_generator = torch.Generator()
+        # Pinned host memory lets to_device copy batches to the GPU asynchronously.
         self.loader = DataLoader(train_data, batch_size=config.batch_size, sampler=self.sampler,
-                                 num_workers=config.num_workers, drop_last=True, generator=self.loader_generator)
-        self.eval_loader = _eval_loader(eval_data, config)
+                                 num_workers=config.num_workers, drop_last=True, generator=self.loader_generator,
+                                 pin_memory=self.device.type == "cuda")
+        self.eval_loader = _eval_loader(eval_data, config, pin_memory=self.device.type == "cuda")
         self.steps_per_epoch = math.ceil(len(self.loader) / config.grad_accum_steps)
         if self.steps_per_epoch == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"the training set of {len(train_data)} samples gives no full batch of {config.batch_size} "  # type: ignore[arg-type]
                 f"per rank on {topo.world_size} ranks; lower batch_size or use fewer processes"
             )
@@ -141,11 +148,11 @@ class _Run:
         self.optimizer = (make_optimizer or (lambda p: build_optimizer(p, config)))(self.module.parameters())
         self.scheduler = build_scheduler(self.optimizer, config, self.total_steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16")
-        self.progress = TrainProgress()
+        self.counters = TrainCounters()
         self.run_dir = Path(config.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep_checkpoints)
         self.runlog = RunLog(self.run_dir, enabled=topo.is_main)
-        self.bar = Progress(self.total_steps, enabled=topo.is_main, mode=config.progress)
+        self.bar = ProgressBar(self.total_steps, enabled=topo.is_main, mode=config.progress)
         self.train_metrics = MetricBuffer()
         self.last_eval: dict[str, float] = {}
         self.last_train: dict[str, float] = {}
@@ -156,15 +163,15 @@ class _Run:
 
     def train(self) -> FitResult:
         self._maybe_resume()
-        started, start_samples, start_step = time.monotonic(), self.progress.samples, self.progress.step
-        while self.progress.step < self.total_steps and self.progress.epoch < self.config.epochs:
+        started, start_samples, start_step = time.monotonic(), self.counters.samples, self.counters.step
+        while self.counters.step < self.total_steps and self.counters.epoch < self.config.epochs:
             self._train_epoch()
         self._log_train(force=True)
-        if self.eval_loader is not None and self.eval_step != self.progress.step:
+        if self.eval_loader is not None and self.eval_step != self.counters.step:
             self._evaluate()
         self._save_checkpoint()
         wall = time.monotonic() - started
-        return self._finish(wall, self.progress.samples - start_samples, self.progress.step - start_step)
+        return self._finish(wall, self.counters.samples - start_samples, self.counters.step - start_step)
 
     def _maybe_resume(self) -> None:
         if self.config.resume == "never" and self.checkpoints.steps():
@@ -177,8 +184,8 @@ class _Run:
         if step is not None:
             self.saved_step = step
             self._finish_epoch_cut_at_checkpoint()
-            self.bar.message(f"resumed from step {step} (epoch {self.progress.epoch}) in {self.run_dir}")
-            self.bar.advance(self.progress.step)
+            self.bar.message(f"resumed from step {step} (epoch {self.counters.epoch}) in {self.run_dir}")
+            self.bar.advance(self.counters.step)
 
     def _finish_epoch_cut_at_checkpoint(self) -> None:
         """A checkpoint taken on an epoch's last step holds the epoch as unfinished, but its sampler as done.
@@ -186,50 +193,53 @@ class _Run:
         The sampler knows where the data stands: count the epoch as done (else set_epoch would replay it),
         and run the end-of-epoch evaluation that the stopped run may not have reached.
         """
-        if self.sampler.epoch <= self.progress.epoch:
+        if self.sampler.epoch <= self.counters.epoch:
             return
-        self.progress.epoch = self.sampler.epoch
+        self.counters.epoch = self.sampler.epoch
         if self.eval_loader is None or self.config.eval_every != 0:
             return
-        step = self.progress.step
+        step = self.counters.step
         logged = any(r.get("step") == step and "eval_loss" in r for r in self.runlog.records)
         if not broadcast_object(logged):  # only rank 0 keeps the log; every rank must agree to evaluate
             self._evaluate()
 
     def _train_epoch(self) -> None:
         self.module.train()
-        self.sampler.set_epoch(self.progress.epoch)  # resumes mid-epoch when the loaded state stopped there
-        self.loader_generator.manual_seed(self.config.seed * 1_000_003 + self.progress.epoch)
+        self.sampler.set_epoch(self.counters.epoch)  # resumes mid-epoch when the loaded state stopped there
+        self.loader_generator.manual_seed(self.config.seed * 1_000_003 + self.counters.epoch)
         micro_batches = iter(self.loader)
         remaining = len(self.loader)  # micro-batches left in this epoch (fewer after a mid-epoch resume)
-        while remaining > 0 and self.progress.step < self.total_steps:
+        while remaining > 0 and self.counters.step < self.total_steps:
             group = _take(micro_batches, min(self.config.grad_accum_steps, remaining))
             if not group:
                 remaining = 0  # the loader ended early (the dataset shrank under it): the epoch is done
                 break
             remaining -= len(group)
             self._optimizer_step(group)
-            self.progress.step += 1
-            self.bar.advance(self.progress.step)
+            self.counters.step += 1
+            self.bar.advance(self.counters.step)
             self._after_step()
         if remaining > 0:
             return  # stopped by the step budget in the middle of an epoch: stay in it (resumable)
-        self.progress.epoch += 1
+        self.counters.epoch += 1
         if self.config.checkpoint_every == 0:
             self._save_checkpoint()
         if self.eval_loader is not None and self.config.eval_every == 0:
             self._evaluate()
 
     def _optimizer_step(self, group: list[Any]) -> None:
-        for index, (inputs, targets) in enumerate(group):
+        counts = []
+        for index, batch in enumerate(group):
+            inputs, targets = to_device(split_batch(batch), self.device)
+            counts.append(batch_len(targets))
             last = index == len(group) - 1
             # Accumulate locally; the engine reduces the summed gradients only on the group's last backward.
             with contextlib.nullcontext() if last else self.model.no_sync():
                 with self._autocast():
-                    outputs = self.model(_to(inputs, self.device))
-                    loss = self.loss_fn(outputs, _to(targets, self.device))
+                    outputs = self.model(inputs)
+                    loss = self.loss_fn(outputs, targets)
                 self.scaler.scale(loss / len(group)).backward()
-            self._record(outputs, targets, loss)
+            self._record(self.train_metrics, "train", outputs, targets, loss, counts[-1])
         if self.config.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.clip_grad_norm)
@@ -237,19 +247,22 @@ class _Run:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        samples = sum(_batch_len(targets) for _, targets in group) * self.topo.world_size
-        self.progress.samples += samples
+        samples = sum(counts) * self.topo.world_size
+        self.counters.samples += samples
         self.sampler.advance(samples)
 
-    def _record(self, outputs: Any, targets: Any, loss: torch.Tensor) -> None:
-        count = _batch_len(targets)
-        self.train_metrics.add({"train_loss": loss}, count)
+    def _record(self, metrics: MetricBuffer, prefix: str, outputs: Any, targets: Any, loss: torch.Tensor,
+                count: int) -> None:
+        """Add a batch's loss (and correct predictions) to `metrics` on the device: no copy to the host here."""
+        metrics.add({f"{prefix}_loss": loss}, count)
         if self.config.task == "classification":
-            correct = (outputs.argmax(dim=-1) == _to(targets, outputs.device)).sum()
-            self.train_metrics.add_sums({"train_accuracy": float(correct)}, 0)
+            metrics.add_sums({f"{prefix}_accuracy": (outputs.argmax(dim=-1) == targets).sum()}, 0)
+
+    def _metric_names(self, prefix: str) -> list[str]:
+        return [f"{prefix}_loss"] + ([f"{prefix}_accuracy"] if self.config.task == "classification" else [])
 
     def _after_step(self) -> None:
-        step = self.progress.step
+        step = self.counters.step
         if step % self.config.log_every == 0:
             self._log_train()
         if self.eval_loader is not None and self.config.eval_every and step % self.config.eval_every == 0:
@@ -260,45 +273,42 @@ class _Run:
     def _log_train(self, force: bool = False) -> None:
         if self.train_metrics.count == 0 and not force:
             return
-        names = ["train_loss"] + (["train_accuracy"] if self.config.task == "classification" else [])
-        means, count = self.train_metrics.reduce(names)  # collective: every rank is here
+        means, count = self.train_metrics.reduce(self._metric_names("train"))  # collective: every rank is here
         if count == 0:
             return
-        record = {"step": self.progress.step, "epoch": self.progress.epoch, **means,
+        record = {"step": self.counters.step, "epoch": self.counters.epoch, **means,
                   "lr": float(self.scheduler.get_last_lr()[0])}
         self.last_train = record
         self.runlog.write(record)
-        self.bar.report(self.progress.step, {k: v for k, v in record.items() if k != "epoch"})
+        self.bar.report(self.counters.step, {k: v for k, v in record.items() if k != "epoch"})
 
     @torch.no_grad()
     def _evaluate(self) -> None:
         self.module.eval()  # the bare module: eval shards are unequal and must not trigger any collective
-        loss_sum = correct = 0.0
-        count = 0
-        for inputs, targets in self.eval_loader or ():
+        metrics = MetricBuffer()
+        for batch in self.eval_loader or ():
+            inputs, targets = to_device(split_batch(batch), self.device)
             with self._autocast():
-                outputs = self.module(_to(inputs, self.device))
-                loss = self.loss_fn(outputs, _to(targets, self.device))
-            batch = _batch_len(targets)
-            loss_sum += float(loss) * batch
-            count += batch
-            if self.config.task == "classification":
-                correct += float((outputs.argmax(dim=-1) == _to(targets, outputs.device)).sum())
-        total_loss, total_correct, total = all_reduce_sum([loss_sum, correct, float(count)])
+                outputs = self.module(inputs)
+                loss = self.loss_fn(outputs, targets)
+            self._record(metrics, "eval", outputs, targets, loss, batch_len(targets))
+        names = self._metric_names("eval")
+        sums, total = metrics.reduce_sums(names)  # collective: every rank is here
         self.module.train()
-        self.eval_step = self.progress.step
-        self.last_eval = {"eval_loss": total_loss / max(total, 1), "eval_samples": int(total)}
-        if self.config.task == "classification":
-            self.last_eval["eval_accuracy"] = total_correct / max(total, 1)
-        record = {"step": self.progress.step, **self.last_eval}
+        self.eval_step = self.counters.step
+        means = {name: value / max(total, 1) for name, value in zip(names, sums)}
+        self.last_eval = {"eval_loss": means["eval_loss"], "eval_samples": total}
+        if "eval_accuracy" in means:
+            self.last_eval["eval_accuracy"] = means["eval_accuracy"]
+        record = {"step": self.counters.step, **self.last_eval}
         self.runlog.write(record)
         self.bar.message(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
 
     def _save_checkpoint(self) -> None:
-        if self.saved_step == self.progress.step:
+        if self.saved_step == self.counters.step:
             return  # the epoch's end and the run's end can fall on the same step
-        self.checkpoints.save(self.progress.step, self._state())
-        self.saved_step = self.progress.step
+        self.checkpoints.save(self.counters.step, self._state())
+        self.saved_step = self.counters.step
 
     def _state(self) -> dict[str, Any]:
         return {
@@ -307,14 +317,14 @@ class _Run:
             "scheduler": self.scheduler,
             "scaler": self.scaler,
             "sampler": self.sampler,
-            "progress": self.progress,
+            "progress": self.counters,  # the checkpoint's key for the counters: older checkpoints use it too
         }
 
     def _finish(self, wall: float, samples: int, steps: int) -> FitResult:
         summary = {
             "world_size": self.topo.world_size,
-            "steps": self.progress.step,
-            "epochs_completed": self.progress.epoch,
+            "steps": self.counters.step,
+            "epochs_completed": self.counters.epoch,
             "steps_this_run": steps,
             "samples_this_run": samples,
             "wall_time_s": round(wall, 3),
@@ -354,11 +364,11 @@ def _choose_device(requested: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _eval_loader(eval_data: Dataset | None, config: FitConfig) -> DataLoader | None:
+def _eval_loader(eval_data: Dataset | None, config: FitConfig, *, pin_memory: bool) -> DataLoader | None:
     if eval_data is None:
         return None
     return DataLoader(eval_data, batch_size=config.batch_size * 4, sampler=EvalSampler(cast(Sized, eval_data)),
-                      num_workers=config.num_workers)
+                      num_workers=config.num_workers, pin_memory=pin_memory)
 
 
 def _take(iterator: Iterator[Any], count: int) -> list[Any]:
@@ -369,18 +379,6 @@ def _take(iterator: Iterator[Any], count: int) -> list[Any]:
         except StopIteration:
             break
     return group
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    return value
-
-
-def _batch_len(targets: Any) -> int:
-    return len(targets) if not isinstance(targets, torch.Tensor) else int(targets.shape[0])
 
 
 def _headline(summary: dict[str, Any], plot: Path | None) -> str:

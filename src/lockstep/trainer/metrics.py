@@ -1,4 +1,4 @@
-"""Metrics buffered locally and reduced across ranks in one packed all-reduce that every rank runs."""
+"""Metrics summed on the device between log steps and reduced across ranks in one packed all-reduce."""
 
 from __future__ import annotations
 
@@ -10,39 +10,61 @@ from lockstep.runtime import all_reduce_sum
 
 
 class MetricBuffer:
-    """Running sums of named metrics on this rank, weighted by sample counts.
+    """Running sums of named metrics on this rank, weighted by sample counts, kept as device tensors.
 
-    `add` costs no communication. `reduce` is a collective: every rank must call it at the same point
-    (the trainer calls it on log steps, on all ranks), and it returns the global sample-weighted means.
+    `add` and `add_sums` neither communicate nor copy to the host: a GPU run does not wait for the GPU on
+    every micro-batch. `reduce` is a collective: every rank must call it at the same point (the trainer calls
+    it on log steps and after evaluation, on all ranks); it copies the sums to the host once, all-reduces them
+    in one packed call, and returns the global sample-weighted means.
     """
 
     def __init__(self) -> None:
         self._sums: dict[str, torch.Tensor] = {}
         self._count = 0
 
-    def add(self, values: Mapping[str, torch.Tensor | float], count: int) -> None:
+    def add(self, means: Mapping[str, torch.Tensor | float], count: int) -> None:
         """Add per-batch mean values of a batch of `count` samples."""
-        for name, value in values.items():
-            value = value.detach().double().cpu() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-            self._sums[name] = self._sums.get(name, torch.zeros((), dtype=torch.float64)) + value * count
+        for name, value in means.items():
+            self._accumulate(name, _as_float64(value) * count)
         self._count += count
 
-    def add_sums(self, sums: Mapping[str, float], count: int) -> None:
-        """Add already-summed values (e.g. number of correct predictions) over `count` samples."""
+    def add_sums(self, sums: Mapping[str, torch.Tensor | float], count: int) -> None:
+        """Add already-summed values (e.g. the number of correct predictions) over `count` samples."""
         for name, value in sums.items():
-            self._sums[name] = self._sums.get(name, torch.zeros((), dtype=torch.float64)) + float(value)
+            self._accumulate(name, _as_float64(value))
         self._count += count
+
+    def _accumulate(self, name: str, value: torch.Tensor) -> None:
+        # Out of place: the first value may share memory with the caller's tensor (a float64 loss detached).
+        self._sums[name] = value if name not in self._sums else self._sums[name] + value
 
     @property
     def count(self) -> int:
         return self._count
 
-    def reduce(self, names: list[str]) -> tuple[dict[str, float], int]:
-        """Global means of `names` (same list, same order on every rank) and the global sample count."""
-        local = [float(self._sums.get(name, 0.0)) for name in names] + [float(self._count)]
-        totals = all_reduce_sum(local)
-        count = int(totals[-1])
-        means = {name: (totals[i] / count if count else float("nan")) for i, name in enumerate(names)}
+    def reduce_sums(self, names: list[str]) -> tuple[list[float], int]:
+        """Global sums of `names` (same list, same order on every rank) and the global sample count; resets."""
+        totals = all_reduce_sum(self._local_sums(names) + [float(self._count)])
         self._sums.clear()
         self._count = 0
-        return means, count
+        return totals[:-1], int(totals[-1])
+
+    def reduce(self, names: list[str]) -> tuple[dict[str, float], int]:
+        """Global sample-weighted means of `names` (NaN when no rank saw a sample) and the global count."""
+        sums, count = self.reduce_sums(names)
+        return {name: (total / count if count else float("nan")) for name, total in zip(names, sums)}, count
+
+    def _local_sums(self, names: list[str]) -> list[float]:
+        """This rank's sums as floats, 0.0 for a metric never added: one device-to-host copy for all of them."""
+        present = [self._sums[name] for name in names if name in self._sums]
+        if not present:
+            return [0.0] * len(names)
+        device = present[0].device
+        values = iter(torch.stack([value.to(device) for value in present]).tolist())
+        return [next(values) if name in self._sums else 0.0 for name in names]
+
+
+def _as_float64(value: torch.Tensor | float) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64)
+    return torch.tensor(float(value), dtype=torch.float64)

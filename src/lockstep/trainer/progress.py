@@ -1,4 +1,4 @@
-"""Progress on global rank 0 only: a tqdm bar in a terminal, one plain line every N steps otherwise."""
+"""The console progress display on global rank 0 only: a tqdm bar in a terminal, plain lines otherwise."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ def choose_mode(requested: str, stream: TextIO) -> str:
     return "bar" if stream.isatty() else "lines"
 
 
-class Progress:
-    """Shows training progress. Constructed on every rank; silent everywhere but rank 0."""
+class ProgressBar:
+    """Shows the step count and logged metrics. Constructed on every rank; silent everywhere but rank 0."""
 
     def __init__(self, total_steps: int, *, enabled: bool, mode: str = "auto", stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr

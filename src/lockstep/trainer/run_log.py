@@ -1,4 +1,4 @@
-"""Run logs on rank 0: metrics as JSONL and CSV always, TensorBoard when installed, a PNG plot at the end."""
+"""The run's metric log on rank 0: JSONL and CSV always, TensorBoard when installed, a PNG plot at the end."""
 
 from __future__ import annotations
 
