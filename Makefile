@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # These machines keep a CPU build of torch 2.13.0 on disk; elsewhere pip picks a release from PyPI.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test lint compat clean
+.PHONY: install train test lint compat clean testbed
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,18 @@ lint: install
 compat: install
 	$(PY) -c "import expecttest" 2>/dev/null || $(PY) -m pip install -q -r tools/compat/requirements.txt
 	OMP_NUM_THREADS=1 $(PY) tools/compat/run_torch_ddp_tests.py $(COMPAT_ARGS)
+
+# The SLURM and multi-host test tiers (tests/cli/test_slurm*.py, test_multinode.py) run real daemons and
+# network namespaces: as root, `make testbed` installs what they need once (.ci/run does it). The tests never
+# install anything; without these packages they skip, naming this command. Keep in step with the PACKAGES
+# of tests/testbed/slurm_cluster.py and tests/testbed/netns.py.
+TESTBED_PACKAGES := slurm-wlm munge iproute2 util-linux
+
+testbed:
+	@if [ "$$(id -u)" != 0 ]; then echo "make testbed: run it as root (it installs $(TESTBED_PACKAGES) with apt-get)" >&2; exit 1; fi
+	@command -v apt-get >/dev/null || { echo "make testbed: needs apt-get (Debian) to install $(TESTBED_PACKAGES)" >&2; exit 1; }
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(TESTBED_PACKAGES) \
+		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(TESTBED_PACKAGES); }
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

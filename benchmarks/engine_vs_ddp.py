@@ -12,119 +12,30 @@ noise floor. Peak RSS per rank comes from separate launches, interleaved, median
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import platform
+import datetime
 import resource
 import statistics
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-import lockstep
-from lockstep.testing import run_distributed
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from benchmarks.common import MODELS, abba, batch, build, fmt_ratios, loss, machine_line, slowest_rank_seconds  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
-# ---------------------------------------------------------------- models
-
-
-class MLP(nn.Module):  # ~25M parameters
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
-                                 nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-def _block(cin: int, cout: int, stride: int) -> nn.Module:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
-                         nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
-
-
-class ResBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.body = _block(cin, cout, stride)
-        self.skip = nn.Identity() if cin == cout and stride == 1 else nn.Conv2d(cin, cout, 1, stride, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.body(x) + self.skip(x))
-
-
-class SmallResNet(nn.Module):  # ResNet-style, 32x32 images, ~0.7M parameters
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
-        self.layers = nn.Sequential(ResBlock(32, 32, 1), ResBlock(32, 64, 2), ResBlock(64, 128, 2), ResBlock(128, 128, 1))
-        self.head = nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.layers(self.stem(x)).mean((2, 3)))
-
-
-class GPT(nn.Module):  # ~10M parameters, sequence 128
-    def __init__(self, vocab: int = 8192, d: int = 256, layers: int = 8, seq: int = 128) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.zeros(seq, d))
-        layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok(x) + self.pos[: x.shape[1]]
-        return self.head(self.norm(self.blocks(h, mask=self.mask, is_causal=True)))
-
-
-class ManySmall(nn.Module):  # hundreds of tiny layers: the per-hook cost
-    def __init__(self, depth: int = 400, width: int = 32) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = x + torch.tanh(layer(x))
-        return x
-
-
-def _data(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(10_000 * rank + step)
-    if name == "mlp":
-        return torch.randn(128, 1024, generator=g), torch.randint(0, 10, (128,), generator=g)
-    if name == "resnet":
-        return torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
-    if name == "gpt":
-        tokens = torch.randint(0, 8192, (8, 129), generator=g)
-        return tokens[:, :-1], tokens[:, 1:]
-    return torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
-
-
-MODELS = {"mlp": MLP, "resnet": SmallResNet, "gpt": GPT, "many_small": ManySmall}
-
-
-def _loss(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if name == "gpt":
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    if name == "many_small":
-        return F.mse_loss(out, y)
-    return F.cross_entropy(out, y)
-
+import lockstep  # noqa: E402
+from lockstep.testing import run_distributed  # noqa: E402
 
 # ---------------------------------------------------------------- per rank
 
 
 class _Engine:
     def __init__(self, kind: str, name: str, state: dict[str, torch.Tensor]) -> None:
-        torch.manual_seed(0)
-        self.module = MODELS[name]()
+        self.module = build(name)
         self.module.load_state_dict(state)
         cls = lockstep.DistributedDataParallel if kind == "lockstep" else TorchDDP
         self.model = cls(self.module)
@@ -132,30 +43,18 @@ class _Engine:
         self.name = name
 
     def step(self, step: int) -> None:
-        x, y = _data(self.name, dist.get_rank(), step)
+        x, y = batch(self.name, dist.get_rank(), step)
         self.opt.zero_grad(set_to_none=True)
-        _loss(self.name, self.model(x), y).backward()
+        loss(self.name, self.model(x), y).backward()
         self.opt.step()
-
-
-def _timed(engine: _Engine, warmup: int, steps: int, start: int) -> float:
-    for i in range(warmup):
-        engine.step(start + i)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        engine.step(start + warmup + i)
-    elapsed = torch.tensor([(time.perf_counter() - t0) / steps])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as the slowest rank
-    return float(elapsed.item())
 
 
 def _parity(a: _Engine, b: _Engine) -> float:
     worst = 0.0
     for engine in (a, b):
         engine.opt.zero_grad(set_to_none=True)
-        x, y = _data(engine.name, dist.get_rank(), 0)
-        _loss(engine.name, engine.model(x), y).backward()
+        x, y = batch(engine.name, dist.get_rank(), 0)
+        loss(engine.name, engine.model(x), y).backward()
     for pa, pb in zip(a.module.parameters(), b.module.parameters()):
         scale = float(pb.grad.abs().max()) or 1.0
         worst = max(worst, float((pa.grad - pb.grad).abs().max()) / scale)
@@ -165,8 +64,7 @@ def _parity(a: _Engine, b: _Engine) -> float:
 
 
 def bench_worker(name: str, rounds: int, warmup: int, steps: int, pairs: list[str]) -> dict[str, Any]:
-    torch.manual_seed(0)
-    state = MODELS[name]().state_dict()
+    state = build(name).state_dict()
     result: dict[str, Any] = {}
     for pair in pairs:
         kind_a = "lockstep" if pair == "lockstep/torch" else "torch"
@@ -174,10 +72,9 @@ def bench_worker(name: str, rounds: int, warmup: int, steps: int, pairs: list[st
         result[f"parity {pair}"] = _parity(a, b)
         ratios, times_a, times_b = [], [], []
         for r in range(rounds):
-            order = (a, b, b, a) if r % 2 == 0 else (b, a, a, b)
             spent: dict[int, list[float]] = {id(a): [], id(b): []}
-            for engine in order:
-                spent[id(engine)].append(_timed(engine, warmup, steps // 2 or 1, start=100 * r))
+            for engine in abba((a, b), r):
+                spent[id(engine)].append(slowest_rank_seconds(engine.step, warmup, steps // 2 or 1, start=100 * r))
             ta, tb = sum(spent[id(a)]), sum(spent[id(b)])
             ratios.append(ta / tb)
             times_a.append(ta / 2)
@@ -196,8 +93,7 @@ def bench_worker(name: str, rounds: int, warmup: int, steps: int, pairs: list[st
 
 
 def memory_worker(name: str, kind: str, steps: int) -> float:
-    torch.manual_seed(0)
-    engine = _Engine(kind, name, MODELS[name]().state_dict())
+    engine = _Engine(kind, name, build(name).state_dict())
     for i in range(steps):
         engine.step(i)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # MiB
@@ -214,10 +110,6 @@ def _memory_ratio(name: str, world: int, launches: int) -> str:
             peaks[kind].append(max(run_distributed(memory_worker, world, args=(name, kind, 4), timeout=600)))
     ours, theirs = statistics.median(peaks["lockstep"]), statistics.median(peaks["torch"])
     return f"{ours / theirs:.3f} ({ours:.0f}/{theirs:.0f} MiB, median of {launches})"
-
-
-def _fmt(ratios: list[float]) -> str:
-    return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_memory:
                 mem = _memory_ratio(name, world, args.memory_launches)
             main_pair = res["lockstep/torch"]
-            floor = _fmt(res["torch/torch"]["ratios"]) if "torch/torch" in res else "-"
+            floor = fmt_ratios(res["torch/torch"]["ratios"]) if "torch/torch" in res else "-"
             st = res.get("lockstep_stats") or {}
-            row = (f"| {name} | {world} | {main_pair['a_ms']:.1f} | {main_pair['b_ms']:.1f} | {_fmt(main_pair['ratios'])} "
+            row = (f"| {name} | {world} | {main_pair['a_ms']:.1f} | {main_pair['b_ms']:.1f} | {fmt_ratios(main_pair['ratios'])} "
                    f"| {floor} | {mem or '-'} | {res['parity lockstep/torch']:.1e} "
                    f"| {st.get('num_buckets', '-')} | {st.get('comm_ms', 0):.1f}/{st.get('hidden_ms', 0):.1f} |")
             print(row, flush=True)
@@ -252,11 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     header = ("| model | world | lockstep ms/step | torch ms/step | step ratio lockstep/torch, median [min-max] "
               "| noise floor torch/torch | peak RSS ratio (lockstep/torch) | grad parity (max rel) "
               "| buckets | lockstep comm/hidden ms |\n|---|---|---|---|---|---|---|---|---|---|")
-    machine = (f"{platform.node()}: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
-               f"cpu count {__import__('os').cpu_count()}, torch {torch.__version__}, backend gloo, OMP_NUM_THREADS=1, "
-               f"{args.rounds} rounds A-B-B-A x {args.steps} timed steps (+{args.warmup} warm-up)")
-    report = f"# lockstep engine vs torch DDP ({_dt.date.today()})\n\nMachine: {machine}\n\n{header}\n" + "\n".join(rows) + "\n"
-    out = Path(args.out or Path(__file__).parent / "results" / f"{_dt.date.today()}-engine_vs_ddp.md")
+    machine = f"{machine_line()}; {args.rounds} rounds A-B-B-A x {args.steps} timed steps (+{args.warmup} warm-up)"
+    report = f"# lockstep engine vs torch DDP ({datetime.date.today()})\n\nMachine: {machine}\n\n{header}\n" + "\n".join(rows) + "\n"
+    out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.date.today()}-engine_vs_ddp.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)
     print(f"\nwritten to {out}")

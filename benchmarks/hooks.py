@@ -3,7 +3,7 @@
 For each hook (none, allreduce, fp16, bf16, PowerSGD rank 1 and 4) on lockstep.DistributedDataParallel with
 lockstep.hooks, and on torch's DistributedDataParallel with torch's own hook where torch's works on gloo:
 the bytes handed to collectives per step and the step time, on loopback and on a link limited by tc
-between two network-namespace hosts (tests/testbed/netns.py, as benchmarks/multinode.py does).
+between two network-namespace hosts (lockstep.testing.netns, as benchmarks/multinode.py does).
 
 Protocol (DESIGN.md): one launch per link; every configuration built from identical weights, fed identical
 data; a gradient parity check first; every configuration warmed up past PowerSGD's start iteration; then
@@ -21,10 +21,10 @@ the same way as ours); with no hook both engines all-reduce the fp32 gradients (
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
+import datetime
+import functools
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -40,9 +40,18 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from benchmarks.engine_vs_ddp import _fmt  # noqa: E402
-from benchmarks.multinode import BATCH, _data, _model, _segment  # noqa: E402
-from benchmarks.netns_pair import add_worker_flags, run_pair  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    LINK_BATCH,
+    add_worker_flags,
+    fmt_ratios,
+    link_batch,
+    link_mlp,
+    machine_line,
+    round_order,
+    run_pair,
+    slowest_rank_seconds,
+)
+from torch import nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
@@ -86,7 +95,7 @@ def _hook(spec: str) -> tuple[Any, Callable[..., Any]]:
 
 
 def _build(engine: str, hook: str | None, state: dict[str, Any]) -> tuple[Any, Any]:
-    module = _model("mlp")
+    module = link_mlp()
     module.load_state_dict(state)
     # 25 MB given explicitly: torch 2.13 then also caps its first bucket at 25 MB (by default at 1 MB), so
     # this 12.6 MB model is one bucket and torch's PowerSGD hook can run on gloo (see the probe).
@@ -111,9 +120,18 @@ def _counting_collectives(counted: list[int]) -> AbstractContextManager[None]:
     return watch_collectives(add)
 
 
-def _one_step(engine: tuple[Any, Any], rank: int, step: int) -> list[torch.Tensor]:
+def _train_step(engine: tuple[Any, Any], rank: int, step: int) -> None:
     model, opt = engine
-    x, y = _data("mlp", rank, step)
+    x, y = link_batch(rank, step)
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _one_step(engine: tuple[Any, Any], rank: int, step: int) -> list[torch.Tensor]:
+    """One training step; the gradients it applied."""
+    model, opt = engine
+    x, y = link_batch(rank, step)
     opt.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
     grads = [p.grad.detach().clone() for p in model.module.parameters()]
@@ -134,7 +152,7 @@ def _parity(state: dict[str, Any], rank: int) -> dict[str, float]:
 
 def bench_worker(rounds: int, warmup: int, steps: int, skip: list[str]) -> dict[str, Any]:
     rank = dist.get_rank()
-    state = _model("mlp").state_dict()
+    state = link_mlp().state_dict()
     result: dict[str, Any] = {"parity": _parity(state, rank), "bytes": {}, "refused": {}}
     engines: dict[str, tuple[Any, Any]] = {}
     for label, engine, hook in CONFIGS:
@@ -151,13 +169,14 @@ def bench_worker(rounds: int, warmup: int, steps: int, skip: list[str]) -> dict[
         counted = [0]
         with _counting_collectives(counted):
             _one_step(built, rank, WARMUP_ONCE)
-        result["bytes"][label] = counted[0] if hook is not None else 4 * sum(p.numel() for p in _model("mlp").parameters())
+        result["bytes"][label] = counted[0] if hook is not None else 4 * sum(p.numel() for p in link_mlp().parameters())
         engines[label] = built
     labels = list(engines)
     times: dict[str, list[float]] = {label: [] for label in labels}
     for r in range(rounds):
-        for label in labels if r % 2 == 0 else reversed(labels):
-            times[label].append(_segment(engines[label], "mlp", rank, warmup, steps))
+        for label in round_order(labels, r):
+            step = functools.partial(_train_step, engines[label], rank)
+            times[label].append(slowest_rank_seconds(step, warmup, steps))
     result["times"] = times
     return result
 
@@ -169,17 +188,27 @@ def skip_reason(label: str) -> str:
 # ---------------------------------------------------------------- probes: does torch's PowerSGD survive gloo?
 
 
+def medium_mlp() -> nn.Module:
+    """2.1M parameters in several 1 MB buckets (the model of lockstep's own multi-process PowerSGD checks)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512),
+                         nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def medium_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10_000 * rank + step)
+    return torch.randn(32, 256, generator=gen), torch.randn(32, 10, generator=gen)
+
+
 def probe_worker(model: str, cap_mb: float | None, log_dir: str) -> str:
     """torch's powerSGD_hook on torch's DDP for a few steps; a gloo abort kills the process (the caller sees it).
 
     stderr goes to a file per rank: gloo's abort message is printed there by C++, not raised.
     """
-    from tests.multiproc.test_hooks import medium_batch, medium_mlp
-
     log = os.open(os.path.join(log_dir, f"rank{dist.get_rank()}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 2)
     torch.manual_seed(0)
-    module = medium_mlp() if model == "medium" else _model("mlp")
+    module = medium_mlp() if model == "medium" else link_mlp()
     ddp = TorchDDP(module, bucket_cap_mb=cap_mb)
     ddp.register_comm_hook(torch_powersgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2),
                            torch_powersgd.powerSGD_hook)
@@ -188,7 +217,7 @@ def probe_worker(model: str, cap_mb: float | None, log_dir: str) -> str:
             x, y = medium_batch(dist.get_rank(), step)
             F.mse_loss(ddp(x), y).backward()
         else:
-            x, y = _data("mlp", dist.get_rank(), step)
+            x, y = link_batch(dist.get_rank(), step)
             F.cross_entropy(ddp(x), y).backward()
         module.zero_grad()
     return "ran 5 steps"
@@ -250,23 +279,22 @@ def table(res: dict[str, Any]) -> list[str]:
         cells = [hook, _mb(nbytes.get(ours)), _mb(nbytes.get(theirs)) if theirs in times else "refused"]
         for label in (ours, theirs):
             cells.append(f"{1000 * statistics.median(times[label]):.1f}" if label in times else "-")
-        cells.append(_fmt(_ratios(times, ours, theirs)) if theirs in times else "-")
-        cells.append(_fmt(_ratios(times, ours, "torch")))
-        cells.append(_fmt(_ratios(times, theirs, "torch")) if theirs in times else "-")
+        cells.append(fmt_ratios(_ratios(times, ours, theirs)) if theirs in times else "-")
+        cells.append(fmt_ratios(_ratios(times, ours, "torch")))
+        cells.append(fmt_ratios(_ratios(times, theirs, "torch")) if theirs in times else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append(f"| noise floor: torch (again) / torch | | | | | {_fmt(_ratios(times, 'torch (again)', 'torch'))} | | |")
+    lines.append(f"| noise floor: torch (again) / torch | | | | | {fmt_ratios(_ratios(times, 'torch (again)', 'torch'))} | | |")
     return lines
 
 
 def report(results: dict[str, dict[str, Any]], probes: dict[str, tuple[bool, str]], args: argparse.Namespace,
            seconds: float) -> str:
-    n_params = sum(p.numel() for p in _model("mlp").parameters())
+    n_params = sum(p.numel() for p in link_mlp().parameters())
     lines = [
-        f"# Communication hooks: lockstep vs torch, 2 gloo ranks ({_dt.date.today().isoformat()})", "",
-        f"Machine: {platform.node()}, {os.cpu_count()} cores ({platform.machine()}), torch {torch.__version__}, "
-        f"gloo on CPU, OMP_NUM_THREADS=1, both ranks on the same cores. Model: benchmarks/multinode.py's MLP "
+        f"# Communication hooks: lockstep vs torch, 2 gloo ranks ({datetime.date.today().isoformat()})", "",
+        f"Machine: {machine_line()}; both ranks on the same cores. Model: benchmarks/common.py's link MLP "
         f"1024-1024-1024-1024-10 ({n_params / 1e6:.2f}M parameters, {4 * n_params / 1e6:.1f} MB of fp32 gradients), "
-        f"batch {BATCH} per rank, SGD, bucket_cap_mb={BUCKET_CAP_MB:g} given to both engines (one bucket; see the "
+        f"batch {LINK_BATCH} per rank, SGD, bucket_cap_mb={BUCKET_CAP_MB:g} given to both engines (one bucket; see the "
         f"probes). PowerSGD: start_powerSGD_iter={START_POWERSGD_ITER}, "
         "error feedback and warm start on, min_compression_rate 2. Every configuration warmed up "
         f"{WARMUP_ONCE} steps (compressing before timing); rounds: forward order then reversed, each configuration "
@@ -296,7 +324,7 @@ def report(results: dict[str, dict[str, Any]], probes: dict[str, tuple[bool, str
               "there is no torch bf16 row on CPU; lockstep's bf16 hook runs on gloo.",
               "- torch's PowerSGD on several buckets fails either way on gloo: an abort (a size mismatch) or a hang "
               "(both ranks killed at the probe's 60 s timeout), depending on how the ranks' collectives interleave; "
-              "lockstep's runs on the same models (tests/multiproc/test_hooks.py).",
+              "lockstep's runs on the same models (its multi-process hook checks).",
               "- Both ranks share 2 cores: compression costs CPU that the all-reduce would otherwise compete for; on "
               "loopback it does not pay, on a slow link it does.", ""]
     return "\n".join(lines)
@@ -322,7 +350,7 @@ def main() -> None:
     probes = {
         f"this benchmark's MLP, bucket_cap_mb={BUCKET_CAP_MB:g} given (one bucket)": probe("bench", BUCKET_CAP_MB),
         "this benchmark's MLP, torch's default buckets (first bucket 1 MB: two buckets)": probe("bench", None),
-        "2.1M-parameter MLP of tests/multiproc/test_hooks.py, bucket_cap_mb=1 (several buckets)": probe("medium", 1.0),
+        "2.1M-parameter MLP (lockstep's PowerSGD checks), bucket_cap_mb=1 (several buckets)": probe("medium", 1.0),
     }
     print(probes, file=sys.stderr, flush=True)
     skip = [] if next(iter(probes.values()))[0] else [
@@ -335,7 +363,7 @@ def main() -> None:
             print(f"{link}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
             print("\n".join(table(results[link])), file=sys.stderr, flush=True)
     text = report(results, probes, args, time.time() - started)
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"{_dt.date.today().isoformat()}-hooks.md"
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"{datetime.date.today().isoformat()}-hooks.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)

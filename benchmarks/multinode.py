@@ -1,7 +1,7 @@
 """Benchmark: 2 nodes across two network namespaces with the link limited by tc (issue 7).
 
 For each link rate (unshaped, 10 Gbit/s, 1 Gbit/s, 100 Mbit/s) two "hosts" are built with
-tests/testbed/netns.py (a bridge, one veth each, a tbf on each veth's egress) and one process starts on each,
+lockstep.testing.netns (a bridge, one veth each, a tbf on each veth's egress) and one process starts on each,
 joined by lockstep.init() over the veth (GLOO_SOCKET_IFNAME). Each pair measures
 
 - the all-reduce bandwidth gloo reaches (bytes each rank sends per second; for 2 ranks an all-reduce of
@@ -12,7 +12,7 @@ joined by lockstep.init() over the veth (GLOO_SOCKET_IFNAME). Each pair measures
   (12.6 MB of fp32 gradients) and engine_vs_ddp.py's ResNet, GPT and many-small-layers models: identical
   weights and data, a gradient parity check first, rounds in alternating order (A-B-..., then ...-B-A),
   each engine a warm-up step then timed steps, a step's time is the slowest rank's; the median of
-  per-round ratios to torch DDP with min-max. "torch (again)" is torch against itself: the noise floor.
+  per-round ratios to torch DDP with [min-max]. "torch (again)" is torch against itself: the noise floor.
 
 Needs root (network namespaces). Both "hosts" share this machine's cores: compute is not parallel as on two
 real machines, so step times are comparable as ratios only.
@@ -24,10 +24,10 @@ real machines, so step times are comparable as ratios only.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
+import datetime
+import functools
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,42 +36,29 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
+
+from lockstep.testing.netns import rate_bits  # noqa: E402
+
 ENGINES = ("torch", "lockstep", "torch (again)", "torch+fp16", "lockstep+fp16", "lockstep+powerSGD r4")
-MODELS = ("mlp", "resnet", "gpt", "many_small")  # mlp is this file's; the others are engine_vs_ddp.py's
-BATCH = 32
+MODELS = ("mlp", "resnet", "gpt", "many_small")  # mlp: common.link_mlp; the others: engine_vs_ddp.py's
 
 
 # ---------------------------------------------------------------- worker (one per "host")
 
 
 def _model(name: str) -> Any:
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    if name != "mlp":
-        from benchmarks import engine_vs_ddp  # the workers run with PYTHONPATH=ROOT
-
-        return engine_vs_ddp.MODELS[name]()
-    return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                         nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return common.link_mlp() if name == "mlp" else common.build(name)
 
 
 def _data(name: str, rank: int, step: int) -> tuple[Any, Any]:
-    import torch
-
-    if name != "mlp":
-        from benchmarks import engine_vs_ddp
-
-        return engine_vs_ddp._data(name, rank, step)
-    gen = torch.Generator().manual_seed(rank * 100_000 + step)
-    return torch.randn(BATCH, 1024, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
+    return common.link_batch(rank, step) if name == "mlp" else common.batch(name, rank, step)
 
 
 def _loss(name: str, out: Any, y: Any) -> Any:
-    from benchmarks import engine_vs_ddp
-
-    return engine_vs_ddp._loss(name, out, y)  # cross-entropy for mlp, as for the other classifiers
+    return common.loss(name, out, y)  # cross-entropy for mlp, as for the other classifiers
 
 
 def _comm_hook(kind: str) -> tuple[Any, Any] | None:
@@ -109,22 +96,6 @@ def _step(engine: tuple[Any, Any], name: str, rank: int, step: int) -> None:
     opt.zero_grad(set_to_none=True)
     _loss(name, model(x), y).backward()
     opt.step()
-
-
-def _segment(engine: tuple[Any, Any], name: str, rank: int, warmup: int, steps: int) -> float:
-    """Mean step time of this segment, as the slowest rank saw it."""
-    import torch
-    import torch.distributed as dist
-
-    for i in range(warmup):
-        _step(engine, name, rank, i)
-    dist.barrier()
-    start = time.perf_counter()
-    for i in range(steps):
-        _step(engine, name, rank, warmup + i)
-    elapsed = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed.item())
 
 
 def _parity(name: str, state: dict[str, Any], rank: int) -> float:
@@ -173,10 +144,10 @@ def worker(args: argparse.Namespace) -> None:
         state = model.state_dict()
         times: dict[str, list[float]] = {kind: [] for kind in ENGINES}
         for round_index in range(args.rounds):
-            order = ENGINES if round_index % 2 == 0 else tuple(reversed(ENGINES))
-            for kind in order:
+            for kind in common.round_order(ENGINES, round_index):
                 engine = _wrap(kind, name, state)
-                times[kind].append(_segment(engine, name, rank, args.warmup, args.steps))
+                step = functools.partial(_step, engine, name, rank)
+                times[kind].append(common.slowest_rank_seconds(step, args.warmup, args.steps))
                 del engine
         result["models"][name] = {"parity": _parity(name, state, rank), "times": times,
                                   "grad_mb": sum(p.numel() * 4 for p in model.parameters()) / 1e6}
@@ -190,33 +161,26 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_rate(rate: str | None, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.netns_pair import run_pair
-
     rounds = args.slow_rounds if rate == "100mbit" else args.rounds
     forward = ["--models", *args.models, "--rounds", str(rounds), "--steps", str(args.steps), "--warmup",
                str(args.warmup), "--reps", str(args.reps), "--sizes-mb", *[str(s) for s in args.sizes_mb]]
     out_json = workdir / f"result-{rate or 'unshaped'}.json"
-    return run_pair(__file__, rate, forward, out_json, port=29500, timeout=args.timeout)
+    return common.run_pair(__file__, rate, forward, out_json, port=29500, timeout=args.timeout)
 
 
 def _ratio_text(times: dict[str, list[float]], kind: str) -> str:
-    ratios = [a / b for a, b in zip(times[kind], times["torch"])]
-    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+    return common.fmt_ratios([a / b for a, b in zip(times[kind], times["torch"])])
 
 
 def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, seconds: float) -> str:
-    import torch
-
     lines = [
-        f"# Multi-node benchmark: 2 namespace hosts, tc tbf link limit ({_dt.date.today().isoformat()})",
+        f"# Multi-node benchmark: 2 namespace hosts, tc tbf link limit ({datetime.date.today().isoformat()})",
         "",
-        f"Machine: {os.cpu_count()} cores ({platform.machine()}), torch {torch.__version__}, gloo on CPU, "
-        f"OMP_NUM_THREADS=1, both hosts on the same cores. Models: mlp = MLP 1024-1024-1024-1024-10 (batch "
-        f"{BATCH} per rank); resnet, gpt, many_small as in engine_vs_ddp.py; SGD. {args.rounds} rounds in "
+        f"Machine: {common.machine_line()}; both hosts on the same cores. Models: mlp = MLP "
+        f"1024-1024-1024-1024-10 (batch {common.LINK_BATCH} per rank); resnet, gpt, many_small as in engine_vs_ddp.py; SGD. {args.rounds} rounds in "
         f"alternating order ({args.slow_rounds} at 100mbit), "
         f"{args.warmup} warm-up + {args.steps} timed steps per engine per round; step time = slowest rank; "
-        f"ratios = median (min-max) of per-round ratios to torch DDP. Run took {seconds:.0f} s.",
+        f"ratios = median [min-max] of per-round ratios to torch DDP. Run took {seconds:.0f} s.",
         "`python benchmarks/multinode.py` (as root).",
         "",
         "## All-reduce bandwidth vs the link (best of "
@@ -226,8 +190,6 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, seconds
         "|---|" + "---|" * len(args.sizes_mb),
     ]
     for rate, res in results.items():
-        from tests.testbed.netns import rate_bits
-
         limit = rate_bits(rate) / 1e9 if rate != "unshaped" else None
         cells = [f"{row['gbit_per_s']:.3f}" + (f" ({100 * row['gbit_per_s'] / limit:.0f}%)" if limit else "")
                  for row in res["allreduce"]]
@@ -254,11 +216,8 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, seconds
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.netns_pair import add_worker_flags
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_worker_flags(parser)
+    common.add_worker_flags(parser)
     parser.add_argument("--rates", nargs="+", default=["unshaped", "10gbit", "1gbit", "100mbit"])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--rounds", type=int, default=4)
@@ -283,7 +242,7 @@ def main() -> None:
             results[rate] = run_rate(None if rate == "unshaped" else rate, args, Path(tmp))
             print(f"{rate}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     text = report(results, args, time.time() - started)
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"multinode-{_dt.date.today().isoformat()}.md"
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"multinode-{datetime.date.today().isoformat()}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)

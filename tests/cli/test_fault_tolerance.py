@@ -12,21 +12,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+HOLD_AT = 11  # the forward (= training step, 1-based) in which rank 1 holds in the first attempt
+LAST_CHECKPOINT = 8  # checkpoint_every=4: the newest checkpoint before step 11
 
 TRAIN_SCRIPT = '''
-import os, sys, time, torch
+import os, sys, threading, torch
 from torch import nn
 from torch.utils.data import TensorDataset
 import lockstep
 from lockstep.trainer.config import FitConfig
 
-class SlowToy(nn.Module):
-    """The tutorial's ToyModel with a short sleep per forward, so that a kill lands mid-training."""
+class HeldToy(nn.Module):
+    """The tutorial's ToyModel; in the first attempt, rank 1 stops in its HOLD_AT-th forward, says so in a
+    file and waits there to be killed: the kill lands at a known step, with no timing involved."""
     def __init__(self):
         super().__init__()
         self.net1, self.net2 = nn.Linear(10, 10), nn.Linear(10, 5)
+        self.calls = 0
     def forward(self, x):
-        time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+        self.calls += 1
+        first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+        if first_attempt and topo.rank == 1 and self.calls == int(os.environ.get("HOLD_AT", "0")):
+            open(os.path.join(run_dir, "holding"), "w").close()
+            threading.Event().wait()  # until SIGKILL
         return self.net2(torch.relu(self.net1(x)))
 
 topo = lockstep.init()
@@ -38,9 +46,9 @@ gen = torch.Generator().manual_seed(1)
 x = torch.randn(128, 10, generator=gen)
 data = TensorDataset(x, x @ torch.randn(10, 5, generator=gen))
 torch.manual_seed(0)
-model = SlowToy()
+model = HeldToy()
 config = FitConfig(run_dir=run_dir, batch_size=4, epochs=2, optimizer="sgd", momentum=0.0, lr=0.05,
-                   task="regression", checkpoint_every=4, log_every=4, progress="lines", plot=False)
+                   task="regression", checkpoint_every=4, log_every=4, progress="lines")
 lockstep.fit(model, data, loss_fn=nn.functional.mse_loss, config=config)
 if topo.is_main:
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -49,9 +57,9 @@ lockstep.shutdown()
 '''
 
 
-def _launch(script: Path, run_dir: Path, sleep: str, restarts: int) -> subprocess.Popen[str]:
+def _launch(script: Path, run_dir: Path, hold_at: int, restarts: int) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", STEP_SLEEP=sleep)
+    env.update(OMP_NUM_THREADS="1", HOLD_AT=str(hold_at))
     return subprocess.Popen(
         [sys.executable, "-m", "lockstep", "run", "-n", "2", "--max-restarts", str(restarts), str(script), str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -63,26 +71,28 @@ def test_killed_rank_restarts_and_finishes_bitwise_identical(tmp_path: Path) -> 
 
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
-    reference = _launch(script, tmp_path / "reference", "0", 0)
+    reference = _launch(script, tmp_path / "reference", 0, 0)
     out, _ = reference.communicate(timeout=180)
     assert reference.returncode == 0, out
 
     victim_run = tmp_path / "victim"
-    proc = _launch(script, victim_run, "0.02", 2)
+    # 16 steps per epoch, checkpoints after steps 4 and 8: rank 1 holds in step 11, the run resumes from 8
+    proc = _launch(script, victim_run, HOLD_AT, 2)
     try:
         deadline = time.monotonic() + 120
-        checkpoints = victim_run / "checkpoints"
-        while time.monotonic() < deadline and not (checkpoints.is_dir() and any(checkpoints.glob("step_*"))):
-            time.sleep(0.1)
-        assert checkpoints.is_dir(), "no checkpoint appeared"
-        time.sleep(0.3)  # a few steps past the first checkpoint
+        while not (victim_run / "holding").exists():
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "rank 1 never reached the step where it holds"
+            time.sleep(0.1)  # polling pace only
+        saved = sorted(int(p.name.split("_")[1]) for p in (victim_run / "checkpoints").glob("step_*"))
+        assert saved[-1:] == [LAST_CHECKPOINT], saved
         os.kill(int((victim_run / "pid.1").read_text()), signal.SIGKILL)
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
-    assert "resumed from step" in out
+    assert f"resumed from step {LAST_CHECKPOINT} " in out
     final = torch.load(victim_run / "final_params.pt", weights_only=True)
     expected = torch.load(tmp_path / "reference" / "final_params.pt", weights_only=True)
     assert torch.equal(final, expected)

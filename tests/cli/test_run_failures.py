@@ -178,13 +178,18 @@ def test_usr1_usr2_reach_every_worker_and_sigterm_stops_them_gracefully(tmp_path
 
     try:
         wait_for("ready-rank0", "ready-rank1")
+        if usr1_ignored:
+            # SIGUSR2 right after it is the marker that makes the check need no waiting: Python runs pending
+            # handlers in signal-number order (USR1 = 10 before USR2 = 12), in the launcher and in each
+            # worker, so a launcher that passed SIGUSR1 on would have done so before SIGUSR2, and a worker
+            # that got both writes SIGUSR1-rank* before SIGUSR2-rank*.
+            launcher.send_signal(signal.SIGUSR1)
         launcher.send_signal(signal.SIGUSR2)
         wait_for("SIGUSR2-rank0", "SIGUSR2-rank1")
-        launcher.send_signal(signal.SIGUSR1)
         if usr1_ignored:
-            time.sleep(2)
-            assert not list(out.glob("SIGUSR1-*")) and launcher.poll() is None
+            assert not list(out.glob("SIGUSR1-*")), sorted(p.name for p in out.iterdir())
         else:
+            launcher.send_signal(signal.SIGUSR1)
             wait_for("SIGUSR1-rank0", "SIGUSR1-rank1")
         assert launcher.poll() is None  # the run goes on
         launcher.send_signal(signal.SIGTERM)

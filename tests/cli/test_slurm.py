@@ -2,7 +2,7 @@
 
 The cluster (munged + slurmctld + slurmd, one node, 2 CPUs) is started once for this module by
 tests/testbed/slurm_cluster.py and stopped by PID afterwards; the module is skipped, with the reason, only
-where the machine cannot host it (not root, no apt to install slurm-wlm and munge).
+where the machine cannot host it (not root, or slurm-wlm and munge not installed: `make testbed`).
 """
 
 from __future__ import annotations

@@ -1,22 +1,22 @@
-"""Shared pieces of the engine's multi-process tests: small models, per-rank data, three ways to train.
+"""Shared pieces of the engine's multi-process tests: small models and per-rank data.
 
-Every comparison trains the same initial weights on the same data three ways: lockstep's engine and
-torch's DDP on N gloo ranks, and a single process on the concatenated N-rank batch.
+The three-way training itself (lockstep's engine and torch's DDP on N gloo ranks, one process on the
+concatenated N-rank batch) is lockstep.testing.parity; `case` builds its cases from the models here.
 """
 
 from __future__ import annotations
 
-import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import lockstep
+from lockstep.testing.parity import ParityCase, assert_tensors_close, grads_of, params_of, wrap
+
+__all__ = ["BATCH", "IN", "MODELS", "OUT", "MLP", "ParityCase", "WithUnused", "assert_close_lists", "batch", "build",
+           "case", "grads_of", "params_of", "wrap"]
 
 BATCH = 4
 IN, OUT = 8, 3
@@ -70,99 +70,18 @@ def batch(rank: int, step: int, size: int = BATCH) -> tuple[torch.Tensor, torch.
     return torch.randn(size, IN, generator=gen), torch.randint(0, OUT, (size,), generator=gen)
 
 
-def global_batch(world: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [batch(r, step) for r in range(world)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-
 def build(name: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return MODELS[name]()
 
 
-def grads_of(model: nn.Module) -> list[torch.Tensor | None]:
-    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-
-
-def params_of(model: nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def wrap(kind: str, module: nn.Module, **kwargs: Any) -> tuple[nn.Module, Any]:
-    """(callable model, handle-or-wrapper) for kind in ours / replicate / torch."""
-    if kind == "torch":
-        ddp = TorchDDP(module, **kwargs)
-        return ddp, ddp
-    if kind == "ours":
-        ddp = lockstep.DistributedDataParallel(module, **kwargs)
-        return ddp, ddp
-    policy = lockstep.SyncPolicy(**{("bucket_cap_mb" if k == "bucket_cap_mb" else k): v for k, v in kwargs.items()})
-    handle = lockstep.replicate(module, policy=policy)
-    return module, handle
-
-
-def train(
-    kind: str, name: str, steps: int, *, kwargs: dict[str, Any] | None = None, no_sync_every: int = 0,
-    lr: float = 0.1, rank_seeded: bool = True, configure: Callable[[nn.Module, int], None] | None = None,
-) -> dict[str, Any]:
-    """Train on this rank; return grads after each backward and params after the last step."""
-    rank = dist.get_rank()
-    module = build(name, seed=rank if rank_seeded else 0)  # different init per rank: the wrap must fix it
-    if configure is not None:
-        configure(module, rank)
-    model, handle = wrap(kind, module, **(kwargs or {}))
-    opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
-    grads = []
-    for step in range(steps):
-        x, y = batch(rank, step)
-        sync = not no_sync_every or (step + 1) % no_sync_every == 0
-        ctx = handle.no_sync() if not sync else _null()
-        with ctx:
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-        if sync:
-            grads.append(grads_of(module))
-            opt.step()
-            opt.zero_grad()
-    buffers = [b.detach().clone() for b in module.buffers()]
-    return {"grads": grads, "params": params_of(module), "buffers": buffers, "handle": None}
-
-
-def train_single(name: str, world: int, steps: int, *, no_sync_every: int = 0, lr: float = 0.1) -> dict[str, Any]:
-    """One process on the concatenated batch: the mean loss over world*BATCH samples."""
-    module = build(name, seed=0)
-    opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
-    grads = []
-    for step in range(steps):
-        x, y = global_batch(world, step)
-        loss = F.cross_entropy(module(x), y)
-        loss.backward()
-        if not no_sync_every or (step + 1) % no_sync_every == 0:
-            grads.append(grads_of(module))
-            opt.step()
-            opt.zero_grad()
-    return {"grads": grads, "params": params_of(module)}
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+def case(name: str, steps: int, **fields: Any) -> ParityCase:
+    """A lockstep.testing.parity case on one of MODELS and this module's per-rank batches."""
+    return ParityCase(model=functools.partial(build, name), data=batch, steps=steps, **fields)
 
 
 def assert_close_lists(a: list[Any], b: list[Any], *, atol: float = 1e-6, rtol: float = 1e-5, what: str = "") -> None:
-    assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} tensors"
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x is None or y is None:
-            assert x is None and y is None, f"{what}[{i}]: {x is None} vs {y is None} (None)"
-            continue
-        torch.testing.assert_close(x, y, atol=atol, rtol=rtol, msg=lambda m, i=i: f"{what}[{i}]: {m}")
-
-
-def copy_model(module: nn.Module) -> nn.Module:
-    return copy.deepcopy(module)
+    assert_tensors_close(a, b, atol, rtol, what=what)
 
 
 class WithUnused(nn.Module):

@@ -11,7 +11,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import lockstep
 from lockstep.errors import ConfigError
 from lockstep.testing import run_distributed
-from tests.multiproc.engine_util import MLP, assert_close_lists, batch, build, train
+from lockstep.testing.parity import run_parity
+from tests.multiproc.engine_util import MLP, assert_close_lists, batch, build, case
 
 
 def _surface() -> dict:
@@ -103,11 +104,6 @@ def test_torch_comm_hooks_run_unchanged(hook_name: str) -> None:
         assert all(s[2] == s[3] for s in seen)
 
 
-def _train_kinds() -> dict:
-    return {kind: train(kind, "mlp", 2) for kind in ("ours", "torch")}
-
-
 def test_user_initialised_process_group_and_world_of_one() -> None:
     # run_distributed's ranks call torch.distributed.init_process_group through lockstep.init(); a world of 1
-    out = run_distributed(_train_kinds, 1, timeout=60)
-    assert_close_lists(out[0]["ours"]["params"], out[0]["torch"]["params"])
+    run_parity({"mlp": case("mlp", 2)}, 1, timeout=60)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 import lockstep
 from lockstep.testing import run_distributed
-from tests.multiproc.engine_util import assert_close_lists, batch, build, train, train_single
+from lockstep.testing.parity import assert_tensors_close, run_parity, train_single
+from tests.multiproc.engine_util import batch, build, case
 
 STEPS = 2
 
@@ -38,20 +39,11 @@ def _compiled(where: str) -> dict:
 @pytest.mark.parametrize("where", ["inner", "outer"])
 def test_compiled_module_matches_torch(where: str) -> None:
     out = run_distributed(_compiled, 2, args=(where,), timeout=120)
-    single = train_single("mlp", 2, STEPS, lr=0.1)
+    single = train_single(case("mlp", STEPS), 2)
     for rank_out in out:
-        assert_close_lists(rank_out["ours"], rank_out["torch"], what=f"compile {where}")
-        assert_close_lists(rank_out["ours"], single["params"], what="vs single")
-
-
-def _toymp() -> dict:
-    return {kind: train(kind, "toymp", STEPS) for kind in ("ours", "replicate", "torch")}
+        assert_tensors_close(rank_out["ours"], rank_out["torch"], what=f"compile {where}")
+        assert_tensors_close(rank_out["ours"], single.params, what="vs single")
 
 
 def test_model_parallel_replica_on_cpu() -> None:
-    out = run_distributed(_toymp, 2, timeout=60)
-    single = train_single("toymp", 2, STEPS)
-    for rank_out in out:
-        for kind in ("ours", "replicate"):
-            assert_close_lists(rank_out[kind]["params"], rank_out["torch"]["params"], what=kind)
-            assert_close_lists(rank_out[kind]["params"], single["params"], what=f"{kind} vs single")
+    run_parity({"toymp": case("toymp", STEPS)}, 2, timeout=60)

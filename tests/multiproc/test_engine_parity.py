@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from lockstep.testing import run_distributed
-from tests.multiproc.engine_util import assert_close_lists, train, train_single
+import lockstep.engine.reducer as reducer
+from lockstep.testing.parity import run_parity
+from tests.multiproc.engine_util import case
 
 STEPS = 4
-
-
-def _three_ways(name: str, kwargs: dict) -> dict:
-    return {kind: train(kind, name, STEPS, kwargs=kwargs) for kind in ("ours", "replicate", "torch")}
 
 
 @pytest.mark.parametrize(
@@ -24,38 +21,22 @@ def _three_ways(name: str, kwargs: dict) -> dict:
     ],
 )
 def test_grads_and_params_match_torch_and_single_process(name: str, kwargs: dict, world: int) -> None:
-    out = run_distributed(_three_ways, world, args=(name, kwargs), timeout=90)
-    single = train_single(name, world, STEPS)
-    for rank, by_kind in enumerate(out):
-        for kind in ("ours", "replicate"):
-            for step in range(STEPS):
-                assert_close_lists(by_kind[kind]["grads"][step], by_kind["torch"]["grads"][step],
-                                   what=f"rank {rank} {kind} vs torch grads step {step}")
-                assert_close_lists(by_kind[kind]["grads"][step], single["grads"][step],
-                                   what=f"rank {rank} {kind} vs single grads step {step}")
-            assert_close_lists(by_kind[kind]["params"], by_kind["torch"]["params"], what=f"{kind} params")
-            assert_close_lists(by_kind[kind]["params"], single["params"], what=f"{kind} vs single params")
-    # replicas stay identical bit for bit
-    for rank in range(1, world):
-        assert_close_lists(out[rank]["ours"]["params"], out[0]["ours"]["params"], atol=0, rtol=0, what="replicas")
+    # run_parity checks every synced step's gradients and the final parameters of the drop-in class and
+    # `replicate` against torch's DDP (bitwise where the sums allow) and one process, replicas bitwise.
+    out = run_parity({name: case(name, STEPS, ddp_kwargs=kwargs)}, world)
+    assert len(out[name]) == world and all(len(by_kind["ours"].grads) == STEPS for by_kind in out[name])
 
 
-def _solo(threshold: int) -> dict:
-    # gradients above the threshold are reduced in place in buckets of their own (no flat buffer)
-    import lockstep.engine.reducer as reducer
-
-    reducer.SOLO_BUCKET_BYTES = threshold
-    out = {kind: train(kind, "mlp", STEPS) for kind in ("ours", "torch")}
-    out.update({f"unused {kind}": train(kind, "unused", STEPS, kwargs={"find_unused_parameters": True})
-                for kind in ("ours", "torch")})
-    out.update({f"no_sync {kind}": train(kind, "mlp", 4, no_sync_every=2) for kind in ("ours", "torch")})
-    return out
+def _small_solo_buckets() -> None:
+    # gradients above this threshold are reduced in place in buckets of their own (no flat buffer);
+    # only lockstep's own layout (`replicate`) has solo buckets: the drop-in class takes torch's layout
+    reducer.SOLO_BUCKET_BYTES = 256
 
 
 def test_solo_buckets_reduce_gradients_in_place() -> None:
-    for by_kind in run_distributed(_solo, 2, args=(256,), timeout=90):
-        for prefix in ("", "unused ", "no_sync "):
-            ours, theirs = by_kind[f"{prefix}ours"], by_kind[f"{prefix}torch"]
-            for step, (a, b) in enumerate(zip(ours["grads"], theirs["grads"])):
-                assert_close_lists(a, b, what=f"{prefix}step {step}")
-            assert_close_lists(ours["params"], theirs["params"], what=f"{prefix}params")
+    cases = {
+        "mlp": case("mlp", STEPS),
+        "unused": case("unused", STEPS, ddp_kwargs={"find_unused_parameters": True}),
+        "no_sync": case("mlp", 4, no_sync_every=2),
+    }
+    run_parity(cases, 2, setup=_small_solo_buckets)

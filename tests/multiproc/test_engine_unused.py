@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from lockstep.errors import UnusedParameterError
 from lockstep.testing import run_distributed
-from tests.multiproc.engine_util import assert_close_lists, train, train_single
+from lockstep.testing.parity import run_parity, train_replica
+from tests.multiproc.engine_util import case
 
 STEPS = 3
 
@@ -17,29 +18,20 @@ def _extra_only_on_rank0(module: torch.nn.Module, rank: int) -> None:
     module.use_extra = rank == 0  # type: ignore[assignment]
 
 
-def _find_unused(rank_dependent: bool) -> dict:
-    configure = _extra_only_on_rank0 if rank_dependent else None
-    kw = {"find_unused_parameters": True}
-    return {kind: train(kind, "unused", STEPS, kwargs=kw, configure=configure) for kind in ("ours", "replicate", "torch")}
-
-
 @pytest.mark.parametrize("rank_dependent", [False, True])
 def test_find_unused_parameters_matches_torch(rank_dependent: bool) -> None:
-    out = run_distributed(_find_unused, 2, args=(rank_dependent,), timeout=90)
-    single = None if rank_dependent else train_single("unused", 2, STEPS)
-    for rank, by_kind in enumerate(out):
+    # rank-dependent use of `extra` has no single-process equivalent: torch's DDP is the oracle there
+    kw = {"find_unused_parameters": True}
+    unused = case("unused", STEPS, ddp_kwargs=kw, configure=_extra_only_on_rank0 if rank_dependent else None,
+                  single_process=not rank_dependent)
+    out = run_parity({"unused": unused}, 2)["unused"]
+    for by_kind in out:
+        # `spare` is unused everywhere: its grad stays None exactly as with torch (checked by run_parity)
         for kind in ("ours", "replicate"):
-            for step in range(STEPS):
-                # `spare` is unused everywhere: its grad stays None exactly as with torch
-                assert_close_lists(by_kind[kind]["grads"][step], by_kind["torch"]["grads"][step],
-                                   what=f"rank {rank} {kind} step {step}")
-            assert_close_lists(by_kind[kind]["params"], by_kind["torch"]["params"], what=f"{kind} params")
-            if single is not None:
-                assert_close_lists(by_kind[kind]["params"], single["params"], what=f"{kind} vs single")
-        spare_grad = by_kind["ours"]["grads"][0][4]  # spare.weight
-        assert spare_grad is None
-        extra_grad = by_kind["ours"]["grads"][0][2]  # extra.weight: used on rank 0 only in the rank-dependent case
-        assert extra_grad is not None and extra_grad.abs().sum() > 0
+            spare_grad = by_kind[kind].grads[0][4]  # spare.weight
+            assert spare_grad is None
+            extra_grad = by_kind[kind].grads[0][2]  # extra.weight: used on rank 0 only in the rank-dependent case
+            assert extra_grad is not None and extra_grad.abs().sum() > 0
 
 
 def _no_flag(kind: str, only_rank1_skips: bool) -> str:
@@ -49,7 +41,7 @@ def _no_flag(kind: str, only_rank1_skips: bool) -> str:
             del module.spare  # every rank uses everything else
 
     try:
-        train(kind, "unused", 1, configure=configure)
+        train_replica(kind, case("unused", 1, configure=configure))
     except UnusedParameterError as exc:
         dist.barrier()  # every rank got here: nobody hangs
         return str(exc)

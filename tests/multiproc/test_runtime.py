@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,19 +42,43 @@ def test_collectives_agree() -> None:
         assert gathered == [{"rank": r, "pad": "x" * r * 3} for r in range(3)]
 
 
-def _ordered_writes(path: str) -> list[str]:
+def _ordered_entries(directory: str) -> dict[str, object]:
+    """Evidence of the order, without sleeps: files written just before and inside the block.
+
+    Every other rank announces that it reached main_process_first (`arrived-r`) and only then enters.
+    Rank 0, inside the block, waits until all of them have arrived, and only then leaves, writing `done-0`
+    last. A correct implementation holds the others until then, so they find `done-0` on entry. With a
+    no-op they enter right after announcing, while rank 0 is still polling for their arrival (every 50 ms):
+    they find it missing, and rank 0's line is not the first of order.txt.
+    """
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    base = Path(directory)
+    seen_before = (base / "done-0").exists()  # rank 0 cannot have left the block: it waits for this rank
+    if rank != 0:
+        (base / f"arrived-{rank}").touch()
     with main_process_first():
-        with open(path, "a") as handle:
-            handle.write(f"{torch.distributed.get_rank()}\n")
-        time.sleep(0.2 if lockstep.is_main() else 0)
+        done_on_entry = (base / "done-0").exists()
+        with open(base / "order.txt", "a") as handle:
+            handle.write(f"{rank}\n")
+        if rank == 0:
+            deadline = time.monotonic() + 30
+            while not all((base / f"arrived-{r}").exists() for r in range(1, world)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the other ranks never reached main_process_first")
+                time.sleep(0.05)  # polling pace only: correctness rests on the files
+            (base / "done-0").touch()
     lockstep.barrier()
-    with open(path) as handle:
-        return handle.read().split()
+    return {"seen_before": seen_before, "done_on_entry": done_on_entry,
+            "order": (base / "order.txt").read_text().split()}
 
 
-def test_main_process_first_runs_rank0_before_the_others(tmp_path) -> None:
-    out = run_distributed(_ordered_writes, 3, args=(str(tmp_path / "order.txt"),), timeout=60)
-    assert all(lines[0] == "0" and sorted(lines) == ["0", "1", "2"] for lines in out)
+def test_main_process_first_runs_rank0_before_the_others(tmp_path: Path) -> None:
+    out = run_distributed(_ordered_entries, 3, args=(str(tmp_path),), timeout=60)
+    for rank, result in enumerate(out):
+        assert result["seen_before"] is False, f"rank {rank} saw rank 0 finish before it arrived"
+        if rank != 0:
+            assert result["done_on_entry"] is True, f"rank {rank} entered before rank 0 had left the block"
+        assert result["order"][0] == "0" and sorted(result["order"]) == ["0", "1", "2"], result
 
 
 def _raise_on_rank1() -> None:

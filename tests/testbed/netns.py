@@ -1,145 +1,24 @@
-"""Several "hosts" on one machine: network namespaces joined by a bridge, with an optional tc rate limit.
+"""Network-namespace "hosts" for the multi-host tests: lockstep.testing.netns, with this repo's set-up step.
 
-    with netns_hosts(2, rate="1gbit") as (a, b):
-        server = a.popen(["python", "train.py"], env={"MASTER_ADDR": a.addr, ...})
-        b.run(["python", "train.py"], env=...)
-
-Layout: a "switch" namespace holds a Linux bridge; each host namespace has one veth (`IFNAME`, address
-10.X.Y.(i+1)/24) whose peer is a port of that bridge, and `lo` up. Nothing is added to the machine's own
-network namespace, and the 10.X.Y.0/24 subnet is private to these namespaces (X, Y random per instance, so
-that concurrent test runs never share one). A rate limit is a `tc tbf` on each host's veth egress (the
-kernel here has tbf and htb but no netem: there is no added latency).
-
-Commands enter a host with `nsenter --net=/run/netns/NAME` (unlike `ip netns exec`, it leaves /sys as it
-is). Cleanup, always (also when the test fails): SIGKILL every process still inside the namespaces this
-instance created (`ip netns pids`: only processes the test started there), then delete the namespaces,
-which removes their veths and the bridge.
+The harness itself (Host, netns_hosts, shape, teardown) lives in lockstep.testing.netns, where the benchmarks
+use it too; this module adds the skip reason that names `make testbed` when its commands are missing.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import random
-import signal
-import subprocess
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from lockstep.testing import netns as _netns
+from lockstep.testing.netns import IFNAME, Host, netns_hosts, rate_bits, shape, teardown
+from tests.testbed.system import is_root, require_commands
 
-from tests.testbed.system import ensure_commands, is_root
+__all__ = ["COMMANDS", "IFNAME", "PACKAGES", "Host", "netns_hosts", "rate_bits", "shape", "teardown",
+           "unavailable_reason"]
 
-IFNAME = "lsnet0"
-COMMANDS = ("ip", "tc", "nsenter")
-PACKAGES = ("iproute2", "util-linux")
+COMMANDS = _netns.COMMANDS
+PACKAGES = _netns.PACKAGES  # installed by `make testbed` (Makefile: TESTBED_PACKAGES)
 
 
 def unavailable_reason() -> str | None:
     """Why this machine cannot host namespace "hosts" (root, iproute2, a kernel with netns and veth)."""
     if not is_root():
         return "network namespaces need root (ip netns add); run the tests as root"
-    reason = ensure_commands(COMMANDS, PACKAGES)
-    if reason:
-        return reason
-    probe = f"lsprobe{os.getpid() % 100000}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-@dataclass(frozen=True)
-class Host:
-    """One namespace "host": its namespace name, its address on the shared subnet and its interface."""
-
-    netns: str
-    addr: str
-    ifname: str = IFNAME
-
-    def command(self, argv: Sequence[str]) -> list[str]:
-        return ["nsenter", f"--net=/run/netns/{self.netns}", *argv]
-
-    def popen(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-              **kwargs: object) -> subprocess.Popen[str]:
-        """Start `argv` inside this host (its own session, so a hung job can be killed as a group)."""
-        return subprocess.Popen(self.command(argv), env={**os.environ, **(env or {})}, cwd=cwd, text=True,
-                                start_new_session=True, **kwargs)  # type: ignore[call-overload]
-
-    def run(self, argv: Sequence[str], *, timeout: float = 60.0, env: Mapping[str, str] | None = None,
-            cwd: str | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.command(argv), env={**os.environ, **(env or {})}, cwd=cwd, text=True,
-                              capture_output=True, timeout=timeout)
-
-
-def _ip(*args: str) -> None:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"`ip {' '.join(args)}` failed: {result.stderr.strip()}")
-
-
-def _tc(netns: str, *args: str) -> None:
-    result = subprocess.run(["ip", "netns", "exec", netns, "tc", *args], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"`tc {' '.join(args)}` in {netns} failed: {result.stderr.strip()}")
-
-
-def rate_bits(rate: str) -> int:
-    """'10gbit' / '1gbit' / '100mbit' -> bits per second (tc's units)."""
-    units = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
-    for unit, scale in units.items():
-        if rate.endswith(unit):
-            return int(float(rate[: -len(unit)]) * scale)
-    raise ValueError(f"rate {rate!r} is not like 1gbit / 100mbit")
-
-
-def shape(host: Host, rate: str | None) -> None:
-    """Limit `host`'s egress to `rate` with a token bucket (or remove the limit when rate is None)."""
-    subprocess.run(["ip", "netns", "exec", host.netns, "tc", "qdisc", "del", "dev", host.ifname, "root"],
-                   capture_output=True)
-    if rate is None:
-        return
-    # A 1 ms bucket (at least a few packets): a larger one lets short transfers pass faster than the limit
-    # (with 10 ms, a 1 MB all-reduce measured 2.8x the 1 Gbit/s limit); tbf times its queue with hrtimers.
-    burst = max(32 * 1024, rate_bits(rate) // 8 // 1000)
-    _tc(host.netns, "qdisc", "add", "dev", host.ifname, "root", "tbf", "rate", rate, "burst", str(burst),
-        "latency", "100ms")
-
-
-@contextlib.contextmanager
-def netns_hosts(count: int = 2, *, rate: str | None = None) -> Iterator[list[Host]]:
-    """Create `count` hosts on one bridge (optionally rate-limited); yield them; always tear everything down."""
-    tag = f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"
-    switch = f"lssw{tag}"
-    subnet = f"10.{random.randrange(100, 250)}.{random.randrange(0, 250)}"
-    hosts = [Host(netns=f"lsh{tag}n{i}", addr=f"{subnet}.{i + 1}") for i in range(count)]
-    created: list[str] = []
-    try:
-        _ip("netns", "add", switch)
-        created.append(switch)
-        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", switch, "link", "set", "br0", "up")
-        for i, host in enumerate(hosts):
-            _ip("netns", "add", host.netns)
-            created.append(host.netns)
-            port = f"p{i}"
-            _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", host.netns)
-            _ip("-n", switch, "link", "set", port, "master", "br0")
-            _ip("-n", switch, "link", "set", port, "up")
-            _ip("-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", IFNAME)
-            _ip("-n", host.netns, "link", "set", IFNAME, "up")
-            _ip("-n", host.netns, "link", "set", "lo", "up")
-            shape(host, rate)
-        yield hosts
-    finally:
-        teardown(created)
-
-
-def teardown(namespaces: Sequence[str]) -> None:
-    """SIGKILL what the test left running inside `namespaces`, then delete them (veths and bridge go too)."""
-    for name in namespaces:
-        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-    for name in reversed(namespaces):
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return require_commands(COMMANDS, PACKAGES) or _netns.unavailable_reason()

@@ -38,20 +38,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.testbed.netns import Host
-from tests.testbed.system import ensure_commands, free_port, is_root, stop_process
+from tests.testbed.system import free_port, is_root, require_commands, stop_process
 
 COMMANDS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "unshare")
-PACKAGES = ("slurm-wlm", "munge")
+PACKAGES = ("slurm-wlm", "munge", "util-linux")  # installed by `make testbed` (Makefile: TESTBED_PACKAGES)
 START_TIMEOUT = 30.0
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                           "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
 
 
 def unavailable_reason() -> str | None:
-    """Why this machine cannot host the cluster (installing slurm-wlm and munge with apt if missing)."""
+    """Why this machine cannot host the cluster (not root, or slurm-wlm and munge not installed)."""
     if not is_root():
         return "a SLURM cluster needs root (slurmd runs jobs as any user); run the tests as root"
-    return ensure_commands(COMMANDS, PACKAGES)
+    return require_commands(COMMANDS, PACKAGES)
 
 
 @dataclass

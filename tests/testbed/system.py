@@ -1,4 +1,10 @@
-"""Machine checks and package installs shared by the testbed fixtures (root, apt, commands on PATH)."""
+"""Machine checks shared by the testbed fixtures: root, and the commands that `make testbed` installs.
+
+The fixtures never install anything themselves: the SLURM and multi-host tiers need Debian packages
+(slurm-wlm, munge, iproute2, util-linux) that one documented set-up step installs, as root, once:
+`make testbed` (the Makefile holds the package list; `.ci/run` runs it). Without them, those tests skip
+with a reason that names that command.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import shutil
 import signal
 import subprocess
 
-APT_TIMEOUT = 300.0
+SETUP_COMMAND = "make testbed"
 
 
 def is_root() -> bool:
@@ -19,24 +25,13 @@ def missing(commands: tuple[str, ...]) -> list[str]:
     return [cmd for cmd in commands if shutil.which(cmd) is None]
 
 
-def ensure_commands(commands: tuple[str, ...], packages: tuple[str, ...]) -> str | None:
-    """Install `packages` with apt when one of `commands` is missing; return why not possible, or None."""
-    if not missing(commands):
+def require_commands(commands: tuple[str, ...], packages: tuple[str, ...]) -> str | None:
+    """Why a fixture cannot run when one of `commands` is not on PATH (the skip reason), or None."""
+    absent = missing(commands)
+    if not absent:
         return None
-    if not is_root():
-        return f"needs {', '.join(missing(commands))} (Debian packages {' '.join(packages)}) and is not root"
-    if shutil.which("apt-get") is None:
-        return f"needs {', '.join(missing(commands))} and apt-get is not available to install {' '.join(packages)}"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
-    result = subprocess.run(install, capture_output=True, text=True, env=env, timeout=APT_TIMEOUT)
-    if result.returncode != 0:
-        # A stale package index is the usual cause on a fresh CI machine: refresh it once and retry.
-        subprocess.run(["apt-get", "update"], capture_output=True, text=True, env=env, timeout=APT_TIMEOUT)
-        result = subprocess.run(install, capture_output=True, text=True, env=env, timeout=APT_TIMEOUT)
-    if result.returncode != 0 or missing(commands):
-        return f"apt-get install {' '.join(packages)} failed (rc {result.returncode}): {result.stderr[-400:]}"
-    return None
+    return (f"{', '.join(absent)} not found on PATH (Debian packages {' '.join(packages)}); "
+            f"run `{SETUP_COMMAND}` as root once to install them")
 
 
 def free_port() -> int:
