@@ -1,44 +1,105 @@
 """lockstep: data-parallel training for PyTorch, with its own DDP engine in Python.
 
-Public names resolve lazily so that `lockstep run` (the launcher) starts without importing the engine.
+Names resolve at first use (PEP 562 __getattr__), so `lockstep run` starts without importing the engine;
+type checkers and IDEs read the real names from the `TYPE_CHECKING` imports below and the literal `__all__`.
+
+The public subpackages (`lockstep.engine`, `.data`, `.checkpoint`, `.runtime`, `.trainer`, `.nn`, `.hooks`,
+`.testing`, `.errors`) import their names eagerly; the names here are re-exports of theirs.
+tests/unit/test_public_api.py pins the whole surface (names and signatures).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from lockstep.errors import UnknownNameError
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "Topology": "lockstep.runtime.topology",
-    "init": "lockstep.runtime.process_group",
-    "shutdown": "lockstep.runtime.process_group",
-    "is_main": "lockstep.runtime.collectives",
-    "barrier": "lockstep.runtime.collectives",
-    "main_process_first": "lockstep.runtime.collectives",
-    "all_reduce_mean": "lockstep.runtime.collectives",
-    "broadcast_object": "lockstep.runtime.collectives",
-    "get_logger": "lockstep.runtime.logging",
-    "DistributedDataParallel": "lockstep.engine.api",
-    "replicate": "lockstep.engine.api",
-    "SyncPolicy": "lockstep.engine.policy",
-    "fit": "lockstep.trainer.loop",
+if TYPE_CHECKING:  # what static tools see; the same table as _EXPORTS (a test checks that they agree)
+    from lockstep import checkpoint, data, engine, errors, hooks, nn, runtime, testing, trainer
+    from lockstep.engine import DistributedDataParallel, ReplicaHandle, SyncPolicy, replicate
+    from lockstep.runtime import (
+        Topology,
+        all_reduce_mean,
+        barrier,
+        broadcast_object,
+        get_logger,
+        init,
+        is_main,
+        main_process_first,
+        shutdown,
+    )
+    from lockstep.trainer import FitConfig, FitResult, fit
+
+# Public name -> the public subpackage that defines it (imported at first use, then cached in globals()).
+_EXPORTS: dict[str, str] = {
+    "Topology": "lockstep.runtime",
+    "init": "lockstep.runtime",
+    "shutdown": "lockstep.runtime",
+    "is_main": "lockstep.runtime",
+    "barrier": "lockstep.runtime",
+    "main_process_first": "lockstep.runtime",
+    "all_reduce_mean": "lockstep.runtime",
+    "broadcast_object": "lockstep.runtime",
+    "get_logger": "lockstep.runtime",
+    "DistributedDataParallel": "lockstep.engine",
+    "ReplicaHandle": "lockstep.engine",
+    "SyncPolicy": "lockstep.engine",
+    "replicate": "lockstep.engine",
+    "FitConfig": "lockstep.trainer",
+    "FitResult": "lockstep.trainer",
+    "fit": "lockstep.trainer",
 }
-_SUBMODULES = ("data", "nn", "hooks", "checkpoint", "testing", "errors", "runtime", "engine", "trainer")
+_SUBMODULES = ("checkpoint", "data", "engine", "errors", "hooks", "nn", "runtime", "testing", "trainer")
 
-__all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
+# A literal list: static tools read __all__ only when it is written out.
+__all__ = [
+    "DistributedDataParallel",
+    "FitConfig",
+    "FitResult",
+    "ReplicaHandle",
+    "SyncPolicy",
+    "Topology",
+    "__version__",
+    "all_reduce_mean",
+    "barrier",
+    "broadcast_object",
+    "checkpoint",
+    "data",
+    "engine",
+    "errors",
+    "fit",
+    "get_logger",
+    "hooks",
+    "init",
+    "is_main",
+    "main_process_first",
+    "nn",
+    "replicate",
+    "runtime",
+    "shutdown",
+    "testing",
+    "trainer",
+]
 
+if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt `lockstep.X` is an error, not Any
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+    def __getattr__(name: str) -> Any:
+        if name in _EXPORTS:
+            value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        elif name in _SUBMODULES:
+            value = importlib.import_module(f"lockstep.{name}")
+        else:
+            raise UnknownNameError(
+                f"module 'lockstep' has no attribute {name!r}; its public names are lockstep.__all__: "
+                f"{', '.join(__all__)}"
+            )
         globals()[name] = value
         return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f"lockstep.{name}")
-    raise AttributeError(f"module 'lockstep' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return __all__
+    """The public names (resolved or not) and the module's dunders, not its private helpers."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})

@@ -31,8 +31,6 @@ _COMMANDS: dict[str, str] = {
     "env": "lockstep.launch.envinfo:main",
     "train": "lockstep.jobs.cli:main",
 }
-# Commands announced but not built yet: name -> what to do instead (none at the moment).
-_PLANNED: dict[str, str] = {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,8 +45,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(f"lockstep {__version__}\n")
         return 0
     command, rest = args[0], args[1:]
-    if command in _PLANNED:
-        return _fail(command, _PLANNED[command], 2)
     if command not in _COMMANDS:
         return _fail("lockstep", f"unknown command {command!r}; expected one of {', '.join(_COMMANDS)}", 2)
     try:
@@ -64,13 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _resolve(command: str) -> Callable[[list[str]], int]:
     module_name, _, attr = _COMMANDS[command].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if not exc.name or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise  # a real import error inside the command: show it as it is
-        raise LaunchError(f"`lockstep {command}` is not available yet in this version ({module_name} is missing)") from None
-    return getattr(module, attr)
+    handler: Callable[[list[str]], int] = getattr(importlib.import_module(module_name), attr)
+    return handler
 
 
 def _run_main(argv: list[str]) -> int:
@@ -84,7 +75,3 @@ def _fail(command: str, message: str, code: int) -> int:
     prog = command if command == "lockstep" else f"lockstep {command}"
     sys.stderr.write(f"{prog}: error: {message}\n")
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,10 @@
-"""Atomic, rank-0-written, weights_only-loadable checkpoints of everything a run needs to continue exactly."""
+"""Atomic, rank-0-written, weights_only-loadable checkpoints of everything a run needs to continue exactly.
+
+Public: `CheckpointManager(run_dir, keep=3)` (save, load, steps), `CheckpointLayout` (where a run's
+checkpoints live on disk) and `Stateful` (the state_dict()/load_state_dict() protocol every entry follows;
+checkpoints never import the engine or the data package). The modules behind them: layout (pure paths),
+storage (atomic writes), meta (meta.json), rng (every rank's RNG states), stateful and manager.
+"""
 
 from __future__ import annotations
 
@@ -6,4 +12,4 @@ from lockstep.checkpoint.layout import CheckpointLayout
 from lockstep.checkpoint.manager import CheckpointManager
 from lockstep.checkpoint.stateful import Stateful
 
-__all__ = ["CheckpointManager", "CheckpointLayout", "Stateful"]
+__all__ = ["CheckpointLayout", "CheckpointManager", "Stateful"]

@@ -1,4 +1,9 @@
-"""Sharding samples across ranks: a world-size-independent, resumable training order and exact evaluation."""
+"""Sharding samples across ranks: a world-size-independent, resumable training order and exact evaluation.
+
+Public: `DistributedSampler` (drop-in for torch's, plus state_dict() and mid-epoch resume at any world
+size), `EvalSampler` (every sample on exactly one rank, no padding) and the collectives that combine
+per-rank evaluation results, `gather_eval` (rows with their indices) and `reduce_eval` (sums and counts).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""Who am I and how do I talk to the others: topology, process group, small collectives, rank-aware logs."""
+"""Who am I and how do I talk to the others: topology, process group, small collectives, rank-aware logs.
+
+Modules: topology (pure: environment -> Topology, for torchrun, SLURM, explicit arguments or nothing),
+slurm_notation (SLURM's host and task lists), env_contract (the environment variables launcher and runtime
+share), process_group (init/shutdown; init returns a JoinedTopology, a Topology that `with` can own),
+collectives (rank queries and small typed collectives) and logging (rank-aware loggers). The launcher
+imports this package: nothing here imports the engine.
+"""
 
 from __future__ import annotations
 
@@ -14,24 +21,26 @@ from lockstep.runtime.collectives import (
     main_process_first,
 )
 from lockstep.runtime.logging import get_logger
-from lockstep.runtime.process_group import init, is_initialized, shutdown
-from lockstep.runtime.topology import Topology, expand_hostlist, resolve_topology
+from lockstep.runtime.process_group import JoinedTopology, init, is_initialized, shutdown
+from lockstep.runtime.slurm_notation import expand_hostlist
+from lockstep.runtime.topology import Topology, resolve_topology
 
 __all__ = [
+    "JoinedTopology",
     "Topology",
-    "resolve_topology",
-    "expand_hostlist",
-    "init",
-    "shutdown",
-    "is_initialized",
-    "get_rank",
-    "get_world_size",
-    "is_main",
-    "barrier",
-    "main_process_first",
+    "all_gather_object",
     "all_reduce_mean",
     "all_reduce_sum",
+    "barrier",
     "broadcast_object",
-    "all_gather_object",
+    "expand_hostlist",
     "get_logger",
+    "get_rank",
+    "get_world_size",
+    "init",
+    "is_initialized",
+    "is_main",
+    "main_process_first",
+    "resolve_topology",
+    "shutdown",
 ]

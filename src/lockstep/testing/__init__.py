@@ -1,8 +1,28 @@
-"""Helpers for testing distributed code for real: N gloo ranks in subprocesses with a hard timeout."""
+"""Testing distributed code for real: N gloo ranks in subprocesses with a hard timeout, and parity checks.
+
+Public: `run_distributed` (run a function on N fresh gloo ranks; a hang fails in seconds with every rank's
+stack), `watch_collectives` (see every tensor handed to all_reduce/all_gather), from `parity` the
+three-way check behind the engine's tests (`run_parity` trains `ParityCase`s with lockstep's class,
+`lockstep.replicate` and torch's DDP on every rank plus one process on the whole batch, returns
+`ParityRun`s and raises ParityError on the first difference: `assert_parity`, `assert_tensors_close`),
+and from `netns` several "hosts" on one machine (`netns_hosts` yields `Host`s; needs root).
+"""
 
 from __future__ import annotations
 
 from lockstep.testing.collectives import watch_collectives
+from lockstep.testing.netns import Host, netns_hosts
+from lockstep.testing.parity import ParityCase, ParityRun, assert_parity, assert_tensors_close, run_parity
 from lockstep.testing.spawn import run_distributed
 
-__all__ = ["run_distributed", "watch_collectives"]
+__all__ = [
+    "Host",
+    "ParityCase",
+    "ParityRun",
+    "assert_parity",
+    "assert_tensors_close",
+    "netns_hosts",
+    "run_distributed",
+    "run_parity",
+    "watch_collectives",
+]
