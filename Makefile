@@ -20,12 +20,14 @@ train: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/lockstep train digits -n 2 --run-dir runs/digits
 
 test: install
-	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff check src tests benchmarks examples tools
+	$(PY) -m ruff format --check src tests benchmarks examples tools
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 lint: install
-	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff check src tests benchmarks examples tools
+	$(PY) -m ruff format --check src tests benchmarks examples tools
 	$(PY) -m mypy
 
 # torch's own DDP tests (in the torch wheel) on torch's DDP and on lockstep's: docs/compat/torch_ddp_tests.md.

@@ -41,23 +41,37 @@ T = TypeVar("T")
 class MLP(nn.Module):  # ~25M parameters
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
-                                 nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        self.net = nn.Sequential(
+            nn.Linear(1024, 4096),
+            nn.ReLU(),
+            nn.Linear(4096, 4096),
+            nn.ReLU(),
+            nn.Linear(4096, 1024),
+            nn.ReLU(),
+            nn.Linear(1024, 10),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 
 def conv_block(cin: int, cout: int, stride: int) -> nn.Module:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
-                         nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU(),
+        nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(cout),
+    )
 
 
 class ResBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.body = conv_block(cin, cout, stride)
-        self.skip = nn.Identity() if cin == cout and stride == 1 else nn.Conv2d(cin, cout, 1, stride, bias=False)
+        self.skip = (
+            nn.Identity() if cin == cout and stride == 1 else nn.Conv2d(cin, cout, 1, stride, bias=False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.body(x) + self.skip(x))
@@ -67,7 +81,9 @@ class SmallResNet(nn.Module):  # ResNet-style, 32x32 images, ~0.7M parameters
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
-        self.layers = nn.Sequential(ResBlock(32, 32, 1), ResBlock(32, 64, 2), ResBlock(64, 128, 2), ResBlock(128, 128, 1))
+        self.layers = nn.Sequential(
+            ResBlock(32, 32, 1), ResBlock(32, 64, 2), ResBlock(64, 128, 2), ResBlock(128, 128, 1)
+        )
         self.head = nn.Linear(128, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +117,12 @@ class ManySmall(nn.Module):  # hundreds of tiny layers: the per-hook cost
         return x
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": MLP, "resnet": SmallResNet, "gpt": GPT, "many_small": ManySmall}
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "mlp": MLP,
+    "resnet": SmallResNet,
+    "gpt": GPT,
+    "many_small": ManySmall,
+}
 
 
 def build(name: str) -> nn.Module:
@@ -140,8 +161,15 @@ LINK_BATCH = 32
 def link_mlp() -> nn.Module:
     """MLP 1024-1024-1024-1024-10 (3.2M parameters, 12.6 MB of fp32 gradients), seed 0."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                         nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return nn.Sequential(
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 10),
+    )
 
 
 def link_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,9 +215,11 @@ def fmt_ratios(ratios: Sequence[float]) -> str:
 
 def machine_line() -> str:
     """Where the numbers come from: host, CPU, cores, torch and its threads, backend, OMP_NUM_THREADS."""
-    return (f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"torch {torch.__version__} ({torch.get_num_threads()} threads), gloo on CPU, "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    return (
+        f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), gloo on CPU, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+    )
 
 
 # ---------------------------------------------------------------- two hosts in network namespaces
@@ -201,8 +231,9 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-json", default="", help=argparse.SUPPRESS)
 
 
-def run_pair(script: str, rate: str | None, argv: Sequence[str], out_json: Path, *, port: int,
-             timeout: float) -> dict[str, Any]:
+def run_pair(
+    script: str, rate: str | None, argv: Sequence[str], out_json: Path, *, port: int, timeout: float
+) -> dict[str, Any]:
     """`python SCRIPT --worker --out-json F ARGS` on each of two namespace hosts, on a link limited to
     `rate` (None: unshaped); rank 0 writes its JSON result to F, returned here. Needs root.
 
@@ -214,11 +245,24 @@ def run_pair(script: str, rate: str | None, argv: Sequence[str], out_json: Path,
     with netns_hosts(2, rate=rate) as hosts:
         procs = []
         for rank, host in enumerate(hosts):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": hosts[0].addr,
-                   "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": host.ifname, "OMP_NUM_THREADS": "1",
-                   "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-            procs.append(host.popen([sys.executable, script, "--worker", "--out-json", str(out_json), *argv],
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": hosts[0].addr,
+                "MASTER_PORT": str(port),
+                "GLOO_SOCKET_IFNAME": host.ifname,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+            }
+            procs.append(
+                host.popen(
+                    [sys.executable, script, "--worker", "--out-json", str(out_json), *argv],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                )
+            )
         outputs = [proc.communicate(timeout=timeout) for proc in procs]
     if any(proc.returncode for proc in procs) or not out_json.exists():
         raise RuntimeError(f"link {rate or 'unshaped'}: workers failed: {[o[1][-2000:] for o in outputs]}")

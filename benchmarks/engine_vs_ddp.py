@@ -74,20 +74,32 @@ def bench_worker(name: str, rounds: int, warmup: int, steps: int, pairs: list[st
         for r in range(rounds):
             spent: dict[int, list[float]] = {id(a): [], id(b): []}
             for engine in abba((a, b), r):
-                spent[id(engine)].append(slowest_rank_seconds(engine.step, warmup, steps // 2 or 1, start=100 * r))
+                spent[id(engine)].append(
+                    slowest_rank_seconds(engine.step, warmup, steps // 2 or 1, start=100 * r)
+                )
             ta, tb = sum(spent[id(a)]), sum(spent[id(b)])
             ratios.append(ta / tb)
             times_a.append(ta / 2)
             times_b.append(tb / 2)
-        result[pair] = {"ratios": ratios, "a_ms": statistics.median(times_a) * 1e3,
-                        "b_ms": statistics.median(times_b) * 1e3}
+        result[pair] = {
+            "ratios": ratios,
+            "a_ms": statistics.median(times_a) * 1e3,
+            "b_ms": statistics.median(times_b) * 1e3,
+        }
         if kind_a == "lockstep":
             stats = a.model.stats()
-            result["lockstep_stats"] = None if stats.mean is None else {
-                "comm_ms": stats.mean.comm_ms, "hidden_ms": stats.mean.comm_hidden_ms,
-                "finalize_ms": stats.mean.finalize_ms, "num_buckets": stats.num_buckets,
-                "backward_ms": stats.mean.backward_ms, "forward_ms": stats.mean.forward_ms,
-            }
+            result["lockstep_stats"] = (
+                None
+                if stats.mean is None
+                else {
+                    "comm_ms": stats.mean.comm_ms,
+                    "hidden_ms": stats.mean.comm_hidden_ms,
+                    "finalize_ms": stats.mean.finalize_ms,
+                    "num_buckets": stats.num_buckets,
+                    "backward_ms": stats.mean.backward_ms,
+                    "forward_ms": stats.mean.forward_ms,
+                }
+            )
         del a, b
     return result
 
@@ -122,30 +134,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-noise-floor", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--memory-launches", type=int, default=3, help="launches per engine for peak RSS")
-    parser.add_argument("--out", default=None, help="report path (default benchmarks/results/<date>-engine_vs_ddp.md)")
+    parser.add_argument(
+        "--out", default=None, help="report path (default benchmarks/results/<date>-engine_vs_ddp.md)"
+    )
     args = parser.parse_args(argv)
     pairs = ["lockstep/torch"] + ([] if args.no_noise_floor else ["torch/torch"])
     rows = []
     for name in args.models:
         for world in args.world_sizes:
-            res = run_distributed(bench_worker, world, args=(name, args.rounds, args.warmup, args.steps, pairs),
-                                  timeout=1800)[0]
+            res = run_distributed(
+                bench_worker, world, args=(name, args.rounds, args.warmup, args.steps, pairs), timeout=1800
+            )[0]
             mem = ""
             if not args.no_memory:
                 mem = _memory_ratio(name, world, args.memory_launches)
             main_pair = res["lockstep/torch"]
             floor = fmt_ratios(res["torch/torch"]["ratios"]) if "torch/torch" in res else "-"
             st = res.get("lockstep_stats") or {}
-            row = (f"| {name} | {world} | {main_pair['a_ms']:.1f} | {main_pair['b_ms']:.1f} | {fmt_ratios(main_pair['ratios'])} "
-                   f"| {floor} | {mem or '-'} | {res['parity lockstep/torch']:.1e} "
-                   f"| {st.get('num_buckets', '-')} | {st.get('comm_ms', 0):.1f}/{st.get('hidden_ms', 0):.1f} |")
+            row = (
+                f"| {name} | {world} | {main_pair['a_ms']:.1f} | {main_pair['b_ms']:.1f} | {fmt_ratios(main_pair['ratios'])} "
+                f"| {floor} | {mem or '-'} | {res['parity lockstep/torch']:.1e} "
+                f"| {st.get('num_buckets', '-')} | {st.get('comm_ms', 0):.1f}/{st.get('hidden_ms', 0):.1f} |"
+            )
             print(row, flush=True)
             rows.append(row)
-    header = ("| model | world | lockstep ms/step | torch ms/step | step ratio lockstep/torch, median [min-max] "
-              "| noise floor torch/torch | peak RSS ratio (lockstep/torch) | grad parity (max rel) "
-              "| buckets | lockstep comm/hidden ms |\n|---|---|---|---|---|---|---|---|---|---|")
-    machine = f"{machine_line()}; {args.rounds} rounds A-B-B-A x {args.steps} timed steps (+{args.warmup} warm-up)"
-    report = f"# lockstep engine vs torch DDP ({datetime.date.today()})\n\nMachine: {machine}\n\n{header}\n" + "\n".join(rows) + "\n"
+    header = (
+        "| model | world | lockstep ms/step | torch ms/step | step ratio lockstep/torch, median [min-max] "
+        "| noise floor torch/torch | peak RSS ratio (lockstep/torch) | grad parity (max rel) "
+        "| buckets | lockstep comm/hidden ms |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    machine = (
+        f"{machine_line()}; {args.rounds} rounds A-B-B-A x {args.steps} timed steps (+{args.warmup} warm-up)"
+    )
+    report = (
+        f"# lockstep engine vs torch DDP ({datetime.date.today()})\n\nMachine: {machine}\n\n{header}\n"
+        + "\n".join(rows)
+        + "\n"
+    )
     out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.date.today()}-engine_vs_ddp.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)

@@ -65,17 +65,28 @@ BUCKET_CAP_MB = 25.0
 WARMUP_ONCE = START_POWERSGD_ITER + 1  # every configuration is compressing before the rounds start
 # (label, engine, hook): hook None = no hook; "torch:" = torch's own hook; else lockstep.hooks'.
 CONFIGS: list[tuple[str, str, str | None]] = [
-    ("torch", "torch", None), ("torch (again)", "torch", None), ("lockstep", "lockstep", None),
-    ("lockstep allreduce", "lockstep", "allreduce"), ("torch allreduce", "torch", "torch:allreduce"),
-    ("lockstep fp16", "lockstep", "fp16"), ("torch fp16", "torch", "torch:fp16"),
-    ("lockstep bf16", "lockstep", "bf16"), ("torch bf16", "torch", "torch:bf16"),
-    ("lockstep powerSGD r1", "lockstep", "powersgd1"), ("torch powerSGD r1", "torch", "torch:powersgd1"),
-    ("lockstep powerSGD r4", "lockstep", "powersgd4"), ("torch powerSGD r4", "torch", "torch:powersgd4"),
+    ("torch", "torch", None),
+    ("torch (again)", "torch", None),
+    ("lockstep", "lockstep", None),
+    ("lockstep allreduce", "lockstep", "allreduce"),
+    ("torch allreduce", "torch", "torch:allreduce"),
+    ("lockstep fp16", "lockstep", "fp16"),
+    ("torch fp16", "torch", "torch:fp16"),
+    ("lockstep bf16", "lockstep", "bf16"),
+    ("torch bf16", "torch", "torch:bf16"),
+    ("lockstep powerSGD r1", "lockstep", "powersgd1"),
+    ("torch powerSGD r1", "torch", "torch:powersgd1"),
+    ("lockstep powerSGD r4", "lockstep", "powersgd4"),
+    ("torch powerSGD r4", "torch", "torch:powersgd4"),
 ]
-HOOK_ROWS = [("none", "lockstep", "torch"), ("allreduce", "lockstep allreduce", "torch allreduce"),
-             ("fp16", "lockstep fp16", "torch fp16"), ("bf16", "lockstep bf16", "torch bf16"),
-             ("powerSGD rank 1", "lockstep powerSGD r1", "torch powerSGD r1"),
-             ("powerSGD rank 4", "lockstep powerSGD r4", "torch powerSGD r4")]
+HOOK_ROWS = [
+    ("none", "lockstep", "torch"),
+    ("allreduce", "lockstep allreduce", "torch allreduce"),
+    ("fp16", "lockstep fp16", "torch fp16"),
+    ("bf16", "lockstep bf16", "torch bf16"),
+    ("powerSGD rank 1", "lockstep powerSGD r1", "torch powerSGD r1"),
+    ("powerSGD rank 4", "lockstep powerSGD r4", "torch powerSGD r4"),
+]
 
 
 # ---------------------------------------------------------------- per rank
@@ -87,8 +98,9 @@ def _hook(spec: str) -> tuple[Any, Callable[..., Any]]:
     name = spec.removeprefix("torch:")
     if name.startswith("powersgd"):
         module = torch_powersgd if theirs else hooks
-        state = module.PowerSGDState(None, matrix_approximation_rank=int(name[-1]),
-                                     start_powerSGD_iter=START_POWERSGD_ITER)
+        state = module.PowerSGDState(
+            None, matrix_approximation_rank=int(name[-1]), start_powerSGD_iter=START_POWERSGD_ITER
+        )
         return state, module.powerSGD_hook
     fn = {"allreduce": "allreduce_hook", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}[name]
     return (None, getattr(default_hooks, fn)) if theirs else (hooks.HookState(None), getattr(hooks, fn))
@@ -146,7 +158,8 @@ def _parity(state: dict[str, Any], rank: int) -> dict[str, float]:
         a = _one_step(_build("lockstep", ours, state), rank, 0)
         b = _one_step(_build("torch", theirs, state), rank, 0)
         out[f"lockstep {ours} vs torch {(theirs or 'no hook').removeprefix('torch:')}"] = max(
-            float((x - y).abs().max()) / max(float(y.abs().max()), 1e-30) for x, y in zip(a, b))
+            float((x - y).abs().max()) / max(float(y.abs().max()), 1e-30) for x, y in zip(a, b)
+        )
     return out
 
 
@@ -169,7 +182,9 @@ def bench_worker(rounds: int, warmup: int, steps: int, skip: list[str]) -> dict[
         counted = [0]
         with _counting_collectives(counted):
             _one_step(built, rank, WARMUP_ONCE)
-        result["bytes"][label] = counted[0] if hook is not None else 4 * sum(p.numel() for p in link_mlp().parameters())
+        result["bytes"][label] = (
+            counted[0] if hook is not None else 4 * sum(p.numel() for p in link_mlp().parameters())
+        )
         engines[label] = built
     labels = list(engines)
     times: dict[str, list[float]] = {label: [] for label in labels}
@@ -182,7 +197,7 @@ def bench_worker(rounds: int, warmup: int, steps: int, skip: list[str]) -> dict[
 
 
 def skip_reason(label: str) -> str:
-    return ("aborted gloo in the probe (see below)" if "powerSGD" in label else "skipped")
+    return "aborted gloo in the probe (see below)" if "powerSGD" in label else "skipped"
 
 
 # ---------------------------------------------------------------- probes: does torch's PowerSGD survive gloo?
@@ -191,8 +206,17 @@ def skip_reason(label: str) -> str:
 def medium_mlp() -> nn.Module:
     """2.1M parameters in several 1 MB buckets (the model of lockstep's own multi-process PowerSGD checks)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512),
-                         nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    return nn.Sequential(
+        nn.Linear(256, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
+    )
 
 
 def medium_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,8 +234,10 @@ def probe_worker(model: str, cap_mb: float | None, log_dir: str) -> str:
     torch.manual_seed(0)
     module = medium_mlp() if model == "medium" else link_mlp()
     ddp = TorchDDP(module, bucket_cap_mb=cap_mb)
-    ddp.register_comm_hook(torch_powersgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2),
-                           torch_powersgd.powerSGD_hook)
+    ddp.register_comm_hook(
+        torch_powersgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2),
+        torch_powersgd.powerSGD_hook,
+    )
     for step in range(5):
         if model == "medium":
             x, y = medium_batch(dist.get_rank(), step)
@@ -228,9 +254,15 @@ def probe(model: str, cap_mb: float | None) -> tuple[bool, str]:
         try:
             return True, run_distributed(probe_worker, 2, args=(model, cap_mb, log_dir), timeout=60)[0]
         except Exception as exc:  # noqa: BLE001 (the probe reports whatever happened)
-            ranks = [line.strip().removesuffix(" raised:") + (" raised (its peer aborted)" if "raised" in line else "")
-                     for line in str(exc).splitlines() if line.startswith("[rank")]
-            logs = "".join(Path(log_dir, name).read_text(errors="replace") for name in sorted(os.listdir(log_dir)))
+            ranks = [
+                line.strip().removesuffix(" raised:")
+                + (" raised (its peer aborted)" if "raised" in line else "")
+                for line in str(exc).splitlines()
+                if line.startswith("[rank")
+            ]
+            logs = "".join(
+                Path(log_dir, name).read_text(errors="replace") for name in sorted(os.listdir(log_dir))
+            )
             gloo = [line.strip() for line in logs.splitlines() if "Received data size" in line]
             return False, "; ".join(ranks) + (f"; gloo: `{gloo[0][-160:]}`" if gloo else "")
 
@@ -239,7 +271,9 @@ def probe(model: str, cap_mb: float | None) -> tuple[bool, str]:
 
 
 def run_loopback(args: argparse.Namespace, skip: list[str]) -> dict[str, Any]:
-    return run_distributed(bench_worker, 2, args=(args.rounds, args.warmup, args.steps, skip), timeout=args.timeout)[0]
+    return run_distributed(
+        bench_worker, 2, args=(args.rounds, args.warmup, args.steps, skip), timeout=args.timeout
+    )[0]
 
 
 def run_netns(rate: str, args: argparse.Namespace, skip: list[str], workdir: Path) -> dict[str, Any]:
@@ -272,9 +306,11 @@ def _ratios(times: dict[str, list[float]], label: str, ref: str) -> list[float]:
 
 def table(res: dict[str, Any]) -> list[str]:
     times, nbytes = res["times"], res["bytes"]
-    lines = ["| hook | lockstep bytes/step | torch bytes/step | lockstep ms/step | torch ms/step "
-             "| lockstep / torch, same hook | lockstep+hook / torch no hook | torch+hook / torch no hook |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| hook | lockstep bytes/step | torch bytes/step | lockstep ms/step | torch ms/step "
+        "| lockstep / torch, same hook | lockstep+hook / torch no hook | torch+hook / torch no hook |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for hook, ours, theirs in HOOK_ROWS:
         cells = [hook, _mb(nbytes.get(ours)), _mb(nbytes.get(theirs)) if theirs in times else "refused"]
         for label in (ours, theirs):
@@ -283,15 +319,22 @@ def table(res: dict[str, Any]) -> list[str]:
         cells.append(fmt_ratios(_ratios(times, ours, "torch")))
         cells.append(fmt_ratios(_ratios(times, theirs, "torch")) if theirs in times else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append(f"| noise floor: torch (again) / torch | | | | | {fmt_ratios(_ratios(times, 'torch (again)', 'torch'))} | | |")
+    lines.append(
+        f"| noise floor: torch (again) / torch | | | | | {fmt_ratios(_ratios(times, 'torch (again)', 'torch'))} | | |"
+    )
     return lines
 
 
-def report(results: dict[str, dict[str, Any]], probes: dict[str, tuple[bool, str]], args: argparse.Namespace,
-           seconds: float) -> str:
+def report(
+    results: dict[str, dict[str, Any]],
+    probes: dict[str, tuple[bool, str]],
+    args: argparse.Namespace,
+    seconds: float,
+) -> str:
     n_params = sum(p.numel() for p in link_mlp().parameters())
     lines = [
-        f"# Communication hooks: lockstep vs torch, 2 gloo ranks ({datetime.date.today().isoformat()})", "",
+        f"# Communication hooks: lockstep vs torch, 2 gloo ranks ({datetime.date.today().isoformat()})",
+        "",
         f"Machine: {machine_line()}; both ranks on the same cores. Model: benchmarks/common.py's link MLP "
         f"1024-1024-1024-1024-10 ({n_params / 1e6:.2f}M parameters, {4 * n_params / 1e6:.1f} MB of fp32 gradients), "
         f"batch {LINK_BATCH} per rank, SGD, bucket_cap_mb={BUCKET_CAP_MB:g} given to both engines (one bucket; see the "
@@ -299,11 +342,13 @@ def report(results: dict[str, dict[str, Any]], probes: dict[str, tuple[bool, str
         "error feedback and warm start on, min_compression_rate 2. Every configuration warmed up "
         f"{WARMUP_ONCE} steps (compressing before timing); rounds: forward order then reversed, each configuration "
         f"{args.warmup} warm-up + N timed steps per round; a step's time is the slowest rank's; ratios are "
-        "per-round ratios, median [min-max]. Run took " f"{seconds:.0f} s. `python benchmarks/hooks.py` (as root).",
+        "per-round ratios, median [min-max]. Run took "
+        f"{seconds:.0f} s. `python benchmarks/hooks.py` (as root).",
         "",
         "Bytes/step: floating-point payload handed to dist.all_reduce/all_gather in one step (counted by a "
         "pass-through wrapper; for 2 ranks a ring all-reduce sends that many bytes each way); no hook: the fp32 "
-        "gradients.", "",
+        "gradients.",
+        "",
     ]
     for link, res in results.items():
         rounds = args.slow_rounds if link == "100mbit" else args.rounds
@@ -317,16 +362,20 @@ def report(results: dict[str, dict[str, Any]], probes: dict[str, tuple[bool, str
     lines += ["## torch's own powerSGD_hook on gloo (2 CPU ranks, 5 steps, start_powerSGD_iter=2)", ""]
     for what, (ok, text) in probes.items():
         lines.append(f"- {what}: {'works' if ok else 'FAILS'}: {text}")
-    lines += ["", "Notes:",
-              "- lockstep+hook / torch no hook is the speed-up the hook buys on that link; lockstep / torch, same "
-              "hook compares the engines (and the hooks' implementations) at equal bytes.",
-              "- torch's DDP refuses a hook named bf16_compress_hook unless CUDA and NCCL >= 2.10 are present, so "
-              "there is no torch bf16 row on CPU; lockstep's bf16 hook runs on gloo.",
-              "- torch's PowerSGD on several buckets fails either way on gloo: an abort (a size mismatch) or a hang "
-              "(both ranks killed at the probe's 60 s timeout), depending on how the ranks' collectives interleave; "
-              "lockstep's runs on the same models (its multi-process hook checks).",
-              "- Both ranks share 2 cores: compression costs CPU that the all-reduce would otherwise compete for; on "
-              "loopback it does not pay, on a slow link it does.", ""]
+    lines += [
+        "",
+        "Notes:",
+        "- lockstep+hook / torch no hook is the speed-up the hook buys on that link; lockstep / torch, same "
+        "hook compares the engines (and the hooks' implementations) at equal bytes.",
+        "- torch's DDP refuses a hook named bf16_compress_hook unless CUDA and NCCL >= 2.10 are present, so "
+        "there is no torch bf16 row on CPU; lockstep's bf16 hook runs on gloo.",
+        "- torch's PowerSGD on several buckets fails either way on gloo: an abort (a size mismatch) or a hang "
+        "(both ranks killed at the probe's 60 s timeout), depending on how the ranks' collectives interleave; "
+        "lockstep's runs on the same models (its multi-process hook checks).",
+        "- Both ranks share 2 cores: compression costs CPU that the all-reduce would otherwise compete for; on "
+        "loopback it does not pay, on a slow link it does.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -341,29 +390,46 @@ def main() -> None:
     parser.add_argument("--slow-steps", type=int, default=2, help="timed steps per round at 100mbit")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900.0)
-    parser.add_argument("--out", default=None, help="report path (default benchmarks/results/<date>-hooks.md)")
+    parser.add_argument(
+        "--out", default=None, help="report path (default benchmarks/results/<date>-hooks.md)"
+    )
     args = parser.parse_args()
     if args.worker:
         netns_worker(args)
         return
     started = time.time()
     probes = {
-        f"this benchmark's MLP, bucket_cap_mb={BUCKET_CAP_MB:g} given (one bucket)": probe("bench", BUCKET_CAP_MB),
-        "this benchmark's MLP, torch's default buckets (first bucket 1 MB: two buckets)": probe("bench", None),
-        "2.1M-parameter MLP (lockstep's PowerSGD checks), bucket_cap_mb=1 (several buckets)": probe("medium", 1.0),
+        f"this benchmark's MLP, bucket_cap_mb={BUCKET_CAP_MB:g} given (one bucket)": probe(
+            "bench", BUCKET_CAP_MB
+        ),
+        "this benchmark's MLP, torch's default buckets (first bucket 1 MB: two buckets)": probe(
+            "bench", None
+        ),
+        "2.1M-parameter MLP (lockstep's PowerSGD checks), bucket_cap_mb=1 (several buckets)": probe(
+            "medium", 1.0
+        ),
     }
     print(probes, file=sys.stderr, flush=True)
-    skip = [] if next(iter(probes.values()))[0] else [
-        label for label, _, hook in CONFIGS if hook and hook.startswith("torch:powersgd")]
+    skip = (
+        []
+        if next(iter(probes.values()))[0]
+        else [label for label, _, hook in CONFIGS if hook and hook.startswith("torch:powersgd")]
+    )
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for link in args.links:
             t0 = time.time()
-            results[link] = run_loopback(args, skip) if link == "loopback" else run_netns(link, args, skip, Path(tmp))
+            results[link] = (
+                run_loopback(args, skip) if link == "loopback" else run_netns(link, args, skip, Path(tmp))
+            )
             print(f"{link}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
             print("\n".join(table(results[link])), file=sys.stderr, flush=True)
     text = report(results, probes, args, time.time() - started)
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"{datetime.date.today().isoformat()}-hooks.md"
+    out = (
+        Path(args.out)
+        if args.out
+        else ROOT / "benchmarks" / "results" / f"{datetime.date.today().isoformat()}-hooks.md"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)

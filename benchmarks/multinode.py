@@ -71,7 +71,9 @@ def _comm_hook(kind: str) -> tuple[Any, Any] | None:
     if kind == "lockstep+fp16":
         return hooks.HookState(None), hooks.fp16_compress_hook
     if kind == "lockstep+powerSGD r4":  # compressed from the first timed step (step 0 is the warm-up)
-        return hooks.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=1), hooks.powerSGD_hook
+        return hooks.PowerSGDState(
+            None, matrix_approximation_rank=4, start_powerSGD_iter=1
+        ), hooks.powerSGD_hook
     return None
 
 
@@ -149,8 +151,11 @@ def worker(args: argparse.Namespace) -> None:
                 step = functools.partial(_step, engine, name, rank)
                 times[kind].append(common.slowest_rank_seconds(step, args.warmup, args.steps))
                 del engine
-        result["models"][name] = {"parity": _parity(name, state, rank), "times": times,
-                                  "grad_mb": sum(p.numel() * 4 for p in model.parameters()) / 1e6}
+        result["models"][name] = {
+            "parity": _parity(name, state, rank),
+            "times": times,
+            "grad_mb": sum(p.numel() * 4 for p in model.parameters()) / 1e6,
+        }
     dist.barrier()
     if rank == 0:
         Path(args.out_json).write_text(json.dumps(result))
@@ -162,8 +167,20 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_rate(rate: str | None, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     rounds = args.slow_rounds if rate == "100mbit" else args.rounds
-    forward = ["--models", *args.models, "--rounds", str(rounds), "--steps", str(args.steps), "--warmup",
-               str(args.warmup), "--reps", str(args.reps), "--sizes-mb", *[str(s) for s in args.sizes_mb]]
+    forward = [
+        "--models",
+        *args.models,
+        "--rounds",
+        str(rounds),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--reps",
+        str(args.reps),
+        "--sizes-mb",
+        *[str(s) for s in args.sizes_mb],
+    ]
     out_json = workdir / f"result-{rate or 'unshaped'}.json"
     return common.run_pair(__file__, rate, forward, out_json, port=29500, timeout=args.timeout)
 
@@ -191,27 +208,45 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, seconds
     ]
     for rate, res in results.items():
         limit = rate_bits(rate) / 1e9 if rate != "unshaped" else None
-        cells = [f"{row['gbit_per_s']:.3f}" + (f" ({100 * row['gbit_per_s'] / limit:.0f}%)" if limit else "")
-                 for row in res["allreduce"]]
+        cells = [
+            f"{row['gbit_per_s']:.3f}" + (f" ({100 * row['gbit_per_s'] / limit:.0f}%)" if limit else "")
+            for row in res["allreduce"]
+        ]
         lines.append(f"| {rate} | " + " | ".join(cells) + " |")
-    lines += ["", "## Step time (ms, median over rounds) and ratio to torch DDP", "",
-              "| link | model (fp32 grads) | grad parity (max abs diff) | " + " | ".join(ENGINES) + " | "
-              + " | ".join(f"{k} / torch" for k in ENGINES[1:]) + " |",
-              "|---|---|---|" + "---|" * (2 * len(ENGINES) - 1)]
+    lines += [
+        "",
+        "## Step time (ms, median over rounds) and ratio to torch DDP",
+        "",
+        "| link | model (fp32 grads) | grad parity (max abs diff) | "
+        + " | ".join(ENGINES)
+        + " | "
+        + " | ".join(f"{k} / torch" for k in ENGINES[1:])
+        + " |",
+        "|---|---|---|" + "---|" * (2 * len(ENGINES) - 1),
+    ]
     for rate, res in results.items():
         for name, model in res["models"].items():
             times = model["times"]
             ms = [f"{1000 * statistics.median(times[k]):.0f}" for k in ENGINES]
             ratios = [_ratio_text(times, k) for k in ENGINES[1:]]
-            lines.append(f"| {rate} | {name} ({model['grad_mb']:.1f} MB) | {model['parity']:.1e} | "
-                         + " | ".join(ms) + " | " + " | ".join(ratios) + " |")
-    lines += ["", "Notes:",
-              "- torch (again) / torch is the noise floor of this run.",
-              "- torch+fp16: torch's `fp16_compress_hook`; lockstep+fp16: lockstep.hooks' (the same contract); "
-              "lockstep+powerSGD r4: lockstep.hooks.powerSGD_hook, rank 4, compressing from the first timed step. "
-              "torch's PowerSGD is not in the table: on gloo it aborts or hangs once a model has several buckets.",
-              "- The two hosts share 2 cores, so compute does not overlap across hosts as it would on two "
-              "machines; on a slow link the all-reduce dominates and the ratios show what the engine adds.", ""]
+            lines.append(
+                f"| {rate} | {name} ({model['grad_mb']:.1f} MB) | {model['parity']:.1e} | "
+                + " | ".join(ms)
+                + " | "
+                + " | ".join(ratios)
+                + " |"
+            )
+    lines += [
+        "",
+        "Notes:",
+        "- torch (again) / torch is the noise floor of this run.",
+        "- torch+fp16: torch's `fp16_compress_hook`; lockstep+fp16: lockstep.hooks' (the same contract); "
+        "lockstep+powerSGD r4: lockstep.hooks.powerSGD_hook, rank 4, compressing from the first timed step. "
+        "torch's PowerSGD is not in the table: on gloo it aborts or hangs once a model has several buckets.",
+        "- The two hosts share 2 cores, so compute does not overlap across hosts as it would on two "
+        "machines; on a slow link the all-reduce dominates and the ratios show what the engine adds.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -227,7 +262,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 16.0])
     parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--out", default=None, help="report path (default benchmarks/results/multinode-DATE.md)")
+    parser.add_argument(
+        "--out", default=None, help="report path (default benchmarks/results/multinode-DATE.md)"
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -242,7 +279,11 @@ def main() -> None:
             results[rate] = run_rate(None if rate == "unshaped" else rate, args, Path(tmp))
             print(f"{rate}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     text = report(results, args, time.time() - started)
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"multinode-{datetime.date.today().isoformat()}.md"
+    out = (
+        Path(args.out)
+        if args.out
+        else ROOT / "benchmarks" / "results" / f"multinode-{datetime.date.today().isoformat()}.md"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)

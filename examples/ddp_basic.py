@@ -29,7 +29,11 @@ def demo_basic():
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank()
     print(f"Start running basic DDP example on rank {rank}.")
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", rank % torch.cuda.device_count())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     model = ToyModel().to(device)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 

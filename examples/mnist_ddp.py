@@ -43,8 +43,10 @@ def load_data(data_dir, max_train):
         source = f"MNIST-format files in {data_dir}"
     else:
         train, test = datasets.digits()
-        train, test = (TensorDataset(nn.functional.interpolate(d.tensors[0].view(-1, 1, 8, 8), size=28),
-                                     d.tensors[1]) for d in (train, test))
+        train, test = (
+            TensorDataset(nn.functional.interpolate(d.tensors[0].view(-1, 1, 8, 8), size=28), d.tensors[1])
+            for d in (train, test)
+        )
         source = "scikit-learn digits (no MNIST files found)"
     if max_train and len(train) > max_train:
         train = Subset(train, range(max_train))
@@ -54,7 +56,11 @@ def load_data(data_dir, max_train):
 def train(args):
     lockstep.init()  # native; the tutorial's dist.init_process_group(...) works too
     rank = dist.get_rank()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", rank % torch.cuda.device_count())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     train_dataset, test_dataset, source = load_data(args.data, args.max_train)
     if rank == 0:
         print(f"data: {source}, {len(train_dataset)} training samples")
@@ -96,5 +102,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", default="/usr/share/datasets/fashion-mnist/")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--max-train", type=int, default=6000, help="cap the training set (0 = all) to stay quick on CPU")
+    parser.add_argument(
+        "--max-train", type=int, default=6000, help="cap the training set (0 = all) to stay quick on CPU"
+    )
     train(parser.parse_args())

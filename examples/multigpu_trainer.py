@@ -21,7 +21,9 @@ class MyTrainDataset(Dataset):
     def __init__(self, size):
         self.size = size
         generator = torch.Generator().manual_seed(0)  # the same data on every rank
-        self.data = [(torch.rand(20, generator=generator), torch.rand(1, generator=generator)) for _ in range(size)]
+        self.data = [
+            (torch.rand(20, generator=generator), torch.rand(1, generator=generator)) for _ in range(size)
+        ]
 
     def __len__(self):
         return self.size
@@ -68,7 +70,9 @@ class Trainer:
         for source, targets in self.train_data:
             loss = self._run_batch(source.to(self.device), targets.to(self.device))
         if self.global_rank == 0 and (epoch % 10 == 0 or epoch == self.total_epochs - 1):
-            print(f"[rank 0] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)} | loss {loss.item():.4f}")
+            print(
+                f"[rank 0] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)} | loss {loss.item():.4f}"
+            )
 
     def _save_snapshot(self, epoch):
         snapshot = {
@@ -96,8 +100,13 @@ def main(args):
     dataset = MyTrainDataset(args.dataset_size)
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    train_data = DataLoader(dataset, batch_size=args.batch_size, pin_memory=False, shuffle=False,
-                            sampler=DistributedSampler(dataset))
+    train_data = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        pin_memory=False,
+        shuffle=False,
+        sampler=DistributedSampler(dataset),
+    )
     trainer = Trainer(model, train_data, optimizer, args.save_every, args.snapshot)
     trainer.train(args.total_epochs)
     lockstep.shutdown()
@@ -105,7 +114,9 @@ def main(args):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="simple distributed training job")
-    parser.add_argument("total_epochs", type=int, nargs="?", default=50, help="Total epochs to train the model")
+    parser.add_argument(
+        "total_epochs", type=int, nargs="?", default=50, help="Total epochs to train the model"
+    )
     parser.add_argument("save_every", type=int, nargs="?", default=10, help="How often to save a snapshot")
     parser.add_argument("--batch-size", type=int, default=32, help="Input batch size on each device")
     parser.add_argument("--dataset-size", type=int, default=2048)

@@ -22,8 +22,11 @@ def lockstep_cmd(*args: str) -> list[str]:
 
 def child_env(**extra: str | None) -> dict[str, str]:
     """The test's environment without launcher variables, plus `extra` (None removes a variable)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                              "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    }
     env.setdefault("OMP_NUM_THREADS", "1")
     for key, value in extra.items():
         if value is None:
@@ -33,7 +36,9 @@ def child_env(**extra: str | None) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = RUN_TIMEOUT, env: dict[str, str] | None = None
-            ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(lockstep_cmd(*args), cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=env or child_env())
+def run_cli(
+    *args: str, cwd: Path, timeout: float = RUN_TIMEOUT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        lockstep_cmd(*args), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env or child_env()
+    )

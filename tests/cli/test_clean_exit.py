@@ -39,9 +39,24 @@ def test_caught_wrap_error_then_destroy_exits_cleanly(tmp_path: Path) -> None:
     script = write(tmp_path / "caught.py", PROGRAM)
     for attempt in range(4):
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", "127.0.0.1:0", str(script)],
-            cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=child_env())
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                "127.0.0.1:0",
+                str(script),
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+            env=child_env(),
+        )
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"attempt {attempt}: exit {proc.returncode}\n{output[-3000:]}"
         assert "terminate called" not in output

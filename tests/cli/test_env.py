@@ -30,8 +30,14 @@ def test_env_command_prints_every_field(tmp_path: Path) -> None:
 
 
 def test_env_json_under_torchrun_variables(tmp_path: Path) -> None:
-    env = child_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT="29511")
+    env = child_env(
+        RANK="1",
+        WORLD_SIZE="2",
+        LOCAL_RANK="1",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29511",
+    )
     result = run_cli("env", "--json", cwd=tmp_path, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
@@ -50,9 +56,17 @@ def test_inconsistent_environment_shows_the_error_not_a_crash() -> None:
 
 
 def test_slurm_step_is_detected() -> None:
-    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "1",
-           "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "2(x2)",
-           "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_ID": "42"}
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_STEP_ID": "0",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_NNODES": "2",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "SLURM_JOB_NODELIST": "gpu[01-02]",
+        "SLURM_JOB_ID": "42",
+    }
     info = collect(env)
     assert info["launcher"] == "slurm"
     assert info["topology"].startswith("rank 3/4 (local 1/2, node 1/2) via slurm")

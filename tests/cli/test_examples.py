@@ -14,13 +14,30 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
 def _lockstep_run(script: str, *args: str, cwd: Path, logs: str = "all") -> subprocess.CompletedProcess[str]:
-    return _run([sys.executable, "-m", "lockstep", "run", "-n", "2", "--logs", logs, str(ROOT / "examples" / script),
-                 *args], cwd)
+    return _run(
+        [
+            sys.executable,
+            "-m",
+            "lockstep",
+            "run",
+            "-n",
+            "2",
+            "--logs",
+            logs,
+            str(ROOT / "examples" / script),
+            *args,
+        ],
+        cwd,
+    )
 
 
 @pytest.mark.parametrize(
@@ -47,7 +64,10 @@ def test_basic_example_keeps_replicas_identical(tmp_path: Path) -> None:
 
 def test_elastic_example_runs_under_torchrun_too(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    proc = _run([torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "elastic_ddp.py")], tmp_path)
+    proc = _run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "elastic_ddp.py")],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Finished running basic DDP example on rank 1." in proc.stdout
 
@@ -60,10 +80,14 @@ def test_mnist_example_learns(tmp_path: Path) -> None:
 
 
 def test_multigpu_trainer_snapshots_and_resumes(tmp_path: Path) -> None:
-    first = _lockstep_run("multigpu_trainer.py", "4", "2", "--snapshot", "snap.pt", cwd=tmp_path, logs="rank0")
+    first = _lockstep_run(
+        "multigpu_trainer.py", "4", "2", "--snapshot", "snap.pt", cwd=tmp_path, logs="rank0"
+    )
     assert first.returncode == 0, first.stdout + first.stderr
     assert "Epoch 4 | Training snapshot saved" in first.stdout
-    second = _lockstep_run("multigpu_trainer.py", "6", "2", "--snapshot", "snap.pt", cwd=tmp_path, logs="rank0")
+    second = _lockstep_run(
+        "multigpu_trainer.py", "6", "2", "--snapshot", "snap.pt", cwd=tmp_path, logs="rank0"
+    )
     assert second.returncode == 0, second.stdout + second.stderr
     assert "Resuming training from snapshot at Epoch 4" in second.stdout
     assert "Epoch 6 | Training snapshot saved" in second.stdout

@@ -58,11 +58,30 @@ lockstep.shutdown()
 
 
 def _launch(script: Path, run_dir: Path, hold_at: int, restarts: int) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS="1", HOLD_AT=str(hold_at))
     return subprocess.Popen(
-        [sys.executable, "-m", "lockstep", "run", "-n", "2", "--max-restarts", str(restarts), str(script), str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "lockstep",
+            "run",
+            "-n",
+            "2",
+            "--max-restarts",
+            str(restarts),
+            str(script),
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -98,7 +117,7 @@ def test_killed_rank_restarts_and_finishes_bitwise_identical(tmp_path: Path) -> 
     assert torch.equal(final, expected)
 
 
-RESTART_SCRIPT = '''
+RESTART_SCRIPT = """
 import os, torch, torch.distributed as dist, lockstep
 topo = lockstep.init()
 t = torch.ones(1) * (topo.rank + 1)
@@ -108,16 +127,38 @@ if attempt == "0" and topo.rank == 1:
     os._exit(3)
 dist.barrier()
 print(f"rank {topo.rank} done in attempt {attempt} with sum {t.item()}", flush=True)
-'''
+"""
 
 
 def test_max_restarts_restarts_every_worker_on_a_fresh_rendezvous(tmp_path: Path) -> None:
     # A restarted worker must not read the previous attempt's addresses from the agent's store.
     script = tmp_path / "restart.py"
     script.write_text(RESTART_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "lockstep", "run", "-n", "2", "--max-restarts", "2", "--logs", "all",
-                           str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lockstep",
+            "run",
+            "-n",
+            "2",
+            "--max-restarts",
+            "2",
+            "--logs",
+            "all",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "restart 1/2" in proc.stdout + proc.stderr
     for rank in (0, 1):

@@ -35,9 +35,14 @@ def namespaces_possible() -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     cwd = tmp_path_factory.mktemp("reference")
-    out = subprocess.run([sys.executable, "-m", "lockstep", "run", "-n", "2", "--run-dir", "run", str(TINY),
-                          "--steps", STEPS], cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT,
-                         env=child_env())
+    out = subprocess.run(
+        [sys.executable, "-m", "lockstep", "run", "-n", "2", "--run-dir", "run", str(TINY), "--steps", STEPS],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        env=child_env(),
+    )
     assert out.returncode == 0, out.stderr
     return result_line(out.stdout)
 
@@ -48,11 +53,14 @@ def result_line(text: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in lines[0].split()[1:])
 
 
-def run_on_both(hosts: Sequence[Host], commands: Sequence[list[str]], envs: Sequence[dict[str, str]],
-                cwd: Path) -> list[tuple[int, str, str]]:
+def run_on_both(
+    hosts: Sequence[Host], commands: Sequence[list[str]], envs: Sequence[dict[str, str]], cwd: Path
+) -> list[tuple[int, str, str]]:
     """Start one command per host at once; wait for all (killing every one on a hang); (rc, out, err) each."""
-    procs = [host.popen(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for host, cmd, env in zip(hosts, commands, envs)]
+    procs = [
+        host.popen(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for host, cmd, env in zip(hosts, commands, envs)
+    ]
     results = []
     try:
         for proc in procs:
@@ -80,7 +88,12 @@ def tbf_bytes_sent(host: Host) -> int:
 def test_two_hosts_explicit_env_match_single_node(tmp_path: Path, reference: dict[str, str]) -> None:
     """lockstep.init(rank=..., world_size=...) with MASTER_ADDR on host 0 and gloo bound to the veth."""
     with netns_hosts(2) as hosts:
-        base = {"MASTER_ADDR": hosts[0].addr, "MASTER_PORT": "29500", "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+        base = {
+            "MASTER_ADDR": hosts[0].addr,
+            "MASTER_PORT": "29500",
+            "WORLD_SIZE": "2",
+            "OMP_NUM_THREADS": "1",
+        }
         envs = [{**base, "RANK": str(i), "GLOO_SOCKET_IFNAME": h.ifname} for i, h in enumerate(hosts)]
         cmd = [sys.executable, str(TINY), "--explicit", "--steps", STEPS]
         results = run_on_both(hosts, [cmd, cmd], envs, tmp_path)
@@ -91,16 +104,39 @@ def test_two_hosts_explicit_env_match_single_node(tmp_path: Path, reference: dic
 
 def launcher_commands(hosts: Sequence[Host], run_dir: Path, *, interface: bool = True) -> list[list[str]]:
     endpoint = f"{hosts[0].addr}:29400"
-    return [[sys.executable, "-m", "lockstep", "run", "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint",
-             endpoint, "--rdzv-id", "multinode-test", "--local-addr", host.addr,
-             *(["--network-interface", host.ifname] if interface else []),
-             "-n", "1", "--run-dir", str(run_dir / f"node{i}"), str(TINY), "--steps", STEPS]
-            for i, host in enumerate(hosts)]
+    return [
+        [
+            sys.executable,
+            "-m",
+            "lockstep",
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(i),
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            "multinode-test",
+            "--local-addr",
+            host.addr,
+            *(["--network-interface", host.ifname] if interface else []),
+            "-n",
+            "1",
+            "--run-dir",
+            str(run_dir / f"node{i}"),
+            str(TINY),
+            "--steps",
+            STEPS,
+        ]
+        for i, host in enumerate(hosts)
+    ]
 
 
 @pytest.mark.parametrize("rate", [None, "1gbit"], ids=["unshaped", "1gbit"])
-def test_lockstep_run_two_nodes_matches_single_node(tmp_path: Path, reference: dict[str, str],
-                                                    rate: str | None) -> None:
+def test_lockstep_run_two_nodes_matches_single_node(
+    tmp_path: Path, reference: dict[str, str], rate: str | None
+) -> None:
     """`lockstep run --nnodes 2 --node-rank i --rdzv-endpoint HOST0:PORT --local-addr ... --network-interface ...`."""
     with netns_hosts(2, rate=rate) as hosts:
         results = run_on_both(hosts, launcher_commands(hosts, tmp_path), [child_env()] * 2, tmp_path)
@@ -108,21 +144,26 @@ def test_lockstep_run_two_nodes_matches_single_node(tmp_path: Path, reference: d
     assert [rc for rc, _, _ in results] == [0, 0], results
     for i, (_, out, err) in enumerate(results):
         assert "1 process x 2 nodes (world 2)" in err and f"network interface {hosts[i].ifname})" in err
-        assert f"rank {i}/2 local 0/1 node {i}/2 via torchrun" in (out if i == 0 else (tmp_path / "node1" / "rank1" / "stdout.log").read_text())
+        assert f"rank {i}/2 local 0/1 node {i}/2 via torchrun" in (
+            out if i == 0 else (tmp_path / "node1" / "rank1" / "stdout.log").read_text()
+        )
     assert result_line(results[0][1]) == reference
     if rate:
         # The job's traffic went through the rate-limited link, both ways.
         assert all(count > 20_000 for count in sent), sent
 
 
-def test_local_addr_alone_picks_the_interface_that_holds_it(tmp_path: Path, reference: dict[str, str]) -> None:
+def test_local_addr_alone_picks_the_interface_that_holds_it(
+    tmp_path: Path, reference: dict[str, str]
+) -> None:
     """Without --network-interface, gloo would bind to what the host name resolves to (127.0.0.1 here) and
     tell the other node to connect there: a hang until the init timeout. --local-addr names the address;
     the launcher finds its interface (the veth) and sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME from it."""
     with netns_hosts(2) as hosts:
         commands = launcher_commands(hosts, tmp_path, interface=False)
-        results = run_on_both(hosts, commands, [child_env(GLOO_SOCKET_IFNAME=None, NCCL_SOCKET_IFNAME=None)] * 2,
-                              tmp_path)
+        results = run_on_both(
+            hosts, commands, [child_env(GLOO_SOCKET_IFNAME=None, NCCL_SOCKET_IFNAME=None)] * 2, tmp_path
+        )
     assert [rc for rc, _, _ in results] == [0, 0], results
     for host, (_, _, err) in zip(hosts, results):
         assert f"network interface {host.ifname} (it holds --local-addr {host.addr})" in err, err
@@ -139,9 +180,15 @@ def test_node_failure_restarts_both_nodes_and_resumes(tmp_path: Path, reference:
     progress, ckpt = tmp_path / "progress", tmp_path / "ckpt"
     extra = ["--ckpt-dir", str(ckpt), "--ckpt-every", "5", "--sleep", "0.2", "--progress", str(progress)]
     with netns_hosts(2) as hosts:
-        commands = [[*cmd[:4], "--max-restarts", "1", *cmd[4:], *extra] for cmd in launcher_commands(hosts, tmp_path)]
-        procs = [host.popen(cmd, env=child_env(), cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for host, cmd in zip(hosts, commands)]
+        commands = [
+            [*cmd[:4], "--max-restarts", "1", *cmd[4:], *extra] for cmd in launcher_commands(hosts, tmp_path)
+        ]
+        procs = [
+            host.popen(
+                cmd, env=child_env(), cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+            for host, cmd in zip(hosts, commands)
+        ]
         try:
             deadline = time.monotonic() + RUN_TIMEOUT
             while not (progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= 7):

@@ -27,13 +27,28 @@ lockstep.shutdown()
 
 def test_two_ranks_args_threads_logs_and_relay(tmp_path: Path) -> None:
     script = write(tmp_path / "report.py", REPORT)
-    result = run_cli("run", "-n", "2", "--run-dir", "out", script.name, "--lr", "3", "-n", "5",
-                     cwd=tmp_path, env=child_env(OMP_NUM_THREADS=None))
+    result = run_cli(
+        "run",
+        "-n",
+        "2",
+        "--run-dir",
+        "out",
+        script.name,
+        "--lr",
+        "3",
+        "-n",
+        "5",
+        cwd=tmp_path,
+        env=child_env(OMP_NUM_THREADS=None),
+    )
     assert result.returncode == 0, result.stderr
     # First line: what was resolved.
     first = result.stderr.splitlines()[0]
-    assert re.match(r"lockstep run: 2 processes x 1 node \(world 2\), backend gloo, endpoint \S+:\d+, "
-                    r"OMP_NUM_THREADS=\d+ \(\d+ cores / 2 processes\), logs in .*out", first), first
+    assert re.match(
+        r"lockstep run: 2 processes x 1 node \(world 2\), backend gloo, endpoint \S+:\d+, "
+        r"OMP_NUM_THREADS=\d+ \(\d+ cores / 2 processes\), logs in .*out",
+        first,
+    ), first
     # Rank 0 streams to the console; rank 1's stdout does not, its warnings and errors do, prefixed.
     assert "REPORT rank=0 world=2 launcher=torchrun" in result.stdout
     assert "rank=1" not in result.stdout + result.stderr
@@ -57,8 +72,14 @@ def test_two_ranks_args_threads_logs_and_relay(tmp_path: Path) -> None:
 
 def test_plain_python_is_a_world_of_one(tmp_path: Path) -> None:
     script = write(tmp_path / "report.py", REPORT)
-    result = subprocess.run([sys.executable, script.name, "--x"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=RUN_TIMEOUT, env=child_env())
+    result = subprocess.run(
+        [sys.executable, script.name, "--x"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        env=child_env(),
+    )
     assert result.returncode == 0, result.stderr
     assert "REPORT rank=0 world=1 launcher=none threads=1 argv=['--x']" in result.stdout
 
@@ -68,21 +89,42 @@ def test_logs_all_and_module_mode(tmp_path: Path) -> None:
     pkg.mkdir()
     write(pkg / "__init__.py", "")
     write(pkg / "train.py", REPORT)
-    result = run_cli("run", "-n", "2", "--logs", "all", "--run-dir", "out", "-m", "mypkg.train", "--epochs", "1",
-                     cwd=tmp_path, env=child_env(OMP_NUM_THREADS="2"))
+    result = run_cli(
+        "run",
+        "-n",
+        "2",
+        "--logs",
+        "all",
+        "--run-dir",
+        "out",
+        "-m",
+        "mypkg.train",
+        "--epochs",
+        "1",
+        cwd=tmp_path,
+        env=child_env(OMP_NUM_THREADS="2"),
+    )
     assert result.returncode == 0, result.stderr
     assert "OMP_NUM_THREADS=2 (set by you)" in result.stderr.splitlines()[0]
     for rank in (0, 1):
-        assert f"[rank {rank}] REPORT rank={rank} world=2 launcher=torchrun threads=2 argv=['--epochs', '1']" \
+        assert (
+            f"[rank {rank}] REPORT rank={rank} world=2 launcher=torchrun threads=2 argv=['--epochs', '1']"
             in result.stdout
+        )
     assert "[rank 1] rank one says hello on stdout" in result.stdout
 
 
 def test_two_runs_at_once_do_not_collide(tmp_path: Path) -> None:
     script = write(tmp_path / "report.py", REPORT)
     procs = [
-        subprocess.Popen(lockstep_cmd("run", "-n", "2", "--run-dir", f"out{i}", script.name, f"job{i}"),
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+        subprocess.Popen(
+            lockstep_cmd("run", "-n", "2", "--run-dir", f"out{i}", script.name, f"job{i}"),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
         for i in range(2)
     ]
     outputs = []
@@ -137,15 +179,27 @@ def test_port_in_use_for_a_multi_node_endpoint(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = run_cli("run", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                         "ok.py", cwd=tmp_path, timeout=60)
+        result = run_cli(
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "ok.py",
+            cwd=tmp_path,
+            timeout=60,
+        )
     assert result.returncode == 2, result.stderr
     assert f"port {port} is already in use" in result.stderr and "pick another port" in result.stderr
 
 
 def test_help_and_version() -> None:
     result = subprocess.run(lockstep_cmd("run", "--help"), capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and "--nproc-per-node" in result.stdout and "--rdzv-endpoint" in result.stdout
+    assert (
+        result.returncode == 0 and "--nproc-per-node" in result.stdout and "--rdzv-endpoint" in result.stdout
+    )
     result = subprocess.run(lockstep_cmd("--help"), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and all(cmd in result.stdout for cmd in ("run", "env", "train"))
 
@@ -155,7 +209,9 @@ def test_no_backend_threads_outlive_shutdown(tmp_path: Path) -> None:
 
     Pinned, gloo's threads live into interpreter teardown and a worker can abort as it exits.
     """
-    script = write(tmp_path / "threads.py", """
+    script = write(
+        tmp_path / "threads.py",
+        """
         import os
         import torch
         import lockstep
@@ -167,7 +223,8 @@ def test_no_backend_threads_outlive_shutdown(tmp_path: Path) -> None:
         lockstep.shutdown()
         names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
         print("threads after shutdown:", [n for n in names if "gloo" in n])
-    """)
+    """,
+    )
     proc = run_cli("run", "-n", "2", "--logs", "all", str(script), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("threads after shutdown: []") == 2, proc.stdout

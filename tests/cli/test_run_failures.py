@@ -41,10 +41,12 @@ def test_crashing_rank_gives_one_summary_and_stops_the_others(tmp_path: Path) ->
     assert result.returncode == 1, err
     assert elapsed < 60, f"a crash took {elapsed:.0f} s to report"
     assert err.count("lockstep run: FAILED") == 1
-    summary = err[err.index("lockstep run: FAILED"):]
+    summary = err[err.index("lockstep run: FAILED") :]
     assert "FAILED: rank 1/2" in summary and "exited with code 1" in summary
     assert 'in fail_here\n    raise ValueError(f"boom-rank-{topo.rank}")\nValueError: boom-rank-1' in summary
-    assert "lockstep/launch/worker.py" not in summary and "<frozen runpy>" not in summary  # only the user's frames
+    assert (
+        "lockstep/launch/worker.py" not in summary and "<frozen runpy>" not in summary
+    )  # only the user's frames
     assert "rank 1 is about to fail" in summary  # the log tail
     assert str(tmp_path / "out" / "rank1" / "stderr.log") in summary
     assert "<N/A>" not in err
@@ -56,7 +58,7 @@ def test_sys_exit_code_is_reported_and_returned(tmp_path: Path) -> None:
     write(tmp_path / "crash.py", CRASH)
     result = run_cli("run", "-n", "2", "--run-dir", "out", "crash.py", "exit", cwd=tmp_path)
     assert result.returncode == 7, result.stderr
-    summary = result.stderr[result.stderr.index("lockstep run: FAILED"):]
+    summary = result.stderr[result.stderr.index("lockstep run: FAILED") :]
     assert "FAILED: rank 1/2" in summary and "exited with code 7" in summary
     assert "in fail_here\n    sys.exit(7)\nSystemExit: 7" in summary
 
@@ -109,9 +111,24 @@ def test_signal_to_launcher_leaves_no_process(tmp_path: Path, sig: signal.Signal
     write(tmp_path / "loader.py", DATALOADER)
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
-    args = ["run", "-n", "2", "--run-dir", "out", "loader.py", str(pids_dir), *(["stubborn"] if stubborn else [])]
-    launcher = subprocess.Popen(lockstep_cmd(*args), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=child_env())
+    args = [
+        "run",
+        "-n",
+        "2",
+        "--run-dir",
+        "out",
+        "loader.py",
+        str(pids_dir),
+        *(["stubborn"] if stubborn else []),
+    ]
+    launcher = subprocess.Popen(
+        lockstep_cmd(*args),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
         while not all((pids_dir / f"ready-{r}").exists() for r in (0, 1)):
@@ -156,7 +173,9 @@ while True:
 
 
 @pytest.mark.parametrize("usr1_ignored", [False, True], ids=["plain", "started-with-usr1-ignored"])
-def test_usr1_usr2_reach_every_worker_and_sigterm_stops_them_gracefully(tmp_path: Path, usr1_ignored: bool) -> None:
+def test_usr1_usr2_reach_every_worker_and_sigterm_stops_them_gracefully(
+    tmp_path: Path, usr1_ignored: bool
+) -> None:
     """SIGUSR1/SIGUSR2 to `lockstep run` reach both ranks and the run goes on; SIGTERM reaches both ranks'
     handlers (which exit 0) and the launcher exits 143. A launcher started with SIGUSR1 ignored (`lockstep
     slurm`'s `trap '' USR1`: srun signals the workers itself) does not pass it on."""
@@ -166,8 +185,9 @@ def test_usr1_usr2_reach_every_worker_and_sigterm_stops_them_gracefully(tmp_path
     command = lockstep_cmd("run", "-n", "2", "--run-dir", "run", "signalled.py", str(out))
     if usr1_ignored:
         command = ["bash", "-c", 'trap "" USR1; exec "$@"', "bash", *command]
-    launcher = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=child_env())
+    launcher = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env()
+    )
 
     def wait_for(*names: str) -> None:
         deadline = time.monotonic() + RUN_TIMEOUT

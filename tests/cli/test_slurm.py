@@ -41,9 +41,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     import subprocess
 
     cwd = tmp_path_factory.mktemp("reference")
-    out = subprocess.run([sys.executable, "-m", "lockstep", "run", "-n", "2", "--run-dir", "run", str(TINY),
-                          "--steps", STEPS], cwd=cwd, capture_output=True, text=True, timeout=JOB_TIMEOUT,
-                         env=child_env())
+    out = subprocess.run(
+        [sys.executable, "-m", "lockstep", "run", "-n", "2", "--run-dir", "run", str(TINY), "--steps", STEPS],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT,
+        env=child_env(),
+    )
     assert out.returncode == 0, out.stderr
     return result_line(out.stdout)
 
@@ -56,40 +61,67 @@ def result_line(text: str) -> dict[str, str]:
 
 def slurm_cli(cluster: SlurmCluster, *args: str, cwd: Path):  # type: ignore[no-untyped-def]
     """`lockstep slurm ...` through the CLI dispatcher, on the cluster's login side (sbatch on PATH)."""
-    return cluster.run([sys.executable, "-m", "lockstep", "slurm", *args], cwd=cwd, env={"OMP_NUM_THREADS": "1"})
+    return cluster.run(
+        [sys.executable, "-m", "lockstep", "slurm", *args], cwd=cwd, env={"OMP_NUM_THREADS": "1"}
+    )
 
 
-def test_srun_tasks_init_all_reduce_and_match_local_run(cluster: SlurmCluster, tmp_path: Path,
-                                                        reference: dict[str, str]) -> None:
+def test_srun_tasks_init_all_reduce_and_match_local_run(
+    cluster: SlurmCluster, tmp_path: Path, reference: dict[str, str]
+) -> None:
     """`srun -N1 -n2 python tiny_train.py`: lockstep.init() maps SLURM's variables; gradients all-reduce."""
-    out = cluster.run(["srun", "-N1", "-n2", sys.executable, str(TINY), "--steps", STEPS], cwd=tmp_path,
-                      timeout=JOB_TIMEOUT, env={"OMP_NUM_THREADS": "1"})
+    out = cluster.run(
+        ["srun", "-N1", "-n2", sys.executable, str(TINY), "--steps", STEPS],
+        cwd=tmp_path,
+        timeout=JOB_TIMEOUT,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr + cluster.logs()
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
     port = re.search(r"endpoint \S+:(\d+)", lines[0]).group(1)  # type: ignore[union-attr]
     job = int(port) - 15000  # slurm_port(job id): the port is derived from the job id
     assert 0 < job < 1000
-    assert lines == [f"rank 0/2 local 0/2 node 0/1 via slurm endpoint {cluster.node}:{port}",
-                     f"rank 1/2 local 1/2 node 0/1 via slurm endpoint {cluster.node}:{port}"]
+    assert lines == [
+        f"rank 0/2 local 0/2 node 0/1 via slurm endpoint {cluster.node}:{port}",
+        f"rank 1/2 local 1/2 node 0/1 via slurm endpoint {cluster.node}:{port}",
+    ]
     assert result_line(out.stdout) == reference
 
 
 def test_slurm_dry_run_prints_and_saves_script(cluster: SlurmCluster, tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("print('never run')\n")
-    out = slurm_cli(cluster, "--dry-run", "--nodes", "2", "-n", "3", "--time", "30", "--requeue", "--run-dir", "r",
-                    "train.py", "--lr", "0.1", cwd=tmp_path)
+    out = slurm_cli(
+        cluster,
+        "--dry-run",
+        "--nodes",
+        "2",
+        "-n",
+        "3",
+        "--time",
+        "30",
+        "--requeue",
+        "--run-dir",
+        "r",
+        "train.py",
+        "--lr",
+        "0.1",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     saved = (tmp_path / "r" / "sbatch.sh").read_text()
     assert out.stdout == saved
     assert "#SBATCH --nodes=2" in saved and "#SBATCH --signal=B:USR1@120" in saved
     assert cluster.run(["squeue", "-h"]).stdout.strip() == ""  # nothing was submitted
     # sbatch itself accepts it (--test-only validates the script and the request without queueing it)
-    check = cluster.run(["sbatch", "--test-only", "--nodes=1", str(tmp_path / "r" / "sbatch.sh")], cwd=tmp_path)
+    check = cluster.run(
+        ["sbatch", "--test-only", "--nodes=1", str(tmp_path / "r" / "sbatch.sh")], cwd=tmp_path
+    )
     assert check.returncode == 0, check.stderr
 
 
-def test_slurm_job_completes_and_matches_local_run(cluster: SlurmCluster, tmp_path: Path,
-                                                   reference: dict[str, str]) -> None:
+def test_slurm_job_completes_and_matches_local_run(
+    cluster: SlurmCluster, tmp_path: Path, reference: dict[str, str]
+) -> None:
     out = slurm_cli(cluster, "-n", "2", "--run-dir", "r", str(TINY), "--steps", STEPS, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     job = int(re.search(r"submitted job (\d+)", out.stdout).group(1))  # type: ignore[union-attr]
@@ -103,18 +135,41 @@ def test_slurm_job_completes_and_matches_local_run(cluster: SlurmCluster, tmp_pa
     assert (tmp_path / "r" / "logs" / f"{job}.0" / "rank1" / "stdout.log").exists()
 
 
-def test_slurm_requeue_checkpoints_and_resumes(cluster: SlurmCluster, tmp_path: Path,
-                                               reference: dict[str, str]) -> None:
+def test_slurm_requeue_checkpoints_and_resumes(
+    cluster: SlurmCluster, tmp_path: Path, reference: dict[str, str]
+) -> None:
     progress = tmp_path / "progress"
-    out = slurm_cli(cluster, "-n", "2", "--requeue", "--time", "10", "--run-dir", "r", str(TINY), "--steps", STEPS,
-                    "--sleep", "0.3", "--ckpt-dir", str(tmp_path / "ckpt"), "--progress", str(progress), cwd=tmp_path)
+    out = slurm_cli(
+        cluster,
+        "-n",
+        "2",
+        "--requeue",
+        "--time",
+        "10",
+        "--run-dir",
+        "r",
+        str(TINY),
+        "--steps",
+        STEPS,
+        "--sleep",
+        "0.3",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--progress",
+        str(progress),
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     job = int(re.search(r"submitted job (\d+)", out.stdout).group(1))  # type: ignore[union-attr]
     log = tmp_path / "r" / f"slurm-{job}.out"
     deadline = time.monotonic() + JOB_TIMEOUT
     while not (progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= 3):
-        assert time.monotonic() < deadline, f"no progress: {cluster.job(job)}\n{log.read_text() if log.exists() else ''}"
-        assert cluster.state(job) in ("PENDING", "RUNNING", "CONFIGURING"), log.read_text() if log.exists() else ""
+        assert time.monotonic() < deadline, (
+            f"no progress: {cluster.job(job)}\n{log.read_text() if log.exists() else ''}"
+        )
+        assert cluster.state(job) in ("PENDING", "RUNNING", "CONFIGURING"), (
+            log.read_text() if log.exists() else ""
+        )
         time.sleep(0.2)
     # What SLURM does --signal-before seconds before the limit (#SBATCH --signal=B:USR1@...): signal the batch shell.
     signalled = cluster.run(["scancel", "--signal=USR1", "--batch", str(job)])
@@ -140,7 +195,9 @@ def test_batch_script_without_srun_is_a_world_of_one(cluster: SlurmCluster, tmp_
     """`sbatch -n2` whose script runs python directly (no srun): the batch shell has SLURM_PROCID=0 and
     SLURM_NTASKS=2, yet it is no task of a step; lockstep.init() must not wait for a rank 1 that never comes."""
     script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/bash\n{sys.executable} -c 'import lockstep; print(lockstep.init(timeout=20))'\n")
+    script.write_text(
+        f"#!/bin/bash\n{sys.executable} -c 'import lockstep; print(lockstep.init(timeout=20))'\n"
+    )
     job = cluster.submit(script, "-n2", f"--output={tmp_path / 'out.txt'}", cwd=tmp_path)
     info = cluster.wait(job, timeout=JOB_TIMEOUT)
     text = (tmp_path / "out.txt").read_text()
@@ -154,14 +211,22 @@ def test_cli_dispatches_slurm_help_dry_run_and_errors(tmp_path: Path) -> None:
     import subprocess
 
     def cli(*args: str, **env: str | None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "lockstep", "slurm", *args], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=60, env=child_env(**env))
+        return subprocess.run(
+            [sys.executable, "-m", "lockstep", "slurm", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=child_env(**env),
+        )
 
     shown = cli("--help")
     assert shown.returncode == 0 and shown.stdout.startswith("usage: lockstep slurm [options] SCRIPT"), shown
     assert "--requeue" in shown.stdout and "--gpus-per-node" in shown.stdout
     (tmp_path / "train.py").write_text("print('never run')\n")
-    dry = cli("--dry-run", "--nodes", "2", "--gpus-per-node", "4", "--run-dir", "r", "train.py", "--lr", "0.1")
+    dry = cli(
+        "--dry-run", "--nodes", "2", "--gpus-per-node", "4", "--run-dir", "r", "train.py", "--lr", "0.1"
+    )
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout == (tmp_path / "r" / "sbatch.sh").read_text()
     assert "#SBATCH --nodes=2" in dry.stdout and "#SBATCH --gpus-per-node=4" in dry.stdout

@@ -30,25 +30,36 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     reason = slurm_unavailable() or netns.unavailable_reason()
     if reason:
         pytest.skip(f"no two-node SLURM cluster on this machine: {reason}")
-    with netns.netns_hosts(2) as hosts, slurm_cluster(tmp_path_factory.mktemp("slurm2") / "cluster", hosts=hosts,
-                                                      cpus=1) as running:
+    with (
+        netns.netns_hosts(2) as hosts,
+        slurm_cluster(tmp_path_factory.mktemp("slurm2") / "cluster", hosts=hosts, cpus=1) as running,
+    ):
         yield running
 
 
 def test_srun_across_two_nodes(cluster: SlurmCluster, tmp_path: Path, reference: dict[str, str]) -> None:  # noqa: F811
-    out = cluster.run(["srun", "-N2", "-n2", sys.executable, str(TINY), "--steps", STEPS], cwd=tmp_path,
-                      timeout=JOB_TIMEOUT, env={"OMP_NUM_THREADS": "1"})
+    out = cluster.run(
+        ["srun", "-N2", "-n2", sys.executable, str(TINY), "--steps", STEPS],
+        cwd=tmp_path,
+        timeout=JOB_TIMEOUT,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr + cluster.logs()
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
     port = re.search(r"endpoint node0:(\d+)", lines[0]).group(1)  # type: ignore[union-attr]
-    assert lines == [f"rank 0/2 local 0/1 node 0/2 via slurm endpoint node0:{port}",
-                     f"rank 1/2 local 0/1 node 1/2 via slurm endpoint node0:{port}"]
+    assert lines == [
+        f"rank 0/2 local 0/1 node 0/2 via slurm endpoint node0:{port}",
+        f"rank 1/2 local 0/1 node 1/2 via slurm endpoint node0:{port}",
+    ]
     assert result_line(out.stdout) == reference
 
 
-def test_lockstep_slurm_two_nodes_matches_local_run(cluster: SlurmCluster, tmp_path: Path,
-                                                    reference: dict[str, str]) -> None:  # noqa: F811
-    out = slurm_cli(cluster, "--nodes", "2", "-n", "1", "--run-dir", "r", str(TINY), "--steps", STEPS, cwd=tmp_path)
+def test_lockstep_slurm_two_nodes_matches_local_run(
+    cluster: SlurmCluster, tmp_path: Path, reference: dict[str, str]
+) -> None:  # noqa: F811
+    out = slurm_cli(
+        cluster, "--nodes", "2", "-n", "1", "--run-dir", "r", str(TINY), "--steps", STEPS, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     job = int(re.search(r"submitted job (\d+)", out.stdout).group(1))  # type: ignore[union-attr]
     info = cluster.wait(job, timeout=JOB_TIMEOUT)

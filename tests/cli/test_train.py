@@ -13,11 +13,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def lockstep_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+def lockstep_cli(
+    *args: str, timeout: float = 240, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "lockstep", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd or ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "lockstep", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd or ROOT,
+    )
 
 
 @pytest.mark.slow
@@ -44,8 +56,21 @@ def test_toy_job_with_overrides_and_config_file(tmp_path: Path) -> None:
     config = tmp_path / "toy.yaml"
     config.write_text("epochs: 1\nnum_samples: 256\n")
     run_dir = tmp_path / "toy"
-    proc = lockstep_cli("train", "toy", "-n", "2", "--run-dir", str(run_dir), "--config", str(config),
-                        "--batch-size", "16", "--max-steps", "5", timeout=180)
+    proc = lockstep_cli(
+        "train",
+        "toy",
+        "-n",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--config",
+        str(config),
+        "--batch-size",
+        "16",
+        "--max-steps",
+        "5",
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     saved = json.loads((run_dir / "config.json").read_text())
     assert (saved["epochs"], saved["num_samples"], saved["batch_size"], saved["max_steps"]) == (1, 256, 16, 5)
@@ -58,7 +83,10 @@ def test_show_config_and_bad_settings(tmp_path: Path) -> None:
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["lr"] == 0.01
     bad = lockstep_cli("train", "toy", "--learning-rate", "3", timeout=60)
-    assert bad.returncode == 2 and "unknown setting(s) for ToyConfig: 'learning_rate' from --learning-rate" in bad.stderr
+    assert (
+        bad.returncode == 2
+        and "unknown setting(s) for ToyConfig: 'learning_rate' from --learning-rate" in bad.stderr
+    )
     wrong = lockstep_cli("train", "toy", "--show-config", "--batch-size", "four", timeout=60)
     assert wrong.returncode == 2
     assert "batch_size='four' from --batch-size: expected an int >= 1" in wrong.stderr, wrong.stderr
@@ -72,7 +100,9 @@ def test_show_config_and_bad_settings(tmp_path: Path) -> None:
 
 
 def test_mnist_without_data_says_what_to_do(tmp_path: Path) -> None:
-    proc = lockstep_cli("train", "mnist", "-n", "1", "--run-dir", str(tmp_path / "m"), "--data", str(tmp_path), timeout=120)
+    proc = lockstep_cli(
+        "train", "mnist", "-n", "1", "--run-dir", str(tmp_path / "m"), "--data", str(tmp_path), timeout=120
+    )
     assert proc.returncode != 0
     assert "apt-get install dataset-fashion-mnist" in proc.stdout + proc.stderr
 

@@ -12,7 +12,10 @@ from torch import nn
 import lockstep
 from lockstep.testing import run_distributed
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def _model(device: torch.device) -> nn.Module:
@@ -36,7 +39,9 @@ def _parity_with_torch(backend: str, dtype: str) -> float:
 
 
 def test_nccl_world_of_one_matches_torch() -> None:
-    assert run_distributed(_parity_with_torch, 1, args=("nccl", "fp32"), backend="nccl", timeout=180)[0] < 1e-6
+    assert (
+        run_distributed(_parity_with_torch, 1, args=("nccl", "fp32"), backend="nccl", timeout=180)[0] < 1e-6
+    )
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -46,7 +51,9 @@ def test_mixed_precision_on_cuda_matches_torch(dtype: str) -> None:
 
 def test_gloo_with_cuda_tensors_two_ranks() -> None:
     # Both ranks may share one GPU: gloo moves CUDA tensors through host memory.
-    assert max(run_distributed(_parity_with_torch, 2, args=("gloo", "fp32"), backend="gloo", timeout=180)) < 1e-6
+    assert (
+        max(run_distributed(_parity_with_torch, 2, args=("gloo", "fp32"), backend="gloo", timeout=180)) < 1e-6
+    )
 
 
 def _split_replica() -> list[float]:
@@ -81,7 +88,9 @@ def _fp16_scaler_agrees() -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scales = []
     for step in range(4):
-        x = torch.randn(8, 32, device=device) * (1e4 if (step == 1 and rank == 1) else 1.0)  # overflow on rank 1 only
+        x = torch.randn(8, 32, device=device) * (
+            1e4 if (step == 1 and rank == 1) else 1.0
+        )  # overflow on rank 1 only
         with torch.autocast("cuda", dtype=torch.float16):
             loss = model(x).float().square().mean()
         scaler.scale(loss).backward()

@@ -15,8 +15,22 @@ from torch import nn
 
 from lockstep.testing.parity import ParityCase, assert_tensors_close, grads_of, params_of, wrap
 
-__all__ = ["BATCH", "IN", "MODELS", "OUT", "MLP", "ParityCase", "WithUnused", "assert_close_lists", "batch", "build",
-           "case", "grads_of", "params_of", "wrap"]
+__all__ = [
+    "BATCH",
+    "IN",
+    "MODELS",
+    "OUT",
+    "MLP",
+    "ParityCase",
+    "WithUnused",
+    "assert_close_lists",
+    "batch",
+    "build",
+    "case",
+    "grads_of",
+    "params_of",
+    "wrap",
+]
 
 BATCH = 4
 IN, OUT = 8, 3
@@ -80,7 +94,9 @@ def case(name: str, steps: int, **fields: Any) -> ParityCase:
     return ParityCase(model=functools.partial(build, name), data=batch, steps=steps, **fields)
 
 
-def assert_close_lists(a: list[Any], b: list[Any], *, atol: float = 1e-6, rtol: float = 1e-5, what: str = "") -> None:
+def assert_close_lists(
+    a: list[Any], b: list[Any], *, atol: float = 1e-6, rtol: float = 1e-5, what: str = ""
+) -> None:
     assert_tensors_close(a, b, atol, rtol, what=what)
 
 
@@ -154,8 +170,13 @@ class ToyMpModel(nn.Module):
         return self.net2(x.to(self.dev1)).cpu()
 
 
-MODELS.update({
-    "unused": WithUnused, "tied": Tied, "ckpt_reentrant": lambda: Checkpointed(True),
-    "ckpt_plain": lambda: Checkpointed(False), "toymp": ToyMpModel,
-    "ckpt_shared": lambda: Checkpointed(True, shared=True),
-})
+MODELS.update(
+    {
+        "unused": WithUnused,
+        "tied": Tied,
+        "ckpt_reentrant": lambda: Checkpointed(True),
+        "ckpt_plain": lambda: Checkpointed(False),
+        "toymp": ToyMpModel,
+        "ckpt_shared": lambda: Checkpointed(True, shared=True),
+    }
+)

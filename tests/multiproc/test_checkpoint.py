@@ -46,8 +46,13 @@ def _objects(seed: int) -> dict[str, Any]:
     model = _model(seed)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    return {"model": ddp, "optimizer": optimizer, "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5),
-            "sampler": DistributedSampler(_data(), seed=1), "step": 0}
+    return {
+        "model": ddp,
+        "optimizer": optimizer,
+        "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5),
+        "sampler": DistributedSampler(_data(), seed=1),
+        "step": 0,
+    }
 
 
 def _train(state: dict[str, Any], stop: int, manager: CheckpointManager, saves: tuple[int, ...]) -> None:
@@ -97,10 +102,15 @@ def _stop_and_resume(run_dir: str) -> dict[str, Any]:
     loaded = manager.load(resumed)
     after_load = resumed["step"]
     _train(resumed, STEPS, manager, (10, 12))
-    return {"loaded": loaded, "step_after_load": after_load, "reference": _flat(reference["model"]),
-            "resumed": _flat(resumed["model"]), "rng": _fingerprint(),
-            "momentum": torch.cat([s["momentum_buffer"].flatten() for s in resumed["optimizer"].state.values()]),
-            "sampler": resumed["sampler"].state_dict()}
+    return {
+        "loaded": loaded,
+        "step_after_load": after_load,
+        "reference": _flat(reference["model"]),
+        "resumed": _flat(resumed["model"]),
+        "rng": _fingerprint(),
+        "momentum": torch.cat([s["momentum_buffer"].flatten() for s in resumed["optimizer"].state.values()]),
+        "sampler": resumed["sampler"].state_dict(),
+    }
 
 
 def _load_at_three(run_dir: str) -> dict[str, Any]:
@@ -147,8 +157,10 @@ def test_resume_is_bitwise_exact_and_loads_at_another_world_size_wrapped_or_not(
         assert hashlib.sha256((newest / name).read_bytes()).hexdigest() == record["sha256"]
     weights = safetensors.torch.load_file(str(newest / "model.safetensors"))
     assert sorted(weights) == ["0.bias", "0.weight", "3.bias", "3.weight"]  # stored without `module.`
-    assert torch.equal(torch.cat([weights[k].flatten() for k in ("0.weight", "0.bias", "3.weight", "3.bias")]),
-                       two[0]["resumed"])
+    assert torch.equal(
+        torch.cat([weights[k].flatten() for k in ("0.weight", "0.bias", "3.weight", "3.bias")]),
+        two[0]["resumed"],
+    )
     training = torch.load(newest / "state.pt", weights_only=True)["entries"]
     assert training["step"] == 12 and training["sampler"] == two[0]["sampler"]
 

@@ -68,15 +68,19 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage,reason", [
-    (lambda d: _truncate(d / "model.safetensors"), "truncated"),
-    (lambda d: _flip(d / "state.pt"), "sha256 of state.pt does not match"),
-    (lambda d: (d / "rng.json").unlink(), "rng.json is missing"),
-    (lambda d: (d / "meta.json").unlink(), "partial"),
-    (lambda d: (d / "meta.json").write_text("{not json"), "partial"),
-])
+@pytest.mark.parametrize(
+    "damage,reason",
+    [
+        (lambda d: _truncate(d / "model.safetensors"), "truncated"),
+        (lambda d: _flip(d / "state.pt"), "sha256 of state.pt does not match"),
+        (lambda d: (d / "rng.json").unlink(), "rng.json is missing"),
+        (lambda d: (d / "meta.json").unlink(), "partial"),
+        (lambda d: (d / "meta.json").write_text("{not json"), "partial"),
+    ],
+)
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(
-        tmp_path: Path, warnings_seen: list[str], damage: Any, reason: str) -> None:
+    tmp_path: Path, warnings_seen: list[str], damage: Any, reason: str
+) -> None:
     manager, saved = _save_three(tmp_path)
     damage(tmp_path / "checkpoints" / "step_000003")
     model, state = _model(seed=9), {"model": None, "note": ""}
@@ -84,7 +88,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(
     assert manager.load(state) == 2
     assert state["note"] == "step 2"
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved[1].items())
-    assert any("step_000003" in w and reason in w and "step_000002" in w for w in warnings_seen), warnings_seen
+    assert any("step_000003" in w and reason in w and "step_000002" in w for w in warnings_seen), (
+        warnings_seen
+    )
 
 
 def test_nothing_usable_returns_none_or_raises_when_required(tmp_path: Path) -> None:
@@ -95,7 +101,9 @@ def test_nothing_usable_returns_none_or_raises_when_required(tmp_path: Path) -> 
     manager, _ = _save_three(tmp_path / "run")
     for step in (1, 2, 3):
         (tmp_path / "run" / "checkpoints" / f"step_{step:06d}" / "meta.json").unlink()
-    with pytest.raises(CheckpointError, match="every checkpoint in .* is unusable: step_000003: meta.json missing"):
+    with pytest.raises(
+        CheckpointError, match="every checkpoint in .* is unusable: step_000003: meta.json missing"
+    ):
         manager.load({"model": _model()}, required=True)
 
 
@@ -109,10 +117,16 @@ def test_a_checkpoint_of_another_model_lists_missing_unexpected_and_shapes(tmp_p
     message = str(info.value)
     assert "does not fit state['model'] (Sequential)" in message
     assert "2 missing (in the model, not in the checkpoint): 3.weight [2, 2], 3.bias [2]" in message
-    assert "0.weight checkpoint [8, 4] vs model [16, 4]" in message and "2.weight checkpoint [2, 8] vs model [2, 16]" in message
+    assert (
+        "0.weight checkpoint [8, 4] vs model [16, 4]" in message
+        and "2.weight checkpoint [2, 8] vs model [2, 16]" in message
+    )
     assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))  # nothing half-loaded
     extra = nn.Sequential(nn.Linear(4, 8))
-    with pytest.raises(CheckpointError, match=r"2 unexpected \(in the checkpoint, not in the model\): 2.bias \[2\], 2.weight \[2, 8\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"2 unexpected \(in the checkpoint, not in the model\): 2.bias \[2\], 2.weight \[2, 8\]",
+    ):
         manager.load({"model": extra})
     with pytest.raises(CheckpointError, match=r"has no entry \['optimizer'\]"):
         manager.load({"model": _model(), "optimizer": torch.optim.SGD(_model().parameters(), lr=0.1)})
@@ -144,12 +158,16 @@ class _Opaque:
 def test_state_that_weights_only_cannot_load_is_refused_at_save_time(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path)
     manager.save(1, {"model": _model()})
-    with pytest.raises(CheckpointError, match=r"state\['extra'\] holds objects that torch.load\(weights_only=True\) refuses"):
+    with pytest.raises(
+        CheckpointError, match=r"state\['extra'\] holds objects that torch.load\(weights_only=True\) refuses"
+    ):
         manager.save(2, {"model": _model(), "extra": {"obj": _Opaque()}})
     assert manager.steps() == [1]
 
 
-def test_disk_full_mid_save_keeps_the_last_good_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_full_mid_save_keeps_the_last_good_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     manager = CheckpointManager(tmp_path, keep=1)
     manager.save(1, {"model": _model(seed=1)})
     real, calls = storage._write_all, []
@@ -176,7 +194,9 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 512 KiB tmpfs (root only): a disk that really fills up and can be remounted read-only."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], capture_output=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], capture_output=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
     try:
@@ -188,9 +208,13 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
 def test_a_real_full_disk_and_a_read_only_one_give_clear_errors(tiny_tmpfs: Path) -> None:
     manager = CheckpointManager(tiny_tmpfs / "run")
     manager.save(1, {"model": _model(seed=1)})
-    with pytest.raises(CheckpointError, match="No space left on device.*no space left on the device.*untouched: step_000001"):
+    with pytest.raises(
+        CheckpointError, match="No space left on device.*no space left on the device.*untouched: step_000001"
+    ):
         manager.save(2, {"model": nn.Linear(400, 400)})  # 640 KB of weights on a 512 KiB disk
-    assert manager.steps() == [1] and not any(p.name.startswith(".") for p in (tiny_tmpfs / "run" / "checkpoints").iterdir())
+    assert manager.steps() == [1] and not any(
+        p.name.startswith(".") for p in (tiny_tmpfs / "run" / "checkpoints").iterdir()
+    )
     subprocess.run(["mount", "-o", "remount,ro", str(tiny_tmpfs)], check=True)
     with pytest.raises(CheckpointError, match="the file system is read-only: use a writable run_dir"):
         manager.save(2, {"model": _model(seed=2)})
@@ -206,7 +230,7 @@ def test_run_dir_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "file").save(1, {"model": _model()})
 
 
-KILLER = textwrap.dedent('''
+KILLER = textwrap.dedent("""
     import os, signal, sys, torch
     from torch import nn
     from lockstep.checkpoint import CheckpointManager, storage
@@ -228,17 +252,23 @@ KILLER = textwrap.dedent('''
             os.kill(os.getpid(), signal.SIGKILL)
         storage.os.rename = dies
         manager.save(1, {"model": model})
-''')
+""")
 
 
 @pytest.mark.parametrize("where,survivor", [("mid-write", 1), ("mid-publish", 1)])
-def test_a_writer_killed_mid_save_never_damages_the_previous_checkpoint(tmp_path: Path, where: str,
-                                                                       survivor: int) -> None:
+def test_a_writer_killed_mid_save_never_damages_the_previous_checkpoint(
+    tmp_path: Path, where: str, survivor: int
+) -> None:
     script = tmp_path / "killer.py"
     script.write_text(KILLER)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(script), str(run_dir), where], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(script), str(run_dir), where],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
     assert leftovers  # the killed save left its temp (or moved-aside) directory behind
@@ -249,7 +279,11 @@ def test_a_writer_killed_mid_save_never_damages_the_previous_checkpoint(tmp_path
     assert manager.load({"model": model}) == survivor
     assert torch.equal(model.weight, expected.weight)
     manager.save(2, {"model": model})  # the next save clears what the dead one left
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "latest",
+        "step_000001",
+        "step_000002",
+    ]
 
 
 def _failures_on_two_ranks(run_dir: str) -> dict[str, Any]:
@@ -257,8 +291,10 @@ def _failures_on_two_ranks(run_dir: str) -> dict[str, Any]:
     manager.save(1, {"model": _model(seed=1)})
     out: dict[str, Any] = {}
     if get_rank() == 0:  # only the writer's disk fills up; rank 1 must not be left waiting
+
         def full(fd: int, data: bytes) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
         storage._write_all = full
     try:
         manager.save(2, {"model": _model(seed=2)})
@@ -280,4 +316,6 @@ def test_a_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
         assert "no space left on the device" in out["save"]
         assert out["load_ok"] == 1  # the last good checkpoint survived and loads everywhere
     assert "loading step_000001 failed on rank 1" in zero["load"]
-    assert "[rank 1/2] checkpoint" in one["load"] and "0.weight checkpoint [8, 4] vs model [5, 4]" in one["load"]
+    assert (
+        "[rank 1/2] checkpoint" in one["load"] and "0.weight checkpoint [8, 4] vs model [5, 4]" in one["load"]
+    )

@@ -44,7 +44,9 @@ def _surface() -> dict:
 def test_drop_in_surface() -> None:
     out = run_distributed(_surface, 2, timeout=60)
     for rank_out in out:
-        assert rank_out["keys"][0] == "module.fc1.weight" and all(k.startswith("module.") for k in rank_out["keys"])
+        assert rank_out["keys"][0] == "module.fc1.weight" and all(
+            k.startswith("module.") for k in rank_out["keys"]
+        )
         assert rank_out["forwarded"] and rank_out["unprefixed_loaded"] and rank_out["prefixed_loaded"]
         assert rank_out["replicate_keys"][0] == "fc1.weight"
     assert not torch.equal(out[0]["local_grad"], out[1]["local_grad"])  # removed: no averaging any more
@@ -66,14 +68,18 @@ def _hooks(hook_name: str) -> dict:
     for kind in ("ours", "torch"):
         out[kind] = _train_with_hook(kind, hook)
     for kind in ("ours", "torch"):
-        out[f"recorded {kind}"] = _train_with_hook(kind, _recording_hook, _Recorder(None), bucket_cap_mb=0.0003)["seen"]
+        out[f"recorded {kind}"] = _train_with_hook(
+            kind, _recording_hook, _Recorder(None), bucket_cap_mb=0.0003
+        )["seen"]
     return out
 
 
 def _train_with_hook(kind: str, hook, state=None, **kwargs) -> dict:
     rank = dist.get_rank()
     module = build("many_small", rank)
-    ddp = (lockstep.DistributedDataParallel if kind == "ours" else torch.nn.parallel.DistributedDataParallel)(module, **kwargs)
+    ddp = (lockstep.DistributedDataParallel if kind == "ours" else torch.nn.parallel.DistributedDataParallel)(
+        module, **kwargs
+    )
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     grads = []
@@ -98,7 +104,11 @@ def test_torch_comm_hooks_run_unchanged(hook_name: str) -> None:
         assert seen[0] == (0, True, 28, 28)  # the first step: one bucket (many_small: 14 linear layers)
         per_step = (len(seen) - 1) // 2  # then rebuilt in the ready order into small buckets
         rebuilt = seen[1 : 1 + per_step]
-        assert per_step > 2 and [s[0] for s in rebuilt] == list(range(per_step)) and seen[1 + per_step :] == rebuilt
+        assert (
+            per_step > 2
+            and [s[0] for s in rebuilt] == list(range(per_step))
+            and seen[1 + per_step :] == rebuilt
+        )
         assert [s[1] for s in rebuilt] == [False] * (per_step - 1) + [True]
         assert sum(s[2] for s in rebuilt) == 28
         assert all(s[2] == s[3] for s in seen)

@@ -21,7 +21,9 @@ def _compiled(where: str) -> dict:
     for kind in ("ours", "torch"):
         module = build("mlp", rank)
         inner = torch.compile(module, backend="aot_eager") if where == "inner" else module
-        cls = lockstep.DistributedDataParallel if kind == "ours" else torch.nn.parallel.DistributedDataParallel
+        cls = (
+            lockstep.DistributedDataParallel if kind == "ours" else torch.nn.parallel.DistributedDataParallel
+        )
         model = cls(inner)
         if where == "outer":
             model = torch.compile(model, backend="aot_eager")

@@ -62,8 +62,15 @@ def _seeded(factory: Callable[[], nn.Module], seed: int) -> nn.Module:
     return factory()
 
 
-def _train(model: nn.Module, module: nn.Module, loss_of_step: LossOfStep, steps: int, *, lr: float = 0.05,
-           momentum: float = 0.9) -> dict[str, Any]:
+def _train(
+    model: nn.Module,
+    module: nn.Module,
+    loss_of_step: LossOfStep,
+    steps: int,
+    *,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+) -> dict[str, Any]:
     """`steps` SGD steps: the gradients after each backward and the parameters at the end."""
     opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
     grads = []
@@ -75,7 +82,9 @@ def _train(model: nn.Module, module: nn.Module, loss_of_step: LossOfStep, steps:
     return {"grads": grads, "params": params_of(module)}
 
 
-def _single(factory: Callable[[], nn.Module], loss_of_step: LossOfStep, steps: int, **kw: Any) -> dict[str, Any]:
+def _single(
+    factory: Callable[[], nn.Module], loss_of_step: LossOfStep, steps: int, **kw: Any
+) -> dict[str, Any]:
     """One process, rank 0's initial weights, the concatenated batch of all ranks."""
     module = _seeded(factory, 0)
     return _train(module, module, loss_of_step, steps, **kw)
@@ -105,8 +114,12 @@ def _raised(fn: Callable[[], Any]) -> dict[str, Any] | None:
 
 def _assert_raised(info: dict[str, Any] | None, exc_type: type, pattern: str, what: str) -> None:
     assert info is not None, f"{what}: nothing was raised"
-    assert exc_type.__name__ in info["types"], f"{what}: raised {info['types'][0]}, not a {exc_type.__name__}: {info}"
-    assert re.search(pattern, info["message"]), f"{what}: message {info['message']!r} does not match {pattern!r}"
+    assert exc_type.__name__ in info["types"], (
+        f"{what}: raised {info['types'][0]}, not a {exc_type.__name__}: {info}"
+    )
+    assert re.search(pattern, info["message"]), (
+        f"{what}: message {info['message']!r} does not match {pattern!r}"
+    )
 
 
 def _assert_same(a: list[Any], b: list[Any], what: str) -> None:
@@ -114,15 +127,21 @@ def _assert_same(a: list[Any], b: list[Any], what: str) -> None:
     assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} tensors"
     for i, (x, y) in enumerate(zip(a, b)):
         if x is None or y is None:
-            assert x is None and y is None, f"{what}[{i}]: None on one side only (left {x is None}, right {y is None})"
+            assert x is None and y is None, (
+                f"{what}[{i}]: None on one side only (left {x is None}, right {y is None})"
+            )
             continue
         assert x.is_sparse == y.is_sparse, f"{what}[{i}]: sparse {x.is_sparse} vs {y.is_sparse}"
         if x.is_sparse:
             x, y = x.coalesce(), y.coalesce()
             assert torch.equal(x.indices(), y.indices()), f"{what}[{i}]: sparse indices differ"
             x, y = x.values(), y.values()
-        assert x.shape == y.shape and x.dtype == y.dtype, f"{what}[{i}]: {x.shape}/{x.dtype} vs {y.shape}/{y.dtype}"
-        assert torch.equal(x, y), f"{what}[{i}]: not bit-for-bit equal, max |diff| {(x - y).abs().max().item():.3g}"
+        assert x.shape == y.shape and x.dtype == y.dtype, (
+            f"{what}[{i}]: {x.shape}/{x.dtype} vs {y.shape}/{y.dtype}"
+        )
+        assert torch.equal(x, y), (
+            f"{what}[{i}]: not bit-for-bit equal, max |diff| {(x - y).abs().max().item():.3g}"
+        )
 
 
 def _assert_runs_same(ours: dict[str, Any], theirs: dict[str, Any], what: str) -> None:
@@ -140,7 +159,9 @@ def _assert_replicas(out: list[Any], pick: Callable[[Any], list[Any]], what: str
 def _assert_close_run(ours: dict[str, Any], single: dict[str, Any], what: str) -> None:
     for step, (a, b) in enumerate(zip(ours["grads"], single["grads"])):
         assert_close_lists(a, b, atol=1e-6, rtol=1e-5, what=f"{what}: grads of step {step} vs single process")
-    assert_close_lists(ours["params"], single["params"], atol=1e-6, rtol=1e-5, what=f"{what}: params vs single")
+    assert_close_lists(
+        ours["params"], single["params"], atol=1e-6, rtol=1e-5, what=f"{what}: params vs single"
+    )
 
 
 # ------------------------------------------------------------- 1 + 3: gradient penalty, double backward
@@ -181,8 +202,9 @@ def _penalty_and_double_backward() -> dict[str, Any]:
         for kind in KINDS:
             module = _seeded(Critic, rank)
             model = _ddp(kind, module, find_unused_parameters=find_unused)
-            out[f"penalty {kind} find_unused={find_unused}"] = _train(model, module, _penalty_on_rank(rank),
-                                                                      PENALTY_STEPS)
+            out[f"penalty {kind} find_unused={find_unused}"] = _train(
+                model, module, _penalty_on_rank(rank), PENALTY_STEPS
+            )
     for kind in KINDS:
         out[f"double {kind}"] = _double_backward(kind)
     # torch's reference for the first-order gradients: the same forward with a plain backward
@@ -250,10 +272,13 @@ def test_gradient_penalty_and_double_backward_match_torch() -> None:
     for find_unused in (False, True):
         key = f"find_unused={find_unused}"
         for rank, by_case in enumerate(out):
-            _assert_runs_same(by_case[f"penalty ours {key}"], by_case[f"penalty torch {key}"],
-                              f"rank {rank} penalty {key}")
+            _assert_runs_same(
+                by_case[f"penalty ours {key}"], by_case[f"penalty torch {key}"], f"rank {rank} penalty {key}"
+            )
             _assert_close_run(by_case[f"penalty ours {key}"], single, f"rank {rank} penalty {key}")
-        _assert_replicas(out, lambda by_case, key=key: by_case[f"penalty ours {key}"]["params"], f"penalty {key}")
+        _assert_replicas(
+            out, lambda by_case, key=key: by_case[f"penalty ours {key}"]["params"], f"penalty {key}"
+        )
     # 3. backward(create_graph=True): torch 2.13's DDP raises on CPU/gloo in every configuration
     # ("a leaf Variable that requires grad is being used in an in-place operation."); where it does
     # not, lockstep must equal it; otherwise the references are torch's DDP with a plain backward (first
@@ -266,10 +291,16 @@ def test_gradient_penalty_and_double_backward_match_torch() -> None:
         assert all(ours["first has graph"]), f"rank {rank}: p.grad lost its graph: {ours['first has graph']}"
         if "error" not in theirs:
             _assert_same(ours["second"], theirs["second"], f"rank {rank} second backward vs torch")
-        _assert_same(ours["second"], by_case["manual double"], f"rank {rank} second backward vs local reference")
-        _assert_runs_same(ours["after"], by_case["plain torch after"], f"rank {rank} training after create_graph")
+        _assert_same(
+            ours["second"], by_case["manual double"], f"rank {rank} second backward vs local reference"
+        )
+        _assert_runs_same(
+            ours["after"], by_case["plain torch after"], f"rank {rank} training after create_graph"
+        )
     _assert_replicas(out, lambda by_case: by_case["double ours"]["first"], "create_graph first-order grads")
-    _assert_replicas(out, lambda by_case: by_case["double ours"]["after"]["params"], "params after create_graph")
+    _assert_replicas(
+        out, lambda by_case: by_case["double ours"]["after"]["params"], "params after create_graph"
+    )
 
 
 # ------------------------------------------ 2 + 4 + 12: accumulation by flag, several forwards, dropped ones
@@ -282,7 +313,9 @@ def _accumulate_by_flag(kind: str) -> dict[str, Any]:
     rank = dist.get_rank()
     module = _seeded(MLP, rank)
     model = _ddp(kind, module)
-    res: dict[str, Any] = {"flags after init": (model.require_backward_grad_sync, model.require_forward_param_sync)}
+    res: dict[str, Any] = {
+        "flags after init": (model.require_backward_grad_sync, model.require_forward_param_sync)
+    }
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     grads, calls, forward_flags = [], [], []
     for step in range(ACCUM_STEPS):
@@ -298,8 +331,13 @@ def _accumulate_by_flag(kind: str) -> dict[str, Any]:
         grads.append(grads_of(module))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    res.update(grads=grads, params=params_of(module), calls=calls, forward_flags=forward_flags,
-               flag_at_end=model.require_backward_grad_sync)
+    res.update(
+        grads=grads,
+        params=params_of(module),
+        calls=calls,
+        forward_flags=forward_flags,
+        flag_at_end=model.require_backward_grad_sync,
+    )
     return res
 
 
@@ -328,7 +366,9 @@ def _siamese(rank: int) -> LossOfStep:
 
 def _probe_then_ce(rank: int) -> LossOfStep:
     def loss(model: nn.Module, step: int) -> Tensor:
-        model(batch(rank, 500 + step)[0])  # an eval-like forward with grad enabled: output dropped, no backward
+        model(
+            batch(rank, 500 + step)[0]
+        )  # an eval-like forward with grad enabled: output dropped, no backward
         x, y = batch(rank, step)
         return F.cross_entropy(model(x), y)
 
@@ -366,10 +406,18 @@ def _accumulation_and_extra_forwards() -> dict[str, Any]:
 def test_accumulation_by_flag_several_forwards_and_dropped_outputs_match_torch() -> None:
     out = run_distributed(_accumulation_and_extra_forwards, WORLD, timeout=90)
     accum_single = _accumulate_single()
-    siamese_single = _single(MLP, lambda model, step: _siamese_loss(
-        torch.cat([batch(r, step)[0] for r in range(WORLD)]), torch.cat([batch(r, 100 + step)[0] for r in range(WORLD)]),
-        model), 3)
-    probe_single = _single(MLP, lambda model, step: F.cross_entropy(model(_global(step)[0]), _global(step)[1]), 3)
+    siamese_single = _single(
+        MLP,
+        lambda model, step: _siamese_loss(
+            torch.cat([batch(r, step)[0] for r in range(WORLD)]),
+            torch.cat([batch(r, 100 + step)[0] for r in range(WORLD)]),
+            model,
+        ),
+        3,
+    )
+    probe_single = _single(
+        MLP, lambda model, step: F.cross_entropy(model(_global(step)[0]), _global(step)[1]), 3
+    )
     non_final = [i for i in range(ACCUM * ACCUM_STEPS) if i % ACCUM != ACCUM - 1]
     final = [i for i in range(ACCUM * ACCUM_STEPS) if i % ACCUM == ACCUM - 1]
     for rank, by_case in enumerate(out):
@@ -378,25 +426,48 @@ def test_accumulation_by_flag_several_forwards_and_dropped_outputs_match_torch()
         _assert_runs_same(ours, theirs, f"rank {rank} accumulation by flag")
         _assert_close_run(ours, accum_single, f"rank {rank} accumulation by flag")
         assert ours["flags after init"] == theirs["flags after init"] == (True, True), (
-            ours["flags after init"], theirs["flags after init"])
-        assert ours["forward_flags"] == theirs["forward_flags"], (ours["forward_flags"], theirs["forward_flags"])
+            ours["flags after init"],
+            theirs["flags after init"],
+        )
+        assert ours["forward_flags"] == theirs["forward_flags"], (
+            ours["forward_flags"],
+            theirs["forward_flags"],
+        )
         assert ours["flag_at_end"] is True
         assert [ours["calls"][i] for i in non_final] == [0] * len(non_final), f"rank {rank}: {ours['calls']}"
-        assert all(ours["calls"][i] > 0 for i in final), f"rank {rank}: synced micro-steps sent nothing: {ours['calls']}"
+        assert all(ours["calls"][i] > 0 for i in final), (
+            f"rank {rank}: synced micro-steps sent nothing: {ours['calls']}"
+        )
         # 4. several forwards before one backward; a forward without backward before each step
         for find_unused in (False, True):
-            _assert_runs_same(by_case[f"siamese ours {find_unused}"], by_case[f"siamese torch {find_unused}"],
-                              f"rank {rank} siamese find_unused={find_unused}")
+            _assert_runs_same(
+                by_case[f"siamese ours {find_unused}"],
+                by_case[f"siamese torch {find_unused}"],
+                f"rank {rank} siamese find_unused={find_unused}",
+            )
             _assert_close_run(by_case[f"siamese ours {find_unused}"], siamese_single, f"rank {rank} siamese")
-            _assert_runs_same(by_case[f"probe ours {find_unused}"], by_case[f"probe torch {find_unused}"],
-                              f"rank {rank} dropped forward before each step find_unused={find_unused}")
+            _assert_runs_same(
+                by_case[f"probe ours {find_unused}"],
+                by_case[f"probe torch {find_unused}"],
+                f"rank {rank} dropped forward before each step find_unused={find_unused}",
+            )
             _assert_close_run(by_case[f"probe ours {find_unused}"], probe_single, f"rank {rank} probe")
             # 12. four forwards with their outputs dropped, then training
-            _assert_runs_same(by_case[f"dropped ours {find_unused}"], by_case[f"dropped torch {find_unused}"],
-                              f"rank {rank} {DROPPED} dropped forwards find_unused={find_unused}")
+            _assert_runs_same(
+                by_case[f"dropped ours {find_unused}"],
+                by_case[f"dropped torch {find_unused}"],
+                f"rank {rank} {DROPPED} dropped forwards find_unused={find_unused}",
+            )
         assert by_case["dropped ours True"]["grads"][0][4] is None  # WithUnused.spare: never used, stays None
-    for case in ("accum ours", "siamese ours False", "siamese ours True", "probe ours False", "probe ours True",
-                 "dropped ours False", "dropped ours True"):
+    for case in (
+        "accum ours",
+        "siamese ours False",
+        "siamese ours True",
+        "probe ours False",
+        "probe ours True",
+        "dropped ours False",
+        "dropped ours True",
+    ):
         _assert_replicas(out, lambda by_case, case=case: by_case[case]["params"], case)
 
 
@@ -512,7 +583,9 @@ def test_teacher_student_dataclass_output_and_locally_unused_match_torch() -> No
     for rank, by_case in enumerate(out):
         # 5. teacher/student
         _assert_runs_same(by_case["teacher ours"], by_case["teacher torch"], f"rank {rank} teacher/student")
-        _assert_same(by_case["teacher ours"]["teacher"], by_case["teacher torch"]["teacher"], f"rank {rank} teacher")
+        _assert_same(
+            by_case["teacher ours"]["teacher"], by_case["teacher torch"]["teacher"], f"rank {rank} teacher"
+        )
         # 13. dataclass output, one branch None on odd steps
         ours = by_case["dataclass ours"]
         _assert_runs_same(ours, by_case["dataclass torch"], f"rank {rank} dataclass output")
@@ -542,8 +615,9 @@ def _lockstep_traces(module: nn.Module) -> list[str]:
         elif isinstance(value, dict) and not name.startswith(("_parameters", "_buffers", "_modules")):
             for hook in value.values():
                 owner = getattr(hook, "__self__", hook)
-                if type(owner).__module__.startswith("lockstep") or str(getattr(hook, "__module__", "")).startswith(
-                        "lockstep"):
+                if type(owner).__module__.startswith("lockstep") or str(
+                    getattr(hook, "__module__", "")
+                ).startswith("lockstep"):
                     found.append(f"{name}[{hook!r}]")
     return found
 
@@ -571,12 +645,15 @@ def _copies(kind: str) -> dict[str, Any]:
     res["saved module"] = {k: v.clone() for k, v in saved.state_dict().items()}
     res["module state"] = {k: v.clone() for k, v in module.state_dict().items()}
     fresh = copy.deepcopy(ddp.module)
-    res["copy param hooks"] = [len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in fresh.parameters()]
+    res["copy param hooks"] = [
+        len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in fresh.parameters()
+    ]
     copies["rewrapped"] = _ddp(kind, fresh)
     for name, wrapper in copies.items():
         res[f"{name} isinstance"] = isinstance(wrapper, type(ddp))
         res[f"{name} shares params"] = any(
-            a.data_ptr() == b.data_ptr() for a, b in zip(wrapper.module.parameters(), module.parameters()))
+            a.data_ptr() == b.data_ptr() for a, b in zip(wrapper.module.parameters(), module.parameters())
+        )
         res[name] = _train(wrapper, wrapper.module, _ce(rank, offset=10), 3)
     res["original untouched"] = all(torch.equal(a, b) for a, b in zip(params_of(module), snapshot))
     res["original after"] = _train(ddp, module, _ce(rank, offset=20), 2)  # the original still trains
@@ -593,19 +670,27 @@ def test_pickle_torch_save_deepcopy_and_rewrap_train_like_torch() -> None:
     for rank, by_kind in enumerate(out):
         ours, theirs = by_kind["ours"], by_kind["torch"]
         assert ours["traces"] == [], f"rank {rank}: lockstep left {ours['traces']} on the user's module"
-        assert ours["copy param hooks"] == theirs["copy param hooks"], (ours["copy param hooks"],
-                                                                        theirs["copy param hooks"])
+        assert ours["copy param hooks"] == theirs["copy param hooks"], (
+            ours["copy param hooks"],
+            theirs["copy param hooks"],
+        )
         assert list(ours["saved module"]) == list(ours["module state"])
-        _assert_same(list(ours["saved module"].values()), list(ours["module state"].values()), "torch.save(module)")
+        _assert_same(
+            list(ours["saved module"].values()), list(ours["module state"].values()), "torch.save(module)"
+        )
         _assert_runs_same(ours["before"], theirs["before"], f"rank {rank} before copying")
         for name in names:
             assert ours[f"{name} isinstance"] and not ours[f"{name} shares params"], f"rank {rank} {name}"
             _assert_runs_same(ours[name], theirs[name], f"rank {rank} trained copy ({name})")
         assert ours["original untouched"], f"rank {rank}: training a copy changed the original"
-        _assert_runs_same(ours["original after"], theirs["original after"], f"rank {rank} original after copies")
+        _assert_runs_same(
+            ours["original after"], theirs["original after"], f"rank {rank} original after copies"
+        )
     for name in (*names, "original after"):
         _assert_replicas(out, lambda by_kind, name=name: by_kind["ours"][name]["params"], f"copy {name}")
-        _assert_replicas(out, lambda by_kind, name=name: by_kind["ours"][name]["grads"][-1], f"copy {name} grads")
+        _assert_replicas(
+            out, lambda by_kind, name=name: by_kind["ours"][name]["grads"][-1], f"copy {name} grads"
+        )
 
 
 # ------------------------------------------------------------------------------------ 8: sparse gradients
@@ -617,7 +702,11 @@ class SparseNet(nn.Module):
     def __init__(self, bag: bool) -> None:
         super().__init__()
         self.bag = bag
-        self.emb = nn.EmbeddingBag(VOCAB, 8, mode="mean", sparse=True) if bag else nn.Embedding(VOCAB, 8, sparse=True)
+        self.emb = (
+            nn.EmbeddingBag(VOCAB, 8, mode="mean", sparse=True)
+            if bag
+            else nn.Embedding(VOCAB, 8, sparse=True)
+        )
         self.head = nn.Linear(8, OUT)
 
     def forward(self, idx: Tensor) -> Tensor:
@@ -635,8 +724,11 @@ def _halving_hook(state, bucket):  # unannotated; module level (picklable)
     return fut.then(lambda f: f.value()[0] / 2)
 
 
-SPARSE_CASES = [(bag, as_view, hook) for bag in (False, True) for as_view, hook in
-                ((False, False), (True, False), (False, True))]
+SPARSE_CASES = [
+    (bag, as_view, hook)
+    for bag in (False, True)
+    for as_view, hook in ((False, False), (True, False), (False, True))
+]
 
 
 def _sparse_run(kind: str, bag: bool, as_view: bool, hook: bool) -> dict[str, Any]:
@@ -645,6 +737,7 @@ def _sparse_run(kind: str, bag: bool, as_view: bool, hook: bool) -> dict[str, An
     model = _ddp(kind, module, gradient_as_bucket_view=as_view)
     if hook:
         model.register_comm_hook(None, _halving_hook)
+
     def loss(model: nn.Module, step: int) -> Tensor:
         idx, y = _tokens(rank, step)
         return F.cross_entropy(model(idx), y)
@@ -664,10 +757,16 @@ def test_sparse_embedding_gradients_match_torch() -> None:
         what = "bag={} gradient_as_bucket_view={} hook={}".format(*case)
         for rank, by_case in enumerate(out):
             ours, theirs = by_case[("ours", *case)], by_case[("torch", *case)]
-            assert ours["is_sparse"] == theirs["is_sparse"] == [True] * 3, (what, ours["is_sparse"], theirs["is_sparse"])
+            assert ours["is_sparse"] == theirs["is_sparse"] == [True] * 3, (
+                what,
+                ours["is_sparse"],
+                theirs["is_sparse"],
+            )
             _assert_runs_same(ours, theirs, f"rank {rank} sparse {what}")
         _assert_replicas(out, lambda by_case, case=case: by_case[("ours", *case)]["params"], f"sparse {what}")
-        _assert_replicas(out, lambda by_case, case=case: by_case[("ours", *case)]["grads"][-1], f"sparse {what} grads")
+        _assert_replicas(
+            out, lambda by_case, case=case: by_case[("ours", *case)]["grads"][-1], f"sparse {what} grads"
+        )
 
 
 # ---------------------------------------------- 6 + 9: isinstance, state dicts, torch's attributes, mesh
@@ -702,7 +801,9 @@ def _surface() -> dict[str, Any]:
         _ce(rank)(ddp, 1).backward()  # the second forward rebuilds the buckets
         res["rebuilt"] = ddp._has_rebuilt_buckets
         res["module parameters"] = [p is q for p, q in zip(ddp._module_parameters, module.parameters())]
-        res["reducer"] = _raised(lambda ddp=ddp, kind=kind: ddp.reducer if kind == "ours" else ddp.no_such_attribute)
+        res["reducer"] = _raised(
+            lambda ddp=ddp, kind=kind: ddp.reducer if kind == "ours" else ddp.no_such_attribute
+        )
         # _set_static_graph() before training: like static_graph=True
         static_module = _seeded(WithUnused, rank)
         static = _ddp(kind, static_module)
@@ -715,8 +816,9 @@ def _surface() -> dict[str, Any]:
         meshed = _ddp(kind, mesh_module, device_mesh=mesh)
         res["mesh group"] = meshed.process_group is not None and meshed.process_group == mesh.get_group(0)
         res["mesh"] = _train(meshed, mesh_module, _ce(rank), 2)
-        res["group and mesh"] = _raised(lambda kind=kind: _ddp(kind, MLP(), process_group=_get_default_group(),
-                                                               device_mesh=mesh))
+        res["group and mesh"] = _raised(
+            lambda kind=kind: _ddp(kind, MLP(), process_group=_get_default_group(), device_mesh=mesh)
+        )
         out[kind] = res
     dist.barrier()
     return out
@@ -728,25 +830,43 @@ def test_isinstance_state_dicts_and_torch_attributes() -> None:
         ours, theirs = by_kind["ours"], by_kind["torch"]
         # 6. isinstance, distributed checkpoint's state dict, ddp.state_dict()
         assert ours["isinstance"] and theirs["isinstance"]
-        assert ours["dcp model keys"] == theirs["dcp model keys"], (ours["dcp model keys"], theirs["dcp model keys"])
+        assert ours["dcp model keys"] == theirs["dcp model keys"], (
+            ours["dcp model keys"],
+            theirs["dcp model keys"],
+        )
         assert not any(k.startswith("module.") for k in ours["dcp model keys"]), ours["dcp model keys"]
         _assert_same(ours["dcp model values"], ours["module values"], f"rank {rank} get_state_dict values")
-        _assert_same(ours["dcp model values"], theirs["dcp model values"], f"rank {rank} get_state_dict vs torch")
-        assert ours["dcp optim state keys"] == theirs["dcp optim state keys"], (ours["dcp optim state keys"],
-                                                                              theirs["dcp optim state keys"])
+        _assert_same(
+            ours["dcp model values"], theirs["dcp model values"], f"rank {rank} get_state_dict vs torch"
+        )
+        assert ours["dcp optim state keys"] == theirs["dcp optim state keys"], (
+            ours["dcp optim state keys"],
+            theirs["dcp optim state keys"],
+        )
         assert ours["dcp optim group params"] == theirs["dcp optim group params"]
-        assert ours["state_dict keys"] == theirs["state_dict keys"], (ours["state_dict keys"], theirs["state_dict keys"])
+        assert ours["state_dict keys"] == theirs["state_dict keys"], (
+            ours["state_dict keys"],
+            theirs["state_dict keys"],
+        )
         # 9. torch's attributes; the C++ reducer's internals are named as such, not blamed on the module
         assert ours["rebuilt"] and theirs["rebuilt"]
         assert ours["module parameters"] == theirs["module parameters"] == [True] * 6
-        _assert_raised(ours["reducer"], AttributeError, "'reducer': it is an internal of torch's C\\+\\+ DDP",
-                       "lockstep reducer")
+        _assert_raised(
+            ours["reducer"],
+            AttributeError,
+            "'reducer': it is an internal of torch's C\\+\\+ DDP",
+            "lockstep reducer",
+        )
         assert ours["default group"] and theirs["default group"]
-        assert ours["bucket_bytes_cap"] == theirs["bucket_bytes_cap"], (ours["bucket_bytes_cap"],
-                                                                        theirs["bucket_bytes_cap"])
+        assert ours["bucket_bytes_cap"] == theirs["bucket_bytes_cap"], (
+            ours["bucket_bytes_cap"],
+            theirs["bucket_bytes_cap"],
+        )
         assert ours["bucket_bytes_cap 1 MB"] == theirs["bucket_bytes_cap 1 MB"] == 1024 * 1024
         _assert_runs_same(ours["static"], theirs["static"], f"rank {rank} _set_static_graph()")
-        _assert_runs_same(ours["static"], theirs["static ctor"], f"rank {rank} _set_static_graph() vs static_graph=True")
+        _assert_runs_same(
+            ours["static"], theirs["static ctor"], f"rank {rank} _set_static_graph() vs static_graph=True"
+        )
         _assert_runs_same(ours["static ctor"], theirs["static ctor"], f"rank {rank} static_graph=True")
         assert ours["mesh group"] and theirs["mesh group"]
         _assert_runs_same(ours["mesh"], theirs["mesh"], f"rank {rank} device_mesh")
@@ -821,29 +941,53 @@ def test_comm_hook_validation_like_torch(checked: list[dict[str, Any]]) -> None:
     for rank, by_kind in enumerate(checked):
         for kind in KINDS:
             res, what = by_kind[kind], f"rank {rank} {kind}"
-            _assert_raised(res["not callable"], TypeError, re.escape("Communication hook must be callable."),
-                           f"{what} hook=1")
-            _assert_raised(res["bad bucket"], ValueError,
-                           re.escape("bucket annotation should be dist.GradBucket."), f"{what} bucket: int")
-            _assert_raised(res["bad return"], ValueError,
-                           re.escape("Communication hook: return annotation should be torch.futures.Future"),
-                           f"{what} -> int")
-            assert res["valid after failures"] is None, f"{what}: a valid hook was refused: {res['valid after failures']}"
-            _assert_raised(res["second"], RuntimeError,
-                           re.escape("register_comm_hook or register_builtin_comm_hook can only be called once."),
-                           f"{what} second hook")
+            _assert_raised(
+                res["not callable"],
+                TypeError,
+                re.escape("Communication hook must be callable."),
+                f"{what} hook=1",
+            )
+            _assert_raised(
+                res["bad bucket"],
+                ValueError,
+                re.escape("bucket annotation should be dist.GradBucket."),
+                f"{what} bucket: int",
+            )
+            _assert_raised(
+                res["bad return"],
+                ValueError,
+                re.escape("Communication hook: return annotation should be torch.futures.Future"),
+                f"{what} -> int",
+            )
+            assert res["valid after failures"] is None, (
+                f"{what}: a valid hook was refused: {res['valid after failures']}"
+            )
+            _assert_raised(
+                res["second"],
+                RuntimeError,
+                re.escape("register_comm_hook or register_builtin_comm_hook can only be called once."),
+                f"{what} second hook",
+            )
             assert res["register returns int"] is None, f"{what}: {res['register returns int']}"
-            _assert_raised(res["backward returns int"], RuntimeError,
-                           "callback must return a torch.futures.Future object, but got", f"{what} hook returns 1")
+            _assert_raised(
+                res["backward returns int"],
+                RuntimeError,
+                "callback must return a torch.futures.Future object, but got",
+                f"{what} hook returns 1",
+            )
         # the valid hook registered after the failed ones averages like torch's
-        _assert_runs_same(by_kind["ours"]["train"], by_kind["torch"]["train"], f"rank {rank} hook after failures")
+        _assert_runs_same(
+            by_kind["ours"]["train"], by_kind["torch"]["train"], f"rank {rank} hook after failures"
+        )
     _assert_replicas(checked, lambda by_kind: by_kind["ours"]["train"]["params"], "hook after failures")
 
 
 def test_wrap_time_errors_like_torch(checked: list[dict[str, Any]]) -> None:
-    cases = [("frozen", "Modules whose parameters are all frozen", "."),
-             ("no parameters", "A module without any parameter (nn.ReLU)", "."),
-             ("lazy", "nn.LazyLinear", "Modules with uninitialized parameters")]
+    cases = [
+        ("frozen", "Modules whose parameters are all frozen", "."),
+        ("no parameters", "A module without any parameter (nn.ReLU)", "."),
+        ("lazy", "nn.LazyLinear", "Modules with uninitialized parameters"),
+    ]
     problems = []
     for rank, by_kind in enumerate(checked):
         for kind in KINDS:

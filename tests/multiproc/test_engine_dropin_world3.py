@@ -77,8 +77,9 @@ def _inputs(model: nn.Module, rank: int, step: int) -> tuple[Tensor, Tensor]:
     return x, torch.randint(0, 7, (16,), generator=gen)
 
 
-def _train(kind: str, factory: Callable[[], nn.Module], kwargs: dict[str, Any],
-           prepare: Callable[[Any, int], None]) -> dict[str, Any]:
+def _train(
+    kind: str, factory: Callable[[], nn.Module], kwargs: dict[str, Any], prepare: Callable[[Any, int], None]
+) -> dict[str, Any]:
     rank = dist.get_rank()
     torch.manual_seed(rank)  # different weights per rank: the wrap must broadcast rank 0's
     module = factory()
@@ -94,8 +95,11 @@ def _train(kind: str, factory: Callable[[], nn.Module], kwargs: dict[str, Any],
         opt.step()
         opt.zero_grad()
     logged = ddp._get_ddp_logging_data()
-    return {"grads": grads, "params": [p.detach().clone() for p in module.parameters()],
-            "layout": {k: logged[k] for k in LAYOUT_KEYS if k in logged}}
+    return {
+        "grads": grads,
+        "params": [p.detach().clone() for p in module.parameters()],
+        "layout": {k: logged[k] for k in LAYOUT_KEYS if k in logged},
+    }
 
 
 def _nothing(ddp: Any, rank: int) -> None:
@@ -119,8 +123,11 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict[str, Any], Callable[[Any, i
     "find_unused, a branch unused on rank 1": (Wide, {"find_unused_parameters": True}, _branch_off_on_rank_1),
     "static_graph": (Wide, {"static_graph": True}, _nothing),
     "_set_static_graph() with find_unused": (Wide, {"find_unused_parameters": True}, _static_after_wrap),
-    "bucket_cap_mb=1, gradient_as_bucket_view": (Wide, {"bucket_cap_mb": 1, "gradient_as_bucket_view": True},
-                                                 _nothing),
+    "bucket_cap_mb=1, gradient_as_bucket_view": (
+        Wide,
+        {"bucket_cap_mb": 1, "gradient_as_bucket_view": True},
+        _nothing,
+    ),
     "float64 and float32 parameters": (lambda: Wide(mixed=True), {}, _nothing),
     "sparse and dense embeddings": (SparseAndDense, {}, _nothing),
     "torch's allreduce_hook": (Wide, {}, _allreduce_hook),
@@ -129,8 +136,11 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict[str, Any], Callable[[Any, i
 
 def _differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     found = []
-    pairs = [(f"grad step {s} param {i}", a, b) for s, (ga, gb) in enumerate(zip(ours["grads"], theirs["grads"]))
-             for i, (a, b) in enumerate(zip(ga, gb))]
+    pairs = [
+        (f"grad step {s} param {i}", a, b)
+        for s, (ga, gb) in enumerate(zip(ours["grads"], theirs["grads"]))
+        for i, (a, b) in enumerate(zip(ga, gb))
+    ]
     pairs += [(f"final param {i}", a, b) for i, (a, b) in enumerate(zip(ours["params"], theirs["params"]))]
     for what, a, b in pairs:
         if a is None or b is None:
@@ -140,8 +150,10 @@ def _differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
         if a.is_sparse:
             a, b = a.coalesce().to_dense(), b.coalesce().to_dense()
         if not torch.equal(a, b):
-            found.append(f"{what}: {int((a != b).sum())} of {a.numel()} elements differ, "
-                         f"max {float((a - b).abs().max()):.3g}")
+            found.append(
+                f"{what}: {int((a != b).sum())} of {a.numel()} elements differ, "
+                f"max {float((a - b).abs().max()):.3g}"
+            )
     # torch logs the rebuilt layout at its own pace (under static_graph not by the third step): compare the
     # keys torch has logged (the gradients above are the real check of the layout)
     logged = {k: ours["layout"].get(k) for k in theirs["layout"]}

@@ -15,10 +15,13 @@ def test_tied_weights_and_checkpointing() -> None:
     run_parity({name: case(name, STEPS) for name in names}, 2)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"static_graph": True, "bucket_cap_mb": 0.001},  # several buckets: launches counted per parameter
-    {"static_graph": True, "find_unused_parameters": True},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"static_graph": True, "bucket_cap_mb": 0.001},  # several buckets: launches counted per parameter
+        {"static_graph": True, "find_unused_parameters": True},
+    ],
+)
 def test_static_graph(kwargs: dict) -> None:
     # ckpt_shared: a parameter used in two reentrant checkpoints, its hook fires twice per backward
     names = ["mlp", "unused", "ckpt_shared"]

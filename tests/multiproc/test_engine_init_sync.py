@@ -56,7 +56,9 @@ def _broadcast_from_group_rank0() -> list:
     ddp = lockstep.DistributedDataParallel(model, process_group=group)
     out = ddp(torch.randn(3, 4) + rank)
     out.sum().backward()
-    return [t.detach().clone() for t in model.state_dict().values()] + [p.grad.clone() for p in model.parameters()]
+    return [t.detach().clone() for t in model.state_dict().values()] + [
+        p.grad.clone() for p in model.parameters()
+    ]
 
 
 def test_process_group_subset_broadcasts_from_its_first_rank() -> None:

@@ -23,9 +23,19 @@ from tests.multiproc.engine_util import batch, build, params_of, wrap
 TIMEOUT = 60
 
 
-def _train(kind: str, name: str, num_batches: list[int], *, divide: bool = True, accumulate: int = 1,
-           kwargs: dict[str, Any] | None = None, torch_join: bool = False, after: int = 0,
-           hook: bool = False, eval_forward: bool = False) -> dict[str, Any]:
+def _train(
+    kind: str,
+    name: str,
+    num_batches: list[int],
+    *,
+    divide: bool = True,
+    accumulate: int = 1,
+    kwargs: dict[str, Any] | None = None,
+    torch_join: bool = False,
+    after: int = 0,
+    hook: bool = False,
+    eval_forward: bool = False,
+) -> dict[str, Any]:
     """Train under join() with this rank's number of batches; `after` more even steps once it closes."""
     rank = dist.get_rank()
     module = build(name, seed=rank)  # different init per rank: the wrap makes them equal
@@ -34,8 +44,11 @@ def _train(kind: str, name: str, num_batches: list[int], *, divide: bool = True,
         handle.register_comm_hook(None, default_hooks.allreduce_hook)
     # momentum buffers differ on a rank that joined early (as with torch): none when training goes on after
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.0 if after else 0.9)
-    ctx = Join([handle], divide_by_initial_world_size=divide) if torch_join else handle.join(
-        divide_by_initial_world_size=divide)
+    ctx = (
+        Join([handle], divide_by_initial_world_size=divide)
+        if torch_join
+        else handle.join(divide_by_initial_world_size=divide)
+    )
     with ctx:
         for step in range(num_batches[rank]):
             x, y = batch(rank, step)
@@ -78,7 +91,9 @@ def _parity(num_batches: list[int], cases: list[str]) -> dict[str, Any]:
             out[f"{case}/{kind}"] = _train(kind, name, num_batches, **spec)
     out["convbn/replicate"] = _train("replicate", "convbn", num_batches)
     out["convbn/ours_under_torch_join"] = _train("ours", "convbn", num_batches, torch_join=True)
-    out["eval_forward_inside/ours"] = _train("ours", "convbn", num_batches, eval_forward=True)  # no torch reference
+    out["eval_forward_inside/ours"] = _train(
+        "ours", "convbn", num_batches, eval_forward=True
+    )  # no torch reference
     return out
 
 
@@ -93,8 +108,13 @@ def _check_parity(out: list[dict[str, Any]], cases: list[str]) -> None:
         ours_key, torch_key = (case, "convbn/torch") if "/" in case else (f"{case}/ours", f"{case}/torch")
         for what in ("params", "buffers"):
             for i, (a, b) in enumerate(zip(out[0][ours_key][what], out[0][torch_key][what])):
-                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5,
-                                           msg=lambda m, i=i, w=what, k=ours_key: f"{k} {w}[{i}] vs torch: {m}")
+                torch.testing.assert_close(
+                    a,
+                    b,
+                    atol=1e-6,
+                    rtol=1e-5,
+                    msg=lambda m, i=i, w=what, k=ours_key: f"{k} {w}[{i}] vs torch: {m}",
+                )
 
 
 def test_three_ranks_with_3_5_7_batches_match_torch_join() -> None:
@@ -138,7 +158,9 @@ def test_two_ranks_one_joins_early_or_never_trains() -> None:
             assert torch.equal(a, b), key
         if key.endswith("ours"):
             theirs = out[0][key.replace("ours", "torch")]
-            for a, b in zip(out[0][key]["params"] + out[0][key]["buffers"], theirs["params"] + theirs["buffers"]):
+            for a, b in zip(
+                out[0][key]["params"] + out[0][key]["buffers"], theirs["params"] + theirs["buffers"]
+            ):
                 torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     # divide_by_initial_world_size changes the result where a rank trains alone
     assert not torch.equal(out[0]["[4, 1]/True/ours"]["params"][0], out[0]["[4, 1]/False/ours"]["params"][0])
@@ -172,8 +194,10 @@ def test_throw_on_early_termination_raises_on_every_rank() -> None:
     for rank, result in enumerate(out):
         assert result["type"] == "UnevenInputsError", result
         assert result["steps"] == 3  # every rank stops at the same step
-        assert f"[rank {rank}/3] uneven inputs: rank 0 ran out of batches after 3 steps inside join(), " \
-               "while ranks 1, 2 went on to step 4" in result["error"]
+        assert (
+            f"[rank {rank}/3] uneven inputs: rank 0 ran out of batches after 3 steps inside join(), "
+            "while ranks 1, 2 went on to step 4" in result["error"]
+        )
 
 
 def test_throw_with_syncbatchnorm_in_forward_does_not_hang() -> None:
@@ -181,4 +205,7 @@ def test_throw_with_syncbatchnorm_in_forward_does_not_hang() -> None:
     for rank, result in enumerate(out):
         assert result["type"] == "UnevenInputsError", result
         assert result["steps"] == 2
-        assert "rank 1 ran out of batches after 2 steps" in result["error"] and f"[rank {rank}/2]" in result["error"]
+        assert (
+            "rank 1 ran out of batches after 2 steps" in result["error"]
+            and f"[rank {rank}/2]" in result["error"]
+        )

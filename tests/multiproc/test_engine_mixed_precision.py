@@ -38,8 +38,14 @@ def _autocast_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.
 def test_bf16_autocast_gradients_match_torch_ddp() -> None:
     # bf16 roundings depend on the batch: one process on the concatenated batch is no reference here
     runs = {"mlp": {}, "convbn": {}, "many_small": {"bucket_cap_mb": 0.0005}}
-    run_parity({name: case(name, 3, ddp_kwargs=kw, loss=_autocast_loss, single_process=False)
-                for name, kw in runs.items()}, 2, timeout=TIMEOUT)
+    run_parity(
+        {
+            name: case(name, 3, ddp_kwargs=kw, loss=_autocast_loss, single_process=False)
+            for name, kw in runs.items()
+        },
+        2,
+        timeout=TIMEOUT,
+    )
 
 
 # ---------------------------------------------------------------- bf16 parameters: the reduce dtype
@@ -78,7 +84,8 @@ def _reduce_dtype_run() -> dict[str, Any]:
         stats = handle.stats()
         out[label] = {
             "grads": {name: getattr(module, name).grad.clone() for name in SIZES},
-            "dtypes": stats.extras["bucket_dtypes"], "sizes": stats.bucket_sizes_bytes,
+            "dtypes": stats.extras["bucket_dtypes"],
+            "sizes": stats.bucket_sizes_bytes,
             "params_per_bucket": stats.bucket_num_params,
         }
         handle.remove()
@@ -114,7 +121,9 @@ def test_bf16_parameters_reduce_in_fp32_by_default_and_in_bf16_when_asked() -> N
     for rank_out in out:
         for label in ("fp32", "bf16"):
             assert rank_out[label]["params_per_bucket"] == [1, 1, 1, 1]  # one parameter per path
-        assert rank_out["fp32"]["dtypes"] == ["float32"] * 4 and rank_out["bf16"]["dtypes"] == ["bfloat16"] * 4
+        assert (
+            rank_out["fp32"]["dtypes"] == ["float32"] * 4 and rank_out["bf16"]["dtypes"] == ["bfloat16"] * 4
+        )
         numels = [SIZES[n] for n in ("small", "eager", "big", "tail")]
         assert rank_out["fp32"]["sizes"] == [4 * n for n in numels]
         assert rank_out["bf16"]["sizes"] == [2 * n for n in numels]
@@ -138,7 +147,9 @@ def test_bf16_parameters_reduce_in_fp32_by_default_and_in_bf16_when_asked() -> N
         err32 = (fp32_got.double() - exact).abs().mean().item()
         err16 = (bf16_got.double() - exact).abs().mean().item()
         differs[name] = (fp32_got != bf16_got).float().mean().item()
-        assert err32 < err16, f"{name}: fp32 reduction should be closer to the exact mean ({err32} vs {err16})"
+        assert err32 < err16, (
+            f"{name}: fp32 reduction should be closer to the exact mean ({err32} vs {err16})"
+        )
     assert all(frac > 0.05 for frac in differs.values()), differs  # the two arithmetics really differ
 
 
@@ -195,7 +206,8 @@ class _nothing:
 
 def _scaler_all() -> dict[str, Any]:
     return {kind: _scaler_run(kind) for kind in ("ours", "replicate", "torch")} | {
-        "control": _scaler_run("ours", local_at_inf_step=True)}
+        "control": _scaler_run("ours", local_at_inf_step=True)
+    }
 
 
 def test_fp16_grad_scaler_every_rank_skips_the_step_with_an_inf_on_one_rank() -> None:
@@ -208,7 +220,9 @@ def test_fp16_grad_scaler_every_rank_skips_the_step_with_an_inf_on_one_rank() ->
             for a, b in zip(got["params"], out[0][kind]["params"]):
                 assert torch.equal(a, b), f"{kind}: rank {rank} params differ from rank 0's"
         if kind != "torch":
-            assert_close_lists(out[0][kind]["params"], out[0]["torch"]["params"], atol=1e-6, rtol=1e-5, what=kind)
+            assert_close_lists(
+                out[0][kind]["params"], out[0]["torch"]["params"], atol=1e-6, rtol=1e-5, what=kind
+            )
     # the control shows what the check catches: without the all-reduce only the rank with the inf skips
     assert out[INF_RANK]["control"]["skipped"][INF_STEP] and not out[0]["control"]["skipped"][INF_STEP]
     assert out[0]["control"]["scales"][INF_STEP] != out[INF_RANK]["control"]["scales"][INF_STEP]

@@ -19,8 +19,11 @@ def _stats() -> dict:
     for step in range(3):
         x, y = batch(dist.get_rank(), step)
         F.cross_entropy(module(x), y).backward()
-    return {"before": before.as_dict(), "after": handle.stats().as_dict(),
-            "param_bytes": sum(p.numel() * 4 for p in module.parameters())}
+    return {
+        "before": before.as_dict(),
+        "after": handle.stats().as_dict(),
+        "param_bytes": sum(p.numel() * 4 for p in module.parameters()),
+    }
 
 
 def test_stats_report_layout_timings_and_bytes() -> None:

@@ -22,15 +22,22 @@ def _extra_only_on_rank0(module: torch.nn.Module, rank: int) -> None:
 def test_find_unused_parameters_matches_torch(rank_dependent: bool) -> None:
     # rank-dependent use of `extra` has no single-process equivalent: torch's DDP is the oracle there
     kw = {"find_unused_parameters": True}
-    unused = case("unused", STEPS, ddp_kwargs=kw, configure=_extra_only_on_rank0 if rank_dependent else None,
-                  single_process=not rank_dependent)
+    unused = case(
+        "unused",
+        STEPS,
+        ddp_kwargs=kw,
+        configure=_extra_only_on_rank0 if rank_dependent else None,
+        single_process=not rank_dependent,
+    )
     out = run_parity({"unused": unused}, 2)["unused"]
     for by_kind in out:
         # `spare` is unused everywhere: its grad stays None exactly as with torch (checked by run_parity)
         for kind in ("ours", "replicate"):
             spare_grad = by_kind[kind].grads[0][4]  # spare.weight
             assert spare_grad is None
-            extra_grad = by_kind[kind].grads[0][2]  # extra.weight: used on rank 0 only in the rank-dependent case
+            extra_grad = by_kind[kind].grads[0][
+                2
+            ]  # extra.weight: used on rank 0 only in the rank-dependent case
             assert extra_grad is not None and extra_grad.abs().sum() > 0
 
 

@@ -22,8 +22,9 @@ def _setup(size: int) -> tuple[nn.Module, TensorDataset]:
 
 
 @torch.no_grad()
-def _evaluate(model: nn.Module, loader: DataLoader[Any]) -> tuple[dict[str, float | int], list[torch.Tensor],
-                                                                    list[torch.Tensor]]:
+def _evaluate(
+    model: nn.Module, loader: DataLoader[Any]
+) -> tuple[dict[str, float | int], list[torch.Tensor], list[torch.Tensor]]:
     sums: dict[str, float | int] = {"correct": 0, "count": 0, "loss_sum": 0.0}
     preds, logits = [], []
     for x, y in loader:
@@ -43,8 +44,13 @@ def _sharded(size: int) -> dict[str, Any]:
     totals = reduce_eval(sums)
     rows = sampler.gather({"pred": preds, "logits": logits})
     by_index = gather_eval(preds, indices=[torch.tensor(sampler.indices())], num_samples=size)
-    return {"shard": len(sampler), "totals": totals, "pred": rows["pred"], "logits": rows["logits"],
-            "by_index": by_index}
+    return {
+        "shard": len(sampler),
+        "totals": totals,
+        "pred": rows["pred"],
+        "logits": rows["logits"],
+        "by_index": by_index,
+    }
 
 
 def _mismatch() -> str:
@@ -80,4 +86,3 @@ def _check_exact(out: list[list[dict[str, Any]]]) -> None:
             assert abs(result["totals"]["loss_sum"] - sums["loss_sum"]) < 1e-5
             assert torch.equal(result["pred"], preds[0]) and torch.equal(result["by_index"], preds[0])
             torch.testing.assert_close(result["logits"], logits[0])
-

@@ -25,20 +25,40 @@ def _data() -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])
 
 
-def _fit_toy(run_dir: str, batch_size: int, accum: int, max_steps: int | None, epochs: int = 2,
-             checkpoint_every: int = 3) -> dict:
+def _fit_toy(
+    run_dir: str,
+    batch_size: int,
+    accum: int,
+    max_steps: int | None,
+    epochs: int = 2,
+    checkpoint_every: int = 3,
+) -> dict:
     torch.manual_seed(0)
     model = ToyModel()
     train, test = _data()
-    config = FitConfig(run_dir=run_dir, batch_size=batch_size, grad_accum_steps=accum, epochs=epochs,
-                       max_steps=max_steps, optimizer="sgd", momentum=0.0, lr=0.05, task="regression",
-                       log_every=2, checkpoint_every=checkpoint_every, progress="lines")
+    config = FitConfig(
+        run_dir=run_dir,
+        batch_size=batch_size,
+        grad_accum_steps=accum,
+        epochs=epochs,
+        max_steps=max_steps,
+        optimizer="sgd",
+        momentum=0.0,
+        lr=0.05,
+        task="regression",
+        log_every=2,
+        checkpoint_every=checkpoint_every,
+        progress="lines",
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = lockstep.fit(model, train, loss_fn=nn.functional.mse_loss, config=config, eval_data=test)
     repeated = [str(w.message) for w in caught if "second full pass" in str(w.message)]
-    return {"params": [p.detach().clone() for p in model.parameters()], "summary": result.summary,
-            "repeated_epoch_warnings": repeated}
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "summary": result.summary,
+        "repeated_epoch_warnings": repeated,
+    }
 
 
 def _assert_same_params(a: list[torch.Tensor], b: list[torch.Tensor], atol: float = 1e-6) -> None:
@@ -63,7 +83,9 @@ def test_same_global_batch_gives_same_training_at_any_world_size(tmp_path: Path)
 
 def test_resume_continues_exactly(tmp_path: Path) -> None:
     full = run_distributed(_fit_toy, 2, args=(str(tmp_path / "full"), 4, 1, None), timeout=120)
-    run_distributed(_fit_toy, 2, args=(str(tmp_path / "part"), 4, 1, 5), timeout=120)  # stops mid-epoch 0, at step 5 of 8
+    run_distributed(
+        _fit_toy, 2, args=(str(tmp_path / "part"), 4, 1, 5), timeout=120
+    )  # stops mid-epoch 0, at step 5 of 8
     resumed = run_distributed(_fit_toy, 2, args=(str(tmp_path / "part"), 4, 1, None), timeout=120)
     assert resumed[0]["summary"]["steps_this_run"] == 16 - 5
     _assert_same_params(resumed[0]["params"], full[0]["params"], atol=0)
@@ -135,7 +157,15 @@ class HostCopyCounter(torch.Tensor):
     """A loss tensor that records each call copying its value (or a value computed from it) to the host."""
 
     calls: ClassVar[list[str]] = []
-    HOST_COPIES: ClassVar[tuple[str, ...]] = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+    HOST_COPIES: ClassVar[tuple[str, ...]] = (
+        "item",
+        "tolist",
+        "cpu",
+        "numpy",
+        "__float__",
+        "__int__",
+        "__bool__",
+    )
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -153,20 +183,36 @@ def _fit_structured_counting_host_copies(run_dir: str, structured: bool) -> dict
         loss = nn.functional.mse_loss(outputs, targets["y"] if structured else targets)
         return loss.as_subclass(HostCopyCounter) if structured else loss
 
-    config = FitConfig(run_dir=run_dir, batch_size=4, grad_accum_steps=2, epochs=2, optimizer="sgd", momentum=0.0,
-                       lr=0.05, task="regression", log_every=3, progress="lines")
+    config = FitConfig(
+        run_dir=run_dir,
+        batch_size=4,
+        grad_accum_steps=2,
+        epochs=2,
+        optimizer="sgd",
+        momentum=0.0,
+        lr=0.05,
+        task="regression",
+        log_every=3,
+        progress="lines",
+    )
     HostCopyCounter.calls.clear()
     data = (_StructuredData(train), _StructuredData(test)) if structured else (train, test)
     result = lockstep.fit(model, data[0], loss_fn=loss_fn, config=config, eval_data=data[1])
-    return {"params": [p.detach().clone() for p in model.parameters()], "summary": result.summary,
-            "host_copies": list(HostCopyCounter.calls)}
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "summary": result.summary,
+        "host_copies": list(HostCopyCounter.calls),
+    }
 
 
 def test_structured_batches_and_metrics_copied_to_the_host_on_log_steps_only(tmp_path: Path) -> None:
     # 64 samples on 2 ranks x batch 4 x accum 2: 8 steps over 2 epochs, 16 micro-batches and 2 evaluations per rank
-    plain = run_distributed(_fit_structured_counting_host_copies, 2, args=(str(tmp_path / "plain"), False), timeout=120)
-    structured = run_distributed(_fit_structured_counting_host_copies, 2, args=(str(tmp_path / "nested"), True),
-                                 timeout=120)
+    plain = run_distributed(
+        _fit_structured_counting_host_copies, 2, args=(str(tmp_path / "plain"), False), timeout=120
+    )
+    structured = run_distributed(
+        _fit_structured_counting_host_copies, 2, args=(str(tmp_path / "nested"), True), timeout=120
+    )
     _assert_same_params(structured[0]["params"], plain[0]["params"], atol=0)
     for key in ("eval_loss", "final_train"):
         assert structured[0]["summary"][key] == plain[0]["summary"][key]

@@ -57,8 +57,17 @@ class Net(nn.Module):
 
 def medium_mlp() -> nn.Module:
     """2.1M parameters in several 1 MB buckets; the 1024x1024 weight (4 MiB) gets a solo bucket in lockstep."""
-    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512),
-                         nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    return nn.Sequential(
+        nn.Linear(256, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
+    )
 
 
 _TEACHER: list[nn.Module] = []
@@ -86,19 +95,27 @@ def medium_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------- hooks by name, on either engine
 
 
-def make_hook(name: str, *, start: int = 0, rank: int = 1, error_feedback: bool = True,
-              warm_start: bool = True) -> tuple[Any, Callable[..., Any] | None]:
+def make_hook(
+    name: str, *, start: int = 0, rank: int = 1, error_feedback: bool = True, warm_start: bool = True
+) -> tuple[Any, Callable[..., Any] | None]:
     """(state, hook) for a hook name; state counts bytes where the hook is ours."""
     if name == "none":
         return None, None
     if name == "powersgd":
-        state = hooks.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=start,
-                                    use_error_feedback=error_feedback, warm_start=warm_start)
+        state = hooks.PowerSGDState(
+            None,
+            matrix_approximation_rank=rank,
+            start_powerSGD_iter=start,
+            use_error_feedback=error_feedback,
+            warm_start=warm_start,
+        )
         return state, hooks.powerSGD_hook
     if name.startswith("torch_"):  # torch's own stateless hooks, unchanged
         return None, getattr(default_hooks, HOOK_NAMES[name.removeprefix("torch_")])
     if name.endswith("+fp32sum"):  # half payloads all-gathered and summed in fp32
-        return hooks.HookState(None, sum_in_fp32=True), getattr(hooks, HOOK_NAMES[name.removesuffix("+fp32sum")])
+        return hooks.HookState(None, sum_in_fp32=True), getattr(
+            hooks, HOOK_NAMES[name.removesuffix("+fp32sum")]
+        )
     return hooks.HookState(None), getattr(hooks, HOOK_NAMES[name])
 
 
@@ -142,10 +159,18 @@ class CollectiveSpy:
             self.bytes += tensor.numel() * tensor.element_size()
 
 
-def run_steps(engine: str, name: str, steps: int, *, lr: float = 0.05, fixed_batch: bool = False,
-              module_fn: Callable[[], nn.Module] = Net, cap_mb: float = CAP_MB,
-              data: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] = teacher_batch,
-              **hook_kwargs: Any) -> dict[str, Any]:
+def run_steps(
+    engine: str,
+    name: str,
+    steps: int,
+    *,
+    lr: float = 0.05,
+    fixed_batch: bool = False,
+    module_fn: Callable[[], nn.Module] = Net,
+    cap_mb: float = CAP_MB,
+    data: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] = teacher_batch,
+    **hook_kwargs: Any,
+) -> dict[str, Any]:
     """Train `steps` SGD steps with hook `name`; record grads, losses and bytes per step."""
     rank = dist.get_rank()
     torch.manual_seed(rank)  # different init per rank: the wrap must broadcast rank 0's
@@ -170,15 +195,28 @@ def run_steps(engine: str, name: str, steps: int, *, lr: float = 0.05, fixed_bat
             opt.step()
             opt.zero_grad(set_to_none=True)
     counter = getattr(state, "counter", None)
-    return {"grads": grads, "losses": losses, "spied": spied,
-            "counted": list(counter.step_bytes) if counter is not None else None,
-            "shapes": [tuple(p.shape) for p in module.parameters()]}
+    return {
+        "grads": grads,
+        "losses": losses,
+        "spied": spied,
+        "counted": list(counter.step_bytes) if counter is not None else None,
+        "shapes": [tuple(p.shape) for p in module.parameters()],
+    }
 
 
 # ---------------------------------------------------------------- launches
 
 
-GRAD_HOOKS = ("none", "allreduce", "fp16", "bf16", "fp16+fp32sum", "bf16+fp32sum", "torch_allreduce", "torch_fp16")
+GRAD_HOOKS = (
+    "none",
+    "allreduce",
+    "fp16",
+    "bf16",
+    "fp16+fp32sum",
+    "bf16+fp32sum",
+    "torch_allreduce",
+    "torch_fp16",
+)
 
 
 def _grads_launch() -> dict[str, Any]:
@@ -202,7 +240,13 @@ def _training_launch() -> dict[str, Any]:
         for ef in (True, False):
             for warm in (True, False):
                 out[engine, f"fixed ef={ef} warm={warm}"] = run_steps(
-                    engine, "powersgd", FIXED_STEPS, lr=0.0, fixed_batch=True, error_feedback=ef, warm_start=warm
+                    engine,
+                    "powersgd",
+                    FIXED_STEPS,
+                    lr=0.0,
+                    fixed_batch=True,
+                    error_feedback=ef,
+                    warm_start=warm,
                 )["grads"]
     return out
 
@@ -218,14 +262,22 @@ def _layouts_launch() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for engine in ENGINES:
         out[engine, "narrow"] = run_steps(engine, "powersgd", 3, module_fn=lambda: Net(2), data=narrow_batch)
-        out[engine, "narrow exact"] = run_steps(engine, "allreduce", 3, module_fn=lambda: Net(2), data=narrow_batch)
+        out[engine, "narrow exact"] = run_steps(
+            engine, "allreduce", 3, module_fn=lambda: Net(2), data=narrow_batch
+        )
         run = run_steps(engine, "powersgd", 3, module_fn=medium_mlp, cap_mb=1.0, data=medium_batch, start=1)
         # Fingerprints instead of 2.1M-element tensors: replicas must agree on them bit for bit.
-        out[engine] = {"fingerprints": [[(float(g.double().sum()), float(g.double().abs().sum())) for g in step]
-                                        for step in run["grads"]],
-                       "finite": all(bool(torch.isfinite(g).all()) for step in run["grads"] for g in step),
-                       "counted": run["counted"], "spied": run["spied"], "shapes": run["shapes"],
-                       "losses": run["losses"]}
+        out[engine] = {
+            "fingerprints": [
+                [(float(g.double().sum()), float(g.double().abs().sum())) for g in step]
+                for step in run["grads"]
+            ],
+            "finite": all(bool(torch.isfinite(g).all()) for step in run["grads"] for g in step),
+            "counted": run["counted"],
+            "spied": run["spied"],
+            "shapes": run["shapes"],
+            "losses": run["losses"],
+        }
     return out
 
 
@@ -287,7 +339,9 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None
 
 def assert_within(a: list[torch.Tensor], ref: list[torch.Tensor], tol: float, what: str) -> None:
     for i, (x, y) in enumerate(zip(a, ref, strict=True)):
-        assert max_rel(x, y) <= tol, f"{what}: tensor {i} {tuple(y.shape)} off by {max_rel(x, y):.3g} > {tol:g}"
+        assert max_rel(x, y) <= tol, (
+            f"{what}: tensor {i} {tuple(y.shape)} off by {max_rel(x, y):.3g} > {tol:g}"
+        )
 
 
 WEIGHTS, BIASES = (0, 2, 4), (1, 3, 5)  # Net's parameters in order: fc1, fc2, head (weight, bias)
@@ -306,33 +360,45 @@ def test_allreduce_hook_gives_the_gradients_of_no_hook(grads2: list[dict[str, An
                 assert_same(grads, reference[step], f"rank {rank} {engine} {name} step {step}")
         # and no hook on lockstep is torch's DDP without a hook
         for step, grads in enumerate(out["lockstep", "none"]["grads"]):
-            assert_same(grads, out["torch", "none"]["grads"][step], f"rank {rank} lockstep vs torch step {step}")
+            assert_same(
+                grads, out["torch", "none"]["grads"][step], f"rank {rank} lockstep vs torch step {step}"
+            )
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["allreduce", "fp16", "bf16", "fp16+fp32sum", "bf16+fp32sum", "torch_allreduce",
-                                  "torch_fp16"])
-def test_every_hook_gives_the_same_numbers_on_both_engines_and_all_ranks(grads2: list[dict[str, Any]],
-                                                                         name: str) -> None:
+@pytest.mark.parametrize(
+    "name", ["allreduce", "fp16", "bf16", "fp16+fp32sum", "bf16+fp32sum", "torch_allreduce", "torch_fp16"]
+)
+def test_every_hook_gives_the_same_numbers_on_both_engines_and_all_ranks(
+    grads2: list[dict[str, Any]], name: str
+) -> None:
     # torch's own stateless hooks run unchanged on lockstep's engine and give what they give on torch's DDP
     for rank, out in enumerate(grads2):
         for step, grads in enumerate(out["lockstep", name]["grads"]):
-            assert_same(grads, out["torch", name]["grads"][step], f"rank {rank} {name} lockstep vs torch step {step}")
+            assert_same(
+                grads, out["torch", name]["grads"][step], f"rank {rank} {name} lockstep vs torch step {step}"
+            )
             assert_same(grads, grads2[0]["lockstep", name]["grads"][step], f"{name} rank {rank} vs rank 0")
 
 
 # ---------------------------------------------------------------- (b) half precision
 
 
-HALF_TOL = {"fp16": FP16_GRAD_TOL, "bf16": BF16_GRAD_TOL, "fp16+fp32sum": FP16_GRAD_TOL,
-            "bf16+fp32sum": BF16_GRAD_TOL, "torch_fp16": FP16_GRAD_TOL}
+HALF_TOL = {
+    "fp16": FP16_GRAD_TOL,
+    "bf16": BF16_GRAD_TOL,
+    "fp16+fp32sum": FP16_GRAD_TOL,
+    "bf16+fp32sum": BF16_GRAD_TOL,
+    "torch_fp16": FP16_GRAD_TOL,
+}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", list(HALF_TOL))
-def test_half_precision_hooks_are_within_tolerance_of_fp32(grads2: list[dict[str, Any]], engine: str,
-                                                           name: str) -> None:
+def test_half_precision_hooks_are_within_tolerance_of_fp32(
+    grads2: list[dict[str, Any]], engine: str, name: str
+) -> None:
     out = grads2[0]
     exact, half = out[engine, "none"]["grads"][0], out[engine, name]["grads"][0]  # step 0: the same weights
     assert_within(half, exact, HALF_TOL[name], f"{engine} {name}")
@@ -343,12 +409,15 @@ def test_half_precision_hooks_are_within_tolerance_of_fp32(grads2: list[dict[str
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", ["fp16", "bf16", "powersgd"])
-def test_training_with_the_hook_reaches_the_loss_of_uncompressed_training(training2: list[dict[str, Any]],
-                                                                         engine: str, name: str) -> None:
+def test_training_with_the_hook_reaches_the_loss_of_uncompressed_training(
+    training2: list[dict[str, Any]], engine: str, name: str
+) -> None:
     tol = POWERSGD_LOSS_TOL if name == "powersgd" else HALF_LOSS_TOL
     for out in training2:
         plain, hooked = out[engine, "none"], out[engine, name]
-        assert plain[-1] < plain[0] / 10, f"the task must be learnable: loss {plain[0]:.4f} -> {plain[-1]:.4f}"
+        assert plain[-1] < plain[0] / 10, (
+            f"the task must be learnable: loss {plain[0]:.4f} -> {plain[-1]:.4f}"
+        )
         assert abs(hooked[-1] - plain[-1]) <= tol * plain[-1], (
             f"{engine} {name}: final loss {hooked[-1]:.5f} vs uncompressed {plain[-1]:.5f} (tolerance {tol:.0%})"
         )
@@ -359,23 +428,34 @@ def test_training_with_the_hook_reaches_the_loss_of_uncompressed_training(traini
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ENGINES)
-def test_powersgd_averages_exactly_before_start_iter_and_never_compresses_biases(grads2: list[dict[str, Any]],
-                                                                                 engine: str) -> None:
+def test_powersgd_averages_exactly_before_start_iter_and_never_compresses_biases(
+    grads2: list[dict[str, Any]], engine: str
+) -> None:
     for rank, out in enumerate(grads2):
-        exact, psgd = out[engine, "allreduce"]["grads"], out[engine, "powersgd"]["grads"]  # start_powerSGD_iter=2
+        exact, psgd = (
+            out[engine, "allreduce"]["grads"],
+            out[engine, "powersgd"]["grads"],
+        )  # start_powerSGD_iter=2
         for step in (0, 1):
-            assert_same(psgd[step], exact[step], f"rank {rank} {engine} step {step} (before start_powerSGD_iter)")
+            assert_same(
+                psgd[step], exact[step], f"rank {rank} {engine} step {step} (before start_powerSGD_iter)"
+            )
         # step 2 starts from the same weights as the allreduce run (steps 0 and 1 were identical)
         for i in WEIGHTS:
-            assert max_rel(psgd[2][i], exact[2][i]) > 0.05, f"{engine} weight {i} was not compressed at step 2"
+            assert max_rel(psgd[2][i], exact[2][i]) > 0.05, (
+                f"{engine} weight {i} was not compressed at step 2"
+            )
         for i in BIASES:
-            assert torch.equal(psgd[2][i], exact[2][i]), f"{engine}: bias {i} must be all-reduced uncompressed"
+            assert torch.equal(psgd[2][i], exact[2][i]), (
+                f"{engine}: bias {i} must be all-reduced uncompressed"
+            )
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ENGINES)
-def test_powersgd_warm_start_converges_to_the_best_rank1_approximation(training2: list[dict[str, Any]],
-                                                                       engine: str) -> None:
+def test_powersgd_warm_start_converges_to_the_best_rank1_approximation(
+    training2: list[dict[str, Any]], engine: str
+) -> None:
     # The same gradient G every step (lr 0, one batch). Without error feedback, warm-started PowerSGD is
     # power iteration on G: it converges to G's best rank-1 approximation (SVD). Without warm start each
     # step starts from a fresh random Q and stays off it.
@@ -388,27 +468,35 @@ def test_powersgd_warm_start_converges_to_the_best_rank1_approximation(training2
         best = s[0] * torch.outer(u[:, 0], vh[0])
         assert max_rel(warm[-1][i], best) < 1e-4, f"{engine} weight {i}: warm start did not converge"
         cold_errors.append(max_rel(cold[-1][i], best))
-    assert max(cold_errors) > 1e-2, f"{engine}: without warm start the result should not converge: {cold_errors}"
+    assert max(cold_errors) > 1e-2, (
+        f"{engine}: without warm start the result should not converge: {cold_errors}"
+    )
     for i in BIASES:
         assert all(torch.equal(step[i], exact[i]) for step in warm + cold), f"{engine}: bias {i} compressed"
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ENGINES)
-def test_powersgd_error_feedback_recovers_what_compression_drops(training2: list[dict[str, Any]],
-                                                                 engine: str) -> None:
+def test_powersgd_error_feedback_recovers_what_compression_drops(
+    training2: list[dict[str, Any]], engine: str
+) -> None:
     # With error feedback, what rank-1 compression drops is added back later: over T steps of the same G
     # the mean applied gradient approaches G (error ~ 1/T). Without it, the mean stays a rank-1 matrix,
     # as far from G as the best rank-1 approximation (> 0.5 relative here).
     out = training2[0]
     exact = out[engine, "fixed exact"]
     for warm in (True, False):
-        with_ef, without = out[engine, f"fixed ef=True warm={warm}"], out[engine, f"fixed ef=False warm={warm}"]
+        with_ef, without = (
+            out[engine, f"fixed ef=True warm={warm}"],
+            out[engine, f"fixed ef=False warm={warm}"],
+        )
         for i in WEIGHTS:
             mean_ef = torch.stack([step[i] for step in with_ef]).mean(0)
             mean_plain = torch.stack([step[i] for step in without]).mean(0)
             assert max_rel(mean_ef, exact[i]) < 0.3, f"{engine} warm={warm} weight {i}: error feedback off?"
-            assert max_rel(mean_plain, exact[i]) > 0.4, f"{engine} warm={warm} weight {i}: expected rank-1 error"
+            assert max_rel(mean_plain, exact[i]) > 0.4, (
+                f"{engine} warm={warm} weight {i}: expected rank-1 error"
+            )
 
 
 @pytest.mark.timeout(120)
@@ -432,13 +520,17 @@ def test_powersgd_on_a_many_bucket_mlp_over_gloo(layouts2: list[dict[str, Any]],
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ENGINES)
-def test_bytes_handed_to_collectives_shrink_by_the_expected_factor(grads2: list[dict[str, Any]], engine: str) -> None:
+def test_bytes_handed_to_collectives_shrink_by_the_expected_factor(
+    grads2: list[dict[str, Any]], engine: str
+) -> None:
     for rank, out in enumerate(grads2):
         shapes = out[engine, "none"]["shapes"]
         full = fp32_bytes(shapes)
         for name, run in out.items():
             if name[0] == engine and run["counted"] is not None:  # our hooks count; the spy checks the count
-                assert run["counted"] == run["spied"], f"rank {rank} {name}: BytesCounter disagrees with the spy"
+                assert run["counted"] == run["spied"], (
+                    f"rank {rank} {name}: BytesCounter disagrees with the spy"
+                )
         per_step = {name: out[engine, name]["spied"] for name in GRAD_HOOKS}
         assert per_step["none"] == [0, 0, 0]  # no hook: the spy sees nothing
         assert per_step["allreduce"] == per_step["torch_allreduce"] == [full] * 3
@@ -462,13 +554,19 @@ def test_hooks_on_three_ranks(grads3: list[dict[str, Any]], engine: str) -> None
         exact = out[engine, "none"]["grads"]
         full = fp32_bytes(out[engine, "none"]["shapes"])
         for step in range(3):  # dividing by 3 before or after the sum: the last bit may differ
-            assert_within(out[engine, "allreduce"]["grads"][step], exact[step], 1e-6, f"rank {rank} allreduce")
-            assert_within(out[engine, "torch_allreduce"]["grads"][step], exact[step], 1e-6, f"rank {rank} torch's")
+            assert_within(
+                out[engine, "allreduce"]["grads"][step], exact[step], 1e-6, f"rank {rank} allreduce"
+            )
+            assert_within(
+                out[engine, "torch_allreduce"]["grads"][step], exact[step], 1e-6, f"rank {rank} torch's"
+            )
         for name in ("fp16", "bf16", "fp16+fp32sum", "bf16+fp32sum", "torch_fp16"):
             assert_within(out[engine, name]["grads"][0], exact[0], HALF_TOL[name], f"rank {rank} {name}")
             assert out[engine, name]["spied"] == [full // 2] * 3
         psgd = out[engine, "powersgd"]
-        assert_within(psgd["grads"][1], out[engine, "allreduce"]["grads"][1], 0.0, "before start_powerSGD_iter")
+        assert_within(
+            psgd["grads"][1], out[engine, "allreduce"]["grads"][1], 0.0, "before start_powerSGD_iter"
+        )
         assert psgd["counted"][2:] == [4 * expected_powersgd_elements(out[engine, "none"]["shapes"], 1)] * 2
         for name, run in out.items():
             if name[0] == engine:

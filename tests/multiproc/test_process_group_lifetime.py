@@ -19,7 +19,15 @@ import lockstep
 from lockstep.runtime import all_reduce_sum
 from lockstep.testing import run_distributed
 
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def _free_port() -> int:
@@ -29,7 +37,9 @@ def _free_port() -> int:
 
 
 def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    return {
+        k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")
+    }
 
 
 def _run_ranks(code: str, world_size: int = 2, timeout: float = 90) -> list[list[str]]:
@@ -39,11 +49,25 @@ def _run_ranks(code: str, world_size: int = 2, timeout: float = 90) -> list[list
     port = str(_free_port())
     procs = []
     for rank in range(world_size):
-        env = {**clean, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        env = {
+            **clean,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(code)],
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     outputs = []
     try:
         for rank, proc in enumerate(procs):
@@ -122,7 +146,12 @@ def test_a_with_over_a_group_since_left_leaves_the_new_group_alone() -> None:
         print("owner", dist.is_initialized())
     """
     # A world of 1 from plain `python` (an in-memory store): the group is formed twice in one process.
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_clean_env(), text=True,
-                          capture_output=True, timeout=90)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=_clean_env(),
+        text=True,
+        capture_output=True,
+        timeout=90,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:2] == ["stale True True", "owner False"]

@@ -21,7 +21,11 @@ def _whoami() -> tuple[int, int, bool, str]:
 
 
 def test_init_gives_each_rank_its_place() -> None:
-    assert run_distributed(_whoami, 3, timeout=60) == [(0, 3, True, "gloo"), (1, 3, False, "gloo"), (2, 3, False, "gloo")]
+    assert run_distributed(_whoami, 3, timeout=60) == [
+        (0, 3, True, "gloo"),
+        (1, 3, False, "gloo"),
+        (2, 3, False, "gloo"),
+    ]
 
 
 def _collectives() -> tuple[float, list[float], object, list[object]]:
@@ -68,8 +72,11 @@ def _ordered_entries(directory: str) -> dict[str, object]:
                 time.sleep(0.05)  # polling pace only: correctness rests on the files
             (base / "done-0").touch()
     lockstep.barrier()
-    return {"seen_before": seen_before, "done_on_entry": done_on_entry,
-            "order": (base / "order.txt").read_text().split()}
+    return {
+        "seen_before": seen_before,
+        "done_on_entry": done_on_entry,
+        "order": (base / "order.txt").read_text().split(),
+    }
 
 
 def test_main_process_first_runs_rank0_before_the_others(tmp_path: Path) -> None:
@@ -87,7 +94,9 @@ def _raise_on_rank1() -> None:
 
 
 def test_harness_names_the_failing_rank() -> None:
-    with pytest.raises(DistributedTestError, match=r"\[rank 1/2\] raised:(.|\n)*ValueError: boom from the test"):
+    with pytest.raises(
+        DistributedTestError, match=r"\[rank 1/2\] raised:(.|\n)*ValueError: boom from the test"
+    ):
         run_distributed(_raise_on_rank1, 2, timeout=60)
 
 

@@ -75,7 +75,7 @@ def _uninterrupted(world: int, epoch: int) -> list[list[int]]:
     for sampler in samplers:
         sampler.set_epoch(epoch)
         indices = list(sampler)
-        per_rank.append([indices[i:i + batch] for i in range(0, len(indices), batch)])
+        per_rank.append([indices[i : i + batch] for i in range(0, len(indices), batch)])
     return _global_batches(per_rank)
 
 

@@ -52,12 +52,22 @@ def _case(shape: tuple[int, ...], sizes: list[int], **kw: Any) -> dict[str, Any]
 
 
 def _torch_bn(ndim: int, channels: int, opts: dict[str, Any]) -> torch.nn.Module:
-    cls = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}[ndim]
+    cls = {
+        2: torch.nn.BatchNorm1d,
+        3: torch.nn.BatchNorm1d,
+        4: torch.nn.BatchNorm2d,
+        5: torch.nn.BatchNorm3d,
+    }[ndim]
     return cls(channels, **opts)
 
 
-def _steps(layer: torch.nn.Module, xs: list[torch.Tensor], rs: list[torch.Tensor], grad_x: bool,
-           reduce_grads: Any = None) -> dict[str, Any]:
+def _steps(
+    layer: torch.nn.Module,
+    xs: list[torch.Tensor],
+    rs: list[torch.Tensor],
+    grad_x: bool,
+    reduce_grads: Any = None,
+) -> dict[str, Any]:
     """Forward, backward of sum(R * y), (reduce param grads), SGD step; record everything per step."""
     out: dict[str, Any] = {"y": [], "gx": [], "gw": [], "gb": []}
     params = [p for p in (getattr(layer, "weight", None), getattr(layer, "bias", None)) if p is not None]
@@ -102,18 +112,27 @@ def _rank_run(case: dict[str, Any], group: Any = None, index: int | None = None)
         for p in params:
             dist.all_reduce(p.grad, group=group)
 
-    return _steps(layer, [x[lo:hi] for x in case["xs"]], [r[lo:hi] for r in case["rs"]], case["grad_x"], sum_grads)
+    return _steps(
+        layer, [x[lo:hi] for x in case["xs"]], [r[lo:hi] for r in case["rs"]], case["grad_x"], sum_grads
+    )
 
 
 def _run_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [_rank_run(case) for case in cases]
 
 
-def _compare(case: dict[str, Any], per_rank: list[dict[str, Any]], expected: dict[str, Any],
-             tol: dict[str, float] = TOL, grad_tol: dict[str, float] | None = None) -> None:
+def _compare(
+    case: dict[str, Any],
+    per_rank: list[dict[str, Any]],
+    expected: dict[str, Any],
+    tol: dict[str, float] = TOL,
+    grad_tol: dict[str, float] | None = None,
+) -> None:
     grad_tol = grad_tol or tol
     for step in range(len(case["xs"])):
-        torch.testing.assert_close(torch.cat([r["y"][step].float() for r in per_rank]), expected["y"][step].float(), **tol)
+        torch.testing.assert_close(
+            torch.cat([r["y"][step].float() for r in per_rank]), expected["y"][step].float(), **tol
+        )
         if case["grad_x"]:
             got = torch.cat([r["gx"][step].float() for r in per_rank])
             torch.testing.assert_close(got, expected["gx"][step].float(), **grad_tol)
@@ -123,7 +142,9 @@ def _compare(case: dict[str, Any], per_rank: list[dict[str, Any]], expected: dic
                 torch.testing.assert_close(local_sum, expected[key][step].float(), **grad_tol)
     for r in per_rank:
         for name, value in expected["state"].items():
-            torch.testing.assert_close(r["state"][name].to(value.dtype), value, **tol, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                r["state"][name].to(value.dtype), value, **tol, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
 
 # ---------------------------------------------------------------- tests
@@ -167,8 +188,13 @@ def test_three_ranks_with_unequal_and_empty_batches() -> None:
         case = CASES_3[name]
         if name == "large_offset":
             # x itself is float32 with spacing 6e-5 near 1000, which bounds what any float32 layer can do.
-            _compare(case, [r[i] for r in out], _oracle(case, torch.float64),
-                     tol={"atol": 3e-4, "rtol": 1e-5}, grad_tol={"atol": 2e-3, "rtol": 1e-4})
+            _compare(
+                case,
+                [r[i] for r in out],
+                _oracle(case, torch.float64),
+                tol={"atol": 3e-4, "rtol": 1e-5},
+                grad_tol={"atol": 2e-3, "rtol": 1e-4},
+            )
         else:
             _compare(case, [r[i] for r in out], _oracle(case))
     assert out[1][names.index("empty_rank")]["y"][0].shape == (0, 3, 2)
@@ -199,8 +225,13 @@ def _collectives_and_eval(state: dict[str, torch.Tensor]) -> dict[str, Any]:
         reference = torch.nn.SyncBatchNorm(4)  # torch's own layer accepts CPU tensors in eval mode
         reference.load_state_dict(state)
         reference.eval()
-        result.update(eval=eval_count, eval_out=ye, torch_eval_out=reference(xe), stateless_out=ys,
-                      local_batch_norm=torch.nn.functional.batch_norm(xe, None, None, training=True))
+        result.update(
+            eval=eval_count,
+            eval_out=ye,
+            torch_eval_out=reference(xe),
+            stateless_out=ys,
+            local_batch_norm=torch.nn.functional.batch_norm(xe, None, None, training=True),
+        )
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
     result["after"] = total.item()
@@ -216,7 +247,9 @@ def _collectives_and_eval(state: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 def test_one_collective_per_forward_and_backward_and_none_in_eval() -> None:
     state = SyncBatchNorm(4).state_dict()
-    state.update(running_mean=torch.tensor([0.5, -1.0, 2.0, 0.0]), running_var=torch.tensor([1.0, 4.0, 0.25, 2.0]))
+    state.update(
+        running_mean=torch.tensor([0.5, -1.0, 2.0, 0.0]), running_var=torch.tensor([1.0, 4.0, 0.25, 2.0])
+    )
     out = run_distributed(_collectives_and_eval, 2, args=(state,), timeout=60)
     for r in out:
         assert (r["forward"], r["backward"], r["after"]) == (2, 2, 3.0), r
@@ -235,8 +268,15 @@ def _world_of_one(x: torch.Tensor) -> dict[str, Any]:
     (ya, yb), count = _count_collectives(lambda: (ours(xa), theirs(xb)))
     ya.sum().backward()
     yb.sum().backward()
-    return {"count": count, "pairs": [(ya, yb), (xa.grad, xb.grad), (ours.running_var, theirs.running_var),
-                                      (ours.weight.grad, theirs.weight.grad)]}
+    return {
+        "count": count,
+        "pairs": [
+            (ya, yb),
+            (xa.grad, xb.grad),
+            (ours.running_var, theirs.running_var),
+            (ours.weight.grad, theirs.weight.grad),
+        ],
+    }
 
 
 def test_world_of_one_is_plain_batchnorm() -> None:
@@ -275,7 +315,9 @@ def test_process_subgroups() -> None:
     assert out[3]["eval_ok"]
 
 
-def _low_precision(case: dict[str, Any], model_state: dict[str, torch.Tensor], xs: torch.Tensor) -> dict[str, Any]:
+def _low_precision(
+    case: dict[str, Any], model_state: dict[str, torch.Tensor], xs: torch.Tensor
+) -> dict[str, Any]:
     rank = dist.get_rank()
     result = {"bf16": _rank_run(case)}
     model = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4)))
@@ -296,8 +338,12 @@ def test_bf16_inputs_and_autocast_match_float32() -> None:
     expected = _oracle(case, torch.float32)  # float32 on the very same bf16-rounded inputs
     loose = {"atol": 3e-2, "rtol": 2e-2}  # output and input-grad rounding to bf16 (8 bits of mantissa)
     for step in range(2):
-        torch.testing.assert_close(torch.cat([r["bf16"]["y"][step].float() for r in out]), expected["y"][step], **loose)
-        torch.testing.assert_close(torch.cat([r["bf16"]["gx"][step].float() for r in out]), expected["gx"][step], **loose)
+        torch.testing.assert_close(
+            torch.cat([r["bf16"]["y"][step].float() for r in out]), expected["y"][step], **loose
+        )
+        torch.testing.assert_close(
+            torch.cat([r["bf16"]["gx"][step].float() for r in out]), expected["gx"][step], **loose
+        )
     # Running statistics depend on the inputs only, computed in float32 from identical values: tight.
     for r in out:
         for name in ("running_mean", "running_var", "num_batches_tracked"):
@@ -306,15 +352,23 @@ def test_bf16_inputs_and_autocast_match_float32() -> None:
     assert y.dtype == torch.bfloat16
     model.train()
     torch.testing.assert_close(y.float(), model(xs).detach(), atol=5e-2, rtol=2e-2)
-    torch.testing.assert_close(out[0]["autocast_state"]["running_mean"], model[1].running_mean, atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(out[1]["autocast_state"]["running_var"], model[1].running_var, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        out[0]["autocast_state"]["running_mean"], model[1].running_mean, atol=1e-2, rtol=1e-2
+    )
+    torch.testing.assert_close(
+        out[1]["autocast_state"]["running_var"], model[1].running_var, atol=1e-2, rtol=1e-2
+    )
 
 
-def _ddp_training(engine: str, model_state: dict[str, torch.Tensor], xs: torch.Tensor, ts: torch.Tensor) -> dict[str, Any]:
+def _ddp_training(
+    engine: str, model_state: dict[str, torch.Tensor], xs: torch.Tensor, ts: torch.Tensor
+) -> dict[str, Any]:
     rank = dist.get_rank()
     model = convert_sync_batchnorm(_conv_net())
     model.load_state_dict(model_state)
-    wrapper = torch.nn.parallel.DistributedDataParallel if engine == "torch" else lockstep.DistributedDataParallel
+    wrapper = (
+        torch.nn.parallel.DistributedDataParallel if engine == "torch" else lockstep.DistributedDataParallel
+    )
     ddp = wrapper(model)  # CPU module, gloo: torch's own DDP would refuse torch.nn.SyncBatchNorm here
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     for x, t in zip(xs, ts):
@@ -328,7 +382,11 @@ def _ddp_training(engine: str, model_state: dict[str, torch.Tensor], xs: torch.T
 def _conv_net() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 2)
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 36, 2),
     )
 
 

@@ -10,8 +10,17 @@ from lockstep.testing import netns as _netns
 from lockstep.testing.netns import IFNAME, Host, netns_hosts, rate_bits, shape, teardown
 from tests.testbed.system import is_root, require_commands
 
-__all__ = ["COMMANDS", "IFNAME", "PACKAGES", "Host", "netns_hosts", "rate_bits", "shape", "teardown",
-           "unavailable_reason"]
+__all__ = [
+    "COMMANDS",
+    "IFNAME",
+    "PACKAGES",
+    "Host",
+    "netns_hosts",
+    "rate_bits",
+    "shape",
+    "teardown",
+    "unavailable_reason",
+]
 
 COMMANDS = _netns.COMMANDS
 PACKAGES = _netns.PACKAGES  # installed by `make testbed` (Makefile: TESTBED_PACKAGES)

@@ -40,11 +40,33 @@ from pathlib import Path
 from tests.testbed.netns import Host
 from tests.testbed.system import free_port, is_root, require_commands, stop_process
 
-COMMANDS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "unshare")
+COMMANDS = (
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "srun",
+    "sbatch",
+    "scontrol",
+    "squeue",
+    "scancel",
+    "sinfo",
+    "unshare",
+)
 PACKAGES = ("slurm-wlm", "munge", "util-linux")  # installed by `make testbed` (Makefile: TESTBED_PACKAGES)
 START_TIMEOUT = 30.0
-FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                          "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
+FINAL_STATES = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+    }
+)
 
 
 def unavailable_reason() -> str | None:
@@ -77,11 +99,23 @@ class SlurmCluster:
         """`cmd` as run on the first node (inside its network namespace when the nodes are namespaces)."""
         return self.hosts[0].command(cmd) if self.hosts else list(cmd)
 
-    def run(self, cmd: Sequence[str], *, timeout: float = 60.0, cwd: Path | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self,
+        cmd: Sequence[str],
+        *,
+        timeout: float = 60.0,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         """Run a command (srun, sbatch, scontrol, ...) against this cluster; never raises on exit codes."""
-        return subprocess.run(self.command(cmd), capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                              env={**self.env, **(env or {})})
+        return subprocess.run(
+            self.command(cmd),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+            env={**self.env, **(env or {})},
+        )
 
     def submit(self, script: Path, *extra: str, cwd: Path | None = None) -> int:
         result = self.run(["sbatch", "--parsable", *extra, str(script)], cwd=cwd)
@@ -99,8 +133,14 @@ class SlurmCluster:
     def state(self, job_id: int) -> str:
         return self.job(job_id).get("JobState", "UNKNOWN")
 
-    def wait(self, job_id: int, states: set[str] | frozenset[str] = FINAL_STATES, *, timeout: float = 90.0,
-             restarts: int = 0) -> dict[str, str]:
+    def wait(
+        self,
+        job_id: int,
+        states: set[str] | frozenset[str] = FINAL_STATES,
+        *,
+        timeout: float = 90.0,
+        restarts: int = 0,
+    ) -> dict[str, str]:
         """Poll until the job is in one of `states` (with at least `restarts` requeues); the job's record."""
         deadline = time.monotonic() + timeout
         info: dict[str, str] = {}
@@ -109,19 +149,26 @@ class SlurmCluster:
             if info.get("JobState") in states and int(info.get("Restarts", "0")) >= restarts:
                 return info
             time.sleep(0.3)
-        raise TimeoutError(f"job {job_id} not in {sorted(states)} after {timeout:.0f} s: {info}\n{self.logs()}")
+        raise TimeoutError(
+            f"job {job_id} not in {sorted(states)} after {timeout:.0f} s: {info}\n{self.logs()}"
+        )
 
     def logs(self) -> str:
         parts = []
         for name in ("slurmctld.log", *[f"slurmd-{n}.log" for n in self.nodes], "munged.log"):
             path = self.root / name
             if path.exists():
-                parts.append(f"--- {name} (tail) ---\n" + "\n".join(path.read_text(errors="replace").splitlines()[-30:]))
+                parts.append(
+                    f"--- {name} (tail) ---\n"
+                    + "\n".join(path.read_text(errors="replace").splitlines()[-30:])
+                )
         return "\n".join(parts)
 
 
 @contextlib.contextmanager
-def slurm_cluster(root: Path, *, cpus: int | None = None, hosts: Sequence[Host] = ()) -> Iterator[SlurmCluster]:
+def slurm_cluster(
+    root: Path, *, cpus: int | None = None, hosts: Sequence[Host] = ()
+) -> Iterator[SlurmCluster]:
     """Start munged, slurmctld and slurmd under `root`; yield once the nodes are idle; always stop them.
 
     With `hosts` (tests/testbed/netns.py), each host is a node named node<i> at its address: its slurmd runs
@@ -130,8 +177,12 @@ def slurm_cluster(root: Path, *, cpus: int | None = None, hosts: Sequence[Host] 
     """
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o700)  # munged refuses a key or socket directory others can write to
-    cluster = SlurmCluster(root=root, node=socket.gethostname().split(".")[0], cpus=cpus or os.cpu_count() or 1,
-                           hosts=list(hosts))
+    cluster = SlurmCluster(
+        root=root,
+        node=socket.gethostname().split(".")[0],
+        cpus=cpus or os.cpu_count() or 1,
+        hosts=list(hosts),
+    )
     try:
         _start(cluster)
         yield cluster
@@ -146,9 +197,20 @@ def _start(cluster: SlurmCluster) -> None:
     os.chmod(key, 0o400)
     socket_path = root / "munge.socket"
     cluster.procs["munged"] = subprocess.Popen(
-        ["munged", "-F", "-f", f"--socket={socket_path}", f"--key-file={key}", f"--pid-file={root / 'munged.pid'}",
-         f"--log-file={root / 'munged.log'}", f"--seed-file={root / 'munged.seed'}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            "munged",
+            "-F",
+            "-f",
+            f"--socket={socket_path}",
+            f"--key-file={key}",
+            f"--pid-file={root / 'munged.pid'}",
+            f"--log-file={root / 'munged.log'}",
+            f"--seed-file={root / 'munged.seed'}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     _wait_for(lambda: socket_path.exists(), "munged socket", cluster)
     for sub in ("state", "spool"):
         (root / sub).mkdir(exist_ok=True)
@@ -159,8 +221,13 @@ def _start(cluster: SlurmCluster) -> None:
         if var != "SLURM_CONF":
             cluster.env.pop(var)  # a test itself running inside a SLURM job must not leak its job here
     for name, argv in _daemons(cluster):
-        cluster.procs[name] = subprocess.Popen(argv, env=cluster.env, stdout=open(root / f"{name}.out", "wb"),
-                                               stderr=subprocess.STDOUT, start_new_session=True)
+        cluster.procs[name] = subprocess.Popen(
+            argv,
+            env=cluster.env,
+            stdout=open(root / f"{name}.out", "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     _wait_for(lambda: _nodes_idle(cluster), f"nodes {', '.join(cluster.nodes)} idle", cluster)
 
 
@@ -170,15 +237,32 @@ def _daemons(cluster: SlurmCluster) -> list[tuple[str, list[str]]]:
     conf = str(cluster.conf)
     in_pid_ns = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
     if not cluster.hosts:
-        return [("slurmctld", [*in_pid_ns, "slurmctld", "-D", "-i", "-f", conf]),
-                ("slurmd", [*in_pid_ns, "slurmd", "-D", "-N", cluster.node, "-f", conf])]
+        return [
+            ("slurmctld", [*in_pid_ns, "slurmctld", "-D", "-i", "-f", conf]),
+            ("slurmd", [*in_pid_ns, "slurmd", "-D", "-N", cluster.node, "-f", conf]),
+        ]
     hosts_file = cluster.root / "hosts"
-    hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{h.addr} {n}\n" for h, n in zip(cluster.hosts, cluster.nodes)))
+    hosts_file.write_text(
+        "127.0.0.1 localhost\n" + "".join(f"{h.addr} {n}\n" for h, n in zip(cluster.hosts, cluster.nodes))
+    )
     # Its own hostname and /etc/hosts (a private mount: the machine's file is untouched), then the daemon.
-    as_node = [*in_pid_ns, "--uts", "sh", "-c", f'hostname "$0" && mount --bind {hosts_file} /etc/hosts && exec "$@"']
-    daemons = [("slurmctld", cluster.hosts[0].command([*as_node, cluster.nodes[0], "slurmctld", "-D", "-i", "-f", conf]))]
+    as_node = [
+        *in_pid_ns,
+        "--uts",
+        "sh",
+        "-c",
+        f'hostname "$0" && mount --bind {hosts_file} /etc/hosts && exec "$@"',
+    ]
+    daemons = [
+        (
+            "slurmctld",
+            cluster.hosts[0].command([*as_node, cluster.nodes[0], "slurmctld", "-D", "-i", "-f", conf]),
+        )
+    ]
     for host, node in zip(cluster.hosts, cluster.nodes):
-        daemons.append((f"slurmd-{node}", host.command([*as_node, node, "slurmd", "-D", "-N", node, "-f", conf])))
+        daemons.append(
+            (f"slurmd-{node}", host.command([*as_node, node, "slurmd", "-D", "-N", node, "-f", conf]))
+        )
     return daemons
 
 
@@ -186,8 +270,10 @@ def _slurm_conf(cluster: SlurmCluster, munge_socket: Path, ctld_port: int, slurm
     root = cluster.root
     if cluster.hosts:
         ctld = f"{cluster.nodes[0]}({cluster.hosts[0].addr})"
-        node_lines = "".join(f"NodeName={n} NodeAddr={h.addr} CPUs={cluster.cpus} State=UNKNOWN\n"
-                             for h, n in zip(cluster.hosts, cluster.nodes))
+        node_lines = "".join(
+            f"NodeName={n} NodeAddr={h.addr} CPUs={cluster.cpus} State=UNKNOWN\n"
+            for h, n in zip(cluster.hosts, cluster.nodes)
+        )
     else:
         ctld = f"{cluster.node}(127.0.0.1)"
         node_lines = f"NodeName={cluster.node} NodeAddr=127.0.0.1 CPUs={cluster.cpus} State=UNKNOWN\n"
@@ -201,12 +287,12 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={munge_socket}
-StateSaveLocation={root / 'state'}
-SlurmdSpoolDir={root / 'spool'}/%n
-SlurmctldPidFile={root / 'slurmctld.pid'}
-SlurmdPidFile={root / 'slurmd-%n.pid'}
-SlurmctldLogFile={root / 'slurmctld.log'}
-SlurmdLogFile={root / 'slurmd-%n.log'}
+StateSaveLocation={root / "state"}
+SlurmdSpoolDir={root / "spool"}/%n
+SlurmctldPidFile={root / "slurmctld.pid"}
+SlurmdPidFile={root / "slurmd-%n.pid"}
+SlurmctldLogFile={root / "slurmctld.log"}
+SlurmdLogFile={root / "slurmd-%n.log"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none

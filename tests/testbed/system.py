@@ -30,8 +30,10 @@ def require_commands(commands: tuple[str, ...], packages: tuple[str, ...]) -> st
     absent = missing(commands)
     if not absent:
         return None
-    return (f"{', '.join(absent)} not found on PATH (Debian packages {' '.join(packages)}); "
-            f"run `{SETUP_COMMAND}` as root once to install them")
+    return (
+        f"{', '.join(absent)} not found on PATH (Debian packages {' '.join(packages)}); "
+        f"run `{SETUP_COMMAND}` as root once to install them"
+    )
 
 
 def free_port() -> int:

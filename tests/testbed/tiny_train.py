@@ -54,12 +54,17 @@ def main() -> int:
     stop_requested = []
     signal.signal(signal.SIGUSR1, lambda signum, frame: stop_requested.append(signum))
     if args.explicit:
-        topo = lockstep.init(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=60)
+        topo = lockstep.init(
+            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=60
+        )
     else:
         topo = lockstep.init(timeout=60)
     rank, world = topo.rank, topo.world_size
-    print(f"rank {rank}/{world} local {topo.local_rank}/{topo.local_world_size} node {topo.node_rank}/"
-          f"{topo.num_nodes} via {topo.launcher} endpoint {topo.endpoint}", flush=True)
+    print(
+        f"rank {rank}/{world} local {topo.local_rank}/{topo.local_world_size} node {topo.node_rank}/"
+        f"{topo.num_nodes} via {topo.launcher} endpoint {topo.endpoint}",
+        flush=True,
+    )
     model = build_model()
     ddp = lockstep.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -96,8 +101,10 @@ def main() -> int:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
     if rank == 0:
         sha = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
-        print(f"RESULT world={world} steps={args.steps} resumed_from={start} sum={flat.sum().item()!r} sha={sha}",
-              flush=True)
+        print(
+            f"RESULT world={world} steps={args.steps} resumed_from={start} sum={flat.sum().item()!r} sha={sha}",
+            flush=True,
+        )
     lockstep.shutdown()
     return 0
 

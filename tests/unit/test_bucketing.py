@@ -43,7 +43,11 @@ def test_buckets_never_mix_devices_or_dtypes() -> None:
     for b in buckets:
         assert len({(params[i].device, params[i].dtype) for i in b.param_indices}) == 1
     assert sorted(i for b in buckets for i in b.param_indices) == list(range(5))
-    assert [(b.device, b.dtype) for b in buckets] == [("cuda:1", "float16"), ("cuda:1", "float32"), ("cuda:0", "float32")]
+    assert [(b.device, b.dtype) for b in buckets] == [
+        ("cuda:1", "float16"),
+        ("cuda:1", "float32"),
+        ("cuda:0", "float32"),
+    ]
     assert [b.param_indices for b in buckets] == [(4,), (3, 2), (1, 0)]
 
 

@@ -67,7 +67,9 @@ def test_write_atomic_replaces_whole_and_records_size_and_sha(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
 
 
-def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_write_leaves_the_old_file_and_no_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     target = tmp_path / "f.bin"
     target.write_bytes(b"old")
 
@@ -95,7 +97,14 @@ def test_publish_dir_replaces_an_existing_directory(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
 
 
-@pytest.mark.parametrize("code,words", [(errno.EROFS, "read-only"), (errno.EACCES, "permission denied"),
-                                        (errno.ENOENT, "does not exist"), (errno.EIO, "I/O error")])
+@pytest.mark.parametrize(
+    "code,words",
+    [
+        (errno.EROFS, "read-only"),
+        (errno.EACCES, "permission denied"),
+        (errno.ENOENT, "does not exist"),
+        (errno.EIO, "I/O error"),
+    ],
+)
 def test_os_errors_are_explained(code: int, words: str) -> None:
     assert words in storage.explain_os_error(OSError(code, os.strerror(code)))

@@ -17,13 +17,40 @@ import torch
 from lockstep.runtime.collectives import device_for_backend
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "lockstep"
-COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "reduce", "gather", "scatter", "send", "recv"}
-FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "frombuffer", "arange", "randn", "rand", "randint",
-             "sparse_coo_tensor"}
+COLLECTIVES = {
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+}
+FACTORIES = {
+    "tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "frombuffer",
+    "arange",
+    "randn",
+    "rand",
+    "randint",
+    "sparse_coo_tensor",
+}
 # (file, factory, line text fragment) -> why the tensor never reaches a collective as it is
 NOT_SENT = {
-    ("runtime/collectives.py", "frombuffer", "torch.frombuffer(bytearray(data)"): "_encode: callers .to(device)",
+    (
+        "runtime/collectives.py",
+        "frombuffer",
+        "torch.frombuffer(bytearray(data)",
+    ): "_encode: callers .to(device)",
     ("runtime/collectives.py", "empty", "torch.empty(0, dtype=torch.uint8)"): "_encode: callers .to(device)",
     ("engine/bucket_memory.py", "empty", "torch.empty(0, dtype=dtype)"): "a solo bucket's unused placeholder",
     ("engine/powersgd.py", "empty", "torch.empty(0)"): "placeholder replaced before any collective",
@@ -41,8 +68,13 @@ def test_nccl_needs_its_cuda_device_and_gloo_takes_cpu() -> None:
 
 
 def _issues_collectives(tree: ast.AST) -> bool:
-    return any(isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and isinstance(node.value, ast.Name)
-               and node.value.id == "dist" for node in ast.walk(tree))
+    return any(
+        isinstance(node, ast.Attribute)
+        and node.attr in COLLECTIVES
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "dist"
+        for node in ast.walk(tree)
+    )
 
 
 def _unplaced_factories(path: Path) -> list[tuple[str, str, str]]:
@@ -50,14 +82,23 @@ def _unplaced_factories(path: Path) -> list[tuple[str, str, str]]:
     tree = ast.parse(text)
     if not _issues_collectives(tree):
         return []
-    moved = {id(node.func.value) for node in ast.walk(tree)  # torch.zeros(...).to(device)
-             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "to"
-             and isinstance(node.func.value, ast.Call)}
+    moved = {
+        id(node.func.value)
+        for node in ast.walk(tree)  # torch.zeros(...).to(device)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "to"
+        and isinstance(node.func.value, ast.Call)
+    }
     found = []
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in FACTORIES and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == "torch"):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in FACTORIES
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "torch"
+        ):
             continue
         if any(k.arg == "device" for k in node.keywords) or id(node) in moved:
             continue
@@ -67,9 +108,13 @@ def _unplaced_factories(path: Path) -> list[tuple[str, str, str]]:
 
 def test_every_tensor_made_for_a_collective_names_its_device() -> None:
     unplaced = [f for path in sorted(SRC.rglob("*.py")) for f in _unplaced_factories(path)]
-    unexplained = [f for f in unplaced
-                   if not any(f[0] == k[0] and f[1] == k[1] and f[2].startswith(k[2]) for k in NOT_SENT)]
+    unexplained = [
+        f
+        for f in unplaced
+        if not any(f[0] == k[0] and f[1] == k[1] and f[2].startswith(k[2]) for k in NOT_SENT)
+    ]
     assert not unexplained, (
         "tensors made without a device in modules that issue collectives (create them on "
-        f"comm_device(group) or list why they never reach one): {unexplained}")
+        f"comm_device(group) or list why they never reach one): {unexplained}"
+    )
     assert len(unplaced) >= 4  # the scan sees the known placeholders: it is looking at the right code

@@ -21,7 +21,7 @@ def _version(text: str) -> tuple[int, ...]:
 
 def _lower_bound() -> str:
     match = re.search(r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text())
-    assert match, "pyproject.toml must declare torch with a lower bound: \"torch>=X.Y\""
+    assert match, 'pyproject.toml must declare torch with a lower bound: "torch>=X.Y"'
     return match.group(1)
 
 

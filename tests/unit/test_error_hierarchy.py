@@ -109,7 +109,9 @@ def offending_raises(path: Path, src: Path) -> list[str]:
     """`path:line: raise X (why)` for every raise in `path` that breaks the rule."""
     tree = ast.parse(path.read_text(), filename=str(path))
     parents = _parents(tree)
-    relative = path.relative_to(src / "lockstep").as_posix() if (src / "lockstep") in path.parents else path.name
+    relative = (
+        path.relative_to(src / "lockstep").as_posix() if (src / "lockstep") in path.parents else path.name
+    )
     shown = path.relative_to(src.parent).as_posix() if src.parent in path.parents else str(path)
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
@@ -121,15 +123,22 @@ def offending_raises(path: Path, src: Path) -> list[str]:
         if parts is None:
             found.append((node.lineno, f"{shown}:{node.lineno}: raise {text} (not a class name)"))
             continue
-        if len(parts) == 1 and not isinstance(node.exc, ast.Call) and _bound_by_handler(parts[0], node, parents):
+        if (
+            len(parts) == 1
+            and not isinstance(node.exc, ast.Call)
+            and _bound_by_handler(parts[0], node, parents)
+        ):
             continue  # `except ... as exc: ... raise exc`
         if (relative, parts[-1]) in ALLOWED:
             continue
         target = _resolve(parts, node, parents, _module_name(path, src))
         if isinstance(target, type) and issubclass(target, LockstepError):
             continue
-        why = (f"{target.__name__} is not a LockstepError subclass" if isinstance(target, type)
-               else f"{text} does not resolve to an exception class here")
+        why = (
+            f"{target.__name__} is not a LockstepError subclass"
+            if isinstance(target, type)
+            else f"{text} does not resolve to an exception class here"
+        )
         found.append((node.lineno, f"{shown}:{node.lineno}: raise {text} ({why})"))
     return [line for _, line in sorted(found)]
 
@@ -161,7 +170,7 @@ def test_every_allowed_entry_is_still_needed() -> None:
     assert not stale, f"ALLOWED entries no raise uses any more; remove them: {stale!r}"
 
 
-_SAMPLE = '''
+_SAMPLE = """
 from lockstep.errors import ConfigError, InternalError
 
 
@@ -201,7 +210,7 @@ def bad(x):
 
 def make_error():
     return ConfigError("made")
-'''
+"""
 
 
 def test_the_checker_flags_what_breaks_the_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

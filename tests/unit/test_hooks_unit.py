@@ -13,15 +13,25 @@ from lockstep.errors import ConfigError
 
 
 def test_public_names_are_torchs() -> None:
-    assert hooks.__all__ == ["BytesCounter", "HookState", "PowerSGDState", "allreduce_hook", "bf16_compress_hook",
-                             "fp16_compress_hook", "powerSGD_hook"]
+    assert hooks.__all__ == [
+        "BytesCounter",
+        "HookState",
+        "PowerSGDState",
+        "allreduce_hook",
+        "bf16_compress_hook",
+        "fp16_compress_hook",
+        "powerSGD_hook",
+    ]
 
 
 def test_plan_compresses_matrices_that_pay_and_sends_the_rest_as_they_are() -> None:
     shapes = [torch.Size(s) for s in [(64, 16), (64,), (4, 64), (4,), (8, 3, 3, 3)]]
     plan = plan_bucket(shapes, rank=1, min_compression_rate=2)
     assert [(m.offset, m.rows, m.cols, m.rank) for m in plan.matrices] == [
-        (0, 64, 16, 1), (1088, 4, 64, 1), (1348, 8, 27, 1)]  # a conv weight is out_channels x the rest
+        (0, 64, 16, 1),
+        (1088, 4, 64, 1),
+        (1348, 8, 27, 1),
+    ]  # a conv weight is out_channels x the rest
     assert plan.uncompressed == ((1024, 64), (1344, 4))  # the biases, in buffer order
     assert plan.numel == 1024 + 64 + 256 + 4 + 216
     assert plan.p_numel == 64 + 4 + 8 and plan.q_numel == 16 + 64 + 27
@@ -57,12 +67,15 @@ def test_bytes_counter_counts_payloads_per_step() -> None:
     assert counter.bytes_per_step == 33.0 and counter.last_step_bytes == 6
 
 
-@pytest.mark.parametrize(("kwargs", "needle"), [
-    ({"matrix_approximation_rank": 0}, "matrix_approximation_rank=0"),
-    ({"start_powerSGD_iter": -1}, "start_powerSGD_iter=-1"),
-    ({"min_compression_rate": 0}, "min_compression_rate=0"),
-    ({"orthogonalization_epsilon": -1e-8}, "orthogonalization_epsilon=-1e-08"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"matrix_approximation_rank": 0}, "matrix_approximation_rank=0"),
+        ({"start_powerSGD_iter": -1}, "start_powerSGD_iter=-1"),
+        ({"min_compression_rate": 0}, "min_compression_rate=0"),
+        ({"orthogonalization_epsilon": -1e-8}, "orthogonalization_epsilon=-1e-08"),
+    ],
+)
 def test_powersgd_state_refuses_bad_settings_with_the_value_and_a_fix(kwargs: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match="expected") as info:
         hooks.PowerSGDState(None, **kwargs)
@@ -75,7 +88,12 @@ def test_a_wrong_state_is_refused_with_how_to_register() -> None:
 
 
 def test_hooks_carry_the_annotations_torchs_ddp_checks() -> None:
-    for hook in (hooks.allreduce_hook, hooks.fp16_compress_hook, hooks.bf16_compress_hook, hooks.powerSGD_hook):
+    for hook in (
+        hooks.allreduce_hook,
+        hooks.fp16_compress_hook,
+        hooks.bf16_compress_hook,
+        hooks.powerSGD_hook,
+    ):
         assert hook.__annotations__["bucket"] is dist.GradBucket
         assert hook.__annotations__["return"] == torch.futures.Future[torch.Tensor]
     # torch's DDP refuses a hook *named* bf16_compress_hook without CUDA + NCCL; ours runs on gloo

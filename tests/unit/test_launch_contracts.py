@@ -27,8 +27,14 @@ from lockstep.runtime.topology import resolve_topology
 
 def _agent_envs(restart_count: int) -> dict[int, dict[str, str]]:
     """What torch's agent hands RunDirLogs.reify for one node of two workers, on its restart_count-th start."""
-    base = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400",
-            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
+    base = {
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29400",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+    }
     return {local: {**base, "RANK": str(local), "LOCAL_RANK": str(local)} for local in (0, 1)}
 
 
@@ -67,7 +73,10 @@ def test_a_stopping_signal_is_a_launch_error_that_torchs_agent_recognises(sig: s
     [
         (["--node-rank", "one", "s.py"], "--node-rank expects an integer, got 'one'"),
         (["--max-restarts", "2.5", "s.py"], "--max-restarts expects an integer, got '2.5'"),
-        (["--monitor-interval", "fast", "s.py"], "--monitor-interval expects a number of seconds, got 'fast'"),
+        (
+            ["--monitor-interval", "fast", "s.py"],
+            "--monitor-interval expects a number of seconds, got 'fast'",
+        ),
     ],
 )
 def test_numeric_flags_name_the_flag_and_the_value(argv: list[str], needle: str) -> None:
@@ -78,8 +87,21 @@ def test_numeric_flags_name_the_flag_and_the_value(argv: list[str], needle: str)
 
 
 def test_numeric_flags_are_converted() -> None:
-    spec = parse_run_args(["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:1", "--max-restarts", "3",
-                           "--monitor-interval", "0.5", "s.py"])
+    spec = parse_run_args(
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            "h:1",
+            "--max-restarts",
+            "3",
+            "--monitor-interval",
+            "0.5",
+            "s.py",
+        ]
+    )
     assert (spec.node_rank, spec.max_restarts, spec.monitor_interval) == (1, 3, 0.5)
     defaults = parse_run_args(["s.py"])
     assert (defaults.node_rank, defaults.max_restarts, defaults.monitor_interval) == (None, 0, 0.1)

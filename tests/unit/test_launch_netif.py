@@ -25,13 +25,21 @@ def test_interface_that_holds_an_address() -> None:
 
 
 def node(**fields: object) -> LaunchSpec:
-    base: dict[str, object] = {"entrypoint": "s.py", "min_nodes": 2, "max_nodes": 2, "rdzv_endpoint": "127.0.0.1:29400"}
+    base: dict[str, object] = {
+        "entrypoint": "s.py",
+        "min_nodes": 2,
+        "max_nodes": 2,
+        "rdzv_endpoint": "127.0.0.1:29400",
+    }
     return LaunchSpec(**{**base, **fields})  # type: ignore[arg-type]
 
 
 @linux_only
 def test_local_addr_picks_the_interface_unless_told() -> None:
-    assert collective_interface(node(local_addr="127.0.0.1"), {}) == ("lo", "network interface lo (it holds --local-addr 127.0.0.1)")
+    assert collective_interface(node(local_addr="127.0.0.1"), {}) == (
+        "lo",
+        "network interface lo (it holds --local-addr 127.0.0.1)",
+    )
     # --network-interface wins; without --local-addr, or on one node, nothing is guessed.
     assert collective_interface(node(local_addr="127.0.0.1", network_interface="ib0"), {})[0] == "ib0"
     assert collective_interface(node(), {}) == (None, "")

@@ -21,12 +21,18 @@ def _relay(tmp_path: Path, logs: str, files: dict[int, tuple[str, str]]) -> tupl
 
 
 def test_rank0_verbatim_others_only_warnings_and_errors(tmp_path: Path) -> None:
-    tb = ("Traceback (most recent call last):\n  File \"t.py\", line 3, in <module>\n    f()\n"
-          "ValueError: bad\n")
-    out, err = _relay(tmp_path, "rank0", {
-        0: ("step 1\nbar 10%\rbar 100%\n", "rank0 warning\n"),
-        1: ("chatty stdout\nWARNING: low disk\n", "t.py:3: UserWarning: careful\n" + tb + "progress 5%\rprogress 9%\n"),
-    })
+    tb = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\n    f()\nValueError: bad\n'
+    out, err = _relay(
+        tmp_path,
+        "rank0",
+        {
+            0: ("step 1\nbar 10%\rbar 100%\n", "rank0 warning\n"),
+            1: (
+                "chatty stdout\nWARNING: low disk\n",
+                "t.py:3: UserWarning: careful\n" + tb + "progress 5%\rprogress 9%\n",
+            ),
+        },
+    )
     assert out == "step 1\nbar 10%\rbar 100%\n"  # byte for byte: progress bars keep their \r
     assert "rank0 warning\n" in err
     assert "chatty stdout" not in out + err
@@ -34,7 +40,7 @@ def test_rank0_verbatim_others_only_warnings_and_errors(tmp_path: Path) -> None:
     assert "[rank 1] t.py:3: UserWarning: careful" in err
     # The traceback folds to its exception line plus where the rest is.
     assert f"[rank 1] ValueError: bad  (traceback in {tmp_path / 'e1'})" in err
-    assert "File \"t.py\"" not in err
+    assert 'File "t.py"' not in err
     assert "[rank 1] progress 9%" in err and "progress 5%" not in err
 
 
@@ -45,8 +51,16 @@ def test_logs_all_prefixes_every_line_once(tmp_path: Path) -> None:
 
 
 def _record(message: str, when: float) -> dict[str, object]:
-    return {"message": {"message": message, "extraInfo": {"py_callstack": f"Traceback...\n{message}\n",
-                                                            "timestamp": str(int(when)), "lockstep_time": when}}}
+    return {
+        "message": {
+            "message": message,
+            "extraInfo": {
+                "py_callstack": f"Traceback...\n{message}\n",
+                "timestamp": str(int(when)),
+                "lockstep_time": when,
+            },
+        }
+    }
 
 
 def test_first_failure_is_the_root_cause() -> None:
@@ -64,8 +78,10 @@ def test_summary_block(tmp_path: Path) -> None:
     rank_dir.mkdir()
     (rank_dir / "stdout.log").write_text("epoch 1\n")
     (rank_dir / "stderr.log").write_text("loading\nTraceback (most recent call last):\nValueError: bad\n")
-    failures = [RankFailure(1, 1, 101, 1, _record("ValueError: bad", 1.0), str(rank_dir)),
-                RankFailure(0, 0, 100, -15, {}, None)]
+    failures = [
+        RankFailure(1, 1, 101, 1, _record("ValueError: bad", 1.0), str(rank_dir)),
+        RankFailure(0, 0, 100, -15, {}, None),
+    ]
     text = format_failure(failures, 2)
     assert text.count("FAILED") == 1
     assert "FAILED: rank 1/2 (local rank 1, pid 101) exited with code 1" in text
@@ -74,19 +90,31 @@ def test_summary_block(tmp_path: Path) -> None:
     assert str(rank_dir / "stderr.log") in text
     assert "also: rank 0 was killed by SIGTERM (exit code -15) (stopped by the launcher)" in text
     crash = format_failure([RankFailure(0, 0, 100, -11, {}, str(rank_dir))], 1)
-    assert "killed by SIGSEGV" in crash and "no Python traceback was recorded" in crash and "<N/A>" not in crash
+    assert (
+        "killed by SIGSEGV" in crash and "no Python traceback was recorded" in crash and "<N/A>" not in crash
+    )
 
 
 def test_rank_stopped_while_exiting_keeps_the_code_it_chose() -> None:
     """A rank that raised (its record says it exits 1) and was SIGTERMed by the agent in its atexit work,
     because a peer's failure was seen first, is reported as exiting 1: the launcher does not exit 143."""
-    record = {"message": {"message": "ValueError: bad", "extraInfo": {"py_callstack": "Traceback...\nValueError: bad\n",
-                                                                      "lockstep_time": 1.0, "lockstep_exitcode": 1}}}
+    record = {
+        "message": {
+            "message": "ValueError: bad",
+            "extraInfo": {
+                "py_callstack": "Traceback...\nValueError: bad\n",
+                "lockstep_time": 1.0,
+                "lockstep_exitcode": 1,
+            },
+        }
+    }
     raised = RankFailure(1, 1, 101, -15, record, None)
     peer = RankFailure(0, 0, 100, 1, _record("RuntimeError: Connection closed by peer", 1.2), None)
     assert first_failure([peer, raised]) is raised and raised.exit_status == 1
-    assert "FAILED: rank 1/2 (local rank 1, pid 101) exited with code 1 (stopped by the launcher while exiting)" \
+    assert (
+        "FAILED: rank 1/2 (local rank 1, pid 101) exited with code 1 (stopped by the launcher while exiting)"
         in format_failure([peer, raised], 2)
+    )
     # Killed by a signal that is not the launcher's stop (a crash), or with no code recorded: the signal stands.
     assert RankFailure(1, 1, 101, -11, record, None).exit_status == -11
     assert RankFailure(1, 1, 101, -15, _record("ValueError: bad", 1.0), None).exit_status == -15

@@ -55,8 +55,10 @@ def test_a_node_that_joins_later_gets_the_round_number_not_its_own_count() -> No
 
 
 def reify(logs: RunDirLogs, restart_count: int) -> dict[int, dict[str, str]]:
-    envs = {0: {"RANK": "2", "TORCHELASTIC_RESTART_COUNT": str(restart_count)},
-            1: {"RANK": "3", "TORCHELASTIC_RESTART_COUNT": str(restart_count)}}
+    envs = {
+        0: {"RANK": "2", "TORCHELASTIC_RESTART_COUNT": str(restart_count)},
+        1: {"RANK": "3", "TORCHELASTIC_RESTART_COUNT": str(restart_count)},
+    }
     logs.reify(envs)
     return envs
 
@@ -64,14 +66,18 @@ def reify(logs: RunDirLogs, restart_count: int) -> dict[int, dict[str, str]]:
 def test_workers_get_the_agreed_attempt_and_its_directory(tmp_path: Path) -> None:
     announced: list[tuple[int, dict[int, str]]] = []
     agreed = AgreedAttempt()
-    logs = RunDirLogs(str(tmp_path), lambda attempt, ranks, env0: announced.append((attempt, dict(ranks))), agreed)
+    logs = RunDirLogs(
+        str(tmp_path), lambda attempt, ranks, env0: announced.append((attempt, dict(ranks))), agreed
+    )
     agreed.value = 0
     assert {env[ATTEMPT_VAR] for env in reify(logs, 0).values()} == {"0"}
     # This node restarted for a peer's failure: its own restart count stays 0, the job's attempt is 1.
     agreed.value = 1
     assert {env[ATTEMPT_VAR] for env in reify(logs, 0).values()} == {"1"}
-    assert announced == [(0, {2: str(tmp_path / "rank2"), 3: str(tmp_path / "rank3")}),
-                         (1, {2: str(tmp_path / "restart1" / "rank2"), 3: str(tmp_path / "restart1" / "rank3")})]
+    assert announced == [
+        (0, {2: str(tmp_path / "rank2"), 3: str(tmp_path / "rank3")}),
+        (1, {2: str(tmp_path / "restart1" / "rank2"), 3: str(tmp_path / "restart1" / "rank3")}),
+    ]
 
 
 def test_without_an_agreed_number_attempts_started_here_are_counted(tmp_path: Path) -> None:

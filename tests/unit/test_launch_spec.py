@@ -35,11 +35,27 @@ def test_module_mode() -> None:
 
 
 def test_multi_node_flags() -> None:
-    spec = parse_run_args([
-        "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "10.0.0.1:29500", "--rdzv-id", "job7",
-        "--rdzv-conf", "join_timeout=30,last_call_timeout=1", "--local-addr", "10.0.0.2",
-        "--network-interface", "veth1", "--max-restarts", "2", "s.py",
-    ])
+    spec = parse_run_args(
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            "10.0.0.1:29500",
+            "--rdzv-id",
+            "job7",
+            "--rdzv-conf",
+            "join_timeout=30,last_call_timeout=1",
+            "--local-addr",
+            "10.0.0.2",
+            "--network-interface",
+            "veth1",
+            "--max-restarts",
+            "2",
+            "s.py",
+        ]
+    )
     assert (spec.min_nodes, spec.max_nodes, spec.node_rank) == (2, 2, 1)
     assert spec.endpoint == "10.0.0.1:29500" and spec.rdzv_id == "job7"
     assert dict(spec.rdzv_conf) == {"join_timeout": "30", "last_call_timeout": "1"}
@@ -48,8 +64,9 @@ def test_multi_node_flags() -> None:
     assert rendezvous_conf(spec)["is_host"] == "0"
     spec0 = parse_run_args(["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "10.0.0.1:29500", "s.py"])
     assert rendezvous_conf(spec0)["is_host"] == "1"
-    explicit = parse_run_args(["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1",
-                               "--rdzv-conf", "is_host=0", "s.py"])
+    explicit = parse_run_args(
+        ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--rdzv-conf", "is_host=0", "s.py"]
+    )
     assert rendezvous_conf(explicit)["is_host"] == "0"
 
 
@@ -83,7 +100,10 @@ def test_env_and_logs_options() -> None:
         (["--rdzv-endpoint", "host:70000", "s.py"], "not a TCP port"),
         (["--rdzv-endpoint", ":29400", "s.py"], "has no host"),
         (["--nnodes", "2", "--rdzv-endpoint", "h:0", "s.py"], "has port 0"),
-        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1", "s.py"], "--node-rank 2 is outside 0..1"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1", "s.py"],
+            "--node-rank 2 is outside 0..1",
+        ),
         (["--max-restarts", "-1", "s.py"], "--max-restarts must be an integer >= 0"),
         (["--logs", "some", "s.py"], "invalid choice: 'some'"),
         (["--env", "NOVALUE", "s.py"], "--env 'NOVALUE' is not KEY=VALUE"),
@@ -101,7 +121,12 @@ def test_bad_input_names_what_to_fix(argv: list[str], needle: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("h:1", ("h", 1)), ("h", ("h", 29400)), ("[::1]:5", ("::1", 5)), ("10.0.0.1:29500", ("10.0.0.1", 29500))],
+    [
+        ("h:1", ("h", 1)),
+        ("h", ("h", 29400)),
+        ("[::1]:5", ("::1", 5)),
+        ("10.0.0.1:29500", ("10.0.0.1", 29500)),
+    ],
 )
 def test_parse_endpoint(text: str, expected: tuple[str, int]) -> None:
     assert parse_endpoint(text) == expected

@@ -68,7 +68,9 @@ def _imported(path: Path, source: str | None = None) -> list[tuple[int, str]]:
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(path.read_text() if source is None else source, filename=str(path))):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "lockstep"]
+            found += [
+                (node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "lockstep"
+            ]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -92,7 +94,9 @@ def _violations() -> list[str]:
     for path in sorted(SRC.rglob("*.py")):
         part = _part(_module_of(path))
         if part not in ALLOWED:
-            problems.append(f"{path.relative_to(SRC.parent)}: lockstep.{part} has no row in ALLOWED (say where it sits)")
+            problems.append(
+                f"{path.relative_to(SRC.parent)}: lockstep.{part} has no row in ALLOWED (say where it sits)"
+            )
             continue
         allowed = ALLOWED[part]
         if allowed is None:
@@ -150,7 +154,10 @@ print("LOADED", loaded)
 def _loaded_after(body: str, cwd: Path) -> str:
     result = subprocess.run(
         [sys.executable, "-c", _PROBE.format(body=textwrap.dedent(body))],
-        cwd=cwd, capture_output=True, text=True, timeout=120,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     return next(line for line in result.stdout.splitlines() if line.startswith("LOADED"))
@@ -176,7 +183,7 @@ def test_a_whole_launch_never_loads_the_engine(tmp_path: Path) -> None:
     body = f"""
     from lockstep.launch.local import launch
     from lockstep.launch.spec import LaunchSpec
-    code = launch(LaunchSpec("hello.py", nproc_per_node=1, run_dir={str(tmp_path / 'run')!r}))
+    code = launch(LaunchSpec("hello.py", nproc_per_node=1, run_dir={str(tmp_path / "run")!r}))
     assert code == 0, code
     """
     assert _loaded_after(body, tmp_path) == "LOADED []"

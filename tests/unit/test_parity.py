@@ -11,8 +11,11 @@ from lockstep.testing.parity import ParityCase, ParityRun, assert_parity, exact_
 
 def _run(scale: float = 1.0, grad_none: bool = False) -> ParityRun:
     grad = None if grad_none else torch.tensor([0.5, -1.0]) * scale
-    return ParityRun(grads=[[torch.tensor([1.0, 2.0]) * scale, grad]], params=[torch.tensor([3.0]) * scale],
-                     buffers=[torch.tensor([4.0])])
+    return ParityRun(
+        grads=[[torch.tensor([1.0, 2.0]) * scale, grad]],
+        params=[torch.tensor([3.0]) * scale],
+        buffers=[torch.tensor([4.0])],
+    )
 
 
 def test_equal_runs_pass_and_bitwise_kinds_follow_the_world_size() -> None:
@@ -23,7 +26,9 @@ def test_equal_runs_pass_and_bitwise_kinds_follow_the_world_size() -> None:
 def test_one_ulp_fails_a_bitwise_kind_and_passes_a_tolerant_one() -> None:
     off = _run(1.0 + 2**-23)
     assert_parity([{"replicate": off, "torch": _run()}], exact=("ours",))
-    with pytest.raises(ParityError, match=r"\[rank 0/1\] ours vs torch grads step 0\[0\] \(atol=0.0, rtol=0.0\)"):
+    with pytest.raises(
+        ParityError, match=r"\[rank 0/1\] ours vs torch grads step 0\[0\] \(atol=0.0, rtol=0.0\)"
+    ):
         assert_parity([{"ours": off, "torch": _run()}], exact=("ours",), what="mlp")
 
 
@@ -43,7 +48,11 @@ def test_a_missing_gradient_or_diverging_replicas_fail() -> None:
 
 
 def test_a_per_rank_case_has_no_single_process_reference() -> None:
-    case = ParityCase(model=lambda seed: torch.nn.Linear(2, 2), data=lambda r, s: (torch.ones(1, 2), torch.zeros(1)),
-                      steps=1, single_process=False)
+    case = ParityCase(
+        model=lambda seed: torch.nn.Linear(2, 2),
+        data=lambda r, s: (torch.ones(1, 2), torch.zeros(1)),
+        steps=1,
+        single_process=False,
+    )
     with pytest.raises(ConfigError, match="no single-process reference"):
         train_single(case, 2)

@@ -176,29 +176,68 @@ SURFACE: dict[str, dict[str, str]] = {
 # END SURFACE
 
 PUBLIC_NAMES = [
-    "DistributedDataParallel", "FitConfig", "FitResult", "ReplicaHandle", "SyncPolicy", "Topology",
-    "__version__", "all_reduce_mean", "barrier", "broadcast_object", "checkpoint", "data", "engine", "errors",
-    "fit", "get_logger", "hooks", "init", "is_main", "main_process_first", "nn", "replicate", "runtime",
-    "shutdown", "testing", "trainer",
+    "DistributedDataParallel",
+    "FitConfig",
+    "FitResult",
+    "ReplicaHandle",
+    "SyncPolicy",
+    "Topology",
+    "__version__",
+    "all_reduce_mean",
+    "barrier",
+    "broadcast_object",
+    "checkpoint",
+    "data",
+    "engine",
+    "errors",
+    "fit",
+    "get_logger",
+    "hooks",
+    "init",
+    "is_main",
+    "main_process_first",
+    "nn",
+    "replicate",
+    "runtime",
+    "shutdown",
+    "testing",
+    "trainer",
 ]
 
 RUN_FLAGS = {
-    "-h", "--help",
-    "-n", "--nproc-per-node", "--nproc_per_node",  # torchrun's names
+    "-h",
+    "--help",
+    "-n",
+    "--nproc-per-node",
+    "--nproc_per_node",  # torchrun's names
     "--nnodes",
-    "--node-rank", "--node_rank",
-    "--rdzv-endpoint", "--rdzv_endpoint",
-    "--rdzv-id", "--rdzv_id",
-    "--rdzv-backend", "--rdzv_backend",
-    "--rdzv-conf", "--rdzv_conf",
+    "--node-rank",
+    "--node_rank",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--rdzv-id",
+    "--rdzv_id",
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--rdzv-conf",
+    "--rdzv_conf",
     "--standalone",
-    "--local-addr", "--local_addr",
-    "--max-restarts", "--max_restarts",
-    "--monitor-interval", "--monitor_interval",
-    "--run-dir", "--log-dir", "--log_dir",
-    "-m", "--module",
+    "--local-addr",
+    "--local_addr",
+    "--max-restarts",
+    "--max_restarts",
+    "--monitor-interval",
+    "--monitor_interval",
+    "--run-dir",
+    "--log-dir",
+    "--log_dir",
+    "-m",
+    "--module",
     # lockstep's own
-    "--network-interface", "--logs", "--env", "--verbose",
+    "--network-interface",
+    "--logs",
+    "--env",
+    "--verbose",
 }
 
 
@@ -225,8 +264,11 @@ def exports(module: ModuleType) -> list[str]:
     if hasattr(module, "__all__"):
         return list(module.__all__)
     assert module.__name__ in WITHOUT_ALL, f"{module.__name__} declares no __all__"
-    return sorted(name for name, obj in vars(module).items()
-                  if not name.startswith("_") and getattr(obj, "__module__", None) == module.__name__)
+    return sorted(
+        name
+        for name, obj in vars(module).items()
+        if not name.startswith("_") and getattr(obj, "__module__", None) == module.__name__
+    )
 
 
 def current_surface() -> dict[str, dict[str, str]]:
@@ -248,10 +290,13 @@ def test_the_surface_is_pinned() -> None:
         now, pinned = current.get(package, {}), SURFACE.get(package, {})
         for name in sorted(set(now) | set(pinned)):
             if now.get(name) != pinned.get(name):
-                changes.append(f"  {package}.{name}:\n    pinned: {pinned.get(name)}\n    now:    {now.get(name)}")
+                changes.append(
+                    f"  {package}.{name}:\n    pinned: {pinned.get(name)}\n    now:    {now.get(name)}"
+                )
     assert not changes, (
         "the public API changed (None = absent). If that is deliberate, regenerate the table with "
-        f"`{REGENERATE}`, review the diff and update README.md / docs/compat.md / DESIGN.md:\n" + "\n".join(changes)
+        f"`{REGENERATE}`, review the diff and update README.md / docs/compat.md / DESIGN.md:\n"
+        + "\n".join(changes)
     )
 
 
@@ -285,7 +330,9 @@ def test_top_level_names_are_the_subpackages_own() -> None:
 def test_type_checking_imports_match_the_lazy_table() -> None:
     """Static tools read the `if TYPE_CHECKING:` imports, the interpreter reads _EXPORTS: they must agree."""
     tree = ast.parse(Path(lockstep.__file__).read_text())
-    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    block = next(
+        node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
     declared: dict[str, str] = {}
     for node in block.body:
         assert isinstance(node, ast.ImportFrom) and node.module, ast.unparse(node)
@@ -318,7 +365,9 @@ def test_star_import_resolves_everything_in_a_fresh_interpreter() -> None:
         print("OK", len(lockstep.__all__))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env()
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["OK", str(len(PUBLIC_NAMES))]
 
@@ -342,17 +391,29 @@ def test_type_checkers_see_real_types(tmp_path: Path) -> None:
     surface = current_surface()
     lines = [_PROBE_HEADER.format(imports=", ".join(PACKAGES))]
     for package, names in surface.items():
-        lines += [f"_{i}_{package.replace('.', '_')}: int = {package}.{name}  # type: ignore[assignment]"
-                  for i, name in enumerate(names)]
+        lines += [
+            f"_{i}_{package.replace('.', '_')}: int = {package}.{name}  # type: ignore[assignment]"
+            for i, name in enumerate(names)
+        ]
     probe = tmp_path / "public_api_probe.py"
     probe.write_text("\n".join(lines) + "\n")
     env = {**_env(), "MYPYPATH": str(Path(lockstep.__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), str(probe)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), str(probe)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     # By file name: mypy replays the errors of an unchanged module from its cache under the path it had then.
     about_probe = [line for line in out.stdout.splitlines() if f"{probe.name}:" in line]
-    assert about_probe and "Unused \"type: ignore\"" in about_probe[0] and ":6:" in about_probe[0], out.stdout + out.stderr
-    assert about_probe[1:] == [], "names that type checkers cannot see (Any or missing):\n" + "\n".join(about_probe[1:])
+    assert about_probe and 'Unused "type: ignore"' in about_probe[0] and ":6:" in about_probe[0], (
+        out.stdout + out.stderr
+    )
+    assert about_probe[1:] == [], "names that type checkers cannot see (Any or missing):\n" + "\n".join(
+        about_probe[1:]
+    )
 
 
 def test_run_flags_are_pinned() -> None:
@@ -362,7 +423,13 @@ def test_run_flags_are_pinned() -> None:
 
 def test_run_defaults() -> None:
     ns = build_parser().parse_args(["s.py"])
-    assert (ns.nproc_per_node, ns.nnodes, ns.max_restarts, ns.logs, ns.rdzv_backend) == ("1", "1", 0, "rank0", "c10d")
+    assert (ns.nproc_per_node, ns.nnodes, ns.max_restarts, ns.logs, ns.rdzv_backend) == (
+        "1",
+        "1",
+        0,
+        "rank0",
+        "c10d",
+    )
 
 
 def test_cli_commands_are_pinned() -> None:
@@ -371,7 +438,10 @@ def test_cli_commands_are_pinned() -> None:
 
 def _env() -> dict[str, str]:
     src = str(Path(lockstep.__file__).resolve().parents[1])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
 
 
 def _quote(text: str) -> str:

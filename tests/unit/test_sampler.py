@@ -43,7 +43,7 @@ def test_global_batches_are_the_same_samples_for_every_world_size_with_the_same_
         per_rank = [list(s) for s in _ranks(size, world, seed=3, drop_last=True)]
         b = global_batch // world
         steps = len(per_rank[0]) // b
-        return [set().union(*(set(idx[i * b:(i + 1) * b]) for idx in per_rank)) for i in range(steps)]
+        return [set().union(*(set(idx[i * b : (i + 1) * b]) for idx in per_rank)) for i in range(steps)]
 
     reference = global_batches(1)
     assert len(reference) == 8
@@ -82,8 +82,9 @@ def _replay(sampler: DistributedSampler | TorchSampler, program: list[tuple]) ->
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 @pytest.mark.parametrize("shuffle,drop_last", [(True, False), (True, True), (False, False), (False, True)])
-def test_any_sequence_of_set_epoch_calls_gives_torchs_order(world: int, program: str, shuffle: bool,
-                                                            drop_last: bool) -> None:
+def test_any_sequence_of_set_epoch_calls_gives_torchs_order(
+    world: int, program: str, shuffle: bool, drop_last: bool
+) -> None:
     for size in (1, 7, 10, 13):  # 7, 10 and 13 do not divide by 3 or 4; 1 is fewer samples than ranks
         for rank in range(world):
             ours = DistributedSampler(range(size), world, rank, shuffle=shuffle, seed=5, drop_last=drop_last)
@@ -107,7 +108,9 @@ def test_repeating_an_epoch_warns_once_on_rank_0() -> None:
         warnings.simplefilter("always")
         first = list(sampler)
     assert _repeat_warnings(record) == []
-    with pytest.warns(UserWarning, match=r"epoch number 0 .*repeated epoch 0's order.*set_epoch\(epoch\)") as caught:
+    with pytest.warns(
+        UserWarning, match=r"epoch number 0 .*repeated epoch 0's order.*set_epoch\(epoch\)"
+    ) as caught:
         assert list(sampler) == first  # torch's behaviour: the same order again
     assert len(_repeat_warnings(caught.list)) == 1
     assert caught.list[0].filename == __file__  # points at the code that pulled the indices
@@ -169,13 +172,18 @@ def test_a_resumed_epoch_iterated_again_is_the_whole_epoch_in_torchs_order() -> 
     for sampler in after:
         sampler.load_state_dict(state)
     assert seen + _rest(after) == epoch_order(20, seed=1, epoch=0, shuffle=True)[:18] + [
-        epoch_order(20, seed=1, epoch=0, shuffle=True)[i] for i in (18, 19, 0)]  # 14 left on 3 ranks: 1 padded
+        epoch_order(20, seed=1, epoch=0, shuffle=True)[i] for i in (18, 19, 0)
+    ]  # 14 left on 3 ranks: 1 padded
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for rank, sampler in enumerate(after):
             assert sampler.epoch == 0
-            assert list(sampler) == list(TorchSampler(range(20), 3, rank, seed=1))  # from position 0, as torch
-    assert len(_repeat_warnings(record)) == 1  # the resumed pass and this one both ran epoch 0 (rank 0 says so)
+            assert list(sampler) == list(
+                TorchSampler(range(20), 3, rank, seed=1)
+            )  # from position 0, as torch
+    assert (
+        len(_repeat_warnings(record)) == 1
+    )  # the resumed pass and this one both ran epoch 0 (rank 0 says so)
 
 
 def _consume(samplers: list[DistributedSampler], per_rank: int) -> list[int]:
@@ -193,8 +201,9 @@ def _rest(samplers: list[DistributedSampler]) -> list[int]:
 @pytest.mark.parametrize("size", [10, 17, 23])
 @pytest.mark.parametrize("old,new", [(2, 3), (2, 1), (3, 2), (1, 4), (2, 2), (4, 3)])
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_resume_at_any_world_size_yields_exactly_the_unseen_samples(size: int, old: int, new: int,
-                                                                   drop_last: bool) -> None:
+def test_resume_at_any_world_size_yields_exactly_the_unseen_samples(
+    size: int, old: int, new: int, drop_last: bool
+) -> None:
     order = epoch_order(size, seed=11, epoch=0, shuffle=True)
     for per_rank in range(0, size // old):
         before = _ranks(size, old, seed=11, drop_last=drop_last)
@@ -318,7 +327,11 @@ def test_dataloader_with_workers_resumes_exactly_with_advance() -> None:
     assert state["num_consumed"] == 12
     resumed = DistributedSampler(_Squares(), num_replicas=1, rank=0, seed=9)
     resumed.load_state_dict(state)
-    rest = [i for batch in DataLoader(_Squares(), batch_size=4, sampler=resumed, num_workers=2) for i in batch.tolist()]
+    rest = [
+        i
+        for batch in DataLoader(_Squares(), batch_size=4, sampler=resumed, num_workers=2)
+        for i in batch.tolist()
+    ]
     assert seen + rest == epoch_order(64, seed=9, epoch=0, shuffle=True)
 
 
@@ -333,8 +346,9 @@ def test_eval_shards_cover_every_sample_once_in_order(size: int, world: int) -> 
 
 def test_gather_and_reduce_in_a_world_of_one() -> None:
     values = [torch.tensor([3.0, 1.0]), torch.tensor([2.0])]
-    assert torch.equal(gather_eval(values, indices=[torch.tensor([2, 0]), torch.tensor([1])]),
-                       torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(
+        gather_eval(values, indices=[torch.tensor([2, 0]), torch.tensor([1])]), torch.tensor([1.0, 2.0, 3.0])
+    )
     with pytest.raises(ConfigError, match="index 1 was evaluated more than once"):
         gather_eval(torch.zeros(2), indices=torch.tensor([1, 1]))
     assert reduce_eval({"correct": 3, "loss": torch.tensor(0.5)}) == {"correct": 3, "loss": 0.5}

@@ -13,8 +13,8 @@ from lockstep.launch.slurm_script import port_expression, render_script
 from lockstep.runtime.topology import slurm_port
 
 NODE = (
-    "  bash -c 'trap \"\" USR1; exec \"$0\" -m lockstep run --nnodes \"$SLURM_NNODES\" "
-    "--node-rank \"$SLURM_NODEID\" \"$@\"' \\"
+    '  bash -c \'trap "" USR1; exec "$0" -m lockstep run --nnodes "$SLURM_NNODES" '
+    '--node-rank "$SLURM_NODEID" "$@"\' \\'
 )
 PRELUDE = [
     "",
@@ -28,8 +28,12 @@ PRELUDE = [
 
 
 def spec(**kw: object) -> SlurmSpec:
-    base: dict[str, object] = {"script": "train.py", "run_dir": "/runs/a", "workdir": "/home/u/proj",
-                               "python": "/venv/bin/python"}
+    base: dict[str, object] = {
+        "script": "train.py",
+        "run_dir": "/runs/a",
+        "workdir": "/home/u/proj",
+        "python": "/venv/bin/python",
+    }
     return SlurmSpec(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -51,9 +55,22 @@ def test_minimal_script_exact() -> None:
 
 
 def test_full_resources_and_quoted_args() -> None:
-    text = render_script(spec(nodes=4, nproc_per_node=8, gpus_per_node=8, cpus_per_task=64, partition="gpu",
-                              time="1-00:00:00", account="proj42", job_name="big", args=("--lr", "3e-4", "a b"),
-                              run_dir="/runs/my run", network_interface="ib0", max_restarts=2))
+    text = render_script(
+        spec(
+            nodes=4,
+            nproc_per_node=8,
+            gpus_per_node=8,
+            cpus_per_task=64,
+            partition="gpu",
+            time="1-00:00:00",
+            account="proj42",
+            job_name="big",
+            args=("--lr", "3e-4", "a b"),
+            run_dir="/runs/my run",
+            network_interface="ib0",
+            max_restarts=2,
+        )
+    )
     lines = text.splitlines()
     assert lines[:11] == [
         "#!/bin/bash",
@@ -123,33 +140,53 @@ def test_requeue_script_exact() -> None:
     ]
 
 
-@pytest.mark.parametrize("options", [{}, {"requeue": True, "time": "10:00"},
-                                     {"args": ("--x", "$HOME", "it's"), "run_dir": "/a b/c"}])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"requeue": True, "time": "10:00"}, {"args": ("--x", "$HOME", "it's"), "run_dir": "/a b/c"}],
+)
 def test_bash_accepts_the_script(options: dict[str, object]) -> None:
-    result = subprocess.run(["bash", "-n"], input=render_script(spec(**options)), capture_output=True, text=True)
+    result = subprocess.run(
+        ["bash", "-n"], input=render_script(spec(**options)), capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
 
 
 def test_port_expression_is_slurm_port() -> None:
     for job in (1, 12345, 19999, 20000, 987654321):
-        out = subprocess.run(["bash", "-c", f"SLURM_JOB_ID={job}; echo {port_expression()}"],
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["bash", "-c", f"SLURM_JOB_ID={job}; echo {port_expression()}"], capture_output=True, text=True
+        ).stdout
         assert int(out) == slurm_port(job)
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("30", 1800), ("5:30", 330), ("2:00:00", 7200), ("1-0", 86400),
-                                               ("1-02:03", 93780), ("1-02:03:04", 93784)])
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("30", 1800),
+        ("5:30", 330),
+        ("2:00:00", 7200),
+        ("1-0", 86400),
+        ("1-02:03", 93780),
+        ("1-02:03:04", 93784),
+    ],
+)
 def test_time_limit_forms(text: str, seconds: int) -> None:
     assert time_limit_seconds(text) == seconds
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"nproc_per_node": 4, "gpus_per_node": 2}, "-n 4 processes per node but --gpus-per-node 2"),
-    ({"nodes": 0}, "--nodes must be an integer >= 1, got 0"),
-    ({"time": "two hours"}, "--time 'two hours' is not a SLURM time limit"),
-    ({"requeue": True, "time": "2", "signal_before": 120}, "--signal-before 120 s does not fit in --time '2'"),
-    ({"partition": "a b"}, "--partition 'a b' must be a non-empty name without spaces"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"nproc_per_node": 4, "gpus_per_node": 2}, "-n 4 processes per node but --gpus-per-node 2"),
+        ({"nodes": 0}, "--nodes must be an integer >= 1, got 0"),
+        ({"time": "two hours"}, "--time 'two hours' is not a SLURM time limit"),
+        (
+            {"requeue": True, "time": "2", "signal_before": 120},
+            "--signal-before 120 s does not fit in --time '2'",
+        ),
+        ({"partition": "a b"}, "--partition 'a b' must be a non-empty name without spaces"),
+    ],
+)
 def test_bad_options_name_the_flag(options: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
         spec(**options)
@@ -157,8 +194,24 @@ def test_bad_options_name_the_flag(options: dict[str, object], message: str) -> 
 
 def test_parse_args_defaults_and_passthrough(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("")
-    parsed, dry = parse_args(["--nodes", "2", "--gpus-per-node", "4", "--dry-run", "--run-dir", "r", "train.py",
-                              "--nodes", "9", "-n", "7"], cwd=str(tmp_path), python="/py")
+    parsed, dry = parse_args(
+        [
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--dry-run",
+            "--run-dir",
+            "r",
+            "train.py",
+            "--nodes",
+            "9",
+            "-n",
+            "7",
+        ],
+        cwd=str(tmp_path),
+        python="/py",
+    )
     assert dry
     assert (parsed.nodes, parsed.nproc_per_node, parsed.gpus_per_node) == (2, 4, 4)  # -n defaults to the GPUs
     assert parsed.args == ("--nodes", "9", "-n", "7")  # after the script: the script's own

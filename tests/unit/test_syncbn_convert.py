@@ -15,7 +15,9 @@ def _model() -> torch.nn.Module:
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 4, 3),
         torch.nn.BatchNorm2d(4),
-        torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4 * 36, 5), torch.nn.BatchNorm1d(5, affine=False)),
+        torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(4 * 36, 5), torch.nn.BatchNorm1d(5, affine=False)
+        ),
         torch.nn.BatchNorm1d(5, momentum=None, eps=1e-3),
         torch.nn.BatchNorm1d(5, track_running_stats=False),
         torch.nn.SyncBatchNorm(5, bias=False),  # torch's own: converted too
@@ -80,7 +82,9 @@ def test_constructor_signature_matches_torch() -> None:
     ours = inspect.signature(SyncBatchNorm.__init__).parameters
     theirs = inspect.signature(torch.nn.SyncBatchNorm.__init__).parameters
     ours = {n: p for n, p in ours.items() if n in theirs or n != "bias"}  # torch < 2.5 has no `bias`
-    assert [(n, p.default, p.kind) for n, p in ours.items()] == [(n, p.default, p.kind) for n, p in theirs.items()]
+    assert [(n, p.default, p.kind) for n, p in ours.items()] == [
+        (n, p.default, p.kind) for n, p in theirs.items()
+    ]
     layer = SyncBatchNorm(3, dtype=torch.float64)
     assert layer.weight.dtype == torch.float64 and layer.running_var.dtype == torch.float64
 
@@ -98,7 +102,12 @@ def test_without_process_group_it_is_batchnorm(shape: tuple[int, ...], momentum:
         r = torch.randn_like(ya)
         (ya * r).sum().backward()
         (yb * r).sum().backward()
-        for a, b in [(ya, yb), (xa.grad, xb.grad), (ours.weight.grad, theirs.weight.grad), (ours.bias.grad, theirs.bias.grad)]:
+        for a, b in [
+            (ya, yb),
+            (xa.grad, xb.grad),
+            (ours.weight.grad, theirs.weight.grad),
+            (ours.bias.grad, theirs.bias.grad),
+        ]:
             torch.testing.assert_close(a, b, atol=0, rtol=0)
     for name, value in theirs.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[name], value, atol=0, rtol=0)

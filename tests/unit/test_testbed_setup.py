@@ -25,6 +25,8 @@ def test_make_testbed_installs_every_package_the_fixtures_need() -> None:
 
 def test_a_missing_command_is_a_skip_reason_naming_the_setup_step() -> None:
     reason = require_commands(("sh", "no-such-command-lockstep"), ("some-package",))
-    assert reason == ("no-such-command-lockstep not found on PATH (Debian packages some-package); "
-                      f"run `{SETUP_COMMAND}` as root once to install them")
+    assert reason == (
+        "no-such-command-lockstep not found on PATH (Debian packages some-package); "
+        f"run `{SETUP_COMMAND}` as root once to install them"
+    )
     assert require_commands(("sh",), ("dash",)) is None

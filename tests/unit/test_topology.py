@@ -47,13 +47,24 @@ SLURM_ENV = {
 def test_nothing_is_a_world_of_one() -> None:
     topo = resolve_topology({})
     assert topo == Topology()
-    assert (topo.rank, topo.world_size, topo.is_main, topo.is_distributed, topo.launcher) == (0, 1, True, False, "none")
+    assert (topo.rank, topo.world_size, topo.is_main, topo.is_distributed, topo.launcher) == (
+        0,
+        1,
+        True,
+        False,
+        "none",
+    )
 
 
 def test_torchrun_variables() -> None:
     topo = resolve_topology(TORCHRUN_ENV)
     assert (topo.rank, topo.local_rank, topo.world_size, topo.local_world_size) == (5, 1, 8, 4)
-    assert (topo.node_rank, topo.num_nodes, topo.endpoint, topo.launcher) == (1, 2, "10.0.0.1:29400", "torchrun")
+    assert (topo.node_rank, topo.num_nodes, topo.endpoint, topo.launcher) == (
+        1,
+        2,
+        "10.0.0.1:29400",
+        "torchrun",
+    )
     assert not topo.is_main
 
 
@@ -83,8 +94,15 @@ def test_slurm_batch_script_outside_srun_is_not_a_rank() -> None:
 
 
 def test_slurm_uneven_tasks_per_node() -> None:
-    env = {**SLURM_ENV, "SLURM_NODEID": "2", "SLURM_PROCID": "4", "SLURM_LOCALID": "0",
-           "SLURM_STEP_NUM_TASKS": "5", "SLURM_NTASKS": "5", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1"}
+    env = {
+        **SLURM_ENV,
+        "SLURM_NODEID": "2",
+        "SLURM_PROCID": "4",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_NUM_TASKS": "5",
+        "SLURM_NTASKS": "5",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2),1",
+    }
     topo = resolve_topology(env)
     assert (topo.world_size, topo.local_world_size, topo.node_rank) == (5, 1, 2)
 
@@ -167,8 +185,13 @@ def test_agent_store_attempt_is_the_jobs_attempt_under_lockstep_run() -> None:
 
 
 def _node(local_rank: int, local_world: int, launcher: str = "torchrun") -> Topology:
-    return Topology(rank=local_rank, local_rank=local_rank, world_size=local_world, local_world_size=local_world,
-                    launcher=launcher)
+    return Topology(
+        rank=local_rank,
+        local_rank=local_rank,
+        world_size=local_world,
+        local_world_size=local_world,
+        launcher=launcher,
+    )
 
 
 def test_local_cuda_index_one_process_per_device() -> None:
@@ -191,19 +214,29 @@ def test_local_cuda_index_task_with_its_own_device() -> None:
     assert local_cuda_index(_node(0, 4), None, 1, "3") == 0
 
 
-@pytest.mark.parametrize(("local_rank", "backend", "count", "visible"), [
-    (3, None, 2, None),  # 4 processes, 2 devices: backend None means nccl on CUDA
-    (1, "nccl", 2, "0,1"),
-    (2, None, 1, "0"),  # every process of the node inherited the one device: local rank 2 shares it
-    (1, "nccl", 1, None),
-])
+@pytest.mark.parametrize(
+    ("local_rank", "backend", "count", "visible"),
+    [
+        (3, None, 2, None),  # 4 processes, 2 devices: backend None means nccl on CUDA
+        (1, "nccl", 2, "0,1"),
+        (2, None, 1, "0"),  # every process of the node inherited the one device: local rank 2 shares it
+        (1, "nccl", 1, None),
+    ],
+)
 def test_local_cuda_index_more_processes_than_devices_says_what_to_change(
-        local_rank: int, backend: str | None, count: int, visible: str | None) -> None:
+    local_rank: int, backend: str | None, count: int, visible: str | None
+) -> None:
     from lockstep.runtime.process_group import local_cuda_index
 
     with pytest.raises(ConfigError) as err:
         local_cuda_index(_node(local_rank, 4), backend, count, visible)
     message = str(err.value)
-    assert message.startswith(f"[rank {local_rank}/4] 4 processes on this node but only {count} CUDA device(s)")
-    assert f"lockstep run -n {count}" in message and "--gpus-per-task=1" in message and "backend='gloo'" in message
+    assert message.startswith(
+        f"[rank {local_rank}/4] 4 processes on this node but only {count} CUDA device(s)"
+    )
+    assert (
+        f"lockstep run -n {count}" in message
+        and "--gpus-per-task=1" in message
+        and "backend='gloo'" in message
+    )
     assert local_cuda_index(_node(local_rank, 4), "gloo", count, visible) is None  # gloo: the way out

@@ -29,7 +29,9 @@ def test_a_namedtuple_batch_stays_that_namedtuple_and_every_tensor_moves() -> No
 def test_a_dict_batch_moves_with_its_nests_and_non_tensor_leaves() -> None:
     batch: dict[str, Any] = {
         "input_ids": torch.ones(2, 5, dtype=torch.long),
-        "extra": OrderedDict(mask=torch.ones(2, 5, dtype=torch.bool), weights=[torch.ones(2), torch.zeros(2)]),
+        "extra": OrderedDict(
+            mask=torch.ones(2, 5, dtype=torch.bool), weights=[torch.ones(2), torch.zeros(2)]
+        ),
         "names": ["a", "b"],
         "scale": 0.5,
     }
@@ -52,7 +54,9 @@ def test_pinned_batches_are_copied_without_blocking() -> None:
 
 
 def test_batches_split_into_inputs_and_targets_and_count_their_samples() -> None:
-    inputs, targets = split_batch(Pair(torch.zeros(6, 2), {"label": torch.arange(6), "weight": torch.ones(6)}))
+    inputs, targets = split_batch(
+        Pair(torch.zeros(6, 2), {"label": torch.arange(6), "weight": torch.ones(6)})
+    )
     assert batch_len(targets) == 6  # the first dimension, not the number of keys
     assert batch_len(torch.zeros(3, 2)) == 3 and batch_len([1, 2, 3, 4]) == 4
     with pytest.raises(ConfigError, match=r"a pair \(inputs, targets\), got a dict of 3"):
@@ -65,7 +69,15 @@ class HostCopyCounter(torch.Tensor):
     """A tensor that records every call that copies its value to the host (on a GPU, each waits for the GPU)."""
 
     calls: ClassVar[list[str]] = []
-    HOST_COPIES: ClassVar[tuple[str, ...]] = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+    HOST_COPIES: ClassVar[tuple[str, ...]] = (
+        "item",
+        "tolist",
+        "cpu",
+        "numpy",
+        "__float__",
+        "__int__",
+        "__bool__",
+    )
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -81,7 +93,9 @@ def test_metric_sums_stay_on_the_device_until_reduce_copies_them_once() -> None:
     for index, loss in enumerate(losses):
         buffer.add({"loss": torch.tensor(loss).as_subclass(HostCopyCounter)}, 4 + index)
         buffer.add_sums({"correct": torch.tensor(index + 1).as_subclass(HostCopyCounter)}, 0)
-    assert HostCopyCounter.calls == []  # no copy to the host per batch (the old buffer called .cpu() each time)
+    assert (
+        HostCopyCounter.calls == []
+    )  # no copy to the host per batch (the old buffer called .cpu() each time)
     assert buffer.count == 15
     means, count = buffer.reduce(["loss", "correct", "never_added"])
     assert HostCopyCounter.calls == ["tolist"]  # one packed copy for all the sums

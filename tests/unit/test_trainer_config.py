@@ -23,8 +23,11 @@ from lockstep.trainer.optim import lr_factor
 def test_overrides_parse_both_spellings() -> None:
     values, sources = read_overrides(["--lr", "0.1", "--max-steps=5", "--sync_batchnorm", "true"])
     assert values == {"lr": "0.1", "max_steps": "5", "sync_batchnorm": "true"}
-    assert sources == {"lr": Source.flag("--lr"), "max_steps": Source.flag("--max-steps"),
-                       "sync_batchnorm": Source.flag("--sync_batchnorm")}  # named as typed
+    assert sources == {
+        "lr": Source.flag("--lr"),
+        "max_steps": Source.flag("--max-steps"),
+        "sync_batchnorm": Source.flag("--sync_batchnorm"),
+    }  # named as typed
     with pytest.raises(ConfigError, match="--lr needs a value"):
         read_overrides(["--lr"])
     with pytest.raises(ConfigError, match="--sync-batchnorm needs a value"):
@@ -34,21 +37,44 @@ def test_overrides_parse_both_spellings() -> None:
 
 
 def test_flag_values_are_read_as_field_types() -> None:
-    values, sources = read_overrides(["--lr", "0.5", "--max-steps", "none", "--clip-grad-norm=2",
-                                      "--sync-batchnorm", "yes", "--precision", "bf16"])
+    values, sources = read_overrides(
+        [
+            "--lr",
+            "0.5",
+            "--max-steps",
+            "none",
+            "--clip-grad-norm=2",
+            "--sync-batchnorm",
+            "yes",
+            "--precision",
+            "bf16",
+        ]
+    )
     config = config_from_mapping(GptConfig, values, sources)
-    assert (config.lr, config.max_steps, config.clip_grad_norm, config.sync_batchnorm) == (0.5, None, 2.0, True)
+    assert (config.lr, config.max_steps, config.clip_grad_norm, config.sync_batchnorm) == (
+        0.5,
+        None,
+        2.0,
+        True,
+    )
     assert config.precision == "bf16"
 
 
 def test_bad_values_are_named() -> None:
-    with pytest.raises(ConfigError, match=r"unknown setting\(s\) for FitConfig: 'lrr' from FitConfig\(\.\.\.\) \(did you mean 'lr'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown setting\(s\) for FitConfig: 'lrr' from FitConfig\(\.\.\.\) \(did you mean 'lr'\?\)",
+    ):
         config_from_mapping(FitConfig, {"lrr": "1"})
-    with pytest.raises(ConfigError, match=r"precision='fp8' from FitConfig\(\.\.\.\): expected one of 'fp32', 'bf16', 'fp16'"):
+    with pytest.raises(
+        ConfigError, match=r"precision='fp8' from FitConfig\(\.\.\.\): expected one of 'fp32', 'bf16', 'fp16'"
+    ):
         FitConfig(precision="fp8")
     with pytest.raises(ConfigError, match=r"epochs='many' from --epochs: expected an int >= 1"):
         config_from_mapping(FitConfig, *read_overrides(["--epochs", "many"]))
-    with pytest.raises(ConfigError, match=r"batch_size=0 from FitConfig\(\.\.\.\): expected an int >= 1, got 0"):
+    with pytest.raises(
+        ConfigError, match=r"batch_size=0 from FitConfig\(\.\.\.\): expected an int >= 1, got 0"
+    ):
         FitConfig(batch_size=0)
 
 
@@ -66,7 +92,11 @@ def test_file_then_overrides_then_run_dir(tmp_path: Path) -> None:
 
 def test_lr_schedule_warmup_and_decay() -> None:
     factors = [lr_factor(s, total_steps=10, warmup_steps=2, schedule="cosine") for s in range(10)]
-    assert factors[0] == pytest.approx(0.5) and factors[1] == pytest.approx(1.0) and factors[2] == pytest.approx(1.0)
+    assert (
+        factors[0] == pytest.approx(0.5)
+        and factors[1] == pytest.approx(1.0)
+        and factors[2] == pytest.approx(1.0)
+    )
     assert all(a >= b for a, b in zip(factors[2:], factors[3:])) and factors[-1] < 0.1
     assert lr_factor(5, total_steps=10, warmup_steps=0, schedule="linear") == pytest.approx(0.5)
     assert lr_factor(7, total_steps=10, warmup_steps=0, schedule="constant") == 1.0
@@ -90,7 +120,9 @@ def test_idx_reader_and_mnist_loader(tmp_path: Path) -> None:
 
 
 def test_missing_mnist_says_what_to_put_where(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"missing train-images-idx3-ubyte.*apt-get install dataset-fashion-mnist"):
+    with pytest.raises(
+        ConfigError, match=r"missing train-images-idx3-ubyte.*apt-get install dataset-fashion-mnist"
+    ):
         datasets.mnist(str(tmp_path))
 
 
@@ -118,6 +150,10 @@ def test_fit_refuses_an_iterable_dataset_before_any_setup(tmp_path: Path) -> Non
             yield from (torch.zeros(2), torch.ones(2))
 
     with pytest.raises(ConfigError, match=r"map-style dataset .* for train_data, got Stream"):
-        lockstep.fit(torch.nn.Linear(2, 1), Stream(), loss_fn=lambda out, batch: out.sum(),
-                     config=FitConfig(run_dir=str(tmp_path)))
+        lockstep.fit(
+            torch.nn.Linear(2, 1),
+            Stream(),
+            loss_fn=lambda out, batch: out.sum(),
+            config=FitConfig(run_dir=str(tmp_path)),
+        )
     assert not list(tmp_path.iterdir())  # nothing was written

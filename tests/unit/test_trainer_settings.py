@@ -35,7 +35,9 @@ WRONG_FROM_PYTHON = [
 
 
 @pytest.mark.parametrize(("settings", "field", "expected"), WRONG_FROM_PYTHON)
-def test_python_values_are_checked_at_construction(settings: dict[str, Any], field: str, expected: str) -> None:
+def test_python_values_are_checked_at_construction(
+    settings: dict[str, Any], field: str, expected: str
+) -> None:
     with pytest.raises(ConfigError) as caught:
         FitConfig(**settings)
     assert str(caught.value).startswith(f"{field} from FitConfig(...): {expected}")
@@ -53,11 +55,18 @@ def test_ints_given_for_floats_become_floats() -> None:
 
 
 def test_job_configs_check_their_own_fields_and_name_their_class() -> None:
-    with pytest.raises(ConfigError, match=re.escape("num_samples='many' from ToyConfig(...): expected an int >= 1, got a str")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape("num_samples='many' from ToyConfig(...): expected an int >= 1, got a str"),
+    ):
         ToyConfig(num_samples="many")
-    with pytest.raises(ConfigError, match=re.escape("heads=0 from GptConfig(...): expected an int >= 1, got 0")):
+    with pytest.raises(
+        ConfigError, match=re.escape("heads=0 from GptConfig(...): expected an int >= 1, got 0")
+    ):
         GptConfig(heads=0)
-    with pytest.raises(ConfigError, match=re.escape("width=-1 from ResnetConfig(...): expected an int >= 1, got -1")):
+    with pytest.raises(
+        ConfigError, match=re.escape("width=-1 from ResnetConfig(...): expected an int >= 1, got -1")
+    ):
         ResnetConfig(width=-1)
     with pytest.raises(ConfigError, match=re.escape("task='ranking' from ToyConfig(...): expected one of")):
         ToyConfig(task="ranking")  # the inherited bounds hold in subclasses too
@@ -69,11 +78,19 @@ def test_fields_assigned_later_are_checked_again_by_validate_and_fit(tmp_path: P
     with pytest.raises(ConfigError, match=re.escape("batch_size='8' from FitConfig(...)")):
         config.validate()
     with pytest.raises(ConfigError, match=re.escape("batch_size='8' from FitConfig(...)")):
-        lockstep.fit(torch.nn.Linear(2, 1), torch.utils.data.TensorDataset(torch.zeros(4, 2)),
-                     loss_fn=lambda out, y: out.sum(), config=config)
+        lockstep.fit(
+            torch.nn.Linear(2, 1),
+            torch.utils.data.TensorDataset(torch.zeros(4, 2)),
+            loss_fn=lambda out, y: out.sum(),
+            config=config,
+        )
     with pytest.raises(ConfigError, match=r"fit\(config=\{'lr': 0.1\}\): expected a FitConfig"):
-        lockstep.fit(torch.nn.Linear(2, 1), torch.utils.data.TensorDataset(torch.zeros(4, 2)),
-                     loss_fn=lambda out, y: out.sum(), config={"lr": 0.1})  # type: ignore[arg-type]
+        lockstep.fit(
+            torch.nn.Linear(2, 1),
+            torch.utils.data.TensorDataset(torch.zeros(4, 2)),
+            loss_fn=lambda out, y: out.sum(),
+            config={"lr": 0.1},
+        )  # type: ignore[arg-type]
     assert not list(tmp_path.iterdir())  # refused before anything was set up
 
 
@@ -84,7 +101,11 @@ WRONG_IN_YAML = [
     ("epochs: [1, 2]\n", "epochs=[1, 2]", "expected an int >= 1, got a list"),
     ("epochs: true\n", "epochs=True", "expected an int >= 1, got a bool"),
     ("sync_batchnorm: 1\n", "sync_batchnorm=1", "expected a bool (true or false), got an int"),
-    ("resume: no\n", "resume=False", "expected one of 'auto', 'never', got a bool"),  # YAML 1.1 reads `no` as false
+    (
+        "resume: no\n",
+        "resume=False",
+        "expected one of 'auto', 'never', got a bool",
+    ),  # YAML 1.1 reads `no` as false
     ("batch_size: -8\n", "batch_size=-8", "expected an int >= 1, got -8"),
     ("lr: {value: 1}\n", "lr={'value': 1}", "expected a finite float > 0, got a dict"),
     ("lr: .inf\n", "lr=inf", "expected a finite float > 0, got inf"),
@@ -94,7 +115,9 @@ WRONG_IN_YAML = [
 
 
 @pytest.mark.parametrize(("text", "field", "expected"), WRONG_IN_YAML)
-def test_yaml_values_are_checked_and_named_with_the_file(tmp_path: Path, text: str, field: str, expected: str) -> None:
+def test_yaml_values_are_checked_and_named_with_the_file(
+    tmp_path: Path, text: str, field: str, expected: str
+) -> None:
     path = tmp_path / "toy.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as caught:
@@ -107,8 +130,12 @@ def test_yaml_values_are_checked_and_named_with_the_file(tmp_path: Path, text: s
 def test_json_values_are_checked_and_named_with_the_file(tmp_path: Path) -> None:
     path = tmp_path / "toy.json"
     path.write_text(json.dumps({"batch_size": "16", "epochs": 2}))
-    with pytest.raises(ConfigError, match=re.escape(f"batch_size='16' from {path}: expected an int >= 1, got a str "
-                                                    "(e.g. batch_size: 32, the default)")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            f"batch_size='16' from {path}: expected an int >= 1, got a str (e.g. batch_size: 32, the default)"
+        ),
+    ):
         resolve_config("toy", str(path), [], None)
     path.write_text(json.dumps({"lr": 0.5, "log_every": 0}))
     with pytest.raises(ConfigError, match=re.escape(f"log_every=0 from {path}: expected an int >= 1, got 0")):
@@ -125,12 +152,22 @@ def test_yaml_exponent_floats_are_read_as_floats(tmp_path: Path) -> None:
 def test_unknown_keys_are_named_with_their_source_and_a_suggestion(tmp_path: Path) -> None:
     path = tmp_path / "toy.yaml"
     path.write_text("epoch: 3\n")
-    with pytest.raises(ConfigError, match=re.escape(f"unknown setting(s) for ToyConfig: 'epoch' from {path} "
-                                                    "(did you mean 'epochs'?); known settings: batch_size,")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            f"unknown setting(s) for ToyConfig: 'epoch' from {path} "
+            "(did you mean 'epochs'?); known settings: batch_size,"
+        ),
+    ):
         resolve_config("toy", str(path), [], None)
-    with pytest.raises(ConfigError, match=re.escape("unknown setting(s) for ToyConfig: 'batchsize' from --batchsize "
-                                                    "(did you mean 'batch_size'?), 'learning_rate' from "
-                                                    "--learning-rate; known settings: batch_size,")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "unknown setting(s) for ToyConfig: 'batchsize' from --batchsize "
+            "(did you mean 'batch_size'?), 'learning_rate' from "
+            "--learning-rate; known settings: batch_size,"
+        ),
+    ):
         resolve_config("toy", None, ["--learning-rate", "0.1", "--batchsize=8"], None)
 
 
@@ -148,13 +185,33 @@ def test_malformed_files_are_config_errors(tmp_path: Path) -> None:
 
 # (flags, the message's "field=value from --flag" part, the expected-type part)
 WRONG_FROM_FLAGS = [
-    (["--batch-size", "four"], "batch_size='four' from --batch-size", "expected an int >= 1, got text that does not read as one"),
-    (["--batch-size=2.5"], "batch_size='2.5' from --batch-size", "expected an int >= 1, got text that does not read as one"),
+    (
+        ["--batch-size", "four"],
+        "batch_size='four' from --batch-size",
+        "expected an int >= 1, got text that does not read as one",
+    ),
+    (
+        ["--batch-size=2.5"],
+        "batch_size='2.5' from --batch-size",
+        "expected an int >= 1, got text that does not read as one",
+    ),
     (["--batch-size", "-2"], "batch_size='-2' from --batch-size", "expected an int >= 1, got -2"),
-    (["--lr", "fast"], "lr='fast' from --lr", "expected a finite float > 0, got text that does not read as one"),
+    (
+        ["--lr", "fast"],
+        "lr='fast' from --lr",
+        "expected a finite float > 0, got text that does not read as one",
+    ),
     (["--lr", "inf"], "lr='inf' from --lr", "expected a finite float > 0, got inf"),
-    (["--sync-batchnorm", "2"], "sync_batchnorm='2' from --sync-batchnorm", "expected a bool (true or false), got text"),
-    (["--epochs", "true"], "epochs='true' from --epochs", "expected an int >= 1, got text that does not read as one"),
+    (
+        ["--sync-batchnorm", "2"],
+        "sync_batchnorm='2' from --sync-batchnorm",
+        "expected a bool (true or false), got text",
+    ),
+    (
+        ["--epochs", "true"],
+        "epochs='true' from --epochs",
+        "expected an int >= 1, got text that does not read as one",
+    ),
     (["--max-steps", "0"], "max_steps='0' from --max-steps", "expected an int >= 1 or none, got 0"),
     (["--device", "tpu"], "device='tpu' from --device", "expected one of 'auto', 'cpu', 'cuda', got 'tpu'"),
 ]
@@ -178,7 +235,9 @@ def test_flags_override_the_file_and_each_value_keeps_its_own_source(tmp_path: P
     path.write_text("run_dir: 5\n")
     with pytest.raises(ConfigError, match=re.escape(f"run_dir=5 from {path}: expected a str, got an int")):
         resolve_config("toy", str(path), [], None)
-    assert resolve_config("toy", str(path), [], str(tmp_path / "run")).run_dir == str(tmp_path / "run")  # --run-dir wins
+    assert resolve_config("toy", str(path), [], str(tmp_path / "run")).run_dir == str(
+        tmp_path / "run"
+    )  # --run-dir wins
     flags = read_overrides(["--sync-batchnorm", "off", "--max-steps", "None", "--clip-grad-norm", "null"])
     config = config_from_mapping(GptConfig, *flags)
     assert (config.sync_batchnorm, config.max_steps, config.clip_grad_norm) == (False, None, None)

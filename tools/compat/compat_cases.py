@@ -63,8 +63,7 @@ def swapped_names() -> dict[str, Any]:
     return {
         "torch.nn.parallel.DistributedDataParallel": torch.nn.parallel.DistributedDataParallel,
         "distributed_test.nn.parallel.DistributedDataParallel": distributed_test.nn.parallel.DistributedDataParallel,
-        "distributed_test.torch.nn.parallel.DistributedDataParallel":
-            distributed_test.torch.nn.parallel.DistributedDataParallel,
+        "distributed_test.torch.nn.parallel.DistributedDataParallel": distributed_test.torch.nn.parallel.DistributedDataParallel,
         "distributed_test.DistributedDataParallel": distributed_test.DistributedDataParallel,
     }
 
@@ -91,7 +90,9 @@ class CompatDistBackend(TestDistBackend, DistributedTest._DistTestBase):  # type
         expected = ENGINE_DDP
         for name, value in swapped_names().items():
             self.assertIs(value, expected, f"{name} is {value!r} in rank {self.rank}, expected {expected!r}")
-        self.assertIs(torch.nn.parallel.distributed.DistributedDataParallel, TORCH_DDP, "torch's class was replaced")
+        self.assertIs(
+            torch.nn.parallel.distributed.DistributedDataParallel, TORCH_DDP, "torch's class was replaced"
+        )
         model = ENGINE_DDP(torch.nn.Linear(2, 2))
         self.assertIs(type(model), expected)
         model(torch.ones(1, 2)).sum().backward()
@@ -102,4 +103,3 @@ class CompatDistBackend(TestDistBackend, DistributedTest._DistTestBase):  # type
 def describe_engine() -> str:
     """`module.qualname` of the class under test, for the report."""
     return f"{ENGINE_DDP.__module__}.{ENGINE_DDP.__qualname__}"
-

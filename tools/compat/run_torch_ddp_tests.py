@@ -130,8 +130,13 @@ class Worker:
         stderr = open(self.log_dir / f"worker-{self.tag}.log", "a", encoding="utf-8")
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER), "--inner-timeout", str(self.inner_timeout)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
-            cwd=str(ROOT), start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+            start_new_session=True,
         )
         stderr.close()
         self.lines = queue.Queue()
@@ -139,7 +144,9 @@ class Worker:
         ready = self._answer(WORKER_START_TIMEOUT_S)
         if ready is None or not ready.get("ready"):
             self.kill()
-            raise HarnessError(f"{self.engine} worker did not start; see {self.log_dir}/worker-{self.tag}.log")
+            raise HarnessError(
+                f"{self.engine} worker did not start; see {self.log_dir}/worker-{self.tag}.log"
+            )
         self.engine_class = str(ready["class"])
 
     @staticmethod
@@ -171,7 +178,13 @@ class Worker:
             try:
                 self.start()
             except HarnessError as error:
-                return {"name": name, "status": "error", "duration_s": 0.0, "reason": str(error), "error_tail": []}
+                return {
+                    "name": name,
+                    "status": "error",
+                    "duration_s": 0.0,
+                    "reason": str(error),
+                    "error_tail": [],
+                }
         assert self.proc is not None and self.proc.stdin is not None
         log_path.write_text("", encoding="utf-8")  # this run's output only
         start = time.monotonic()
@@ -183,8 +196,13 @@ class Worker:
         died = self.proc.poll() is not None
         self.kill()
         status, reason = ("error", "worker died") if died else ("timeout", f"killed after {timeout:.0f} s")
-        return {"name": name, "status": status, "duration_s": round(time.monotonic() - start, 2),
-                "reason": reason, "error_tail": _tail_of_file(log_path)}
+        return {
+            "name": name,
+            "status": status,
+            "duration_s": round(time.monotonic() - start, 2),
+            "reason": reason,
+            "error_tail": _tail_of_file(log_path),
+        }
 
     def stop(self) -> None:
         if self.proc is None:
@@ -227,8 +245,9 @@ def _log_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".log"
 
 
-def run_engine(engine: str, names: list[str], args: argparse.Namespace,
-               progress: Callable[[str], None]) -> tuple[dict[str, Record], str, float]:
+def run_engine(
+    engine: str, names: list[str], args: argparse.Namespace, progress: Callable[[str], None]
+) -> tuple[dict[str, Record], str, float]:
     """Run `names` on `engine` with args.jobs workers; return the records, the class name, the wall time."""
     log_dir = args.log_dir / engine
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -241,7 +260,9 @@ def run_engine(engine: str, names: list[str], args: argparse.Namespace,
     if probe["status"] != "passed":
         probe_worker.kill()
         tail = "\n    ".join(probe.get("error_tail") or [])
-        raise HarnessError(f"swap probe failed on {engine}: {probe['status']} {probe.get('reason', '')}\n    {tail}")
+        raise HarnessError(
+            f"swap probe failed on {engine}: {probe['status']} {probe.get('reason', '')}\n    {tail}"
+        )
     engine_class = probe_worker.engine_class
     progress(f"[{engine}] probe passed: the spawned ranks use {engine_class}")
 
@@ -264,8 +285,10 @@ def run_engine(engine: str, names: list[str], args: argparse.Namespace,
                     results[name] = record
                     done = len(results)
                 extra = f" ({record['reason']})" if record.get("reason") else ""
-                progress(f"[{engine} {done}/{len(names)}] {name}: {record['status']} "
-                         f"{record['duration_s']:.1f}s{extra}")
+                progress(
+                    f"[{engine} {done}/{len(names)}] {name}: {record['status']} "
+                    f"{record['duration_s']:.1f}s{extra}"
+                )
         finally:
             worker.stop()
 
@@ -303,9 +326,12 @@ def summarize(rows: list[Record]) -> Record:
         "selected": len(rows),
         "selected_by": dict(Counter(r["selected_by"].split(":")[0] for r in rows)),
         "torch": {"counts": counts("torch"), "ran_on_cpu": len(torch_ran), "passed": len(torch_pass)},
-        "lockstep": {"counts": counts("lockstep"), "ran_on_cpu": len(lockstep_ran),
-                     "passed": len(lockstep_pass),
-                     "passed_of_torch_passes": len(torch_pass) - len(regressions)},
+        "lockstep": {
+            "counts": counts("lockstep"),
+            "ran_on_cpu": len(lockstep_ran),
+            "passed": len(lockstep_pass),
+            "passed_of_torch_passes": len(torch_pass) - len(regressions),
+        },
         "torch_pass_lockstep_not": [r["name"] for r in regressions],
         "allowed_internals": [r["name"] for r in regressions if r.get("internals")],
         "unexpected": [r["name"] for r in regressions if not r.get("internals")],
@@ -343,7 +369,9 @@ def _note(row: Record) -> str:
         notes.append(f"lockstep: {_last_error_line(ls)[:160]}")
     if _ran(t) and not _ok(t):
         notes.append(f"torch: {_last_error_line(t)[:160]}")
-    reasons = {str(r.get("reason")) for r in (t, ls) if r and r.get("status") == "skipped" and r.get("reason")}
+    reasons = {
+        str(r.get("reason")) for r in (t, ls) if r and r.get("status") == "skipped" and r.get("reason")
+    }
     notes.extend(f"skip: {reason}" for reason in sorted(reasons))
     if _ok(ls) and t is not None and not _ok(t):
         notes.append("lockstep passes where torch does not")
@@ -368,24 +396,38 @@ def write_markdown(path: Path, meta: Record, summary: Record, rows: list[Record]
         "",
         f"Generated {meta['generated']} by `{meta['command']}` (lockstep at {meta['lockstep_commit']}, "
         f"sources {meta['lockstep_sources']}"
-        + (", CHANGED during the run" if meta["lockstep_changed_during_run"] else "") + "; "
+        + (", CHANGED during the run" if meta["lockstep_changed_during_run"] else "")
+        + "; "
         f"classes: torch `{meta['engines'].get('torch', {}).get('class', '-')}`, lockstep "
         f"`{meta['engines'].get('lockstep', {}).get('class', '-')}`; hard timeout {meta['timeout_s']} s per test; "
         f"wall time: {_walls(meta)}). The torch column is "
-        + ("reused from an earlier run (`--reuse-baseline`)." if meta.get("baseline_reused") else "from this run.")
+        + (
+            "reused from an earlier run (`--reuse-baseline`)."
+            if meta.get("baseline_reused")
+            else "from this run."
+        )
         + " Regenerate with `make compat`; see tools/compat/README.md.",
         "",
         "| test | torch | lockstep | note |",
         "| --- | --- | --- | --- |",
     ]
     for row in rows:
-        lines.append(f"| `{row['name']}` | {_cell(row.get('torch'))} | {_cell(row.get('lockstep'))} | {_note(row)} |")
+        lines.append(
+            f"| `{row['name']}` | {_cell(row.get('torch'))} | {_cell(row.get('lockstep'))} | {_note(row)} |"
+        )
     failing = [r for r in rows if r["name"] in summary["torch_pass_lockstep_not"]]
     if failing:
         lines += ["", "## Pass on torch, fail on lockstep", ""]
         for row in failing:
             tag = f" (allow-listed: {row['internals']})" if row.get("internals") else ""
-            lines += [f"### `{row['name']}`{tag}", "", "```text", *row["lockstep"].get("error_tail", []), "```", ""]
+            lines += [
+                f"### `{row['name']}`{tag}",
+                "",
+                "```text",
+                *row["lockstep"].get("error_tail", []),
+                "```",
+                "",
+            ]
     path.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
 
 
@@ -411,8 +453,14 @@ def lockstep_fingerprint() -> str:
 
 def _lockstep_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=30, check=False)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     except OSError:
         return "unknown"
     return out.stdout.strip() or "unknown"
@@ -421,16 +469,32 @@ def _lockstep_commit() -> str:
 def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=(*ENGINES, "both"), default="both")
-    parser.add_argument("--only", action="append", default=[], metavar="PATTERN",
-                        help="run the selected tests whose name matches this regex (repeatable)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="run the selected tests whose name matches this regex (repeatable)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="tests at a time (keep 1 on a 2-core machine)")
     parser.add_argument("--timeout", type=float, default=120.0, help="hard timeout per test, seconds")
-    parser.add_argument("--reuse-baseline", action="store_true",
-                        help="take torch's results from --baseline instead of running them")
-    parser.add_argument("--baseline", type=Path, default=DOCS_DIR / f"{STEM}.json",
-                        help="the JSON that --reuse-baseline reads (default: the committed table's)")
-    parser.add_argument("--out-dir", type=Path, default=None,
-                        help=f"default {DOCS_DIR.relative_to(ROOT)}, or {BUILD_DIR.relative_to(ROOT)} with --only")
+    parser.add_argument(
+        "--reuse-baseline",
+        action="store_true",
+        help="take torch's results from --baseline instead of running them",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=DOCS_DIR / f"{STEM}.json",
+        help="the JSON that --reuse-baseline reads (default: the committed table's)",
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help=f"default {DOCS_DIR.relative_to(ROOT)}, or {BUILD_DIR.relative_to(ROOT)} with --only",
+    )
     parser.add_argument("--log-dir", type=Path, default=BUILD_DIR / "logs")
     parser.add_argument("--list", action="store_true", help="print the selected tests and exit")
     args = parser.parse_args(list(argv) if argv is not None else None)
@@ -438,7 +502,11 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
         parser.error("--jobs must be at least 1")
     if args.out_dir is None:
         args.out_dir = BUILD_DIR if args.only else DOCS_DIR
-    args.out_dir, args.log_dir, args.baseline = args.out_dir.resolve(), args.log_dir.resolve(), args.baseline.resolve()
+    args.out_dir, args.log_dir, args.baseline = (
+        args.out_dir.resolve(),
+        args.log_dir.resolve(),
+        args.baseline.resolve(),
+    )
     return args
 
 
@@ -473,8 +541,10 @@ def main(argv: Iterable[str] | None = None) -> int:
             raise SystemExit(f"--reuse-baseline: no {args.baseline}; run without it once")
         old = json.loads(args.baseline.read_text(encoding="utf-8"))
         if old["meta"]["torch_version"] != torch.__version__:
-            raise SystemExit(f"baseline in {args.baseline} is for torch {old['meta']['torch_version']}, "
-                             f"this is {torch.__version__}: run without --reuse-baseline")
+            raise SystemExit(
+                f"baseline in {args.baseline} is for torch {old['meta']['torch_version']}, "
+                f"this is {torch.__version__}: run without --reuse-baseline"
+            )
         baseline = {row["name"]: row["torch"] for row in old["tests"] if row.get("torch")}
         meta_engines["torch"] = dict(old["meta"]["engines"]["torch"], reused=True)
 
@@ -527,24 +597,33 @@ def main(argv: Iterable[str] | None = None) -> int:
         "engines": meta_engines,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"meta": meta, "summary": summary, "tests": rows}, indent=1) + "\n",
-                         encoding="utf-8")
+    json_path.write_text(
+        json.dumps({"meta": meta, "summary": summary, "tests": rows}, indent=1) + "\n", encoding="utf-8"
+    )
     write_markdown(md_path, meta, summary, rows)
 
     if meta["lockstep_changed_during_run"]:
-        print("warning: lockstep's sources changed during the run; the lockstep column mixes versions",
-              file=sys.stderr)
+        print(
+            "warning: lockstep's sources changed during the run; the lockstep column mixes versions",
+            file=sys.stderr,
+        )
     t, ls = summary["torch"], summary["lockstep"]
-    print(f"\nselected {summary['selected']}; ran on CPU: torch {t['ran_on_cpu']}, lockstep {ls['ran_on_cpu']}; "
-          f"passed: torch {t['passed']}, lockstep {ls['passed']}; wall: {_walls(meta)}")
+    print(
+        f"\nselected {summary['selected']}; ran on CPU: torch {t['ran_on_cpu']}, lockstep {ls['ran_on_cpu']}; "
+        f"passed: torch {t['passed']}, lockstep {ls['passed']}; wall: {_walls(meta)}"
+    )
     print(f"wrote {_shown(md_path)} and .json")
     if summary["allowed_internals"]:
-        print(f"allow-listed (torch internals), failing on lockstep: {', '.join(summary['allowed_internals'])}")
+        print(
+            f"allow-listed (torch internals), failing on lockstep: {', '.join(summary['allowed_internals'])}"
+        )
     passing_allowed = [r["name"] for r in rows if r.get("internals") and _ok(r.get("lockstep"))]
     if passing_allowed:
         print(f"note: allow-listed but passing on lockstep: {', '.join(passing_allowed)}")
     if summary["unexpected"]:
-        print(f"\n{len(summary['unexpected'])} test(s) pass on torch and fail on lockstep (not allow-listed):")
+        print(
+            f"\n{len(summary['unexpected'])} test(s) pass on torch and fail on lockstep (not allow-listed):"
+        )
         for name in summary["unexpected"]:
             record = results["lockstep"][name]
             print(f"  {name}: {record['status']}: {_last_error_line(record)[:200]}")

@@ -85,11 +85,21 @@ def run_one(case_class: type, name: str) -> dict[str, Any]:
         suite.run(result)
     except BaseException:  # a test that raises SystemExit or the like in the parent
         text = traceback.format_exc()
-        return {"name": name, "status": "error", "duration_s": round(time.monotonic() - start, 2),
-                "reason": "", "error_tail": error_tail(text)}
+        return {
+            "name": name,
+            "status": "error",
+            "duration_s": round(time.monotonic() - start, 2),
+            "reason": "",
+            "error_tail": error_tail(text),
+        }
     duration = round(time.monotonic() - start, 2)
-    record: dict[str, Any] = {"name": name, "status": "passed", "duration_s": duration, "reason": "",
-                              "error_tail": []}
+    record: dict[str, Any] = {
+        "name": name,
+        "status": "passed",
+        "duration_s": duration,
+        "reason": "",
+        "error_tail": [],
+    }
     if result.skipped:
         record.update(status="skipped", reason=str(result.skipped[0][1]))
     elif result.failures or result.errors:
@@ -109,8 +119,10 @@ def serve(inp: TextIO, out: TextIO, inner_timeout: int) -> None:
     import compat_cases
 
     compat_cases.set_inner_timeout(inner_timeout)
-    out.write(json.dumps({"ready": True, "engine": compat_cases.ENGINE,
-                          "class": compat_cases.describe_engine()}) + "\n")
+    out.write(
+        json.dumps({"ready": True, "engine": compat_cases.ENGINE, "class": compat_cases.describe_engine()})
+        + "\n"
+    )
     out.flush()
     for line in inp:
         line = line.rstrip("\n")
@@ -127,8 +139,9 @@ def serve(inp: TextIO, out: TextIO, inner_timeout: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--inner-timeout", type=int, default=105,
-                        help="MultiProcessTestCase's own timeout per test, seconds")
+    parser.add_argument(
+        "--inner-timeout", type=int, default=105, help="MultiProcessTestCase's own timeout per test, seconds"
+    )
     args = parser.parse_args(argv)
     # Answers go on a private duplicate of the original stdout; fd 1 itself is lent to each test's log.
     out = io.TextIOWrapper(os.fdopen(os.dup(1), "wb"), encoding="utf-8", line_buffering=True)

@@ -1,14 +1,14 @@
 """Where a run's checkpoints live on disk: pure path arithmetic, no I/O.
 
-    run_dir/checkpoints/
-        step_000500/            one complete checkpoint, published by a single directory rename
-            model.safetensors   one file per entry whose state is all tensors (models)
-            state.pt            the other entries (optimizer, scheduler, scaler, sampler, plain values),
-                                loadable with torch.load(weights_only=True)
-            rng.json            every rank's RNG states (python, numpy, torch, cuda)
-            meta.json           step, world size, versions, size and sha256 of each file; written last
-        latest                  the name of the newest checkpoint directory (for people and tools)
-        .tmp-step_000600-...    a checkpoint being written (never loaded; removed by the next save)
+run_dir/checkpoints/
+    step_000500/            one complete checkpoint, published by a single directory rename
+        model.safetensors   one file per entry whose state is all tensors (models)
+        state.pt            the other entries (optimizer, scheduler, scaler, sampler, plain values),
+                            loadable with torch.load(weights_only=True)
+        rng.json            every rank's RNG states (python, numpy, torch, cuda)
+        meta.json           step, world size, versions, size and sha256 of each file; written last
+    latest                  the name of the newest checkpoint directory (for people and tools)
+    .tmp-step_000600-...    a checkpoint being written (never loaded; removed by the next save)
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def check_entry_name(name: object) -> str:
     if not isinstance(name, str) or not _ENTRY_NAME.match(name) or name in (META, STATE, RNG):
         raise ConfigError(
             f"checkpoint state names must be strings of letters, digits, '_', '.', '-' (not starting with '.'), "
-            f"got {name!r}; rename that entry of the state dict")
+            f"got {name!r}; rename that entry of the state dict"
+        )
     return name
 
 
@@ -91,7 +92,7 @@ class CheckpointLayout:
         """The step of a directory that a save moved aside to replace it ('.old-step_000500-<token>')."""
         if not name.startswith(OLD_PREFIX):
             return None
-        return parse_step(name[len(OLD_PREFIX):].rsplit("-", 2)[0])
+        return parse_step(name[len(OLD_PREFIX) :].rsplit("-", 2)[0])
 
     def is_leftover(self, name: str) -> bool:
         """A temp or replaced directory that a crashed or finished save left behind."""

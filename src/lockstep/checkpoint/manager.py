@@ -88,7 +88,9 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"{self._tag()}save expects an int step >= 0, got {step!r}")
         if not isinstance(state, Mapping):
-            raise ConfigError(f"{self._tag()}save expects a dict of name -> object, got {type(state).__name__}")
+            raise ConfigError(
+                f"{self._tag()}save expects a dict of name -> object, got {type(state).__name__}"
+            )
         for name in state:
             check_entry_name(name)
         rngs = all_gather_object(rng.capture())  # every rank's streams, to rank 0 (and the rest)
@@ -100,18 +102,23 @@ class CheckpointManager:
                 failure = exc
         message = broadcast_object(None if failure is None else _describe(failure))
         if message is not None:
-            raise CheckpointError(f"{self._tag()}checkpoint {step_dirname(step)} was not saved: {message}") from failure
+            raise CheckpointError(
+                f"{self._tag()}checkpoint {step_dirname(step)} was not saved: {message}"
+            ) from failure
         return self.layout.step_dir(step)
 
     def _write(self, step: int, state: Mapping[str, Any], rngs: list[Any]) -> None:
         blobs, entries = _serialize(state)
-        blobs[paths.RNG] = json.dumps({"version": rng.RNG_VERSION, "world_size": len(rngs), "ranks": rngs}).encode()
+        blobs[paths.RNG] = json.dumps(
+            {"version": rng.RNG_VERSION, "world_size": len(rngs), "ranks": rngs}
+        ).encode()
         root, final = self.layout.root, self.layout.step_dir(step)
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise CheckpointError(f"cannot create the checkpoint directory {root} ({exc.strerror}): "
-                                  f"{explain_os_error(exc)}") from exc
+            raise CheckpointError(
+                f"cannot create the checkpoint directory {root} ({exc.strerror}): {explain_os_error(exc)}"
+            ) from exc
         self._remove_leftovers()
         token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         temp = self.layout.temp_dir(step, token)
@@ -126,11 +133,14 @@ class CheckpointManager:
             kept = [step_dirname(s) for s in self.steps() if s != step] or ["none"]
             raise CheckpointError(
                 f"writing {final} failed ({exc.strerror or exc}: {exc.filename or ''}): {explain_os_error(exc)}; "
-                f"the checkpoints already there are untouched: {', '.join(kept[-3:])}") from exc
+                f"the checkpoints already there are untouched: {', '.join(kept[-3:])}"
+            ) from exc
         try:
             write_atomic(self.layout.latest, f"{final.name}\n".encode())
         except OSError as exc:  # the checkpoint itself is complete; the pointer is a convenience
-            self._log.warning("checkpoint %s is complete but %s could not be updated: %s", final, self.layout.latest, exc)
+            self._log.warning(
+                "checkpoint %s is complete but %s could not be updated: %s", final, self.layout.latest, exc
+            )
         self._prune(step)
         self._log.info("checkpoint saved: %s", final)
 
@@ -152,8 +162,11 @@ class CheckpointManager:
         steps = self.steps()
         newer = [s for s in steps if s > saved]
         if newer:  # only reachable after resuming from an older checkpoint: those belong to an abandoned run
-            self._log.warning("removing checkpoints newer than the one just saved (%s): %s", step_dirname(saved),
-                              ", ".join(step_dirname(s) for s in newer))
+            self._log.warning(
+                "removing checkpoints newer than the one just saved (%s): %s",
+                step_dirname(saved),
+                ", ".join(step_dirname(s) for s in newer),
+            )
         for old in newer + steps_to_prune([s for s in steps if s <= saved], self.keep):
             remove_quietly(self.layout.step_dir(old))
 
@@ -184,7 +197,9 @@ class CheckpointManager:
             raise CheckpointError(f"{self._tag()}{mine}") from failure
         for rank, error in enumerate(errors):
             if error is not None:
-                raise CheckpointError(f"{self._tag()}loading {step_dirname(step)} failed on rank {rank}: {error}")
+                raise CheckpointError(
+                    f"{self._tag()}loading {step_dirname(step)} failed on rank {rank}: {error}"
+                )
         self._log.info("resumed from checkpoint %s", self.layout.step_dir(step))
         return step
 
@@ -205,8 +220,11 @@ class CheckpointManager:
             problem = validate(self.layout.step_dir(step), step)
             if problem is None:
                 if skipped:
-                    self._log.warning("skipping unusable checkpoints (%s); resuming from the previous one, %s",
-                                      "; ".join(skipped), step_dirname(step))
+                    self._log.warning(
+                        "skipping unusable checkpoints (%s); resuming from the previous one, %s",
+                        "; ".join(skipped),
+                        step_dirname(step),
+                    )
                 return {"step": step, "why": ""}
             skipped.append(f"{step_dirname(step)}: {problem}")
         if skipped:
@@ -220,16 +238,22 @@ class CheckpointManager:
         for name, record in meta["files"].items():  # rank 0 checked sha256; here: is it there at all?
             path = directory / name
             if not path.is_file() or path.stat().st_size != record["bytes"]:
-                raise CheckpointError(f"{path} is missing or has another size than on rank 0: is run_dir on a "
-                                      "file system that every rank sees?")
+                raise CheckpointError(
+                    f"{path} is missing or has another size than on rank 0: is run_dir on a "
+                    "file system that every rank sees?"
+                )
         entries: dict[str, Any] = meta["entries"]
         absent = [name for name in state if name not in entries]
         if absent:
-            raise CheckpointError(f"checkpoint {directory} has no entry {absent!r} (it has {sorted(entries)!r}); "
-                                  "load with the same state names it was saved with, or start a fresh run_dir")
+            raise CheckpointError(
+                f"checkpoint {directory} has no entry {absent!r} (it has {sorted(entries)!r}); "
+                "load with the same state names it was saved with, or start a fresh run_dir"
+            )
         extra = sorted(set(entries) - set(state))
         if extra and get_rank() == 0:
-            self._log.warning("checkpoint %s also holds %s, which this state does not ask for", directory, extra)
+            self._log.warning(
+                "checkpoint %s also holds %s, which this state does not ask for", directory, extra
+            )
         plan = _plan(directory, entries, state)
         for name, target, loaded in plan:
             if target is None:
@@ -238,8 +262,10 @@ class CheckpointManager:
             try:
                 target.load_state_dict(loaded)
             except Exception as exc:
-                raise CheckpointError(f"checkpoint {directory}: state[{name!r}] ({type(target).__name__}) rejected "
-                                      f"its saved state: {type(exc).__name__}: {exc}") from exc
+                raise CheckpointError(
+                    f"checkpoint {directory}: state[{name!r}] ({type(target).__name__}) rejected "
+                    f"its saved state: {type(exc).__name__}: {exc}"
+                ) from exc
         self._restore_rng(directory, step, int(meta["world_size"]))
 
     def _restore_rng(self, directory: Path, step: int, saved_world: int) -> None:
@@ -249,11 +275,18 @@ class CheckpointManager:
             rng.restore(saved[rank])
         else:
             seed = rng.seed_new_rank(step, rank)
-            self._log.warning("checkpoint %s was written by %d ranks and has no RNG state for rank %d: its "
-                              "generators are seeded with %d (from step and rank)", directory.name, saved_world,
-                              rank, seed)
+            self._log.warning(
+                "checkpoint %s was written by %d ranks and has no RNG state for rank %d: its "
+                "generators are seeded with %d (from step and rank)",
+                directory.name,
+                saved_world,
+                rank,
+                seed,
+            )
         if saved_world != world and rank == 0:
-            self._log.info("resuming %s, written by %d ranks, on %d ranks", directory.name, saved_world, world)
+            self._log.info(
+                "resuming %s, written by %d ranks, on %d ranks", directory.name, saved_world, world
+            )
 
     def _tag(self) -> str:
         world = get_world_size()
@@ -287,6 +320,7 @@ def _serialize(state: Mapping[str, Any]) -> tuple[dict[str, bytes], dict[str, An
 
 def _weights_only_bytes(pickled: dict[str, Any]) -> bytes:
     """torch.save bytes that torch.load(weights_only=True) can read; else name the entry that cannot be."""
+
     def dump(obj: Any) -> bytes:
         buffer = io.BytesIO()
         torch.save(obj, buffer)
@@ -301,10 +335,12 @@ def _weights_only_bytes(pickled: dict[str, Any]) -> bytes:
             raise CheckpointError(
                 f"state[{name!r}] holds objects that torch.load(weights_only=True) refuses to load ({', '.join(unsafe)}); "
                 "checkpoints must hold plain data: give that object a state_dict() of tensors, numbers, strings, "
-                "lists and dicts")
+                "lists and dicts"
+            )
     raise CheckpointError(
         f"the training state holds objects torch.load(weights_only=True) refuses: {_unsafe_globals(data)}; "
-        "checkpoints must hold plain data (tensors, numbers, strings, lists, dicts, state_dict()s)")
+        "checkpoints must hold plain data (tensors, numbers, strings, lists, dicts, state_dict()s)"
+    )
 
 
 def _unsafe_globals(data: bytes) -> list[str]:
@@ -322,15 +358,19 @@ def _plan(directory: Path, entries: dict[str, Any], state: Mapping[str, Any]) ->
         info, target = entries[name], resolve(obj)
         if info["kind"] == "value":
             if is_stateful(obj):
-                raise CheckpointError(f"checkpoint {directory} saved {name!r} as a plain value, but state[{name!r}] "
-                                      f"is a {type(target).__name__} with load_state_dict(); pass the kind of "
-                                      "object it was saved from, or start a fresh run_dir")
+                raise CheckpointError(
+                    f"checkpoint {directory} saved {name!r} as a plain value, but state[{name!r}] "
+                    f"is a {type(target).__name__} with load_state_dict(); pass the kind of "
+                    "object it was saved from, or start a fresh run_dir"
+                )
             plan.append((name, None, pickled[name]))
             continue
         if not is_stateful(obj):
-            raise CheckpointError(f"checkpoint {directory} saved the state_dict() of a {info.get('type')} as "
-                                  f"{name!r}, but state[{name!r}] is a {type(obj).__name__} without load_state_dict(); "
-                                  "pass the object it was saved from, or start a fresh run_dir")
+            raise CheckpointError(
+                f"checkpoint {directory} saved the state_dict() of a {info.get('type')} as "
+                f"{name!r}, but state[{name!r}] is a {type(obj).__name__} without load_state_dict(); "
+                "pass the object it was saved from, or start a fresh run_dir"
+            )
         if info["kind"] == "tensors":
             saved: Any = safetensors.torch.load_file(str(directory / info["file"]), device="cpu")
         else:
@@ -339,8 +379,10 @@ def _plan(directory: Path, entries: dict[str, Any], state: Mapping[str, Any]) ->
         if isinstance(target, nn.Module):
             problem = module_mismatch(current, saved)
             if problem:
-                raise CheckpointError(f"checkpoint {directory} does not fit state[{name!r}] ({type(target).__name__}): "
-                                      f"{problem}. Load a checkpoint of this model, or start a fresh run_dir")
+                raise CheckpointError(
+                    f"checkpoint {directory} does not fit state[{name!r}] ({type(target).__name__}): "
+                    f"{problem}. Load a checkpoint of this model, or start a fresh run_dir"
+                )
             saved = keyed_like(saved, current)
         elif not isinstance(target, torch.optim.Optimizer):  # optimizers move their state to their params
             saved = placed_like(saved, current)

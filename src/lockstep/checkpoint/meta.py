@@ -43,8 +43,13 @@ def _versions() -> dict[str, str]:
         lockstep_version = metadata.version("lockstep")
     except metadata.PackageNotFoundError:
         lockstep_version = "unknown"
-    return {"lockstep": lockstep_version, "torch": torch.__version__, "safetensors": safetensors.__version__,
-            "numpy": numpy.__version__, "python": platform.python_version()}
+    return {
+        "lockstep": lockstep_version,
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
@@ -52,7 +57,11 @@ def read_meta(directory: Path) -> dict[str, Any]:
         meta = json.loads((directory / paths.META).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {directory / paths.META}: {exc}") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not {"files", "entries", "world_size"} <= set(meta):
+    if (
+        not isinstance(meta, dict)
+        or meta.get("format") != FORMAT
+        or not {"files", "entries", "world_size"} <= set(meta)
+    ):
         raise CheckpointError(f"{directory / paths.META} is not a lockstep checkpoint description")
     return meta
 

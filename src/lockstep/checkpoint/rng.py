@@ -34,7 +34,13 @@ def capture() -> dict[str, Any]:
     state: dict[str, Any] = {
         "version": RNG_VERSION,
         "python": [version, list(internal), gauss],
-        "numpy": [kind, _pack(np.asarray(key, dtype=np.uint32).tobytes()), int(pos), int(has_gauss), float(cached)],
+        "numpy": [
+            kind,
+            _pack(np.asarray(key, dtype=np.uint32).tobytes()),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
         "torch": _pack(torch.get_rng_state().numpy().tobytes()),
         "cuda": [],
     }

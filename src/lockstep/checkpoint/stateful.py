@@ -41,7 +41,7 @@ def is_stateful(obj: Any) -> bool:
 def strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
     """Keys without the wrapper's `module.` prefix (only when every key has it)."""
     if state and all(isinstance(k, str) and k.startswith(PREFIX) for k in state):
-        return {k[len(PREFIX):]: v for k, v in state.items()}
+        return {k[len(PREFIX) :]: v for k, v in state.items()}
     return dict(state)
 
 
@@ -77,14 +77,20 @@ def module_mismatch(current: Mapping[str, Any], loaded: Mapping[str, Any]) -> st
         return None
     parts = []
     if missing:
-        parts.append(f"{len(missing)} missing (in the model, not in the checkpoint): "
-                     + _listing([f"{k} {_shape(mine[k])}" for k in missing]))
+        parts.append(
+            f"{len(missing)} missing (in the model, not in the checkpoint): "
+            + _listing([f"{k} {_shape(mine[k])}" for k in missing])
+        )
     if unexpected:
-        parts.append(f"{len(unexpected)} unexpected (in the checkpoint, not in the model): "
-                     + _listing([f"{k} {_shape(theirs[k])}" for k in unexpected]))
+        parts.append(
+            f"{len(unexpected)} unexpected (in the checkpoint, not in the model): "
+            + _listing([f"{k} {_shape(theirs[k])}" for k in unexpected])
+        )
     if shapes:
-        parts.append(f"{len(shapes)} shape mismatches: "
-                     + _listing([f"{k} checkpoint {_shape(theirs[k])} vs model {_shape(mine[k])}" for k in shapes]))
+        parts.append(
+            f"{len(shapes)} shape mismatches: "
+            + _listing([f"{k} checkpoint {_shape(theirs[k])} vs model {_shape(mine[k])}" for k in shapes])
+        )
     return "; ".join(parts)
 
 

@@ -48,7 +48,8 @@ class EvalSampler(Sampler[int]):
         return list(self)
 
     def gather(
-        self, values: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
+        self,
+        values: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Every rank's per-sample rows (in the loader's order), as one tensor in dataset order, on every rank.
 
@@ -57,5 +58,6 @@ class EvalSampler(Sampler[int]):
         what a single process evaluating the whole dataset in order would have collected. A collective:
         every rank calls it.
         """
-        return gather_eval(values, indices=torch.tensor(self.indices(), dtype=torch.int64),
-                           num_samples=len(self.dataset))
+        return gather_eval(
+            values, indices=torch.tensor(self.indices(), dtype=torch.int64), num_samples=len(self.dataset)
+        )

@@ -62,7 +62,8 @@ def reduce_eval(sums: Mapping[str, float | int | bool | torch.Tensor]) -> dict[s
         if sorted(theirs) != names:
             raise CollectiveMismatchError(
                 f"{_tag()}reduce_eval got names {names!r} from rank 0 but {sorted(theirs)!r} from rank {rank}; "
-                "every rank must pass the same names (zeros on a rank with no samples)")
+                "every rank must pass the same names (zeros on a rank with no samples)"
+            )
     result: dict[str, float | int] = {}
     for name in names:
         parts = [theirs[name] for theirs in gathered]
@@ -85,7 +86,9 @@ def _scalar(name: object, value: Any) -> float | int:
         return int(value)
     if isinstance(value, (int, float)):
         return value
-    raise ConfigError(f"reduce_eval expects int, float or one-element tensors; {name!r} is {type(value).__name__}")
+    raise ConfigError(
+        f"reduce_eval expects int, float or one-element tensors; {name!r} is {type(value).__name__}"
+    )
 
 
 def _rows(name: str, value: Any) -> torch.Tensor | None:
@@ -95,7 +98,9 @@ def _rows(name: str, value: Any) -> torch.Tensor | None:
     if isinstance(value, Sequence) and all(isinstance(v, torch.Tensor) for v in value):
         parts = [v.detach() if v.dim() > 0 else v.detach().reshape(1) for v in value]
         return torch.cat(parts) if parts else None
-    raise ConfigError(f"gather_eval: {name} must be a tensor or a list of tensors, got {type(value).__name__}")
+    raise ConfigError(
+        f"gather_eval: {name} must be a tensor or a list of tensors, got {type(value).__name__}"
+    )
 
 
 def _meta(tensor: torch.Tensor | None) -> dict[str, Any]:
@@ -112,7 +117,8 @@ def _agree(metas: list[dict[str, Any]]) -> dict[str, tuple[list[int], torch.dtyp
         if sorted(meta) != names:
             raise CollectiveMismatchError(
                 f"{_tag()}gather_eval got names {_shown(names)} on rank 0 but {_shown(sorted(meta))} on rank {rank}; "
-                "every rank must pass the same names (an empty list where it has no samples)")
+                "every rank must pass the same names (an empty list where it has no samples)"
+            )
     for name in names:
         seen = [(rank, meta[name]) for rank, meta in enumerate(metas) if meta[name]["dtype"] is not None]
         for rank, meta in seen[1:]:
@@ -120,8 +126,13 @@ def _agree(metas: list[dict[str, Any]]) -> dict[str, tuple[list[int], torch.dtyp
                 raise CollectiveMismatchError(
                     f"{_tag()}gather_eval {_shown([name])}: rank {seen[0][0]} has rows of shape {seen[0][1]['shape']} "
                     f"{seen[0][1]['dtype']} but rank {rank} has {meta['shape']} {meta['dtype']}; every rank must "
-                    "produce the same per-sample shape and dtype")
-        spec = seen[0][1] if seen else {"shape": [], "dtype": "torch.int64" if name == _INDEX else "torch.float32"}
+                    "produce the same per-sample shape and dtype"
+                )
+        spec = (
+            seen[0][1]
+            if seen
+            else {"shape": [], "dtype": "torch.int64" if name == _INDEX else "torch.float32"}
+        )
         specs[name] = (spec["shape"], getattr(torch, spec["dtype"].split(".")[-1]))
     return specs
 
@@ -130,7 +141,9 @@ def _shown(names: list[str]) -> str:
     return repr(["indices" if n == _INDEX else n or "values" for n in names])
 
 
-def _gather_rows(local: torch.Tensor | None, spec: tuple[list[int], torch.dtype], rows: list[int]) -> torch.Tensor:
+def _gather_rows(
+    local: torch.Tensor | None, spec: tuple[list[int], torch.dtype], rows: list[int]
+) -> torch.Tensor:
     shape, dtype = spec
     home = local.device if local is not None else torch.device("cpu")
     mine = local if local is not None and _meta(local)["rows"] else torch.empty(0, *shape, dtype=dtype)
@@ -151,17 +164,20 @@ def _index_order(index: torch.Tensor, metas: list[dict[str, Any]], num_samples: 
         if wrong:
             raise ConfigError(
                 f"{_tag()}gather_eval: rank {rank} passed {meta[_INDEX]['rows']} indices but rows {wrong!r}; "
-                "pass one row per sample of the shard (did a DataLoader drop_last or a partial batch lose rows?)")
+                "pass one row per sample of the shard (did a DataLoader drop_last or a partial batch lose rows?)"
+            )
     order = torch.argsort(index, stable=True)
     ordered = index[order]
     duplicates = ordered[1:][ordered[1:] == ordered[:-1]]
     if duplicates.numel():
         raise ConfigError(
             f"{_tag()}gather_eval: sample index {int(duplicates[0])} was evaluated more than once "
-            f"({duplicates.numel()} duplicates): padded duplicates bias metrics; shard with lockstep.data.EvalSampler")
+            f"({duplicates.numel()} duplicates): padded duplicates bias metrics; shard with lockstep.data.EvalSampler"
+        )
     if num_samples is not None and not torch.equal(ordered, torch.arange(num_samples)):
         missing = sorted(set(range(num_samples)) - set(ordered.tolist()))[:10]
         raise ConfigError(
             f"{_tag()}gather_eval: expected every index of [0, {num_samples}) once, got {ordered.numel()} rows; "
-            f"missing e.g. {missing!r}")
+            f"missing e.g. {missing!r}"
+        )
     return order.to(index.device)

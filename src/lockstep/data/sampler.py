@@ -48,11 +48,15 @@ def resolve_replicas(num_replicas: int | None, rank: int | None) -> tuple[int, i
     num_replicas = get_world_size() if num_replicas is None else num_replicas
     rank = get_rank() if rank is None else rank
     if not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ConfigError(f"num_replicas must be an int >= 1, got {num_replicas!r}; pass the world size, or leave "
-                          "it None to take it from the process group")
+        raise ConfigError(
+            f"num_replicas must be an int >= 1, got {num_replicas!r}; pass the world size, or leave "
+            "it None to take it from the process group"
+        )
     if not isinstance(rank, int) or not 0 <= rank < num_replicas:
-        raise ConfigError(f"rank must be in [0, {num_replicas - 1}] for num_replicas={num_replicas}, got {rank!r}; "
-                          "pass this process's rank, or leave it None to take it from the process group")
+        raise ConfigError(
+            f"rank must be in [0, {num_replicas - 1}] for num_replicas={num_replicas}, got {rank!r}; "
+            "pass this process's rank, or leave it None to take it from the process group"
+        )
     return num_replicas, rank
 
 
@@ -151,10 +155,13 @@ class DistributedSampler(Sampler[int]):
         self._started, self._yielded, self._advanced = True, 0, 0
         self._token += 1
         size = len(self.dataset)
-        self._end = epoch_end(size, num_replicas=self.num_replicas, start=self._start, drop_last=self.drop_last)
+        self._end = epoch_end(
+            size, num_replicas=self.num_replicas, start=self._start, drop_last=self.drop_last
+        )
         order = epoch_order(size, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
-        indices = shard_indices(order, num_replicas=self.num_replicas, rank=self.rank,
-                                start=self._start, drop_last=self.drop_last)
+        indices = shard_indices(
+            order, num_replicas=self.num_replicas, rank=self.rank, start=self._start, drop_last=self.drop_last
+        )
         return self._count(indices, self._token)
 
     # ---- lockstep's additions -------------------------------------------------------------------------
@@ -167,18 +174,23 @@ class DistributedSampler(Sampler[int]):
         drop_last) are never advanced, so a resumed epoch offers them again.
         """
         if not isinstance(num_global_samples, int) or num_global_samples < 0:
-            raise ConfigError(f"advance expects an int >= 0 (samples summed over ranks), got {num_global_samples!r}")
+            raise ConfigError(
+                f"advance expects an int >= 0 (samples summed over ranks), got {num_global_samples!r}"
+            )
         self._explicit = True
         if num_global_samples == 0:
             return
         if not self._started:
-            raise ConfigError(f"{self._tag()}advance({num_global_samples}) was called before the epoch's iterator "
-                              "was created; call it after the loop consumed a batch")
+            raise ConfigError(
+                f"{self._tag()}advance({num_global_samples}) was called before the epoch's iterator "
+                "was created; call it after the loop consumed a batch"
+            )
         if self._start + self._advanced + num_global_samples > self._end:
             raise ConfigError(
                 f"{self._tag()}advance({num_global_samples}) goes past the end of epoch {self.epoch}: "
                 f"{self._start + self._advanced} of {self._end} positions were consumed already; pass the "
-                "number of samples of this step summed over all ranks (per-rank batch * world size)")
+                "number of samples of this step summed over all ranks (per-rank batch * world size)"
+            )
         self._advanced += num_global_samples
 
     @property
@@ -195,8 +207,15 @@ class DistributedSampler(Sampler[int]):
         epoch, consumed = self.epoch, self.num_consumed
         if self._started and consumed >= self._end:
             epoch, consumed = epoch + 1, 0  # the epoch is done: resume with the next one
-        return {"version": STATE_VERSION, "epoch": epoch, "num_consumed": consumed, "seed": self.seed,
-                "shuffle": self.shuffle, "drop_last": self.drop_last, "dataset_len": len(self.dataset)}
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "num_consumed": consumed,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "dataset_len": len(self.dataset),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue where `state_dict` stopped: at the same or another world size, the unseen samples next."""
@@ -242,23 +261,30 @@ class DistributedSampler(Sampler[int]):
         return min(self._start + counted, self._end)
 
     def _length(self, start: int) -> int:
-        end = epoch_end(len(self.dataset), num_replicas=self.num_replicas, start=start, drop_last=self.drop_last)
+        end = epoch_end(
+            len(self.dataset), num_replicas=self.num_replicas, start=start, drop_last=self.drop_last
+        )
         return (end - start) // self.num_replicas
 
     def _check_state(self, state: Any) -> tuple[int, int]:
         if not isinstance(state, dict) or not {"epoch", "num_consumed"} <= set(state):
-            raise ConfigError(f"{self._tag()}a DistributedSampler state needs 'epoch' and 'num_consumed', got {state!r}")
+            raise ConfigError(
+                f"{self._tag()}a DistributedSampler state needs 'epoch' and 'num_consumed', got {state!r}"
+            )
         epoch, consumed = state["epoch"], state["num_consumed"]
         if not isinstance(epoch, int) or epoch < 0 or not isinstance(consumed, int) or consumed < 0:
-            raise ConfigError(f"{self._tag()}sampler state has epoch={epoch!r}, num_consumed={consumed!r}; "
-                              "expected ints >= 0")
+            raise ConfigError(
+                f"{self._tag()}sampler state has epoch={epoch!r}, num_consumed={consumed!r}; "
+                "expected ints >= 0"
+            )
         size = len(self.dataset)
         for key, mine in (("dataset_len", size), ("seed", self.seed), ("shuffle", self.shuffle)):
             if key in state and state[key] != mine:
                 raise ConfigError(
                     f"{self._tag()}the sampler state was saved with {key}={state[key]!r} but this sampler has "
                     f"{key}={mine!r}; the resumed order would not continue the saved one. Build the sampler "
-                    f"with {key}={state[key]!r} (and the same dataset) or start a fresh run")
+                    f"with {key}={state[key]!r} (and the same dataset) or start a fresh run"
+                )
         return epoch, consumed
 
     def _tag(self) -> str:

@@ -49,8 +49,12 @@ class _JoinableReplica(Joinable):
     def __init__(self) -> None:  # Joinable's __init__ would set _join_config before the replica exists
         pass
 
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> EngineJoin:
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> EngineJoin:
         """Train on uneven inputs: `with model.join(): for batch in my_batches: ...` (torch's contract).
 
         Ranks that run out of batches shadow the collectives of those still training until all are
@@ -59,8 +63,12 @@ class _JoinableReplica(Joinable):
         training (False). throw_on_early_termination: raise UnevenInputsError on every rank as soon as
         one runs out (needed when forward has collectives of its own, such as SyncBatchNorm).
         """
-        return EngineJoin([self], enable, throw_on_early_termination,
-                          divide_by_initial_world_size=divide_by_initial_world_size)
+        return EngineJoin(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return self._engine.join_hook(**kwargs)
@@ -121,17 +129,24 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
         forward_sync_buffers: bool | None = None,
     ) -> None:
         nn.Module.__init__(self)  # not torch's DDP constructor: it would build torch's reducer
-        _refuse_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
-                            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
-                            bucket_cap_mb_list=bucket_cap_mb_list)
+        _refuse_unsupported(
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+        )
         if dim != 0:
             raise NotSupportedError(
                 f"lockstep.DistributedDataParallel scatters nothing, so dim={dim!r} has no meaning here; "
                 "pass each rank's own batch to forward and leave dim=0"
             )
         if check_reduction:
-            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
-                          "Please avoid using it.", FutureWarning, stacklevel=2)
+            warnings.warn(
+                "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
+                "Please avoid using it.",
+                FutureWarning,
+                stacklevel=2,
+            )
         group, self.device_mesh = _resolve_group(process_group, device_mesh)
         _check_parameters(module)
         self.module = module
@@ -140,7 +155,9 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
         self.device = next(p.device for p in module.parameters())
         self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1
         self.dim = dim
-        sync_buffers = forward_sync_buffers if forward_sync_buffers is not None else broadcast_buffers is not False
+        sync_buffers = (
+            forward_sync_buffers if forward_sync_buffers is not None else broadcast_buffers is not False
+        )
         self.forward_sync_buffers = bool(sync_buffers)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -172,8 +189,13 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
         # weak proxy (no reference cycle): nothing keeps the group alive past destroy_process_group() or
         # leaves it to the cyclic collector at exit, where gloo's threads abort the process.
         self._replica: ReplicaState | None = ReplicaState(
-            module, self._policy, group, flags=weakref.proxy(self), init_sync=init_sync,
-            init_sync_buffers=forward_sync_buffers is not None or broadcast_buffers is not False)
+            module,
+            self._policy,
+            group,
+            flags=weakref.proxy(self),
+            init_sync=init_sync,
+            init_sync_buffers=forward_sync_buffers is not None or broadcast_buffers is not False,
+        )
         self._group = group
 
     # ---- the engine behind the wrapper (built again, without collectives, after unpickling) ----------
@@ -188,7 +210,9 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
                     "group; call torch.distributed.init_process_group (or lockstep.init) before running it, "
                     "or use its .module"
                 )
-            replica = ReplicaState(self.module, self._policy, None, flags=weakref.proxy(self), init_sync=False)
+            replica = ReplicaState(
+                self.module, self._policy, None, flags=weakref.proxy(self), init_sync=False
+            )
             if self.static_graph:
                 replica.reducer.enable_static_graph()
             self.__dict__["_replica"] = replica
@@ -266,8 +290,10 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
         if self._engine.reducer.stats.steps:
-            message = ("_set_static_graph() should be called before training loop starts: this model already "
-                       f"ran {self._engine.reducer.stats.steps} synced step(s); pass static_graph=True instead")
+            message = (
+                "_set_static_graph() should be called before training loop starts: this model already "
+                f"ran {self._engine.reducer.stats.steps} synced step(s); pass static_graph=True instead"
+            )
             self.__dict__["_logged_error"] = message
             raise UsageError(message)
         self.static_graph = True
@@ -285,16 +311,24 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
         engine = self._engine
         error = self.__dict__.get("_logged_error", "")
         return {
-            "module_name": type(self.module).__name__, "world_size": engine.world, "rank": engine.rank,
-            "iteration": engine.reducer.stats.steps, "static_graph": int(self.static_graph),
+            "module_name": type(self.module).__name__,
+            "world_size": engine.world,
+            "rank": engine.rank,
+            "iteration": engine.reducer.stats.steps,
+            "static_graph": int(self.static_graph),
             "find_unused_parameters": int(self.find_unused_parameters),
             "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-            "is_multi_device_module": int(self.is_multi_device_module), "bucket_cap_bytes": self.bucket_bytes_cap,
+            "is_multi_device_module": int(self.is_multi_device_module),
+            "bucket_cap_bytes": self.bucket_bytes_cap,
             "backend_name": str(dist.get_backend(self.process_group)),
-            "has_error": int(bool(error)), "error": error, **_layout_logging(engine.reducer),
+            "has_error": int(bool(error)),
+            "error": error,
+            **_layout_logging(engine.reducer),
         }
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         """Accepts keys with the `module.` prefix (torch's DDP checkpoints) and without (plain ones)."""
         if state_dict and not any(k.startswith("module.") for k in state_dict):
             state_dict = {f"module.{k}": v for k, v in state_dict.items()}
@@ -328,11 +362,24 @@ class DistributedDataParallel(_JoinableReplica, TorchDDP):
 
 
 # Attributes of torch's DistributedDataParallel that only its C++ reducer gives meaning to.
-_TORCH_INTERNALS = frozenset({
-    "reducer", "logger", "_accum_grad_hooks", "_bucket_config", "_ddp_sink_clone", "_delay_grad_buffer",
-    "_delay_grad_views", "_delay_all_reduce_params", "_delay_all_reduce_all_params", "_lazy_init_ran",
-    "_comm_hooks", "use_side_stream_for_tensor_copies", "modules_buffers", "named_module_buffers",
-})
+_TORCH_INTERNALS = frozenset(
+    {
+        "reducer",
+        "logger",
+        "_accum_grad_hooks",
+        "_bucket_config",
+        "_ddp_sink_clone",
+        "_delay_grad_buffer",
+        "_delay_grad_views",
+        "_delay_all_reduce_params",
+        "_delay_all_reduce_all_params",
+        "_lazy_init_ran",
+        "_comm_hooks",
+        "use_side_stream_for_tensor_copies",
+        "modules_buffers",
+        "named_module_buffers",
+    }
+)
 
 
 class ReplicaHandle(_JoinableReplica):
@@ -382,15 +429,18 @@ def replicate(
     Parameters and buffers are checked and broadcast from rank 0 now; from then on every forward
     with grad enabled is followed by a backward that averages gradients across ranks.
     """
-    if any(isinstance(getattr(h, "__self__", None), _ForwardHooks) for h in module._forward_pre_hooks.values()):
+    if any(
+        isinstance(getattr(h, "__self__", None), _ForwardHooks) for h in module._forward_pre_hooks.values()
+    ):
         raise ConfigError(
             f"module {type(module).__name__} is already replicated; call remove() on its handle "
             "before replicating it again"
         )
     replica = ReplicaState(module, policy or SyncPolicy(), process_group)
     hooks = _ForwardHooks(replica)
-    return ReplicaHandle(replica, [module.register_forward_pre_hook(hooks.before),
-                                   module.register_forward_hook(hooks.after)])
+    return ReplicaHandle(
+        replica, [module.register_forward_pre_hook(hooks.before), module.register_forward_hook(hooks.after)]
+    )
 
 
 class _ForwardHooks:
@@ -458,7 +508,9 @@ def _default_group() -> dist.ProcessGroup:
     return _get_default_group()
 
 
-def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> tuple[dist.ProcessGroup | None, Any]:
+def _resolve_group(
+    process_group: dist.ProcessGroup | None, device_mesh: Any
+) -> tuple[dist.ProcessGroup | None, Any]:
     """torch's rules: a group, or a 1-D device mesh's group, or (None) the default group."""
     if process_group is not None and device_mesh is not None:
         raise DDPArgumentError(
@@ -516,7 +568,9 @@ def _check_devices(
     if not device_ids:
         return None, output_device
     if len(device_ids) != 1:
-        raise ConfigError(f"device_ids must name one device (one process per device), got {list(device_ids)!r}")
+        raise ConfigError(
+            f"device_ids must name one device (one process per device), got {list(device_ids)!r}"
+        )
     if any(d.type != "cuda" for d in devices) or len(devices) != 1:
         raise ConfigError(
             f"device_ids={list(device_ids)!r} is for a module on one CUDA device, but its parameters are on "

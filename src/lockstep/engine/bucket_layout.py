@@ -95,21 +95,34 @@ def assign_buckets(
         closed.append((key, members, open_bytes[key]))
     closed.sort(key=lambda item: position[item[1][0]])
     return [
-        BucketSpec(index=i, device=key[0], dtype=key[1], param_indices=tuple(members), nbytes=nbytes,
-                   solo=members[0] in solos and (i < len(closed) - 1 or params[members[0]].sparse),
-                   sparse=params[members[0]].sparse)
+        BucketSpec(
+            index=i,
+            device=key[0],
+            dtype=key[1],
+            param_indices=tuple(members),
+            nbytes=nbytes,
+            solo=members[0] in solos and (i < len(closed) - 1 or params[members[0]].sparse),
+            sparse=params[members[0]].sparse,
+        )
         for i, (key, members, nbytes) in enumerate(closed)
     ]
 
 
-def specs_from_index_lists(params: Sequence[ParamSpec], index_lists: Sequence[Sequence[int]]) -> list[BucketSpec]:
+def specs_from_index_lists(
+    params: Sequence[ParamSpec], index_lists: Sequence[Sequence[int]]
+) -> list[BucketSpec]:
     """BucketSpecs for buckets given as lists of parameter indices, in launch order (torch's layout)."""
     _check_permutation([i for members in index_lists for i in members], len(params))
     return [
-        BucketSpec(index=i, device=params[members[0]].device, dtype=params[members[0]].dtype,
-                   param_indices=tuple(members),
-                   nbytes=sum(params[m].nbytes for m in members), solo=params[members[0]].sparse,
-                   sparse=params[members[0]].sparse)
+        BucketSpec(
+            index=i,
+            device=params[members[0]].device,
+            dtype=params[members[0]].dtype,
+            param_indices=tuple(members),
+            nbytes=sum(params[m].nbytes for m in members),
+            solo=params[members[0]].sparse,
+            sparse=params[members[0]].sparse,
+        )
         for i, members in enumerate(index_lists)
     ]
 

@@ -32,7 +32,9 @@ class Bucket:
         total = sum(numels)
         # The last bucket carries one extra element: each rank's count of parameters without gradient,
         # summed by the same all-reduce, so that all ranks agree on errors without another collective.
-        self.storage = None if self.solo else torch.zeros(total + int(last), dtype=dtype, device=self.params[0].device)
+        self.storage = (
+            None if self.solo else torch.zeros(total + int(last), dtype=dtype, device=self.params[0].device)
+        )
         self.buffer = self.storage[:total] if self.storage is not None else torch.empty(0, dtype=dtype)
         self.status = self.storage[total:] if self.storage is not None and last else None
         self.views = [] if self.solo else flat_views(self.buffer, self.params)

@@ -143,7 +143,9 @@ def torch_signature(hook: Callable[..., HookFuture]) -> Callable[..., HookFuture
     `torch.futures.Future[torch.Tensor]`; postponed annotations are strings and would be refused.
     """
     hook.__annotations__ = {
-        **hook.__annotations__, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
+        **hook.__annotations__,
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
     }
     return hook
 
@@ -152,7 +154,6 @@ def torch_signature(hook: Callable[..., HookFuture]) -> Callable[..., HookFuture
 
 
 @torch_signature
-
 def allreduce_hook(state: Any, bucket: Any) -> HookFuture:
     """Average the bucket over the group with one async all-reduce (the same numbers as no hook).
 
@@ -197,8 +198,12 @@ def _half_hook(dtype: torch.dtype, state: Any, bucket: Any) -> HookFuture:
     return fut
 
 
-def _native_half(dtype: torch.dtype, state: Any, buffer: torch.Tensor, group: dist.ProcessGroup | None) -> HookFuture:
-    buffer.div_(world_of(group))  # in the bucket's dtype, then one rounding to half (see the module docstring)
+def _native_half(
+    dtype: torch.dtype, state: Any, buffer: torch.Tensor, group: dist.ProcessGroup | None
+) -> HookFuture:
+    buffer.div_(
+        world_of(group)
+    )  # in the bucket's dtype, then one rounding to half (see the module docstring)
     payload = buffer.to(dtype)
     try:
         work = dist.all_reduce(payload, group=group, async_op=True)
@@ -218,7 +223,9 @@ def _native_half(dtype: torch.dtype, state: Any, buffer: torch.Tensor, group: di
     return work.get_future().then(decompress)  # type: ignore[union-attr]
 
 
-def _gather_sum(dtype: torch.dtype, state: Any, buffer: torch.Tensor, group: dist.ProcessGroup | None) -> HookFuture:
+def _gather_sum(
+    dtype: torch.dtype, state: Any, buffer: torch.Tensor, group: dist.ProcessGroup | None
+) -> HookFuture:
     """All-gather the undivided half payloads; sum them in fp32 and divide once (see the module docstring)."""
     world = world_of(group)
     payload = buffer.to(dtype)

@@ -69,9 +69,7 @@ def difference(reference: list[Entry], theirs: list[Entry], rank: int) -> str:
     return ""
 
 
-def broadcast_coalesced(
-    tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None
-) -> None:
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None) -> None:
     """Overwrite `tensors` in place with the values of global rank `src`, few messages per (device, dtype)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:

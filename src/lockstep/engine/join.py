@@ -141,8 +141,9 @@ class JoinReplica(Protocol):
         ...
 
 
-def _exchange(replica: JoinReplica, *, training: bool, sync: bool = False, rebuild: bool = False,
-              buffers: bool = False) -> StepRecord:
+def _exchange(
+    replica: JoinReplica, *, training: bool, sync: bool = False, rebuild: bool = False, buffers: bool = False
+) -> StepRecord:
     world = replica.world
     values = [0] * (world + 3)
     if training:
@@ -154,7 +155,9 @@ def _exchange(replica: JoinReplica, *, training: bool, sync: bool = False, rebui
     flags = summed[world:]
     return StepRecord(
         training=tuple(r for r in range(world) if summed[r]),
-        sync=flags[_SYNC] > 0, rebuild=flags[_REBUILD] > 0, buffers=flags[_BUFFERS] > 0,
+        sync=flags[_SYNC] > 0,
+        rebuild=flags[_REBUILD] > 0,
+        buffers=flags[_BUFFERS] > 0,
     )
 
 
@@ -222,7 +225,9 @@ def _sync_final_model(replica: JoinReplica, is_last_joiner: bool) -> None:
     replica.request_forward_param_sync()  # the same on every rank, whatever each saw last
     if replica.world == 1:
         return
-    candidate = torch.tensor([replica.rank if is_last_joiner else -1], dtype=torch.int64, device=replica.join_device)
+    candidate = torch.tensor(
+        [replica.rank if is_last_joiner else -1], dtype=torch.int64, device=replica.join_device
+    )
     dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=replica.group)
     replica.broadcast_model_from(int(candidate.item()))
 
@@ -250,8 +255,13 @@ class EngineJoin(Join):
     switches join mode off on exit, so that later forwards cost nothing.
     """
 
-    def __init__(self, joinables: list[Any], enable: bool = True, throw_on_early_termination: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        joinables: list[Any],
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(joinables, enable, throw_on_early_termination, **kwargs)
         lead = self._join_hooks[0]
         if not isinstance(lead, EngineJoinHook):
@@ -266,8 +276,9 @@ class EngineJoin(Join):
     def __enter__(self) -> EngineJoin:
         return self
 
-    def __exit__(self, type: type[BaseException] | None, value: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, type: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         try:
             if self._enable and type is None:
                 self._shadow_until_all_joined()

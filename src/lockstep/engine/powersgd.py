@@ -125,11 +125,15 @@ def orthogonalize_(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
 class _BucketMemory:
     """What PowerSGD keeps per bucket between steps: the plan, P and Q, and this rank's error."""
 
-    def __init__(self, key: tuple[Any, ...], plan: BucketPlan, like: torch.Tensor, error_feedback: bool) -> None:
+    def __init__(
+        self, key: tuple[Any, ...], plan: BucketPlan, like: torch.Tensor, error_feedback: bool
+    ) -> None:
         self.key, self.plan = key, plan
         self.p = torch.empty(plan.p_numel, dtype=like.dtype, device=like.device)
         self.q = torch.empty(plan.q_numel, dtype=like.dtype, device=like.device)
-        self.error = torch.zeros(plan.e_numel, dtype=like.dtype, device=like.device) if error_feedback else None
+        self.error = (
+            torch.zeros(plan.e_numel, dtype=like.dtype, device=like.device) if error_feedback else None
+        )
         self.has_q = False
 
     def views(self, flat: torch.Tensor, which: str) -> list[torch.Tensor]:
@@ -168,7 +172,9 @@ class PowerSGDState(HookState):
         batch_tensors_with_same_shape: bool = False,
     ) -> None:
         super().__init__(process_group)
-        _check(matrix_approximation_rank, start_powerSGD_iter, min_compression_rate, orthogonalization_epsilon)
+        _check(
+            matrix_approximation_rank, start_powerSGD_iter, min_compression_rate, orthogonalization_epsilon
+        )
         self.matrix_approximation_rank = int(matrix_approximation_rank)
         self.start_powerSGD_iter = int(start_powerSGD_iter)
         self.min_compression_rate = float(min_compression_rate)
@@ -188,8 +194,11 @@ class PowerSGDState(HookState):
     def compression_stats(self) -> tuple[float, int, int]:
         """(rate, elements before, elements after) over all compressed steps so far, like torch's."""
         after = self.total_numel_after_compression
-        return (self.total_numel_before_compression / after if after else 0.0,
-                self.total_numel_before_compression, after)
+        return (
+            self.total_numel_before_compression / after if after else 0.0,
+            self.total_numel_before_compression,
+            after,
+        )
 
     def memory_for(self, bucket: Any, buffer: torch.Tensor) -> _BucketMemory:
         shapes = [g.shape for g in bucket.gradients()]
@@ -197,8 +206,9 @@ class PowerSGDState(HookState):
         index = bucket.index()
         mem = self.memory.get(index)
         if mem is None or mem.key != key:  # first step, or the buckets were rebuilt: start afresh
-            plan = plan_bucket(shapes, rank=self.matrix_approximation_rank,
-                               min_compression_rate=self.min_compression_rate)
+            plan = plan_bucket(
+                shapes, rank=self.matrix_approximation_rank, min_compression_rate=self.min_compression_rate
+            )
             if plan.numel != buffer.numel():
                 raise CommHookValueError(
                     f"PowerSGD: bucket {index} holds {buffer.numel()} elements but its gradients' shapes "
@@ -210,11 +220,17 @@ class PowerSGDState(HookState):
 
 def _check(rank: int, start: int, rate: float, epsilon: float) -> None:
     if not isinstance(rank, int) or rank < 1:
-        raise ConfigError(f"PowerSGD: matrix_approximation_rank={rank!r}; expected an int >= 1 (start from 1)")
+        raise ConfigError(
+            f"PowerSGD: matrix_approximation_rank={rank!r}; expected an int >= 1 (start from 1)"
+        )
     if not isinstance(start, int) or start < 0:
-        raise ConfigError(f"PowerSGD: start_powerSGD_iter={start!r}; expected an int >= 0 (torch's default is 1000)")
+        raise ConfigError(
+            f"PowerSGD: start_powerSGD_iter={start!r}; expected an int >= 0 (torch's default is 1000)"
+        )
     if not rate > 0:
-        raise ConfigError(f"PowerSGD: min_compression_rate={rate!r}; expected a number > 0 (torch's default is 2)")
+        raise ConfigError(
+            f"PowerSGD: min_compression_rate={rate!r}; expected a number > 0 (torch's default is 2)"
+        )
     if not epsilon >= 0:
         raise ConfigError(f"PowerSGD: orthogonalization_epsilon={epsilon!r}; expected >= 0 (e.g. 0 or 1e-8)")
 

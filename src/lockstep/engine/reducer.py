@@ -115,24 +115,37 @@ class Reducer:
     def _build(self, order: Sequence[int] | None) -> None:
         if self._specs is None:  # parameters never change: describe them once
             self._specs = [
-                ParamSpec(name, p.numel(), p.numel() * self._bucket_dtype(p).itemsize, str(p.device), str(p.dtype),
-                          sparse=sparse)
+                ParamSpec(
+                    name,
+                    p.numel(),
+                    p.numel() * self._bucket_dtype(p).itemsize,
+                    str(p.device),
+                    str(p.dtype),
+                    sparse=sparse,
+                )
                 for name, p, sparse in zip(self.names, self.params, self.sparse)
             ]
         if self.policy.torch_bucket_layout:
             layout = specs_from_index_lists(self._specs, self._torch_index_lists(order))
         else:
             layout = assign_buckets(
-                self._specs, cap_bytes=self.policy.bucket_cap_bytes, first_cap_bytes=self.policy.first_bucket_bytes,
-                order=order, solo_bytes=None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES,
+                self._specs,
+                cap_bytes=self.policy.bucket_cap_bytes,
+                first_cap_bytes=self.policy.first_bucket_bytes,
+                order=order,
+                solo_bytes=None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES,
             )
         if layout == self._layout:  # the observed order gives the same buckets: keep their memory and views
             return
         self._layout = layout
         status = not self.policy.torch_bucket_layout  # torch's layout has no room for the status element
         self.buckets = [
-            Bucket(s, self.params, self._bucket_dtype(self.params[s.param_indices[0]]),
-                   status and s.index == len(layout) - 1)
+            Bucket(
+                s,
+                self.params,
+                self._bucket_dtype(self.params[s.param_indices[0]]),
+                status and s.index == len(layout) - 1,
+            )
             for s in layout
         ]
         self._where: list[tuple[Bucket, int]] = [None] * self._n  # type: ignore[list-item]
@@ -154,7 +167,9 @@ class Reducer:
         return lists  # the rebuild: already in ready order
 
     def _torch_skips_rebuild(self) -> bool:
-        return self.policy.torch_bucket_layout and self.policy.find_unused_parameters and not self.static_graph
+        return (
+            self.policy.torch_bucket_layout and self.policy.find_unused_parameters and not self.static_graph
+        )
 
     def _bucket_dtype(self, p: torch.Tensor) -> torch.dtype:
         return self.policy.bucket_dtype(p.dtype)
@@ -439,8 +454,10 @@ class Reducer:
             same = result.data_ptr() == b.buffer.data_ptr() and result.numel() >= b.buffer.numel()
             views = b.views if same else flat_views(result.reshape(-1), b.params)
             grads = [p.grad for p in b.params]
-            if not as_view and not (skip and any(i in skip for i in b.indices)) and all(
-                g is not None and g.dtype == v.dtype for g, v in zip(grads, views)
+            if (
+                not as_view
+                and not (skip and any(i in skip for i in b.indices))
+                and all(g is not None and g.dtype == v.dtype for g, v in zip(grads, views))
             ):
                 torch._foreach_copy_(grads, views)  # type: ignore[arg-type]  # one call for the bucket
                 continue

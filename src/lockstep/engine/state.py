@@ -42,8 +42,16 @@ class ReplicaState:
     Nothing is stored on the user's module: it pickles, deep-copies and re-wraps like a plain module.
     """
 
-    def __init__(self, module: nn.Module, policy: SyncPolicy, group: dist.ProcessGroup | None, *,
-                 flags: Any = None, init_sync: bool = True, init_sync_buffers: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        policy: SyncPolicy,
+        group: dist.ProcessGroup | None,
+        *,
+        flags: Any = None,
+        init_sync: bool = True,
+        init_sync_buffers: bool = True,
+    ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise NoProcessGroupError(
                 f"no process group: {type(module).__name__} was wrapped before torch.distributed was "
@@ -63,15 +71,24 @@ class ReplicaState:
                 "to average across ranks (torch's DDP refuses it too); wrap a module with trainable parameters"
             )
         self._ignored_buffers = ignored
-        self._all_params: list[torch.Tensor] = [p for _, p in named]  # frozen ones too, for join()'s final sync
+        self._all_params: list[torch.Tensor] = [
+            p for _, p in named
+        ]  # frozen ones too, for join()'s final sync
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
         if self.world > 1 and init_sync:
             check_same_model(named, group, self.rank, self.world)
-            broadcast_coalesced([p for _, p in named] + (self.buffers if init_sync_buffers else []), self._src, group)
+            broadcast_coalesced(
+                [p for _, p in named] + (self.buffers if init_sync_buffers else []), self._src, group
+            )
         self.comm_device = comm_device(group)
         self.reducer = Reducer(
-            [p for _, p in trainable], [n for n, _ in trainable], policy, group, rank=self.rank,
-            world_size=self.world, sparse=_sparse_flags(module, [p for _, p in trainable]),
+            [p for _, p in trainable],
+            [n for n, _ in trainable],
+            policy,
+            group,
+            rank=self.rank,
+            world_size=self.world,
+            sparse=_sparse_flags(module, [p for _, p in trainable]),
             device=self.comm_device,
         )
         self._handles = [
@@ -104,8 +121,9 @@ class ReplicaState:
     def will_broadcast_buffers(self) -> bool:
         """pre_forward broadcasts buffers (torch's will_sync_module_buffers, in a world above 1)."""
         flags = self.flags
-        return bool(flags.require_forward_param_sync and flags.broadcast_buffers and self.world > 1
-                    and self.buffers)
+        return bool(
+            flags.require_forward_param_sync and flags.broadcast_buffers and self.world > 1 and self.buffers
+        )
 
     def post_forward(self, output: Any) -> Any:
         syncing = torch.is_grad_enabled() and self.flags.require_backward_grad_sync
@@ -198,7 +216,9 @@ class ReplicaState:
 def _sparse_flags(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
     """Which parameters get sparse gradients: those of nn.Embedding/EmbeddingBag(sparse=True), like torch."""
     sparse_ids = {
-        id(p) for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+        id(p)
+        for m in module.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
         for p in m.parameters(recurse=False)
     }
     return [id(p) in sparse_ids for p in params]

@@ -92,8 +92,12 @@ def _global_count(total: float, group: dist.ProcessGroup) -> float:
 
 
 def _update_running(
-    running_mean: torch.Tensor, running_var: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
-    count: float, momentum: float,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    count: float,
+    momentum: float,
 ) -> None:
     """torch's rule: running = (1 - momentum) * running + momentum * batch, with the unbiased variance."""
     unbiased = var * (count / (count - 1))
@@ -160,8 +164,12 @@ def _cast(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
 
 
 def _affine_normalize(
-    xc: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, scale: torch.Tensor | None,
-    shift: torch.Tensor | None, eps: float,
+    xc: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    eps: float,
 ) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) * scale + shift per channel, in one native pass (all one dtype)."""
     return F.batch_norm(xc, mean, var, scale, shift, False, 0.0, eps)
@@ -181,8 +189,14 @@ def _local_grad_sums(
 
 
 def _input_grad(
-    g: torch.Tensor, xc: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor, var: torch.Tensor,
-    sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor, ctx: Any,
+    g: torch.Tensor,
+    xc: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    sum_dy: torch.Tensor,
+    sum_dy_xhat: torch.Tensor,
+    ctx: Any,
 ) -> torch.Tensor:
     """dx = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), with means over the whole group."""
     channels = sum_dy.shape[0]
@@ -315,8 +329,13 @@ def _convert_layer(
     layer: _BatchNorm, process_group: dist.ProcessGroup | None, layer_class: type[SyncBatchNorm]
 ) -> SyncBatchNorm:
     new = layer_class(
-        layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats,
-        process_group, bias=layer.bias is not None or not layer.affine,
+        layer.num_features,
+        layer.eps,
+        layer.momentum,
+        layer.affine,
+        layer.track_running_stats,
+        process_group,
+        bias=layer.bias is not None or not layer.affine,
     )
     if layer.affine:
         with torch.no_grad():

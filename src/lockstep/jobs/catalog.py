@@ -77,7 +77,9 @@ class GptConfig(FitConfig):
     warmup_steps: int = 20
     clip_grad_norm: float | None = 1.0
 
-    BOUNDS: ClassVar[Mapping[str, Bound]] = {name: at_least(1) for name in ("context", "dim", "depth", "heads")}
+    BOUNDS: ClassVar[Mapping[str, Bound]] = {
+        name: at_least(1) for name in ("context", "dim", "depth", "heads")
+    }
 
 
 @dataclass
@@ -114,7 +116,9 @@ def build_resnet(config: ResnetConfig) -> Built:
 
 def build_gpt(config: GptConfig) -> Built:
     train, test, vocab = datasets.stdlib_text(config.context)
-    model = models.TinyGPT(vocab, context=config.context, dim=config.dim, depth=config.depth, heads=config.heads)
+    model = models.TinyGPT(
+        vocab, context=config.context, dim=config.dim, depth=config.depth, heads=config.heads
+    )
     return Built(model, train, test, _language_model_loss)
 
 

@@ -47,17 +47,34 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("job", choices=sorted(JOBS), metavar="JOB", help="one of: " + ", ".join(JOBS))
-    parser.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=1,
-                        help="worker processes on this node (default 1)")
-    parser.add_argument("--run-dir", default=None, help="where checkpoints, logs and the summary go (default runs/JOB)")
-    parser.add_argument("--config", default=None, help="a YAML or JSON file of settings; --key value overrides it")
-    parser.add_argument("--max-restarts", type=int, default=0, help="restart all workers up to this many times")
-    parser.add_argument("--logs", choices=("rank0", "all"), default="rank0", help="which ranks stream to the console")
+    parser.add_argument(
+        "-n",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        type=int,
+        default=1,
+        help="worker processes on this node (default 1)",
+    )
+    parser.add_argument(
+        "--run-dir", default=None, help="where checkpoints, logs and the summary go (default runs/JOB)"
+    )
+    parser.add_argument(
+        "--config", default=None, help="a YAML or JSON file of settings; --key value overrides it"
+    )
+    parser.add_argument(
+        "--max-restarts", type=int, default=0, help="restart all workers up to this many times"
+    )
+    parser.add_argument(
+        "--logs", choices=("rank0", "all"), default="rank0", help="which ranks stream to the console"
+    )
     parser.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
     return parser
 
 
-def resolve_config(job_name: str, config_file: str | None, overrides: list[str], run_dir: str | None) -> FitConfig:
+def resolve_config(
+    job_name: str, config_file: str | None, overrides: list[str], run_dir: str | None
+) -> FitConfig:
     """Defaults, then the file, then --key value overrides; run_dir from --run-dir. Errors name each value's source."""
     config_cls, _ = job(job_name)
     values: dict[str, Any] = {}

@@ -108,7 +108,9 @@ def synthetic_images(num_samples: int, *, num_classes: int = 10, seed: int = 0) 
     pattern = torch.sin(freq * grid)
     colour = torch.nn.functional.one_hot(labels % 3, 3).float().view(-1, 3, 1, 1) + 0.5
     images = pattern.unsqueeze(1) * colour + 0.8 * torch.randn(total, 3, 32, 32, generator=gen)
-    return TensorDataset(images[:num_samples], labels[:num_samples]), TensorDataset(images[num_samples:], labels[num_samples:])
+    return TensorDataset(images[:num_samples], labels[:num_samples]), TensorDataset(
+        images[num_samples:], labels[num_samples:]
+    )
 
 
 class CharText(Dataset):
@@ -131,8 +133,11 @@ class CharText(Dataset):
 def stdlib_text(context: int, *, max_chars: int = 400_000) -> tuple[Dataset, Dataset, int]:
     """Character-level text from the standard library's own sources: (train, test, vocab size)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(stdlib / name).read_text(encoding="utf-8", errors="replace") for name in STDLIB_TEXTS
-             if (stdlib / name).is_file()]
+    texts = [
+        (stdlib / name).read_text(encoding="utf-8", errors="replace")
+        for name in STDLIB_TEXTS
+        if (stdlib / name).is_file()
+    ]
     if not texts:
         raise ConfigError(f"found none of {STDLIB_TEXTS!r} in the standard library at {stdlib}")
     text = "\n".join(texts)[:max_chars]

@@ -36,8 +36,14 @@ class DigitsNet(nn.Module):
 
     def __init__(self, hidden: int = 128) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
-                                 nn.ReLU(), nn.Linear(hidden, 10))
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(64, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, 10),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -52,8 +58,9 @@ class _Block(nn.Module):
         self.bn2 = nn.BatchNorm2d(channels_out)
         self.skip: nn.Module = nn.Identity()
         if stride != 1 or channels_in != channels_out:
-            self.skip = nn.Sequential(nn.Conv2d(channels_in, channels_out, 1, stride, bias=False),
-                                      nn.BatchNorm2d(channels_out))
+            self.skip = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
@@ -66,8 +73,9 @@ class SmallResNet(nn.Module):
     def __init__(self, num_classes: int = 10, width: int = 16) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
-        self.layers = nn.Sequential(_Block(width, width, 1), _Block(width, 2 * width, 2),
-                                    _Block(2 * width, 4 * width, 2))
+        self.layers = nn.Sequential(
+            _Block(width, width, 1), _Block(width, 2 * width, 2), _Block(2 * width, 4 * width, 2)
+        )
         self.head = nn.Linear(4 * width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,8 +93,9 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, dim = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).unbind(dim=2)
-        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                         is_causal=True)
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         return self.proj(out.transpose(1, 2).reshape(batch, length, dim))
 
 
@@ -105,7 +114,9 @@ class _GPTBlock(nn.Module):
 class TinyGPT(nn.Module):
     """A character-level GPT: token + position embeddings, causal blocks, a head tied to the embedding."""
 
-    def __init__(self, vocab_size: int, *, context: int = 64, dim: int = 64, depth: int = 2, heads: int = 4) -> None:
+    def __init__(
+        self, vocab_size: int, *, context: int = 64, dim: int = 64, depth: int = 2, heads: int = 4
+    ) -> None:
         super().__init__()
         self.token = nn.Embedding(vocab_size, dim)
         self.position = nn.Parameter(torch.zeros(context, dim))

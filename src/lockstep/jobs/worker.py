@@ -15,7 +15,9 @@ def run_job(name: str, config_path: str) -> dict:
     config = config_from_mapping(config_cls, load_config_file(config_path), Source.file(config_path))
     init()
     built = build(name, config)
-    result = fit(built.model, built.train_data, loss_fn=built.loss_fn, config=config, eval_data=built.eval_data)
+    result = fit(
+        built.model, built.train_data, loss_fn=built.loss_fn, config=config, eval_data=built.eval_data
+    )
     return result.summary
 
 

@@ -43,7 +43,9 @@ def make_run_dir(requested: str | None, cwd: str) -> str:
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"cannot create --run-dir {requested!r} ({exc.strerror}); pick a writable directory") from None
+            raise ConfigError(
+                f"cannot create --run-dir {requested!r} ({exc.strerror}); pick a writable directory"
+            ) from None
         return path
     name = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     path = os.path.join(cwd, "runs", name)
@@ -70,7 +72,10 @@ def omp_threads(spec: LaunchSpec) -> tuple[str, str]:
         return user, f"OMP_NUM_THREADS={user} (set by you)"
     cores = usable_cores()
     threads = max(1, cores // spec.nproc_per_node)
-    return str(threads), f"OMP_NUM_THREADS={threads} ({cores} cores / {spec.nproc_per_node} process{'es' if spec.nproc_per_node != 1 else ''})"
+    return (
+        str(threads),
+        f"OMP_NUM_THREADS={threads} ({cores} cores / {spec.nproc_per_node} process{'es' if spec.nproc_per_node != 1 else ''})",
+    )
 
 
 def rendezvous_conf(spec: LaunchSpec) -> dict[str, Any]:
@@ -87,7 +92,9 @@ def check_endpoint_free(spec: LaunchSpec, rdzv_conf: Mapping[str, Any]) -> None:
     """Fail early, naming the flag, when this node must host the store and the port is already taken."""
     host, port = parse_endpoint(spec.endpoint)
     is_host = str(rdzv_conf.get("is_host", "")).lower()
-    hosting = is_host in ("1", "true", "yes") or (is_host == "" and host in (*_LOCAL_HOSTS, socket.gethostname()))
+    hosting = is_host in ("1", "true", "yes") or (
+        is_host == "" and host in (*_LOCAL_HOSTS, socket.gethostname())
+    )
     if not hosting or port == 0:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -195,8 +202,11 @@ def quiet_agent_logs(verbose: bool) -> Iterator[None]:
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend  # noqa: F401  (creates its logger)
     import torch.distributed.launcher.api  # noqa: F401
 
-    names = [name for name in logging.root.manager.loggerDict
-             if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
+    names = [
+        name
+        for name in logging.root.manager.loggerDict
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))
+    ]
     loggers = [logging.getLogger(name) for name in names]
     saved = [logger.level for logger in loggers]
     if not verbose:

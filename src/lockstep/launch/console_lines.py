@@ -12,8 +12,14 @@ from collections.abc import Mapping
 from lockstep.launch.spec import LaunchSpec
 
 
-def attempt_line(spec: LaunchSpec, attempt: int, ranks: Mapping[int, str], env0: Mapping[str, str],
-                 threads_note: str, run_dir: str) -> str:
+def attempt_line(
+    spec: LaunchSpec,
+    attempt: int,
+    ranks: Mapping[int, str],
+    env0: Mapping[str, str],
+    threads_note: str,
+    run_dir: str,
+) -> str:
     """The line shown when the agent starts attempt `attempt`: the header for the first, else a restart line."""
     from lockstep.runtime.env_contract import RESTART_COUNT_VAR  # lockstep.runtime loads torch: only now
 
@@ -28,8 +34,10 @@ def restart_line(attempt: int, own_restarts: int, max_restarts: int, logs: str) 
     node restarted for a peer's failure (the rendezvous reopened) the two differ: it spent none of its own."""
     if own_restarts == attempt:
         return f"lockstep run: restart {attempt}/{max_restarts}; logs in {logs}"
-    return (f"lockstep run: restart {attempt} of the job (another node's workers stopped; this node has used "
-            f"{own_restarts}/{max_restarts} of its restarts); logs in {logs}")
+    return (
+        f"lockstep run: restart {attempt} of the job (another node's workers stopped; this node has used "
+        f"{own_restarts}/{max_restarts} of its restarts); logs in {logs}"
+    )
 
 
 def header(spec: LaunchSpec, env0: Mapping[str, str], threads_note: str, run_dir: str) -> str:
@@ -58,6 +66,8 @@ def header(spec: LaunchSpec, env0: Mapping[str, str], threads_note: str, run_dir
 def waiting_line(spec: LaunchSpec, interface_note: str, run_dir: str) -> str:
     """Multi-node: shown before the rendezvous, which waits for the other nodes."""
     count = str(spec.max_nodes) if spec.min_nodes == spec.max_nodes else f"{spec.min_nodes}-{spec.max_nodes}"
-    return (f"lockstep run: waiting for {count} nodes at {spec.endpoint} "
-            f"(rendezvous {spec.rdzv_backend}, id {spec.rdzv_id or 'none'}"
-            f"{', ' + interface_note if interface_note else ''}); logs in {run_dir}")
+    return (
+        f"lockstep run: waiting for {count} nodes at {spec.endpoint} "
+        f"(rendezvous {spec.rdzv_backend}, id {spec.rdzv_id or 'none'}"
+        f"{', ' + interface_note if interface_note else ''}); logs in {run_dir}"
+    )

@@ -99,8 +99,9 @@ class _Follower:
                 return
             line = folded
         prefix = "" if _RANK_PREFIX.match(line) else f"[rank {self.rank}] "
-        console.line("stderr" if self.stream == "stderr" or self.mode == "notable" else "stdout", prefix + line)
-
+        console.line(
+            "stderr" if self.stream == "stderr" or self.mode == "notable" else "stdout", prefix + line
+        )
 
     def _fold_traceback(self, line: str) -> str | None:
         """Other ranks' tracebacks: only the exception line reaches the console; the full traceback is in

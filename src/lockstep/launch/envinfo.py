@@ -21,9 +21,19 @@ from lockstep.errors import ConfigError
 _RELEVANT_PREFIXES = ("SLURM_", "TORCHELASTIC_", "NCCL_", "GLOO_", "TORCH_DISTRIBUTED", "LOCKSTEP_")
 # With runtime/env_contract.TORCHRUN_VARS and CUDA_VISIBLE_DEVICES_VAR (read in `collect`: they load torch).
 _RELEVANT_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED")
-_SLURM_SHOWN = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_NNODES",
-                "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_NODELIST", "SLURM_JOB_NODELIST",
-                "SLURM_TASKS_PER_NODE")
+_SLURM_SHOWN = (
+    "SLURM_JOB_ID",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "SLURM_NODEID",
+    "SLURM_NNODES",
+    "SLURM_STEP_ID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_NODELIST",
+    "SLURM_JOB_NODELIST",
+    "SLURM_TASKS_PER_NODE",
+)
 
 
 def collect(env: Mapping[str, str]) -> dict[str, Any]:
@@ -97,9 +107,7 @@ def _usable_cores() -> int:
 def _devices(torch: Any) -> dict[str, Any]:
     devices: dict[str, Any] = {"cpu": platform.processor() or platform.machine()}
     if torch.cuda.is_available():
-        devices["cuda"] = [
-            f"{i}: {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())
-        ]
+        devices["cuda"] = [f"{i}: {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
     else:
         devices["cuda"] = "not available"
     mps = getattr(torch.backends, "mps", None)
@@ -132,7 +140,9 @@ def _short(value: Any) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`lockstep env [--json]`."""
-    parser = argparse.ArgumentParser(prog="lockstep env", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="lockstep env", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(list(argv or []))
     info = collect(os.environ)

@@ -94,13 +94,18 @@ def format_failure(failures: list[RankFailure], world_size: int | None) -> str:
     first = first_failure(failures)
     world = f"/{world_size}" if world_size else ""
     bar = "=" * 78
-    out = [bar, f"lockstep run: FAILED: rank {first.rank}{world} (local rank {first.local_rank}, pid {first.pid}) "
-           f"{first.how()}"]
+    out = [
+        bar,
+        f"lockstep run: FAILED: rank {first.rank}{world} (local rank {first.local_rank}, pid {first.pid}) "
+        f"{first.how()}",
+    ]
     tb = first.traceback
     if tb:
         out += ["", f"[rank {first.rank}] traceback:", tb.rstrip()]
     else:
-        reason = f"it was killed by {first.signal_name}" if first.exitcode < 0 else "it exited without raising"
+        reason = (
+            f"it was killed by {first.signal_name}" if first.exitcode < 0 else "it exited without raising"
+        )
         out += ["", f"[rank {first.rank}] no Python traceback was recorded ({reason}); its log tail follows"]
     out += _log_tail(first, tb)
     others = sorted((f for f in failures if f is not first), key=lambda f: f.rank)

@@ -19,7 +19,9 @@ def parse_endpoint(text: str, default_port: int = DEFAULT_RDZV_PORT) -> tuple[st
     if raw.startswith("["):
         host, sep, rest = raw[1:].partition("]")
         if not sep or (rest and not rest.startswith(":")):
-            raise ConfigError(f"--rdzv-endpoint {text!r} is not HOST:PORT; write an IPv6 address as [addr]:port")
+            raise ConfigError(
+                f"--rdzv-endpoint {text!r} is not HOST:PORT; write an IPv6 address as [addr]:port"
+            )
         port_text = rest[1:] if rest else ""
     elif raw.count(":") == 1:
         host, _, port_text = raw.partition(":")
@@ -81,4 +83,6 @@ def seconds_flag(value: str | float, flag: str, prog: str) -> float:
     try:
         return float(value)
     except ValueError:
-        raise ConfigError(f"{flag} expects a number of seconds, got {value!r} (see `{prog} --help`)") from None
+        raise ConfigError(
+            f"{flag} expects a number of seconds, got {value!r} (see `{prog} --help`)"
+        ) from None

@@ -114,8 +114,12 @@ def launch(spec: LaunchSpec, *, cwd: str | None = None, console: Console | None 
 
     relay.start()
     code, report = 1, ""
-    with (worker_environ(worker_env(spec, threads, interface)), signals_raise(),
-          forward_signals(state.current_dirs), quiet_agent_logs(spec.verbose)):
+    with (
+        worker_environ(worker_env(spec, threads, interface)),
+        signals_raise(),
+        forward_signals(state.current_dirs),
+        quiet_agent_logs(spec.verbose),
+    ):
         try:
             code, report = _run_agent(config, spec, state)
         finally:
@@ -137,19 +141,25 @@ def _run_agent(config: Any, spec: LaunchSpec, state: LaunchState) -> tuple[int, 
 
     kind = "module" if spec.module else "script"
     try:
-        elastic_launch(config, sys.executable)("-m", "lockstep.launch.worker", kind, spec.entrypoint, *spec.args)
+        elastic_launch(config, sys.executable)(
+            "-m", "lockstep.launch.worker", kind, spec.entrypoint, *spec.args
+        )
         return 0, ""
     except ChildFailedError as err:
         failures = [
-            RankFailure(rank, f.local_rank, f.pid, f.exitcode, f.error_file_data or {}, state.rank_dirs.get(rank))
+            RankFailure(
+                rank, f.local_rank, f.pid, f.exitcode, f.error_file_data or {}, state.rank_dirs.get(rank)
+            )
             for rank, f in err.failures.items()
         ]
         status = first_failure(failures).exit_status
         return (status if status > 0 else 128 - status), format_failure(failures, state.world_size)
     except (SignalException, KeyboardInterrupt) as exc:
         sig = getattr(exc, "sigval", signal.SIGINT)
-        return 128 + int(sig), (f"lockstep run: interrupted by {signal.Signals(sig).name}; "
-                                "every worker's process group was stopped")
+        return 128 + int(sig), (
+            f"lockstep run: interrupted by {signal.Signals(sig).name}; "
+            "every worker's process group was stopped"
+        )
     except RendezvousError as exc:
         raise LaunchError(
             f"rendezvous at {spec.endpoint} failed ({type(exc).__name__}: {exc}); check that every node "

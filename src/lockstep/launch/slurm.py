@@ -84,9 +84,14 @@ class SlurmSpec:
 
 def validate(spec: SlurmSpec) -> None:
     """Raise ConfigError naming the flag to fix when `spec` cannot make a runnable job."""
-    for flag, value, minimum in (("--nodes", spec.nodes, 1), ("-n/--nproc-per-node", spec.nproc_per_node, 1),
-                                 ("--gpus-per-node", spec.gpus_per_node, 0), ("--cpus-per-task", spec.cpus_per_task, 1),
-                                 ("--signal-before", spec.signal_before, 1), ("--max-restarts", spec.max_restarts, 0)):
+    for flag, value, minimum in (
+        ("--nodes", spec.nodes, 1),
+        ("-n/--nproc-per-node", spec.nproc_per_node, 1),
+        ("--gpus-per-node", spec.gpus_per_node, 0),
+        ("--cpus-per-task", spec.cpus_per_task, 1),
+        ("--signal-before", spec.signal_before, 1),
+        ("--max-restarts", spec.max_restarts, 0),
+    ):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
             raise ConfigError(f"{flag} must be an integer >= {minimum}, got {value!r}")
     if spec.gpus_per_node and spec.nproc_per_node > spec.gpus_per_node:
@@ -102,18 +107,26 @@ def validate(spec: SlurmSpec) -> None:
             f"checkpoint signal must come at least {REQUEUE_FALLBACK_MARGIN} s after the start; "
             "use a longer --time or a smaller --signal-before"
         )
-    for flag, name in (("--partition", spec.partition), ("--account", spec.account), ("--job-name", spec.job_name)):
+    for flag, name in (
+        ("--partition", spec.partition),
+        ("--account", spec.account),
+        ("--job-name", spec.job_name),
+    ):
         if name is not None and (not name or any(c.isspace() for c in name)):
             raise ConfigError(f"{flag} {name!r} must be a non-empty name without spaces")
     if not spec.script:
-        raise ConfigError("no script given; name the training script, e.g. `lockstep slurm --nodes 2 train.py`")
+        raise ConfigError(
+            "no script given; name the training script, e.g. `lockstep slurm --nodes 2 train.py`"
+        )
 
 
 def time_limit_seconds(text: str) -> int:
     """SLURM's --time forms (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) -> seconds; ConfigError otherwise."""
     match = _TIME_RE.match(text.strip())
     if not match:
-        raise ConfigError(f"--time {text!r} is not a SLURM time limit; use MINUTES, HH:MM:SS or D-HH:MM:SS, e.g. 2:00:00")
+        raise ConfigError(
+            f"--time {text!r} is not a SLURM time limit; use MINUTES, HH:MM:SS or D-HH:MM:SS, e.g. 2:00:00"
+        )
     days, a, b, c = (int(g) if g is not None else None for g in match.groups())
     if days is not None:  # D-H, D-H:M, D-H:M:S
         return days * 86400 + (a or 0) * 3600 + (b or 0) * 60 + (c or 0)
@@ -130,27 +143,48 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "lockstep slurm") -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, allow_abbrev=False,
-                     usage="%(prog)s [options] SCRIPT [script args...]",
-                     description="Write an sbatch script that runs `lockstep run` on every node of a SLURM job, "
-                                 "save it in the run directory and submit it with sbatch.")
+    parser = _Parser(
+        prog=prog,
+        allow_abbrev=False,
+        usage="%(prog)s [options] SCRIPT [script args...]",
+        description="Write an sbatch script that runs `lockstep run` on every node of a SLURM job, "
+        "save it in the run directory and submit it with sbatch.",
+    )
     add = parser.add_argument
     add("--nodes", "-N", type=int, default=1, help="number of nodes (default 1)")
-    add("-n", "--nproc-per-node", dest="nproc_per_node", type=int, default=None,
-        help="processes per node (default: --gpus-per-node, else 1)")
+    add(
+        "-n",
+        "--nproc-per-node",
+        dest="nproc_per_node",
+        type=int,
+        default=None,
+        help="processes per node (default: --gpus-per-node, else 1)",
+    )
     add("--gpus-per-node", type=int, default=None, help="GPUs per node (one process per GPU)")
-    add("--cpus-per-task", type=int, default=None, help="CPUs per node for its launcher and all its processes")
+    add(
+        "--cpus-per-task", type=int, default=None, help="CPUs per node for its launcher and all its processes"
+    )
     add("--partition", "-p", default=None)
     add("--time", "-t", default=None, help="time limit, e.g. 2:00:00 or 1-00:00:00")
     add("--account", "-A", default=None)
     add("--job-name", "-J", default=None, help="default: the script's name")
-    add("--requeue", action="store_true",
-        help="SIGUSR1 --signal-before seconds before the time limit: the job checkpoints and requeues itself")
-    add("--signal-before", type=int, default=DEFAULT_SIGNAL_BEFORE, metavar="SECONDS",
-        help=f"with --requeue: when to signal before the limit (default {DEFAULT_SIGNAL_BEFORE})")
+    add(
+        "--requeue",
+        action="store_true",
+        help="SIGUSR1 --signal-before seconds before the time limit: the job checkpoints and requeues itself",
+    )
+    add(
+        "--signal-before",
+        type=int,
+        default=DEFAULT_SIGNAL_BEFORE,
+        metavar="SECONDS",
+        help=f"with --requeue: when to signal before the limit (default {DEFAULT_SIGNAL_BEFORE})",
+    )
     add("--network-interface", default=None, metavar="IFNAME", help="passed to `lockstep run` on every node")
     add("--max-restarts", type=int, default=0, help="passed to `lockstep run` on every node")
-    add("--run-dir", default=None, help="where the script and logs go (default ./runs/slurm-<timestamp>-<id>)")
+    add(
+        "--run-dir", default=None, help="where the script and logs go (default ./runs/slurm-<timestamp>-<id>)"
+    )
     add("--dry-run", action="store_true", help="print the script (and still save it); do not submit")
     add("script", nargs="?", default=None)
     add("script_args", nargs=argparse.REMAINDER)
@@ -161,17 +195,35 @@ def parse_args(argv: Sequence[str], *, cwd: str, python: str = sys.executable) -
     """argv (without 'slurm') -> (SlurmSpec, dry_run)."""
     ns = build_parser().parse_args(list(argv))
     if ns.script is None:
-        raise ConfigError("no script given; name the training script, e.g. `lockstep slurm --nodes 2 train.py`")
+        raise ConfigError(
+            "no script given; name the training script, e.g. `lockstep slurm --nodes 2 train.py`"
+        )
     if not os.path.exists(os.path.join(cwd, ns.script)):
-        raise ConfigError(f"script {ns.script!r} not found (looked in {cwd!r}); the job runs it from this directory")
+        raise ConfigError(
+            f"script {ns.script!r} not found (looked in {cwd!r}); the job runs it from this directory"
+        )
     name = f"slurm-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     run_dir = os.path.abspath(os.path.join(cwd, ns.run_dir or os.path.join("runs", name)))
     nproc = ns.nproc_per_node if ns.nproc_per_node is not None else (ns.gpus_per_node or 1)
-    spec = SlurmSpec(script=ns.script, args=tuple(ns.script_args), run_dir=run_dir, workdir=os.path.abspath(cwd),
-                     python=python, nodes=ns.nodes, nproc_per_node=nproc, gpus_per_node=ns.gpus_per_node,
-                     cpus_per_task=ns.cpus_per_task, partition=ns.partition, time=ns.time, account=ns.account,
-                     job_name=ns.job_name, requeue=ns.requeue, signal_before=ns.signal_before,
-                     network_interface=ns.network_interface, max_restarts=ns.max_restarts)
+    spec = SlurmSpec(
+        script=ns.script,
+        args=tuple(ns.script_args),
+        run_dir=run_dir,
+        workdir=os.path.abspath(cwd),
+        python=python,
+        nodes=ns.nodes,
+        nproc_per_node=nproc,
+        gpus_per_node=ns.gpus_per_node,
+        cpus_per_task=ns.cpus_per_task,
+        partition=ns.partition,
+        time=ns.time,
+        account=ns.account,
+        job_name=ns.job_name,
+        requeue=ns.requeue,
+        signal_before=ns.signal_before,
+        network_interface=ns.network_interface,
+        max_restarts=ns.max_restarts,
+    )
     return spec, ns.dry_run
 
 
@@ -182,24 +234,37 @@ def write_script(spec: SlurmSpec) -> str:
             fh.write(render_script(spec))
         os.chmod(spec.script_path, 0o755)
     except OSError as exc:
-        raise ConfigError(f"cannot write {spec.script_path!r} ({exc.strerror}); pick a writable --run-dir") from None
+        raise ConfigError(
+            f"cannot write {spec.script_path!r} ({exc.strerror}); pick a writable --run-dir"
+        ) from None
     return spec.script_path
 
 
 def submit(spec: SlurmSpec) -> int:
     """`sbatch --parsable <script>` -> job id; LaunchError with sbatch's message when it refuses."""
     try:
-        result = subprocess.run(["sbatch", "--parsable", spec.script_path], capture_output=True, text=True,
-                                cwd=spec.workdir, timeout=60)
+        result = subprocess.run(
+            ["sbatch", "--parsable", spec.script_path],
+            capture_output=True,
+            text=True,
+            cwd=spec.workdir,
+            timeout=60,
+        )
     except FileNotFoundError:
-        raise LaunchError("sbatch was not found on PATH; run `lockstep slurm` on a SLURM login node, "
-                          f"or submit {spec.script_path} yourself") from None
+        raise LaunchError(
+            "sbatch was not found on PATH; run `lockstep slurm` on a SLURM login node, "
+            f"or submit {spec.script_path} yourself"
+        ) from None
     except subprocess.TimeoutExpired:
-        raise LaunchError(f"sbatch did not answer in 60 s; is slurmctld up? (`sinfo`); the script is {spec.script_path}") from None
+        raise LaunchError(
+            f"sbatch did not answer in 60 s; is slurmctld up? (`sinfo`); the script is {spec.script_path}"
+        ) from None
     job = result.stdout.strip().split(";")[0]
     if result.returncode != 0 or not job.isdigit():
-        raise LaunchError(f"sbatch refused the job (exit {result.returncode}): {result.stderr.strip() or result.stdout.strip()}; "
-                          f"the script is {spec.script_path}")
+        raise LaunchError(
+            f"sbatch refused the job (exit {result.returncode}): {result.stderr.strip() or result.stdout.strip()}; "
+            f"the script is {spec.script_path}"
+        )
     return int(job)
 
 
@@ -209,7 +274,9 @@ def main(argv: list[str]) -> int:
     path = write_script(spec)
     if dry_run:
         sys.stdout.write(render_script(spec))
-        sys.stderr.write(f"lockstep slurm: dry run; script saved as {path} (submit it with `sbatch {path}`)\n")
+        sys.stderr.write(
+            f"lockstep slurm: dry run; script saved as {path} (submit it with `sbatch {path}`)\n"
+        )
         return 0
     job = submit(spec)
     sys.stdout.write(

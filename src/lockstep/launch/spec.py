@@ -84,7 +84,9 @@ def validate(spec: LaunchSpec) -> None:
     _check_int("-n/--nproc-per-node", spec.nproc_per_node, minimum=1, example="-n 2")
     _check_int("--nnodes", spec.min_nodes, minimum=1, example="--nnodes 2")
     if spec.max_nodes < spec.min_nodes:
-        raise ConfigError(f"--nnodes {spec.min_nodes}:{spec.max_nodes} has MIN > MAX; write MIN:MAX with MIN <= MAX")
+        raise ConfigError(
+            f"--nnodes {spec.min_nodes}:{spec.max_nodes} has MIN > MAX; write MIN:MAX with MIN <= MAX"
+        )
     _check_int("--max-restarts", spec.max_restarts, minimum=0, example="--max-restarts 0")
     if spec.node_rank is not None and not 0 <= spec.node_rank < spec.max_nodes:
         raise ConfigError(
@@ -92,7 +94,9 @@ def validate(spec: LaunchSpec) -> None:
             "number the nodes from 0 (the node that hosts the rendezvous is 0)"
         )
     if not spec.monitor_interval > 0:
-        raise ConfigError(f"--monitor-interval must be a positive number of seconds, got {spec.monitor_interval!r}")
+        raise ConfigError(
+            f"--monitor-interval must be a positive number of seconds, got {spec.monitor_interval!r}"
+        )
     if spec.shutdown_grace < 0:
         raise ConfigError(f"shutdown_grace must be >= 0 seconds, got {spec.shutdown_grace!r}")
     if spec.logs not in LOG_MODES:
@@ -140,30 +144,81 @@ def build_parser(prog: str = "lockstep run") -> argparse.ArgumentParser:
         usage="%(prog)s [options] (SCRIPT | -m MODULE) [script args...]",
     )
     add = parser.add_argument
-    add("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1", metavar="N",
-        help="processes on this node (default 1)")
+    add(
+        "-n",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        default="1",
+        metavar="N",
+        help="processes on this node (default 1)",
+    )
     add("--nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes (default 1)")
-    add("--node-rank", "--node_rank", dest="node_rank", default=None,
-        help="this node's index; 0 hosts the rendezvous store (default: decided by the rendezvous)")
-    add("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None, metavar="HOST:PORT",
-        help="rendezvous address of the head node (required with --nnodes > 1; default: 127.0.0.1, free port)")
+    add(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        default=None,
+        help="this node's index; 0 hosts the rendezvous store (default: decided by the rendezvous)",
+    )
+    add(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="rendezvous address of the head node (required with --nnodes > 1; default: 127.0.0.1, free port)",
+    )
     add("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, help="job id, the same on every node")
     add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="c10d", choices=RDZV_BACKENDS)
-    add("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", action="append", default=[], metavar="K=V[,K=V]",
-        help="rendezvous settings, e.g. is_host=1,join_timeout=600")
+    add(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        dest="rdzv_conf",
+        action="append",
+        default=[],
+        metavar="K=V[,K=V]",
+        help="rendezvous settings, e.g. is_host=1,join_timeout=600",
+    )
     add("--standalone", action="store_true", help="single node on a free port (the default for one node)")
-    add("--local-addr", "--local_addr", dest="local_addr", default=None,
-        help="this node's address as the other nodes see it")
-    add("--network-interface", dest="network_interface", default=None, metavar="IFNAME",
-        help="network interface for collectives (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME)")
+    add(
+        "--local-addr",
+        "--local_addr",
+        dest="local_addr",
+        default=None,
+        help="this node's address as the other nodes see it",
+    )
+    add(
+        "--network-interface",
+        dest="network_interface",
+        default=None,
+        metavar="IFNAME",
+        help="network interface for collectives (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME)",
+    )
     add("--max-restarts", "--max_restarts", dest="max_restarts", default=0)
     add("--monitor-interval", "--monitor_interval", dest="monitor_interval", default=0.1, metavar="SECONDS")
-    add("--run-dir", "--log-dir", "--log_dir", dest="run_dir", default=None,
-        help="where per-rank logs go (default ./runs/<timestamp>-<id>)")
-    add("--logs", choices=LOG_MODES, default="rank0",
-        help="rank0: rank 0's output plus other ranks' warnings and errors (default); all: every rank, prefixed")
-    add("--env", dest="env", action="append", default=[], metavar="NAME=VALUE",
-        help="extra environment variable for every worker (repeatable)")
+    add(
+        "--run-dir",
+        "--log-dir",
+        "--log_dir",
+        dest="run_dir",
+        default=None,
+        help="where per-rank logs go (default ./runs/<timestamp>-<id>)",
+    )
+    add(
+        "--logs",
+        choices=LOG_MODES,
+        default="rank0",
+        help="rank0: rank 0's output plus other ranks' warnings and errors (default); all: every rank, prefixed",
+    )
+    add(
+        "--env",
+        dest="env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment variable for every worker (repeatable)",
+    )
     add("--verbose", action="store_true", help="also show torch's elastic agent log")
     add("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     add("script", nargs="?", default=None, help="the training script (or module with -m)")
@@ -175,8 +230,10 @@ def parse_run_args(argv: Sequence[str], prog: str = "lockstep run") -> LaunchSpe
     """`lockstep run` argv (without 'run') -> LaunchSpec; ConfigError with the flag to fix on bad input."""
     ns = build_parser(prog).parse_args(list(argv))
     if ns.script is None:
-        raise ConfigError("no script given; name the script to run, e.g. `lockstep run -n 2 train.py`, "
-                          "or a module with -m, e.g. `lockstep run -n 2 -m mypkg.train`")
+        raise ConfigError(
+            "no script given; name the script to run, e.g. `lockstep run -n 2 train.py`, "
+            "or a module with -m, e.g. `lockstep run -n 2 -m mypkg.train`"
+        )
     try:
         nproc = int(ns.nproc_per_node)
     except ValueError:
@@ -214,7 +271,10 @@ def check_entrypoint(spec: LaunchSpec, cwd: str) -> None:
     if spec.module:
         top = spec.entrypoint.split(".")[0]
         # Workers run with the launch directory first on sys.path, as `python -m` does.
-        if not top.isidentifier() or importlib.machinery.PathFinder.find_spec(top, [cwd, *_sys_path()]) is None:
+        if (
+            not top.isidentifier()
+            or importlib.machinery.PathFinder.find_spec(top, [cwd, *_sys_path()]) is None
+        ):
             raise ConfigError(
                 f"module {spec.entrypoint!r} (-m) was not found: no package {top!r} in {cwd!r} or on sys.path; "
                 "check the name, or install the package"
@@ -227,7 +287,9 @@ def check_entrypoint(spec: LaunchSpec, cwd: str) -> None:
             "or pass a module with -m, e.g. `lockstep run -n 2 -m mypkg.train`"
         )
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "__main__.py")):
-        raise ConfigError(f"{spec.entrypoint!r} is a directory without __main__.py; name the script inside it")
+        raise ConfigError(
+            f"{spec.entrypoint!r} is a directory without __main__.py; name the script inside it"
+        )
 
 
 def _sys_path() -> list[str]:

@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2 or argv[0] not in ("script", "module"):
         sys.stderr.write("usage: python -m lockstep.launch.worker (script PATH | module NAME) [ARGS...]\n")
-        sys.exit(2)  # an exit status for the launcher that started this bootstrap wrongly, not an error to catch
+        sys.exit(
+            2
+        )  # an exit status for the launcher that started this bootstrap wrongly, not an error to catch
     kind, target, args = argv[0], argv[1], argv[2:]
     error_file = os.environ.get(ERROR_FILE_VAR) or None
     if error_file:

@@ -69,7 +69,9 @@ def main_process_first(group: dist.ProcessGroup | None = None) -> Iterator[None]
             barrier(group)
 
 
-def all_reduce_mean(value: float | torch.Tensor | Sequence[float], group: dist.ProcessGroup | None = None) -> Any:
+def all_reduce_mean(
+    value: float | torch.Tensor | Sequence[float], group: dist.ProcessGroup | None = None
+) -> Any:
     """Mean over ranks of a scalar, a sequence of scalars (one packed all-reduce) or a tensor."""
     if isinstance(value, torch.Tensor):
         tensor = value.detach().to(comm_device(group), torch.float64)

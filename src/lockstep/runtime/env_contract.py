@@ -32,8 +32,15 @@ GROUP_RANK_VAR = "GROUP_RANK"
 MASTER_ADDR_VAR = "MASTER_ADDR"
 MASTER_PORT_VAR = "MASTER_PORT"
 GROUP_WORLD_SIZE_VAR = "GROUP_WORLD_SIZE"  # nodes in the job (read by the launcher's header only)
-TORCHRUN_VARS = (RANK_VAR, WORLD_SIZE_VAR, LOCAL_RANK_VAR, LOCAL_WORLD_SIZE_VAR, GROUP_RANK_VAR, MASTER_ADDR_VAR,
-                 MASTER_PORT_VAR)
+TORCHRUN_VARS = (
+    RANK_VAR,
+    WORLD_SIZE_VAR,
+    LOCAL_RANK_VAR,
+    LOCAL_WORLD_SIZE_VAR,
+    GROUP_RANK_VAR,
+    MASTER_ADDR_VAR,
+    MASTER_PORT_VAR,
+)
 
 # Which CUDA devices a process sees: the runtime picks its device from it; `lockstep env` reports it.
 CUDA_VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"

@@ -100,7 +100,11 @@ def check_backend(backend: str, device_type: str) -> None:
     """Raise a clear error when `backend` cannot serve `device_type` in this build of torch."""
     if backend not in _BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; expected one of {', '.join(_BACKENDS)}")
-    available = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()}
+    available = {
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "mpi": dist.is_mpi_available(),
+    }
     if not available[backend]:
         usable = [name for name, ok in available.items() if ok]
         raise BackendUnavailableError(
@@ -117,11 +121,15 @@ def check_backend(backend: str, device_type: str) -> None:
 def _local_device(topo: Topology, backend: str | None) -> torch.device:
     if backend not in (None, "nccl") or not torch.cuda.is_available():
         return torch.device("cpu")
-    index = local_cuda_index(topo, backend, torch.cuda.device_count(), os.environ.get(CUDA_VISIBLE_DEVICES_VAR))
+    index = local_cuda_index(
+        topo, backend, torch.cuda.device_count(), os.environ.get(CUDA_VISIBLE_DEVICES_VAR)
+    )
     return torch.device("cpu") if index is None else torch.device("cuda", index)
 
 
-def local_cuda_index(topo: Topology, backend: str | None, device_count: int, visible: str | None) -> int | None:
+def local_cuda_index(
+    topo: Topology, backend: str | None, device_count: int, visible: str | None
+) -> int | None:
     """Which of the `device_count` CUDA devices this process drives (None: the CPU). Pure: the count and
     CUDA_VISIBLE_DEVICES (`visible`) are arguments.
 
@@ -202,10 +210,14 @@ def _rendezvous(topo: Topology, backend: str, timeout: timedelta) -> None:
             # the previous attempt's workers left there, and fails or hangs.
             client = dist.TCPStore(topo.master_addr, topo.master_port, topo.world_size, False, timeout)
             store = dist.PrefixStore(f"lockstep/attempt_{topo.agent_store_attempt}", client)
-            dist.init_process_group(backend, store=store, rank=topo.rank, world_size=topo.world_size, timeout=timeout)
+            dist.init_process_group(
+                backend, store=store, rank=topo.rank, world_size=topo.world_size, timeout=timeout
+            )
         else:
             url = f"tcp://{_bracket(topo.master_addr)}:{topo.master_port}"
-            dist.init_process_group(backend, init_method=url, rank=topo.rank, world_size=topo.world_size, timeout=timeout)
+            dist.init_process_group(
+                backend, init_method=url, rank=topo.rank, world_size=topo.world_size, timeout=timeout
+            )
     except (RuntimeError, dist.DistError, TimeoutError, OSError) as exc:
         raise InitTimeoutError(
             f"{rank_tag(topo.rank, topo.world_size)}could not form the process group at {topo.endpoint} "
@@ -227,7 +239,9 @@ def _topology_of_existing_group() -> JoinedTopology:
         rank=dist.get_rank(),
         local_rank=topo.local_rank if topo.world_size == dist.get_world_size() else dist.get_rank(),
         world_size=dist.get_world_size(),
-        local_world_size=topo.local_world_size if topo.world_size == dist.get_world_size() else dist.get_world_size(),
+        local_world_size=topo.local_world_size
+        if topo.world_size == dist.get_world_size()
+        else dist.get_world_size(),
         node_rank=topo.node_rank,
         num_nodes=topo.num_nodes,
         master_addr=topo.master_addr,

@@ -67,7 +67,9 @@ def _expand_host(item: str) -> list[str]:
         return [item]
     close_at = item.find("]", open_at)
     if close_at < 0:  # a "]" before the "[" passes the bracket count of _split_top_level
-        raise ConfigError(f"unbalanced brackets in SLURM node list entry {item!r}; expected e.g. 'gpu[01-03]'")
+        raise ConfigError(
+            f"unbalanced brackets in SLURM node list entry {item!r}; expected e.g. 'gpu[01-03]'"
+        )
     prefix, ranges, rest = item[:open_at], item[open_at + 1 : close_at], item[close_at + 1 :]
     tails = _expand_host(rest) if rest else [""]
     hosts: list[str] = []

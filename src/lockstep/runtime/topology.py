@@ -26,7 +26,15 @@ from lockstep.runtime.env_contract import (
 )
 from lockstep.runtime.slurm_notation import expand_hostlist, expand_tasks_per_node, slurm_port
 
-SLURM_PSEUDO_STEPS = ("batch", "extern", "interactive", "4294967291", "4294967292", "4294967293", "4294967294")
+SLURM_PSEUDO_STEPS = (
+    "batch",
+    "extern",
+    "interactive",
+    "4294967291",
+    "4294967292",
+    "4294967293",
+    "4294967294",
+)
 
 
 @dataclass(frozen=True)

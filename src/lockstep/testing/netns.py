@@ -63,16 +63,40 @@ class Host:
     def command(self, argv: Sequence[str]) -> list[str]:
         return ["nsenter", f"--net=/run/netns/{self.netns}", *argv]
 
-    def popen(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-              **kwargs: object) -> subprocess.Popen[str]:
+    def popen(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        **kwargs: object,
+    ) -> subprocess.Popen[str]:
         """Start `argv` inside this host (its own session, so a hung job can be killed as a group)."""
-        return subprocess.Popen(self.command(argv), env={**os.environ, **(env or {})}, cwd=cwd, text=True,
-                                start_new_session=True, **kwargs)  # type: ignore[call-overload]
+        return subprocess.Popen(
+            self.command(argv),
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            text=True,
+            start_new_session=True,
+            **kwargs,
+        )  # type: ignore[call-overload]
 
-    def run(self, argv: Sequence[str], *, timeout: float = 60.0, env: Mapping[str, str] | None = None,
-            cwd: str | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.command(argv), env={**os.environ, **(env or {})}, cwd=cwd, text=True,
-                              capture_output=True, timeout=timeout)
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float = 60.0,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.command(argv),
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
 
 
 def _ip(*args: str) -> None:
@@ -84,7 +108,9 @@ def _ip(*args: str) -> None:
 def _tc(netns: str, *args: str) -> None:
     result = subprocess.run(["ip", "netns", "exec", netns, "tc", *args], capture_output=True, text=True)
     if result.returncode != 0:
-        raise NetnsError(f"`tc {' '.join(args)}` in {netns} failed (exit {result.returncode}): {result.stderr.strip()}")
+        raise NetnsError(
+            f"`tc {' '.join(args)}` in {netns} failed (exit {result.returncode}): {result.stderr.strip()}"
+        )
 
 
 def rate_bits(rate: str) -> int:
@@ -98,15 +124,30 @@ def rate_bits(rate: str) -> int:
 
 def shape(host: Host, rate: str | None) -> None:
     """Limit `host`'s egress to `rate` with a token bucket (or remove the limit when rate is None)."""
-    subprocess.run(["ip", "netns", "exec", host.netns, "tc", "qdisc", "del", "dev", host.ifname, "root"],
-                   capture_output=True)
+    subprocess.run(
+        ["ip", "netns", "exec", host.netns, "tc", "qdisc", "del", "dev", host.ifname, "root"],
+        capture_output=True,
+    )
     if rate is None:
         return
     # A 1 ms bucket (at least a few packets): a larger one lets short transfers pass faster than the limit
     # (with 10 ms, a 1 MB all-reduce measured 2.8x the 1 Gbit/s limit); tbf times its queue with hrtimers.
     burst = max(32 * 1024, rate_bits(rate) // 8 // 1000)
-    _tc(host.netns, "qdisc", "add", "dev", host.ifname, "root", "tbf", "rate", rate, "burst", str(burst),
-        "latency", "100ms")
+    _tc(
+        host.netns,
+        "qdisc",
+        "add",
+        "dev",
+        host.ifname,
+        "root",
+        "tbf",
+        "rate",
+        rate,
+        "burst",
+        str(burst),
+        "latency",
+        "100ms",
+    )
 
 
 @contextlib.contextmanager
@@ -126,7 +167,9 @@ def netns_hosts(count: int = 2, *, rate: str | None = None) -> Iterator[list[Hos
             _ip("netns", "add", host.netns)
             created.append(host.netns)
             port = f"p{i}"
-            _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", host.netns)
+            _ip(
+                "-n", switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", host.netns
+            )
             _ip("-n", switch, "link", "set", port, "master", "br0")
             _ip("-n", switch, "link", "set", port, "up")
             _ip("-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", IFNAME)

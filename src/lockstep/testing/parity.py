@@ -145,25 +145,35 @@ def train_single(case: ParityCase, world: int) -> ParityRun:
     return _train(module, module, case, lambda step: _concatenated(case.data, world, step), None)
 
 
-def train_cases(cases: Mapping[str, ParityCase], kinds: Sequence[str] = KINDS,
-                setup: Callable[[], None] | None = None) -> RankResult:
+def train_cases(
+    cases: Mapping[str, ParityCase], kinds: Sequence[str] = KINDS, setup: Callable[[], None] | None = None
+) -> RankResult:
     """What each rank runs: every case with every kind, after `setup()` (e.g. a module constant to set)."""
     if setup is not None:
         setup()
     return {name: {kind: train_replica(kind, case) for kind in kinds} for name, case in cases.items()}
 
 
-def run_parity(cases: Mapping[str, ParityCase], world: int, *, kinds: Sequence[str] = KINDS,
-               exact: Collection[str] | None = None, setup: Callable[[], None] | None = None,
-               timeout: float = 90.0, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
-               ) -> dict[str, list[dict[str, ParityRun]]]:
+def run_parity(
+    cases: Mapping[str, ParityCase],
+    world: int,
+    *,
+    kinds: Sequence[str] = KINDS,
+    exact: Collection[str] | None = None,
+    setup: Callable[[], None] | None = None,
+    timeout: float = 90.0,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+) -> dict[str, list[dict[str, ParityRun]]]:
     """Train every case on `world` gloo ranks with every kind, and one process where the case allows it;
     check them with assert_parity; return case name -> per-rank runs (for checks of the test's own).
 
     `exact`: the kinds that must equal torch's bit for bit; default exact_kinds(world).
     """
     exact = exact_kinds(world) if exact is None else exact
-    per_rank: list[RankResult] = run_distributed(train_cases, world, args=(cases, kinds, setup), timeout=timeout)
+    per_rank: list[RankResult] = run_distributed(
+        train_cases, world, args=(cases, kinds, setup), timeout=timeout
+    )
     out = {name: [rank_result[name] for rank_result in per_rank] for name in cases}
     for name, case in cases.items():
         single = train_single(case, world) if case.single_process and case.configure is None else None
@@ -176,9 +186,16 @@ def exact_kinds(world: int) -> tuple[str, ...]:
     return ("ours", "replicate") if world <= 2 else ("ours",)
 
 
-def assert_parity(runs: Sequence[Mapping[str, ParityRun]], single: ParityRun | None = None, *,
-                  reference: str = "torch", exact: Collection[str] = ("ours",), atol: float = DEFAULT_ATOL,
-                  rtol: float = DEFAULT_RTOL, what: str = "") -> None:
+def assert_parity(
+    runs: Sequence[Mapping[str, ParityRun]],
+    single: ParityRun | None = None,
+    *,
+    reference: str = "torch",
+    exact: Collection[str] = ("ours",),
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    what: str = "",
+) -> None:
     """Check one case's runs (`runs[rank][kind]`) and raise ParityError at the first difference.
 
     Every kind other than `reference` against the reference on the same rank: gradients of every synced
@@ -189,8 +206,10 @@ def assert_parity(runs: Sequence[Mapping[str, ParityRun]], single: ParityRun | N
     world = len(runs)
     for rank, by_kind in enumerate(runs):
         if reference not in by_kind:
-            raise ParityError(f"{what} {rank_tag(rank, world)}runs of {sorted(by_kind)} but none of the reference "
-                              f"{reference!r}; train the reference kind too")
+            raise ParityError(
+                f"{what} {rank_tag(rank, world)}runs of {sorted(by_kind)} but none of the reference "
+                f"{reference!r}; train the reference kind too"
+            )
         ref = by_kind[reference]
         for kind, run in by_kind.items():
             if kind == reference:
@@ -207,20 +226,33 @@ def assert_parity(runs: Sequence[Mapping[str, ParityRun]], single: ParityRun | N
                 assert_tensors_close(run.params, single.params, atol, rtol, what=f"{label} params")
     for kind in runs[0]:
         for rank in range(1, world):
-            assert_tensors_close(runs[rank][kind].params, runs[0][kind].params, 0.0, 0.0,
-                                 what=f"{what} {kind} replicas: rank {rank} vs rank 0 params")
+            assert_tensors_close(
+                runs[rank][kind].params,
+                runs[0][kind].params,
+                0.0,
+                0.0,
+                what=f"{what} {kind} replicas: rank {rank} vs rank 0 params",
+            )
 
 
-def assert_tensors_close(got: Sequence[Tensor | None], expected: Sequence[Tensor | None], atol: float = DEFAULT_ATOL,
-                         rtol: float = DEFAULT_RTOL, *, what: str = "") -> None:
+def assert_tensors_close(
+    got: Sequence[Tensor | None],
+    expected: Sequence[Tensor | None],
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    *,
+    what: str = "",
+) -> None:
     """Two lists of tensors (None allowed where both are None) equal within atol/rtol; 0, 0: bit for bit."""
     if len(got) != len(expected):
         raise ParityError(f"{what}: {len(got)} tensors, expected {len(expected)}")
     for i, (a, b) in enumerate(zip(got, expected)):
         if a is None or b is None:
             if not (a is None and b is None):
-                raise ParityError(f"{what}[{i}]: {'None' if a is None else 'a tensor'}, expected "
-                                  f"{'None' if b is None else 'a tensor'}")
+                raise ParityError(
+                    f"{what}[{i}]: {'None' if a is None else 'a tensor'}, expected "
+                    f"{'None' if b is None else 'a tensor'}"
+                )
             continue
         try:
             torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
@@ -228,8 +260,9 @@ def assert_tensors_close(got: Sequence[Tensor | None], expected: Sequence[Tensor
             raise ParityError(f"{what}[{i}] (atol={atol}, rtol={rtol}): {exc}") from None
 
 
-def _compare_steps(got: list[list[Tensor | None]], expected: list[list[Tensor | None]], tol: tuple[float, float],
-                   label: str) -> None:
+def _compare_steps(
+    got: list[list[Tensor | None]], expected: list[list[Tensor | None]], tol: tuple[float, float], label: str
+) -> None:
     if len(got) != len(expected):
         raise ParityError(f"{label}: {len(got)} synced steps, expected {len(expected)}")
     for step, (a, b) in enumerate(zip(got, expected)):
@@ -246,8 +279,13 @@ def _concatenated(data: DataFn, world: int, step: int) -> tuple[Tensor, Tensor]:
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 
-def _train(model: nn.Module, module: nn.Module, case: ParityCase, batch_of: Callable[[int], tuple[Tensor, Tensor]],
-           no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None) -> ParityRun:
+def _train(
+    model: nn.Module,
+    module: nn.Module,
+    case: ParityCase,
+    batch_of: Callable[[int], tuple[Tensor, Tensor]],
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+) -> ParityRun:
     """SGD over case.steps micro-batches; gradients recorded after each synced backward, before the step."""
     opt = torch.optim.SGD(module.parameters(), lr=case.lr, momentum=case.momentum)
     grads: list[list[Tensor | None]] = []

@@ -42,7 +42,9 @@ def run_distributed(
     """
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, world_size, True, timedelta(seconds=timeout), wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, True, timedelta(seconds=timeout), wait_for_workers=False
+    )
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     child_env = {

@@ -30,7 +30,9 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     """A loader's batch as (inputs, targets): fit trains `loss_fn(model(inputs), targets)`."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
-    seen = f"a {type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (tuple, list, dict)) else "")
+    seen = f"a {type(batch).__name__}" + (
+        f" of {len(batch)}" if isinstance(batch, (tuple, list, dict)) else ""
+    )
     raise ConfigError(
         f"fit needs each batch to be a pair (inputs, targets), got {seen}: make the dataset's __getitem__ return "
         "(inputs, targets) (either may be a tensor, a tuple or a dict of tensors)"

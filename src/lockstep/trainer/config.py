@@ -173,8 +173,14 @@ def check_setting(cls: type, name: str, value: Any, source: Source) -> Any:
     except ConfigError as mismatch:  # the reason alone ("got a str"), from the helpers below
         expected = _describe(hints[name], bound, source.kind)
         default = _default(cls, name)
-        fix = f" (e.g. {source.example(name, default)}, the default)" if default is not dataclasses.MISSING else ""
-        raise ConfigError(f"{name}={value!r} from {source.label}: expected {expected}, {mismatch}{fix}") from None
+        fix = (
+            f" (e.g. {source.example(name, default)}, the default)"
+            if default is not dataclasses.MISSING
+            else ""
+        )
+        raise ConfigError(
+            f"{name}={value!r} from {source.label}: expected {expected}, {mismatch}{fix}"
+        ) from None
     return converted
 
 
@@ -290,7 +296,9 @@ def _flag_text(value: Any) -> str:
     return str(value)
 
 
-def config_from_mapping(cls: type[C], values: Mapping[str, Any], source: Source | Mapping[str, Source] | None = None) -> C:
+def config_from_mapping(
+    cls: type[C], values: Mapping[str, Any], source: Source | Mapping[str, Source] | None = None
+) -> C:
     """Build config dataclass `cls` from plain values, each checked against its field and named with its source.
 
     `source` is one Source for all values (a file), or one per key (keys from a file and from --flags);
@@ -360,9 +368,13 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc} (a .yaml/.yml name reads YAML)") from None
+            raise ConfigError(
+                f"config file {str(path)!r} is not valid JSON: {exc} (a .yaml/.yml name reads YAML)"
+            ) from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of settings, got {type(data).__name__}")
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping of settings, got {type(data).__name__}"
+        )
     return data
 
 

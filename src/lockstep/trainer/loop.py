@@ -57,7 +57,11 @@ class TrainCounters:
         return {"step": self.step, "epoch": self.epoch, "samples": self.samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step, self.epoch, self.samples = int(state["step"]), int(state["epoch"]), int(state.get("samples", 0))
+        self.step, self.epoch, self.samples = (
+            int(state["step"]),
+            int(state["epoch"]),
+            int(state.get("samples", 0)),
+        )
 
 
 def fit(
@@ -76,8 +80,10 @@ def fit(
     """
     config = FitConfig() if config is None else config
     if not isinstance(config, FitConfig):
-        raise ConfigError(f"fit(config={config!r}): expected a FitConfig (or None for the defaults), "
-                          f"got a {type(config).__name__}; build one with FitConfig(**settings)")
+        raise ConfigError(
+            f"fit(config={config!r}): expected a FitConfig (or None for the defaults), "
+            f"got a {type(config).__name__}; build one with FitConfig(**settings)"
+        )
     config.validate()  # again: fields may have been assigned since the config was built
     _require_map_style(train_data, "train_data")
     if eval_data is not None:
@@ -124,7 +130,9 @@ class _Run:
             self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
         # fit() checked that the datasets are map-style (_require_map_style).
-        self.sampler = DistributedSampler(cast(Sized, train_data), shuffle=True, seed=config.seed, drop_last=True)
+        self.sampler = DistributedSampler(
+            cast(Sized, train_data), shuffle=True, seed=config.seed, drop_last=True
+        )
         # The loop tells the sampler what it consumed: with DataLoader workers, what the sampler yielded
         # runs ahead of what was trained on, and resume must continue after the last trained sample.
         self.sampler.advance(0)
@@ -132,9 +140,15 @@ class _Run:
         # stream, and a resumed run (which calls iter() at another step) would shift every later draw.
         self.loader_generator = torch.Generator()
         # Pinned host memory lets to_device copy batches to the GPU asynchronously.
-        self.loader = DataLoader(train_data, batch_size=config.batch_size, sampler=self.sampler,
-                                 num_workers=config.num_workers, drop_last=True, generator=self.loader_generator,
-                                 pin_memory=self.device.type == "cuda")
+        self.loader = DataLoader(
+            train_data,
+            batch_size=config.batch_size,
+            sampler=self.sampler,
+            num_workers=config.num_workers,
+            drop_last=True,
+            generator=self.loader_generator,
+            pin_memory=self.device.type == "cuda",
+        )
         self.eval_loader = _eval_loader(eval_data, config, pin_memory=self.device.type == "cuda")
         self.steps_per_epoch = math.ceil(len(self.loader) / config.grad_accum_steps)
         if self.steps_per_epoch == 0:
@@ -251,8 +265,9 @@ class _Run:
         self.counters.samples += samples
         self.sampler.advance(samples)
 
-    def _record(self, metrics: MetricBuffer, prefix: str, outputs: Any, targets: Any, loss: torch.Tensor,
-                count: int) -> None:
+    def _record(
+        self, metrics: MetricBuffer, prefix: str, outputs: Any, targets: Any, loss: torch.Tensor, count: int
+    ) -> None:
         """Add a batch's loss (and correct predictions) to `metrics` on the device: no copy to the host here."""
         metrics.add({f"{prefix}_loss": loss}, count)
         if self.config.task == "classification":
@@ -273,11 +288,17 @@ class _Run:
     def _log_train(self, force: bool = False) -> None:
         if self.train_metrics.count == 0 and not force:
             return
-        means, count = self.train_metrics.reduce(self._metric_names("train"))  # collective: every rank is here
+        means, count = self.train_metrics.reduce(
+            self._metric_names("train")
+        )  # collective: every rank is here
         if count == 0:
             return
-        record = {"step": self.counters.step, "epoch": self.counters.epoch, **means,
-                  "lr": float(self.scheduler.get_last_lr()[0])}
+        record = {
+            "step": self.counters.step,
+            "epoch": self.counters.epoch,
+            **means,
+            "lr": float(self.scheduler.get_last_lr()[0]),
+        }
         self.last_train = record
         self.runlog.write(record)
         self.bar.report(self.counters.step, {k: v for k, v in record.items() if k != "epoch"})
@@ -302,7 +323,9 @@ class _Run:
             self.last_eval["eval_accuracy"] = means["eval_accuracy"]
         record = {"step": self.counters.step, **self.last_eval}
         self.runlog.write(record)
-        self.bar.message(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+        self.bar.message(
+            " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
+        )
 
     def _save_checkpoint(self) -> None:
         if self.saved_step == self.counters.step:
@@ -359,7 +382,9 @@ def _choose_device(requested: str) -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ConfigError("device='cuda' was asked for but torch.cuda.is_available() is False; use device='cpu'")
+        raise ConfigError(
+            "device='cuda' was asked for but torch.cuda.is_available() is False; use device='cpu'"
+        )
     # init() bound this process's device (srun --gpus-per-task, shared nodes, ...): follow its choice
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -367,8 +392,13 @@ def _choose_device(requested: str) -> torch.device:
 def _eval_loader(eval_data: Dataset | None, config: FitConfig, *, pin_memory: bool) -> DataLoader | None:
     if eval_data is None:
         return None
-    return DataLoader(eval_data, batch_size=config.batch_size * 4, sampler=EvalSampler(cast(Sized, eval_data)),
-                      num_workers=config.num_workers, pin_memory=pin_memory)
+    return DataLoader(
+        eval_data,
+        batch_size=config.batch_size * 4,
+        sampler=EvalSampler(cast(Sized, eval_data)),
+        num_workers=config.num_workers,
+        pin_memory=pin_memory,
+    )
 
 
 def _take(iterator: Iterator[Any], count: int) -> list[Any]:
@@ -382,7 +412,11 @@ def _take(iterator: Iterator[Any], count: int) -> list[Any]:
 
 
 def _headline(summary: dict[str, Any], plot: Path | None) -> str:
-    parts = [f"{summary['steps']} steps", f"{summary['wall_time_s']:.1f} s", f"{summary['samples_per_second']} samples/s"]
+    parts = [
+        f"{summary['steps']} steps",
+        f"{summary['wall_time_s']:.1f} s",
+        f"{summary['samples_per_second']} samples/s",
+    ]
     if "test_accuracy" in summary:
         parts.append(f"test_accuracy={summary['test_accuracy']:.4f}")
     if plot:

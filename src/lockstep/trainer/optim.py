@@ -13,7 +13,9 @@ from lockstep.trainer.config import FitConfig
 def build_optimizer(params: Iterable[torch.nn.Parameter], config: FitConfig) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        return torch.optim.SGD(
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
@@ -30,8 +32,12 @@ def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str) 
     return 1.0 - progress  # linear
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: FitConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, config: FitConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     def factor(step: int) -> float:
-        return lr_factor(step, total_steps=total_steps, warmup_steps=config.warmup_steps, schedule=config.lr_schedule)
+        return lr_factor(
+            step, total_steps=total_steps, warmup_steps=config.warmup_steps, schedule=config.lr_schedule
+        )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -17,7 +17,9 @@ def choose_mode(requested: str, stream: TextIO) -> str:
 class ProgressBar:
     """Shows the step count and logged metrics. Constructed on every rank; silent everywhere but rank 0."""
 
-    def __init__(self, total_steps: int, *, enabled: bool, mode: str = "auto", stream: TextIO | None = None) -> None:
+    def __init__(
+        self, total_steps: int, *, enabled: bool, mode: str = "auto", stream: TextIO | None = None
+    ) -> None:
         self.stream = stream or sys.stderr
         self.mode = choose_mode(mode, self.stream) if enabled else "none"
         self.total_steps = total_steps

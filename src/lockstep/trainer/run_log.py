@@ -81,7 +81,9 @@ class RunLog:
             return None
         names = sorted({k for r in self.records for k, v in r.items() if k != "step" and _is_plottable(v)})
         # One panel per quantity, train and eval curves together: loss, accuracy, then the learning rate.
-        panels = [[n for n in names if n.endswith(kind)] for kind in ("loss", "accuracy")] + [["lr"] if "lr" in names else []]
+        panels = [[n for n in names if n.endswith(kind)] for kind in ("loss", "accuracy")] + [
+            ["lr"] if "lr" in names else []
+        ]
         panels = [panel for panel in panels if panel]
         fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), squeeze=False, sharex=True)
         for axis, panel in zip(axes[:, 0], panels):
