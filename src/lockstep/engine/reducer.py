@@ -346,8 +346,9 @@ class Reducer:
             b.status.fill_(float(step.missing_count))
             b.hook_buffer = b.storage  # type: ignore[assignment]
         b.t_launch = time.perf_counter()
+        self._stamp_finished(step.next_bucket, b.t_launch)
+        b.t_done = 0.0
         b.future = self._call_hook(b)
-        b.future.add_done_callback(_stamp_done(b))
 
     def _call_hook(self, b: Bucket) -> torch.futures.Future[Any]:
         """Hand bucket b (its hook_buffer) to the communication hook; check what comes back."""
@@ -404,8 +405,20 @@ class Reducer:
         if verdict:
             raise UnusedParameterError(verdict)
 
+    def _stamp_finished(self, launched: int, now: float) -> None:
+        """Record `now` as the end of every launched bucket whose reduction has finished by now.
+
+        Polled at each launch, at the end of backward and after each wait, never by a future callback: a
+        Python callback runs in gloo's thread, which must take the GIL from the busy backward before it
+        can start the next collective (measured: 3-5% of a step on a model of 800 small parameters).
+        """
+        for b in self.buckets[:launched]:
+            if b.future is not None and not b.t_done and b.future.done():
+                b.t_done = now
+
     def _finalize(self, step: StepState) -> str:
         t_end_backward = time.perf_counter()
+        self._stamp_finished(step.next_bucket, t_end_backward)
         missing = step.missing()
         step.missing_count = len(missing)
         step.defer = False
@@ -447,6 +460,7 @@ class Reducer:
             if b.future is None:
                 continue
             value = b.future.wait()
+            b.t_done = b.t_done or time.perf_counter()
             result = value[0] if isinstance(value, list) else value
             if b.solo:
                 self._write_back_solo(b, result)
@@ -548,12 +562,3 @@ class Reducer:
             return torch.zeros(p.numel(), dtype=b.dtype, device=p.device)
         zeros = torch.zeros_like(b.storage)  # type: ignore[arg-type]  # only solo buckets have none
         return zeros if b.status is not None and self.hook is sum_hook else zeros[: b.buffer.numel()]
-
-
-def _stamp_done(b: Bucket) -> Callable[[torch.futures.Future[Any]], None]:
-    """A future callback that records when bucket b's reduction finished (for stats' hidden time)."""
-
-    def stamp(_fut: torch.futures.Future[Any]) -> None:
-        b.t_done = time.perf_counter()
-
-    return stamp

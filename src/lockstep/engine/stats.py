@@ -12,7 +12,9 @@ class StepStats:
 
     - forward_ms: from the wrapper's pre-forward to the end of forward.
     - backward_ms: from the first gradient to the end of backward (the autograd engine's callback).
-    - comm_ms: wall time during which at least one bucket's reduction was in flight.
+    - comm_ms: wall time during which at least one bucket's reduction was in flight. A reduction's end
+      is observed, not called back (at the next bucket's launch, at the end of backward, or on waiting):
+      an upper bound, exact for what backward() waited for.
     - comm_hidden_ms: the part of comm_ms that ran while backward was still computing (overlap);
       comm_ms - comm_hidden_ms is what backward() waited for at its end.
     - finalize_ms: the end-of-backward work: waits, the unused-parameter agreement, writing grads back.
