@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from lockstep.errors import DistributedTestError
+from lockstep.runtime import env_contract as ec
 
 DEFAULT_TIMEOUT = 90.0
 _GRACE_AFTER_FAILURE = 5.0
@@ -48,12 +49,12 @@ def run_distributed(
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     child_env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(store.port),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank is a client of the store hosted here
-        "TORCHELASTIC_RESTART_COUNT": "0",
+        ec.MASTER_ADDR_VAR: "127.0.0.1",
+        ec.MASTER_PORT_VAR: str(store.port),
+        ec.WORLD_SIZE_VAR: str(world_size),
+        ec.LOCAL_WORLD_SIZE_VAR: str(world_size),
+        ec.AGENT_STORE_VAR: ec.AGENT_STORE_ON,  # every rank is a client of the store hosted here
+        ec.RESTART_COUNT_VAR: "0",
         "OMP_NUM_THREADS": "1",
         **(env or {}),
     }
@@ -157,8 +158,8 @@ def _child_main(
 ) -> None:
     os.setsid()  # own process group: the parent can kill this rank and everything it started at once
     os.environ.update(env)
-    os.environ["RANK"] = str(rank)
-    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ[ec.RANK_VAR] = str(rank)
+    os.environ[ec.LOCAL_RANK_VAR] = str(rank)
     # Print this rank's stack shortly before the parent gives up on it: the diagnosis of a hang.
     faulthandler.dump_traceback_later(max(1.0, timeout - 2.0), exit=False, file=sys.stderr)
     try:
