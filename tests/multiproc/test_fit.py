@@ -6,7 +6,7 @@ import json
 import warnings
 from collections import namedtuple
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ import lockstep
 from lockstep.jobs.models import ToyModel
 from lockstep.testing import run_distributed
 from lockstep.trainer.config import FitConfig
+from tests.unit.test_trainer_batches import HostCopyCounter
 
 
 def _data() -> tuple[TensorDataset, TensorDataset]:
@@ -151,27 +152,6 @@ class _ToyOnFeatures(ToyModel):
     def forward(self, features: Features) -> torch.Tensor:  # type: ignore[override]
         assert type(features) is Features, type(features)  # the batch kept its type on the way to the device
         return super().forward(features.x * features.scale.unsqueeze(-1))
-
-
-class HostCopyCounter(torch.Tensor):
-    """A loss tensor that records each call copying its value (or a value computed from it) to the host."""
-
-    calls: ClassVar[list[str]] = []
-    HOST_COPIES: ClassVar[tuple[str, ...]] = (
-        "item",
-        "tolist",
-        "cpu",
-        "numpy",
-        "__float__",
-        "__int__",
-        "__bool__",
-    )
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__name__", "") in cls.HOST_COPIES:
-            cls.calls.append(func.__name__)
-        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def _fit_structured_counting_host_copies(run_dir: str, structured: bool) -> dict:
