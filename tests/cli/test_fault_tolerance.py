@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.launch_util import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
 HOLD_AT = 11  # the forward (= training step, 1-based) in which rank 1 holds in the first attempt
 LAST_CHECKPOINT = 8  # checkpoint_every=4: the newest checkpoint before step 11
@@ -58,12 +60,7 @@ lockstep.shutdown()
 
 
 def _launch(script: Path, run_dir: Path, hold_at: int, restarts: int) -> subprocess.Popen[str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(OMP_NUM_THREADS="1", HOLD_AT=str(hold_at))
+    env = child_env(HOLD_AT=str(hold_at))
     return subprocess.Popen(
         [
             sys.executable,
@@ -134,11 +131,7 @@ def test_max_restarts_restarts_every_worker_on_a_fresh_rendezvous(tmp_path: Path
     # A restarted worker must not read the previous attempt's addresses from the agent's store.
     script = tmp_path / "restart.py"
     script.write_text(RESTART_SCRIPT)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = child_env()
     proc = subprocess.run(
         [
             sys.executable,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cli.launch_util import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,12 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def lockstep_cli(
     *args: str, timeout: float = 240, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env()
     return subprocess.run(
         [sys.executable, "-m", "lockstep", *args],
         capture_output=True,
