@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # what static tools see; the same table as _EXPORTS (a test c
         init,
         is_main,
         main_process_first,
+        phase,
         shutdown,
     )
     from lockstep.trainer import FitConfig, FitResult, fit
@@ -44,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "all_reduce_mean": "lockstep.runtime",
     "broadcast_object": "lockstep.runtime",
     "get_logger": "lockstep.runtime",
+    "phase": "lockstep.runtime",
     "DistributedDataParallel": "lockstep.engine",
     "ReplicaHandle": "lockstep.engine",
     "SyncPolicy": "lockstep.engine",
@@ -77,6 +79,7 @@ __all__ = [
     "is_main",
     "main_process_first",
     "nn",
+    "phase",
     "replicate",
     "runtime",
     "shutdown",

@@ -53,6 +53,7 @@ from lockstep.checkpoint.storage import (
 )
 from lockstep.errors import CheckpointError, ConfigError, rank_tag
 from lockstep.runtime import all_gather_object, broadcast_object, get_logger, get_rank, get_world_size
+from lockstep.runtime.progress import CHECKPOINT, phase
 
 
 class CheckpointManager:
@@ -83,6 +84,7 @@ class CheckpointManager:
 
     # ---- save -----------------------------------------------------------------------------------------
 
+    @phase(CHECKPOINT)  # the hang watchdog allows a long save on rank 0 (the others wait for it)
     def save(self, step: int, state: Mapping[str, Any]) -> Path:
         """Write checkpoint `step` from rank 0 while the other ranks wait; returns its directory on every rank."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:

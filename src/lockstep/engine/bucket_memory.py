@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.engine.bucket_layout import BucketSpec
+from lockstep.runtime.progress import CollectiveRecord
 
 EAGER_COPY_MIN_NUMEL = 1 << 14  # below this mean size a bucket copies its gradients in one call
 
@@ -48,6 +49,7 @@ class Bucket:
         self.hook_buffer = self.buffer
         self.t_launch = 0.0
         self.t_done = 0.0
+        self.record: CollectiveRecord | None = None  # the hang watchdog's record of its latest launch
 
 
 def empty_sparse_grad(p: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lockstep.errors import CollectiveMismatchError, rank_tag
 from lockstep.runtime.collectives import all_gather_object
+from lockstep.runtime.watchdog import tracked
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # like torch: few messages, bounded extra memory
 
@@ -78,7 +79,8 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.P
         for chunk in _chunks(members):
             datas = [t.detach() for t in chunk]
             flat = _flatten_dense_tensors(datas) if len(datas) > 1 else datas[0].reshape(-1).clone()
-            dist.broadcast(flat, src=src, group=group)
+            with tracked("broadcast (parameters and buffers)", (flat,), group):
+                dist.broadcast(flat, src=src, group=group)
             if len(datas) == 1:
                 with torch.no_grad():
                     datas[0].copy_(flat.view_as(datas[0]))

@@ -54,6 +54,8 @@ from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.stats import StatsRecorder, StepStats, union_ms
 from lockstep.engine.step import ArmedForward, StepState
 from lockstep.errors import CommHookResultError, GradientError, UnusedParameterError, UsageError, rank_tag
+from lockstep.runtime.progress import BACKWARD, PROGRESS
+from lockstep.runtime.watchdog import wait_tracked
 
 CommHook = Callable[[Any, "GradBucket"], "torch.futures.Future[Any]"]
 # A gradient this large is reduced in place in its own bucket: no copy into a flat buffer and back
@@ -82,6 +84,7 @@ class Reducer:
         self._n = len(self.params)
         self._tag = rank_tag(rank, world_size)
         self.hook: CommHook = sum_hook
+        self._hook_op = "allreduce (gradient bucket)"  # how the hang watchdog names a bucket's collective
         self.hook_state: Any = group
         self._prescale = True
         self._divisor = world_size
@@ -186,6 +189,7 @@ class Reducer:
                 "register a single hook that does all the communication, before the first backward"
             )
         self.hook, self.hook_state, self._prescale = hook, state, False
+        self._hook_op = f"comm hook {getattr(hook, '__qualname__', type(hook).__name__)} (gradient bucket)"
 
     def enable_static_graph(self) -> None:
         """torch's _set_static_graph(): before the first backward, like static_graph=True."""
@@ -241,11 +245,20 @@ class Reducer:
 
     # ---------------------------------------------------------------- post_accumulate_grad
 
-    def post_accumulate_grad(self, i: int) -> None:
-        """The per-parameter hook: param i's .grad is complete for this backward."""
+    def post_accumulate_grad(self, i: int, _param: torch.Tensor | None = None) -> None:
+        """The per-parameter hook: param i's .grad is complete for this backward.
+
+        Registered as `functools.partial(post_accumulate_grad, i)`: autograd calls it once per parameter
+        and backward, so the common case (a step under way, no hit counting, first time ready) is
+        handled here without further Python calls.
+        """
         self._used[i] = 1
         if self._armed is None:
             return  # no_sync, eval, or a backward that did not follow a synced forward: accumulate locally
+        step = self._step
+        if step is not None and step.hits is None and not step.ready[i] and not torch.is_grad_enabled():
+            self._mark_ready(step, i)
+            return
         if torch.is_grad_enabled():  # backward(create_graph=True): keep the reduction out of the graph
             with torch.no_grad():
                 self._accumulated(i)
@@ -265,6 +278,7 @@ class Reducer:
 
     def _start_step(self) -> StepState:
         step = self._step = StepState(self._n, count_hits=self.static_graph, defer=self._first_static)
+        PROGRESS.set_phase(BACKWARD)
         for b in self.buckets:
             b.pending, b.future, b.hook_buffer = len(b.params), None, b.buffer
         if not self._queued:
@@ -348,7 +362,9 @@ class Reducer:
         b.t_launch = time.perf_counter()
         self._stamp_finished(step.next_bucket, b.t_launch)
         b.t_done = 0.0
+        b.record = PROGRESS.issue(self._hook_op, (b.hook_buffer,), self.group)
         b.future = self._call_hook(b)
+        b.record.work = b.future
 
     def _call_hook(self, b: Bucket) -> torch.futures.Future[Any]:
         """Hand bucket b (its hook_buffer) to the communication hook; check what comes back."""
@@ -459,7 +475,7 @@ class Reducer:
         for b in self.buckets:
             if b.future is None:
                 continue
-            value = b.future.wait()
+            value = wait_tracked(b.record, b.future) if b.record is not None else b.future.wait()
             b.t_done = b.t_done or time.perf_counter()
             result = value[0] if isinstance(value, list) else value
             if b.solo:
@@ -519,6 +535,7 @@ class Reducer:
         )
         self._armed = self._step = None
         self._used = bytearray(self._n)
+        PROGRESS.end_step()
         if learned_static and self.policy.torch_bucket_layout and self._order is not None:
             self._order = []  # torch observes the ready order in the second step of a static graph
         else:
@@ -535,13 +552,15 @@ class Reducer:
         """
         if self.world == 1:
             return
-        futures = []
+        launched = []
         for b in self.buckets:
             b.hook_buffer = self._shadow_buffer(b)
-            futures.append(self._call_hook(b))
+            record = PROGRESS.issue(self._hook_op + " (join shadow)", (b.hook_buffer,), self.group)
+            record.work = self._call_hook(b)
+            launched.append(record)
         self._used = bytearray(self._n)  # this rank used nothing in the step it shadows
         verdict = self._agree_on_unused([])
-        values = [f.wait() for f in futures]
+        values = [wait_tracked(record, record.work) for record in launched]
         for b in self.buckets:
             b.hook_buffer = b.buffer
         if verdict is None:  # the training ranks' count travelled in the last bucket's status element

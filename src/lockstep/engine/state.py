@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,8 +19,10 @@ from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import CommHook, Reducer
 from lockstep.engine.stats import EngineStats
 from lockstep.errors import NoProcessGroupError, NoTrainableParametersError, rank_tag
+from lockstep.runtime import watchdog
 from lockstep.runtime.collectives import comm_device
-from lockstep.runtime.process_group import unpin_world_group_defaults
+from lockstep.runtime.process_group import hang_timeout_setting, unpin_world_group_defaults
+from lockstep.runtime.progress import PROGRESS
 
 
 class SyncFlags:
@@ -58,6 +61,7 @@ class ReplicaState:
                 "initialized; call lockstep.init() (or torch.distributed.init_process_group) first"
             )
         unpin_world_group_defaults()
+        watchdog.start(hang_timeout_setting())  # a program that called init_process_group itself gets one too
         self.module, self.policy, self.group = module, policy, group
         self.flags = flags if flags is not None else SyncFlags(policy.broadcast_buffers)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -92,7 +96,7 @@ class ReplicaState:
             device=self.comm_device,
         )
         self._handles = [
-            p.register_post_accumulate_grad_hook(_make_hook(self.reducer.post_accumulate_grad, i))
+            p.register_post_accumulate_grad_hook(functools.partial(self.reducer.post_accumulate_grad, i))
             for i, (_, p) in enumerate(trainable)
         ]
         # join(): torch's Join sets the config (read by its notify_join_context); join.py does the rest.
@@ -108,6 +112,8 @@ class ReplicaState:
     # pre_forward: the engine's work before the user's forward
     def pre_forward(self) -> None:
         self._t_forward = time.perf_counter()
+        if torch.is_grad_enabled():
+            PROGRESS.begin_step()
         syncing = torch.is_grad_enabled() and self.flags.require_backward_grad_sync
         if self._join_config.enable:
             join_pre_forward(self, syncing)
@@ -222,13 +228,6 @@ def _sparse_flags(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
         for p in m.parameters(recurse=False)
     }
     return [id(p) in sparse_ids for p in params]
-
-
-def _make_hook(mark: Any, i: int) -> Any:
-    def hook(_param: torch.Tensor) -> None:
-        mark(i)
-
-    return hook
 
 
 T = TypeVar("T", bound=torch.Tensor)

@@ -34,6 +34,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lockstep.errors import ConfigError, rank_tag
 from lockstep.runtime.collectives import comm_device
+from lockstep.runtime.watchdog import tracked
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
@@ -75,7 +76,8 @@ def _local_moments(xc: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _all_reduce(packed: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    with tracked("allreduce (SyncBatchNorm statistics)", (packed,), group):
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     return packed
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.runtime.collectives import all_gather_object
+from lockstep.runtime.watchdog import tracked
 
 
 def unreached(outputs: Sequence[torch.Tensor], index_of: dict[int, int]) -> list[int]:
@@ -51,14 +52,16 @@ def unreached(outputs: Sequence[torch.Tensor], index_of: dict[int, int]) -> list
 def globally_unused(used: bytearray, group: dist.ProcessGroup | None, device: torch.device) -> set[int]:
     """Parameters that no rank used since the last synced step (one all-reduce of the used-bitmap)."""
     flags = torch.frombuffer(bytearray(used), dtype=torch.uint8).to(device=device, dtype=torch.int32)
-    dist.all_reduce(flags, group=group)
+    with tracked("allreduce (unused-parameter flags)", (flags,), group):
+        dist.all_reduce(flags, group=group)
     return set((flags == 0).nonzero().flatten().tolist())
 
 
 def total_missing(count: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
     """Sum over ranks of the number of parameters without gradient (one 8-byte all-reduce)."""
     total = torch.tensor([count], dtype=torch.int64, device=device)
-    dist.all_reduce(total, group=group)
+    with tracked("allreduce (missing-gradient count)", (total,), group):
+        dist.all_reduce(total, group=group)
     return int(total.item())
 
 

@@ -3,7 +3,9 @@
 Modules: topology (pure: environment -> Topology, for torchrun, SLURM, explicit arguments or nothing),
 slurm_notation (SLURM's host and task lists), env_contract (the environment variables launcher and runtime
 share), process_group (init/shutdown; init returns a JoinedTopology, a Topology that `with` can own),
-collectives (rank queries and small typed collectives) and logging (rank-aware loggers). The launcher
+collectives (rank queries and small typed collectives), logging (rank-aware loggers), and the hang
+watchdog: progress (what this process is doing: step, phase, numbered collectives), watchdog (the thread
+that publishes it to the c10d store and judges a stall) and stall_verdict (the judgement and the report). The launcher
 imports this package: nothing here imports the engine.
 """
 
@@ -22,6 +24,7 @@ from lockstep.runtime.collectives import (
 )
 from lockstep.runtime.logging import get_logger
 from lockstep.runtime.process_group import JoinedTopology, init, is_initialized, shutdown
+from lockstep.runtime.progress import phase
 from lockstep.runtime.slurm_notation import expand_hostlist
 from lockstep.runtime.topology import Topology, resolve_topology
 
@@ -41,6 +44,7 @@ __all__ = [
     "is_initialized",
     "is_main",
     "main_process_first",
+    "phase",
     "resolve_topology",
     "shutdown",
 ]

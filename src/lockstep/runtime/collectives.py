@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.runtime.watchdog import tracked
+
 
 def _active(group: dist.ProcessGroup | None = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
@@ -54,7 +56,8 @@ def device_for_backend(capability: Sequence[str], current_index: Callable[[], in
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if _active(group):
-        dist.barrier(group)
+        with tracked("barrier", (), group):
+            dist.barrier(group)
 
 
 @contextmanager
@@ -76,14 +79,16 @@ def all_reduce_mean(
     if isinstance(value, torch.Tensor):
         tensor = value.detach().to(comm_device(group), torch.float64)
         if _active(group):
-            dist.all_reduce(tensor, group=group)
+            with tracked("allreduce (mean)", (tensor,), group):
+                dist.all_reduce(tensor, group=group)
             tensor /= dist.get_world_size(group)
         return tensor.to(value.device)
     is_scalar = isinstance(value, (int, float))
     values = [float(value)] if isinstance(value, (int, float)) else list(value)
     packed = torch.tensor(values, dtype=torch.float64, device=comm_device(group))
     if _active(group):
-        dist.all_reduce(packed, group=group)
+        with tracked("allreduce (mean)", (packed,), group):
+            dist.all_reduce(packed, group=group)
         packed /= dist.get_world_size(group)
     means: list[float] = packed.tolist()
     return means[0] if is_scalar else means
@@ -93,7 +98,8 @@ def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup | None = No
     """Sum over ranks of a sequence of scalars, packed into one all-reduce (counts, metric sums)."""
     packed = torch.tensor(list(values), dtype=torch.float64, device=comm_device(group))
     if _active(group):
-        dist.all_reduce(packed, group=group)
+        with tracked("allreduce (sum)", (packed,), group):
+            dist.all_reduce(packed, group=group)
     return packed.tolist()
 
 
@@ -113,10 +119,12 @@ def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = N
     device = comm_device(group)
     payload = _encode(obj).to(device) if get_rank() == src else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src, group=group)
+    with tracked("broadcast (object size)", (size,), group):
+        dist.broadcast(size, src=src, group=group)
     if payload is None:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src=src, group=group)
+    with tracked("broadcast (object)", (payload,), group):
+        dist.broadcast(payload, src=src, group=group)
     return _decode(payload)
 
 
@@ -129,10 +137,12 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
     payload = _encode(obj).to(device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
+    with tracked("allgather (object sizes)", (size,), group):
+        dist.all_gather(sizes, size, group=group)
     longest = max(int(s.item()) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
+    with tracked("allgather (objects)", (padded,), group):
+        dist.all_gather(gathered, padded, group=group)
     return [_decode(t[: int(s.item())]) for t, s in zip(gathered, sizes)]

@@ -17,6 +17,10 @@ from __future__ import annotations
 
 # lockstep's own: the job's restart attempt (0, 1, ...), written by `lockstep run` for every worker.
 ATTEMPT_VAR = "LOCKSTEP_ATTEMPT"
+# lockstep's own: the hang watchdog's timeout in seconds (`lockstep run --hang-timeout`; 0 turns it off),
+# and the directory where the reporting rank writes hang_report.json (the attempt's directory of the run).
+HANG_TIMEOUT_VAR = "LOCKSTEP_HANG_TIMEOUT"
+REPORT_DIR_VAR = "LOCKSTEP_REPORT_DIR"
 # torch's elastic agent: this node's restarts so far (the fallback for ATTEMPT_VAR under plain torchrun).
 RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
 # torch's elastic agent: "True" when the agent hosts the store at MASTER_ADDR:MASTER_PORT for the workers.

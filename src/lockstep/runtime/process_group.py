@@ -23,8 +23,14 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
 from lockstep.errors import BackendUnavailableError, ConfigError, InitTimeoutError, rank_tag
+from lockstep.runtime import watchdog
 from lockstep.runtime.env_contract import CUDA_VISIBLE_DEVICES_VAR
-from lockstep.runtime.topology import Topology, resolve_topology
+from lockstep.runtime.topology import (
+    Topology,
+    hang_timeout_from_env,
+    report_dir_from_env,
+    resolve_topology,
+)
 
 
 def unpin_world_group_defaults() -> None:
@@ -89,6 +95,24 @@ class _FormedGroups:
 
 
 _formed = _FormedGroups()
+_hang_timeout: list[float] = []  # init(hang_timeout=...) of this process, if it gave one
+
+
+def hang_timeout_setting() -> float:
+    """The hang watchdog's timeout for this process: init(hang_timeout=...), else LOCKSTEP_HANG_TIMEOUT,
+    else 300 s (0: off)."""
+    return _hang_timeout[-1] if _hang_timeout else hang_timeout_from_env(os.environ)
+
+
+def start_watchdog(hang_timeout: float | None = None) -> None:
+    """Watch this process for hangs (runtime/watchdog.py), once a group of more than one rank exists."""
+    if hang_timeout is not None:
+        if not hang_timeout >= 0:
+            raise ConfigError(
+                f"hang_timeout={hang_timeout!r}: expected seconds >= 0 (0 turns the watchdog off)"
+            )
+        _hang_timeout[:] = [float(hang_timeout)]
+    watchdog.start(hang_timeout_setting(), report_dir_from_env(os.environ))
 
 
 def choose_backend(device_type: str) -> str:
@@ -169,11 +193,14 @@ def init(
     timeout: timedelta | float = DEFAULT_TIMEOUT,
     rank: int | None = None,
     world_size: int | None = None,
+    hang_timeout: float | None = None,
 ) -> JoinedTopology:
     """Join the job's default process group and bind this process's device; return its Topology.
 
     Reads torchrun's or SLURM's variables (or the explicit `rank`/`world_size` of the tutorials'
     `setup(rank, world_size)`), or runs a world of 1 when there are none, so that `python train.py` works.
+    `hang_timeout` (seconds; default LOCKSTEP_HANG_TIMEOUT or 300, 0 = off): how long a rank may wait in a
+    collective for a peer before the hang watchdog ends the job with a report naming the culprit.
     Idempotent: once the group exists, every call returns the same facts (the same object, when init()
     formed the group). `with lockstep.init() as topo:` leaves the group on exit if this call formed it,
     and leaves a group that existed before alone.
@@ -181,6 +208,7 @@ def init(
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     if dist.is_initialized():
+        start_watchdog(hang_timeout)
         return _formed.view or _topology_of_existing_group()
     topo = resolve_topology(os.environ, rank=rank, world_size=world_size)
     device = _local_device(topo, backend)
@@ -199,6 +227,7 @@ def init(
         # Leave a gloo group while the interpreter is whole: its threads must not outlive it (see above).
         # Not for nccl, where tearing down beside a failed peer can block the exit.
         atexit.register(shutdown)
+    start_watchdog(hang_timeout)
     return replace(_formed.view, formed_group=_formed.count)
 
 
@@ -257,6 +286,7 @@ def is_initialized() -> bool:
 def shutdown() -> None:
     """Leave the process group, whoever formed it. Safe to call twice, or without init()."""
     _formed.view = None
+    watchdog.stop()
     if is_initialized():
         dist.destroy_process_group()
 

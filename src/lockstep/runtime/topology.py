@@ -15,11 +15,13 @@ from lockstep.runtime.env_contract import (
     AGENT_STORE_VAR,
     ATTEMPT_VAR,
     GROUP_RANK_VAR,
+    HANG_TIMEOUT_VAR,
     LOCAL_RANK_VAR,
     LOCAL_WORLD_SIZE_VAR,
     MASTER_ADDR_VAR,
     MASTER_PORT_VAR,
     RANK_VAR,
+    REPORT_DIR_VAR,
     RESTART_COUNT_VAR,
     TORCHRUN_VARS,
     WORLD_SIZE_VAR,
@@ -242,3 +244,28 @@ def _from_slurm(env: Mapping[str, str]) -> Topology:
         master_port=_master_port(env, slurm_port(job_id)),
         launcher="slurm",
     )
+
+
+DEFAULT_HANG_TIMEOUT = 300.0  # seconds: well below torch's 30 minutes, above any sane straggler
+
+
+def hang_timeout_from_env(environ: Mapping[str, str]) -> float:
+    """The hang watchdog's timeout: LOCKSTEP_HANG_TIMEOUT (seconds, 0 = off), else DEFAULT_HANG_TIMEOUT."""
+    raw = environ.get(HANG_TIMEOUT_VAR, "").strip()
+    if not raw:
+        return DEFAULT_HANG_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ConfigError(
+            f"{HANG_TIMEOUT_VAR}={raw!r} is not a number of seconds >= 0; set it like "
+            f"{HANG_TIMEOUT_VAR}=300 (0 turns the hang watchdog off)"
+        )
+    return value
+
+
+def report_dir_from_env(environ: Mapping[str, str]) -> str | None:
+    """Where `lockstep run` wants the hang report (None: print it to stderr on every rank)."""
+    return environ.get(REPORT_DIR_VAR) or None

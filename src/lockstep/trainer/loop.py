@@ -26,6 +26,7 @@ from lockstep.engine.api import DistributedDataParallel
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError
 from lockstep.runtime import barrier, broadcast_object, get_logger, init
+from lockstep.runtime.progress import DATA, EVALUATE, OPTIMIZER, PROGRESS, phase
 from lockstep.runtime.topology import Topology
 from lockstep.trainer.batches import batch_len, split_batch, to_device
 from lockstep.trainer.config import FitConfig, config_to_dict
@@ -224,6 +225,7 @@ class _Run:
         micro_batches = iter(self.loader)
         remaining = len(self.loader)  # micro-batches left in this epoch (fewer after a mid-epoch resume)
         while remaining > 0 and self.counters.step < self.total_steps:
+            PROGRESS.set_phase(DATA)  # the hang watchdog names the phase a stuck rank is in
             group = _take(micro_batches, min(self.config.grad_accum_steps, remaining))
             if not group:
                 remaining = 0  # the loader ended early (the dataset shrank under it): the epoch is done
@@ -254,6 +256,7 @@ class _Run:
                     loss = self.loss_fn(outputs, targets)
                 self.scaler.scale(loss / len(group)).backward()
             self._record(self.train_metrics, "train", outputs, targets, loss, counts[-1])
+        PROGRESS.set_phase(OPTIMIZER)
         if self.config.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.clip_grad_norm)
@@ -304,6 +307,7 @@ class _Run:
         self.bar.report(self.counters.step, {k: v for k, v in record.items() if k != "epoch"})
 
     @torch.no_grad()
+    @phase(EVALUATE)
     def _evaluate(self) -> None:
         self.module.eval()  # the bare module: eval shards are unequal and must not trigger any collective
         metrics = MetricBuffer()
