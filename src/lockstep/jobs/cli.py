@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts", type=int, default=0, help="restart all workers up to this many times"
     )
     parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="end the job with a report naming the stuck rank when a rank waits this long in a collective "
+        "(default 300; 0: off)",
+    )
+    parser.add_argument(
         "--logs", choices=("rank0", "all"), default="rank0", help="which ranks stream to the console"
     )
     parser.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
@@ -129,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         args=(args.job, str(config_path)),
         nproc_per_node=args.nproc_per_node,
         max_restarts=args.max_restarts,
+        hang_timeout=args.hang_timeout,
         run_dir=str(run_dir),
         logs=args.logs,
     )

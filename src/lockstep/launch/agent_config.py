@@ -153,6 +153,10 @@ def launch_config(spec: LaunchSpec, run_dir: str, rdzv_conf: dict[str, Any], on_
 def worker_env(spec: LaunchSpec, threads: str, interface: str | None) -> dict[str, str]:
     """The variables every worker gets on top of the launcher's environment (`--env` wins)."""
     env = {"OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+    if spec.hang_timeout is not None:
+        from lockstep.runtime.env_contract import HANG_TIMEOUT_VAR  # lockstep.runtime loads torch: only now
+
+        env[HANG_TIMEOUT_VAR] = f"{spec.hang_timeout:g}"
     if interface:
         for name in _IFNAME_VARS:
             env[name] = spec.network_interface or os.environ.get(name) or interface

@@ -8,12 +8,14 @@ path, then one line for each other failed rank.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+HANG_REPORT = "hang_report.json"  # what runtime/watchdog.py writes in the attempt's directory
 _SHUTDOWN_SIGNALS = {signal.SIGTERM, signal.SIGKILL, signal.SIGINT}
 TAIL_LINES = 15
 
@@ -87,6 +89,35 @@ class RankFailure:
 
 def first_failure(failures: list[RankFailure]) -> RankFailure:
     return min(failures, key=RankFailure.order)
+
+
+def read_hang_report(attempt_dir: str | None) -> dict[str, Any] | None:
+    """The report a worker's hang watchdog wrote in this attempt's directory (runtime/watchdog.py), if any."""
+    if not attempt_dir:
+        return None
+    try:
+        with open(os.path.join(attempt_dir, HANG_REPORT)) as fh:
+            report = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def format_hang_failure(
+    report: Mapping[str, Any], failures: list[RankFailure], world_size: int | None
+) -> str:
+    """The hang report, then how each rank ended: the watchdog ended the job, not an exception."""
+    from lockstep.runtime.stall_verdict import format_report  # loads torch: only on this path
+
+    world = f"/{world_size}" if world_size else ""
+    culprits = ", ".join(str(r) for r in report.get("culprits") or []) or "none named"
+    out = [
+        format_report(report),
+        f"lockstep run: FAILED: the hang watchdog ended the job (culprit rank(s): {culprits}; "
+        f"report written by rank {report.get('detected_by')}{world})",
+    ]
+    out += [f"  rank {f.rank} {f.how()}" for f in sorted(failures, key=lambda f: f.rank)]
+    return "\n".join(out)
 
 
 def format_failure(failures: list[RankFailure], world_size: int | None) -> str:

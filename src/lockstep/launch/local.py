@@ -59,8 +59,14 @@ from lockstep.launch.agent_config import (
 )
 from lockstep.launch.console_lines import attempt_line, waiting_line
 from lockstep.launch.console_relay import Console, ConsoleRelay
-from lockstep.launch.failure_report import RankFailure, first_failure, format_failure
-from lockstep.launch.process_sweep import kill_leftovers
+from lockstep.launch.failure_report import (
+    RankFailure,
+    first_failure,
+    format_failure,
+    format_hang_failure,
+    read_hang_report,
+)
+from lockstep.launch.process_sweep import StoppedWorkerWaker, kill_leftovers
 from lockstep.launch.spec import LaunchSpec, check_entrypoint
 
 
@@ -80,6 +86,10 @@ class LaunchState:
         self.world_size = int(env0.get(WORLD_SIZE_VAR, "0")) or None
         self.rank_dirs.update(ranks)
         self.all_dirs.extend(ranks.values())
+
+    def attempt_dir(self) -> str | None:
+        """The directory of this node's current attempt (the parent of its rank directories)."""
+        return os.path.dirname(next(iter(self.rank_dirs.values()))) if self.rank_dirs else None
 
     def current_dirs(self) -> list[str]:
         """The rank directories of this node's current attempt (where its workers wrote their pids)."""
@@ -119,6 +129,7 @@ def launch(spec: LaunchSpec, *, cwd: str | None = None, console: Console | None 
         signals_raise(),
         forward_signals(state.current_dirs),
         quiet_agent_logs(spec.verbose),
+        StoppedWorkerWaker(state.current_dirs),
     ):
         try:
             code, report = _run_agent(config, spec, state)
@@ -153,7 +164,11 @@ def _run_agent(config: Any, spec: LaunchSpec, state: LaunchState) -> tuple[int, 
             for rank, f in err.failures.items()
         ]
         status = first_failure(failures).exit_status
-        return (status if status > 0 else 128 - status), format_failure(failures, state.world_size)
+        code = status if status > 0 else 128 - status
+        hang = read_hang_report(state.attempt_dir())
+        if hang is not None:
+            return code, format_hang_failure(hang, failures, state.world_size)
+        return code, format_failure(failures, state.world_size)
     except (SignalException, KeyboardInterrupt) as exc:
         sig = getattr(exc, "sigval", signal.SIGINT)
         return 128 + int(sig), (

@@ -18,9 +18,10 @@ from collections.abc import Callable, Mapping
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
+from lockstep.launch.failure_report import HANG_REPORT
 from lockstep.launch.rendezvous import AgreedAttempt
 from lockstep.launch.worker import ERROR_FILE_VAR, PID_FILE
-from lockstep.runtime.env_contract import ATTEMPT_VAR, RANK_VAR
+from lockstep.runtime.env_contract import ATTEMPT_VAR, RANK_VAR, REPORT_DIR_VAR
 
 # Called with (the job's attempt, {global rank: its directory}, the first worker's environment).
 OnAttempt = Callable[[int, Mapping[int, str], Mapping[str, str]], None]
@@ -61,7 +62,9 @@ class RunDirLogs(LogsSpecs):
             error_files[local_rank] = os.path.join(rank_dir, "error.json")
             env[ERROR_FILE_VAR] = error_files[local_rank]
             env[ATTEMPT_VAR] = str(attempt)
+            env[REPORT_DIR_VAR] = base  # where the hang watchdog writes hang_report.json
             ranks[rank] = rank_dir
+        _remove(os.path.join(base, HANG_REPORT))
         self._on_attempt(attempt, ranks, envs[0])
         # By keyword: LogsDest gained fields over torch releases (these three exist in all of them).
         return LogsDest(stdouts=stdouts, stderrs=stderrs, error_files=error_files)

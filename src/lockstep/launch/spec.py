@@ -63,6 +63,7 @@ class LaunchSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     shutdown_grace: float = 5.0
     verbose: bool = False
+    hang_timeout: float | None = None  # None: the workers' default (LOCKSTEP_HANG_TIMEOUT, else 300 s)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -96,6 +97,11 @@ def validate(spec: LaunchSpec) -> None:
     if not spec.monitor_interval > 0:
         raise ConfigError(
             f"--monitor-interval must be a positive number of seconds, got {spec.monitor_interval!r}"
+        )
+    if spec.hang_timeout is not None and not spec.hang_timeout >= 0:
+        raise ConfigError(
+            f"--hang-timeout must be a number of seconds >= 0 (0 turns the hang watchdog off), "
+            f"got {spec.hang_timeout!r}; e.g. --hang-timeout 300"
         )
     if spec.shutdown_grace < 0:
         raise ConfigError(f"shutdown_grace must be >= 0 seconds, got {spec.shutdown_grace!r}")
@@ -198,6 +204,14 @@ def build_parser(prog: str = "lockstep run") -> argparse.ArgumentParser:
     add("--max-restarts", "--max_restarts", dest="max_restarts", default=0)
     add("--monitor-interval", "--monitor_interval", dest="monitor_interval", default=0.1, metavar="SECONDS")
     add(
+        "--hang-timeout",
+        dest="hang_timeout",
+        default=None,
+        metavar="SECONDS",
+        help="end the job with a report naming the stuck rank when a rank waits this long in a collective "
+        "(default 300; 0: off)",
+    )
+    add(
         "--run-dir",
         "--log-dir",
         "--log_dir",
@@ -259,6 +273,7 @@ def parse_run_args(argv: Sequence[str], prog: str = "lockstep run") -> LaunchSpe
         network_interface=ns.network_interface,
         max_restarts=int_flag(ns.max_restarts, "--max-restarts", prog) or 0,
         monitor_interval=seconds_flag(ns.monitor_interval, "--monitor-interval", prog),
+        hang_timeout=seconds_flag(ns.hang_timeout, "--hang-timeout", prog) if ns.hang_timeout else None,
         run_dir=ns.run_dir,
         logs=ns.logs,
         env=parse_key_values(ns.env, "--env"),
