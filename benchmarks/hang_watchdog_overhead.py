@@ -14,6 +14,7 @@ import argparse
 import datetime
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,37 @@ def bench_worker(name: str, rounds: int, warmup: int, steps: int, timeout: float
         result["on_ms"].append(on / 2 * 1e3)
         result["off_ms"].append(off / 2 * 1e3)
     _switch(True, timeout)
+    result["tracking_us"] = [_tracking_cost_us(model)]
+    dog = watchdog.current()
+    result["heartbeat_us"] = [_per_call_us(dog._publish, 200)] if dog is not None else []
     return result
+
+
+def _per_call_us(fn: Any, calls: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _tracking_cost_us(model: Any) -> float:
+    """What tracking adds to one step of this model, without the noise of a step: its phase changes, one
+    record per bucket and the tracked missing-gradient count, each done `calls` times in a loop."""
+    buckets = [b.buffer for b in model._replica.reducer.buckets]
+
+    def one_step() -> None:
+        PROGRESS.begin_step()
+        PROGRESS.set_phase("backward")
+        for buf in buckets:
+            rec = PROGRESS.issue("allreduce (gradient bucket)", (buf,), None)
+            PROGRESS.begin_wait(rec)
+            PROGRESS.end_wait()
+        with watchdog.tracked("allreduce (missing-gradient count)", (buckets[0],), None):
+            pass
+        PROGRESS.end_step()
+
+    return _per_call_us(one_step, 2000)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         f"world size 2, {args.rounds} rounds A-B-B-A (on, off, off again), {args.steps} timed steps per round, "
         f"hang timeout {args.hang_timeout:g} s",
         "",
-        "| model | step ms on | step ms off | ratio on/off, median [min-max] | noise floor off/off |",
-        "|---|---|---|---|---|",
+        "Ratios are timed steps; 'tracking' is the CPU time that tracking adds to one step of the model, measured",
+        "in a loop (no step noise); 'heartbeat' is the watchdog thread's work per tick (state, stack, store write).",
+        "",
+        "| model | step ms on | step ms off | ratio on/off, median [min-max] | noise floor off/off | tracking us/step (% of step) | heartbeat us/tick |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in args.models:
         res = run_distributed(
@@ -101,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         )[0]
         lines.append(
             f"| {name} | {statistics.median(res['on_ms']):.1f} | {statistics.median(res['off_ms']):.1f} | "
-            f"{fmt_ratios(res['on/off'])} | {fmt_ratios(res['off/off'])} |"
+            f"{fmt_ratios(res['on/off'])} | {fmt_ratios(res['off/off'])} | "
+            f"{res['tracking_us'][0]:.1f} ({res['tracking_us'][0] / 10 / statistics.median(res['off_ms']):.3f}%) | "
+            f"{statistics.median(res['heartbeat_us']) if res['heartbeat_us'] else float('nan'):.0f} |"
         )
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"

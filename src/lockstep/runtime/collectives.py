@@ -56,7 +56,7 @@ def device_for_backend(capability: Sequence[str], current_index: Callable[[], in
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if _active(group):
-        with tracked("barrier", (), group):
+        with tracked("barrier", (), group, publish=True):
             dist.barrier(group)
 
 
@@ -79,7 +79,7 @@ def all_reduce_mean(
     if isinstance(value, torch.Tensor):
         tensor = value.detach().to(comm_device(group), torch.float64)
         if _active(group):
-            with tracked("allreduce (mean)", (tensor,), group):
+            with tracked("allreduce (mean)", (tensor,), group, publish=True):
                 dist.all_reduce(tensor, group=group)
             tensor /= dist.get_world_size(group)
         return tensor.to(value.device)
@@ -87,7 +87,7 @@ def all_reduce_mean(
     values = [float(value)] if isinstance(value, (int, float)) else list(value)
     packed = torch.tensor(values, dtype=torch.float64, device=comm_device(group))
     if _active(group):
-        with tracked("allreduce (mean)", (packed,), group):
+        with tracked("allreduce (mean)", (packed,), group, publish=True):
             dist.all_reduce(packed, group=group)
         packed /= dist.get_world_size(group)
     means: list[float] = packed.tolist()
@@ -98,7 +98,7 @@ def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup | None = No
     """Sum over ranks of a sequence of scalars, packed into one all-reduce (counts, metric sums)."""
     packed = torch.tensor(list(values), dtype=torch.float64, device=comm_device(group))
     if _active(group):
-        with tracked("allreduce (sum)", (packed,), group):
+        with tracked("allreduce (sum)", (packed,), group, publish=True):
             dist.all_reduce(packed, group=group)
     return packed.tolist()
 
@@ -119,11 +119,11 @@ def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = N
     device = comm_device(group)
     payload = _encode(obj).to(device) if get_rank() == src else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
-    with tracked("broadcast (object size)", (size,), group):
+    with tracked("broadcast (object size)", (size,), group, publish=True):
         dist.broadcast(size, src=src, group=group)
     if payload is None:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    with tracked("broadcast (object)", (payload,), group):
+    with tracked("broadcast (object)", (payload,), group, publish=True):
         dist.broadcast(payload, src=src, group=group)
     return _decode(payload)
 
@@ -137,12 +137,12 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
     payload = _encode(obj).to(device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    with tracked("allgather (object sizes)", (size,), group):
+    with tracked("allgather (object sizes)", (size,), group, publish=True):
         dist.all_gather(sizes, size, group=group)
     longest = max(int(s.item()) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    with tracked("allgather (objects)", (padded,), group):
+    with tracked("allgather (objects)", (padded,), group, publish=True):
         dist.all_gather(gathered, padded, group=group)
     return [_decode(t[: int(s.item())]) for t, s in zip(gathered, sizes)]

@@ -463,13 +463,18 @@ def current() -> Watchdog | None:
 
 
 @contextmanager
-def tracked(op: str, tensors: Sequence[torch.Tensor], group: Any = None) -> Iterator[CollectiveRecord]:
+def tracked(
+    op: str, tensors: Sequence[torch.Tensor], group: Any = None, *, publish: bool = False
+) -> Iterator[CollectiveRecord]:
     """A synchronous collective of lockstep's (the small collectives, SyncBatchNorm, join, broadcasts):
-    numbered, marked as waited on for the block, published at once (a rank whose collective mismatches
-    its peers' can be killed by gloo within milliseconds, before any heartbeat), reported if it raises."""
+    numbered, marked as waited on for the block, reported if it raises. `publish`: also written to the
+    store at once, for collectives whose shapes the caller's data decides (runtime/collectives.py): a rank
+    whose collective mismatches its peers' can be killed by gloo within milliseconds, before its next
+    heartbeat. Not for the engine's per-step collectives, whose shapes the model fixes (a store round
+    trip per step would cost more than all the rest of the tracking)."""
     rec = PROGRESS.issue(op, tensors, group)
     dog = _current
-    if dog is not None:
+    if publish and dog is not None:
         dog.publish_issued(rec)
     PROGRESS.begin_wait(rec)
     try:
