@@ -51,6 +51,7 @@ def misbehave(rank: int, step: int) -> None:
     elif CASE == "busy_loop":
         spin_forever()
     elif CASE == "sigstop":
+        time.sleep(1.0)  # > 2 heartbeats at a 4 s timeout: the last one shows this step and function
         os.kill(os.getpid(), signal.SIGSTOP)
     elif CASE == "die":
         os.kill(os.getpid(), signal.SIGKILL)
