@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lockstep.errors import CollectiveMismatchError, ConfigError, rank_tag
 from lockstep.runtime import all_gather_object, get_rank, get_world_size
 from lockstep.runtime.collectives import comm_device
+from lockstep.runtime.watchdog import tracked
 
 Rows = torch.Tensor | Sequence[torch.Tensor]
 _INDEX = "\x00indices"  # the indices travel as one more named column
@@ -153,7 +154,8 @@ def _gather_rows(
     padded = torch.zeros(max(max(rows), 1), *shape, dtype=wire, device=comm_device())
     padded[: mine.shape[0]] = mine.to(padded.device, wire)
     gathered = [torch.empty_like(padded) for _ in rows]
-    dist.all_gather(gathered, padded)
+    with tracked("allgather (evaluation outputs)", (padded,), None, publish=True):
+        dist.all_gather(gathered, padded)
     return torch.cat([g[:n] for g, n in zip(gathered, rows)]).to(home, dtype)
 
 
