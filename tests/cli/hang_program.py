@@ -69,6 +69,10 @@ def after_backward(rank: int, step: int) -> None:
             all_reduce_sum([1.0, 2.0])
         else:
             broadcast_object({"from": rank}, src=1)
+    elif CASE == "untracked":  # a collective of the user's own, which lockstep does not number
+        if rank == CULPRIT:
+            stuck_in_user_code()
+        torch.distributed.all_reduce(torch.ones(1))
     elif CASE == "slow_checkpoint":
         if rank == 0:
             with lockstep.phase("checkpoint"):  # what CheckpointManager.save does

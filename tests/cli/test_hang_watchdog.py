@@ -122,6 +122,18 @@ def test_rank_stuck_in_user_code_is_named_with_its_stack(tmp_path: Path, case: s
     assert frame in result.stderr  # the console report shows the stuck frame
 
 
+def test_wait_in_a_collective_of_the_users_own_is_seen_in_the_stack(tmp_path: Path) -> None:
+    """dist.all_reduce called by the program itself: no sequence number, but the watchdog sees the main
+    thread inside torch.distributed and the site that called it."""
+    result, elapsed = _run(tmp_path, "untracked")
+    report = _check_failed_job(tmp_path, result, elapsed)
+    waiter = report["ranks"]["0"]
+    assert waiter["waiting"] is None, waiter
+    assert waiter["untracked"].startswith("torch.distributed.all_reduce called at "), waiter["untracked"]
+    assert "hang_program.py" in waiter["untracked"] and "in after_backward" in waiter["untracked"]
+    assert any("in stuck_in_user_code" in f for f in report["ranks"]["1"]["stack"])
+
+
 def test_rank_stuck_in_data_loading_under_the_trainer(tmp_path: Path) -> None:
     result, elapsed = _run(tmp_path, "data_loading")
     report = _check_failed_job(tmp_path, result, elapsed)

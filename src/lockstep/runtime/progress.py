@@ -199,12 +199,17 @@ def phase(name: str) -> Iterator[None]:
 
 def call_site() -> str:
     """The innermost frame outside lockstep and torch: the user's line that led to this collective."""
-    frame = sys._getframe(2)
+    return user_site(sys._getframe(2))
+
+
+def user_site(frame: Any) -> str:
+    """'FILE:LINE in FUNC' of the innermost frame from `frame` outward that is neither lockstep's nor
+    torch's (nor contextlib's), '?' when there is none."""
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith(_NOT_THE_CALLER):
             return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return "?"
 
 

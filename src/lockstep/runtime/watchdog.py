@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.runtime import stall_verdict
-from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress
+from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user_site
 
 STALL_EXIT_CODE = 124  # like timeout(1): the job ran out of time waiting
 SLOW_FACTOR = 5.0  # checkpoint/evaluate phases and the first steps may keep others waiting this much longer
@@ -173,15 +173,9 @@ class Watchdog:
     def _untracked(self, frame: Any = None) -> str | None:
         """'torch.distributed.X called at SITE' when the main thread is inside torch's c10d Python API."""
         frame = frame or sys._current_frames().get(self.progress.main_thread or 0)
-        inner, site = frame, None
-        while frame is not None:
-            name = frame.f_code.co_filename
-            if site is None and "torch" not in name and "lockstep" not in name:
-                site = f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
-            frame = frame.f_back
-        if inner is None or not inner.f_code.co_filename.endswith(_C10D_FILES):
+        if frame is None or not frame.f_code.co_filename.endswith(_C10D_FILES):
             return None
-        return f"torch.distributed.{inner.f_code.co_name} called at {site or '?'}"
+        return f"torch.distributed.{frame.f_code.co_name} called at {user_site(frame)}"
 
     def _publish(self, *, exited: bool = False) -> None:
         self._beat += 1
