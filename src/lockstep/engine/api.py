@@ -7,7 +7,7 @@ import inspect
 import warnings
 import weakref
 from abc import abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from lockstep.engine.deterministic import DeterministicStep
 from lockstep.engine.join import EngineJoin
 from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, SyncPolicy
 from lockstep.engine.reducer import CommHook, Reducer
@@ -409,6 +410,43 @@ class ReplicaHandle(_JoinableReplica):
     def stats(self) -> EngineStats:
         """Bucket layout, last step's and mean timings (forward, backward, comm, overlap), bytes sent."""
         return self._replica.stats()
+
+    def accumulate(
+        self,
+        fn: Callable[[Any], Any],
+        micro_batches: Mapping[int, Any],
+        *,
+        num_micro_batches: int,
+        step: int,
+        seed: int = 0,
+    ) -> dict[int, Any]:
+        """One deterministic training step (SyncPolicy(deterministic=True)): the same bits at any world size.
+
+        The step's global batch is `num_micro_batches` (K) micro-batches of a fixed size; `micro_batches`
+        maps this rank's ordinals (`owned_micro_batches(K)`: rank r of W owns r, r + W, ...) to their
+        batches. `fn(batch)` runs forward and backward of one micro-batch (`loss.backward()`, its loss the
+        micro-batch's mean) and may return anything (the loss, say); it may be called twice for a micro-
+        batch in the rare step that is redone. Afterwards every rank's `.grad` holds the mean over the K
+        micro-batches, bit for bit the same at every world size. `step` and `seed` seed each micro-batch's
+        random numbers (dropout). Returns {ordinal: fn's result} for this rank's micro-batches.
+        """
+        return self._deterministic.run(
+            fn, micro_batches, num_micro_batches=num_micro_batches, step=step, seed=seed
+        )
+
+    def owned_micro_batches(self, num_micro_batches: int) -> list[int]:
+        """The ordinals of a step's K micro-batches that this rank computes in accumulate()."""
+        return self._deterministic.owned(num_micro_batches)
+
+    @property
+    def _deterministic(self) -> DeterministicStep:
+        step = self._replica.deterministic
+        if step is None:
+            raise UsageError(
+                "accumulate() is deterministic mode's step: replicate the module with "
+                "policy=lockstep.SyncPolicy(deterministic=True)"
+            )
+        return step
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self._replica.register_comm_hook(state, hook)

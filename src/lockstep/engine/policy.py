@@ -39,6 +39,11 @@ class SyncPolicy:
       status element). Ring all-reduces then sum the same elements in the same order as torch's, so the
       bits equal torch's at any world size. False (lockstep's own layout): large gradients are reduced
       in place and the missing-gradient count rides in the last bucket. The drop-in class sets True.
+    - deterministic: lockstep's deterministic mode (not torch's): training steps run through
+      `handle.accumulate(fn, micro_batches, num_micro_batches=K, step=i)` and give the same bits at any
+      world size: an exact fixed-point sum of per-micro-batch gradients, random numbers seeded per
+      micro-batch, BatchNorm statistics per micro-batch, running buffers replayed in order. Buckets,
+      communication hooks and join() do not apply; a training forward outside accumulate() raises.
     """
 
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
@@ -50,6 +55,7 @@ class SyncPolicy:
     reduce_dtype: torch.dtype | None = None
     upcast_half_precision: bool = True
     torch_bucket_layout: bool = False
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bucket_cap_mb", "first_bucket_mb"):
@@ -62,6 +68,18 @@ class SyncPolicy:
             raise ConfigError(
                 f"SyncPolicy.reduce_dtype must be None or a floating torch.dtype, got {self.reduce_dtype!r}"
             )
+
+        if self.deterministic:
+            conflicting = [
+                name
+                for name in ("static_graph", "gradient_as_bucket_view", "torch_bucket_layout")
+                if getattr(self, name)
+            ] + (["reduce_dtype"] if self.reduce_dtype is not None else [])
+            if conflicting:
+                raise ConfigError(
+                    f"SyncPolicy(deterministic=True) sums gradients exactly in its own format, without buckets; "
+                    f"{', '.join(conflicting)} cannot apply: leave {' and '.join(conflicting)} at the default"
+                )
 
     @property
     def bucket_cap_bytes(self) -> int:

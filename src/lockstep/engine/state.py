@@ -13,12 +13,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import _JoinConfig
 
+from lockstep.engine.deterministic import DeterministicStep
+from lockstep.engine.exact import ExactReducer
 from lockstep.engine.init_sync import broadcast_coalesced, check_same_model
 from lockstep.engine.join import EngineJoinHook, JoinSession, join_pre_forward
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import CommHook, Reducer
 from lockstep.engine.stats import EngineStats
-from lockstep.errors import NoProcessGroupError, NoTrainableParametersError, rank_tag
+from lockstep.errors import (
+    NoProcessGroupError,
+    NoTrainableParametersError,
+    NotSupportedError,
+    UsageError,
+    rank_tag,
+)
 from lockstep.runtime import watchdog
 from lockstep.runtime.collectives import comm_device
 from lockstep.runtime.process_group import hang_timeout_setting, unpin_world_group_defaults
@@ -85,24 +93,52 @@ class ReplicaState:
                 [p for _, p in named] + (self.buffers if init_sync_buffers else []), self._src, group
             )
         self.comm_device = comm_device(group)
-        self.reducer = Reducer(
-            [p for _, p in trainable],
-            [n for n, _ in trainable],
-            policy,
-            group,
-            rank=self.rank,
-            world_size=self.world,
-            sparse=_sparse_flags(module, [p for _, p in trainable]),
-            device=self.comm_device,
-        )
+        params = [p for _, p in trainable]
+        names = [n for n, _ in trainable]
+        sparse = _sparse_flags(module, list(params))
+        self._reducer: Reducer | None = None
+        self.deterministic: DeterministicStep | None = None
+        hook: Any
+        if policy.deterministic:
+            if any(sparse):
+                raise NotSupportedError(
+                    f"{self.tag}SyncPolicy(deterministic=True) sums dense gradients exactly; "
+                    f"{names[sparse.index(True)]!r} gets sparse ones (nn.Embedding(sparse=True)): make it dense"
+                )
+            exact = ExactReducer(
+                params, names, group, rank=self.rank, world_size=self.world, device=self.comm_device
+            )
+            self.deterministic = DeterministicStep(module, exact, group)
+            hook = exact.post_accumulate_grad
+        else:
+            self._reducer = Reducer(
+                params,
+                names,
+                policy,
+                group,
+                rank=self.rank,
+                world_size=self.world,
+                sparse=sparse,
+                device=self.comm_device,
+            )
+            hook = self._reducer.post_accumulate_grad
         self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self.reducer.post_accumulate_grad, i))
-            for i, (_, p) in enumerate(trainable)
+            p.register_post_accumulate_grad_hook(functools.partial(hook, i)) for i, p in enumerate(params)
         ]
         # join(): torch's Join sets the config (read by its notify_join_context); join.py does the rest.
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self.join_session: JoinSession | None = None
         self._t_forward = 0.0
+
+    @property
+    def reducer(self) -> Reducer:
+        """The bucketed reducer (every mode but deterministic, which sums exactly without buckets)."""
+        if self._reducer is None:
+            raise NotSupportedError(
+                f"{self.tag}this replica runs SyncPolicy(deterministic=True): buckets, communication hooks and "
+                "join() do not apply to its exact reduction; replicate with SyncPolicy() to use them"
+            )
+        return self._reducer
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -114,6 +150,9 @@ class ReplicaState:
         self._t_forward = time.perf_counter()
         if torch.is_grad_enabled():
             PROGRESS.begin_step()
+        if self.deterministic is not None:
+            self._check_deterministic_forward(self.deterministic)
+            return
         syncing = torch.is_grad_enabled() and self.flags.require_backward_grad_sync
         if self._join_config.enable:
             join_pre_forward(self, syncing)
@@ -124,6 +163,15 @@ class ReplicaState:
             with torch.no_grad():
                 broadcast_coalesced(self.buffers, self._src, self.group)
 
+    def _check_deterministic_forward(self, step: DeterministicStep) -> None:
+        if torch.is_grad_enabled() and self.module.training and not step.reducer.active:
+            raise UsageError(
+                f"{self.tag}{type(self.module).__name__} is replicated with SyncPolicy(deterministic=True), so a "
+                "training forward must run inside handle.accumulate(fn, micro_batches, num_micro_batches=K, "
+                "step=i); outside it nothing would average the gradients and the replicas would drift apart. "
+                "Evaluate under torch.no_grad() or model.eval()"
+            )
+
     def will_broadcast_buffers(self) -> bool:
         """pre_forward broadcasts buffers (torch's will_sync_module_buffers, in a world above 1)."""
         flags = self.flags
@@ -132,6 +180,8 @@ class ReplicaState:
         )
 
     def post_forward(self, output: Any) -> Any:
+        if self.deterministic is not None:
+            return output
         syncing = torch.is_grad_enabled() and self.flags.require_backward_grad_sync
         self.flags.require_forward_param_sync = syncing
         if syncing:
@@ -154,6 +204,7 @@ class ReplicaState:
     # torch's Joinable protocol (the DDP wrapper and the handle forward to these)
     def join_hook(self, **kwargs: Any) -> EngineJoinHook:
         """A JoinHook for torch's Join manager; kwargs: divide_by_initial_world_size (default True)."""
+        self.reducer  # noqa: B018  (raises in deterministic mode, where every rank runs every step)
         self.join_session = JoinSession(bool(kwargs.get("divide_by_initial_world_size", True)))
         return EngineJoinHook(self, self.join_session)
 
@@ -198,6 +249,20 @@ class ReplicaState:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
     def stats(self) -> EngineStats:
+        if self.deterministic is not None:
+            step = self.deterministic
+            return EngineStats(
+                world_size=self.world,
+                num_parameters=len(step.reducer.params),
+                num_buckets=0,
+                bucket_sizes_bytes=[],
+                bucket_num_params=[],
+                buckets_rebuilt=False,
+                synced_steps=step.steps,
+                last=None,
+                mean=None,
+                extras={"deterministic": True, "redone_steps": step.redos},
+            )
         r = self.reducer
         return EngineStats(
             world_size=self.world,
@@ -217,6 +282,8 @@ class ReplicaState:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.deterministic is not None:
+            self.deterministic.running.remove()
 
 
 def _sparse_flags(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:

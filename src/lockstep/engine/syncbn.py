@@ -24,6 +24,9 @@ gradients come back in the parameters' dtype. A rank with an empty batch still j
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -39,6 +42,19 @@ from lockstep.runtime.watchdog import tracked
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
 _WIRE_DTYPE = torch.float64
+# Inside a deterministic step the micro-batch is the batch: SyncBatchNorm normalizes with its statistics and
+# communicates nothing (ranks run different numbers of micro-batches; the statistics must not depend on them).
+_MICRO_BATCH_STATISTICS: ContextVar[bool] = ContextVar("lockstep_syncbn_micro_batch", default=False)
+
+
+@contextmanager
+def micro_batch_statistics() -> Iterator[None]:
+    """SyncBatchNorm layers use their own batch's statistics inside the block (deterministic mode)."""
+    token = _MICRO_BATCH_STATISTICS.set(True)
+    try:
+        yield
+    finally:
+        _MICRO_BATCH_STATISTICS.reset(token)
 
 
 def _reduce_dims(x: torch.Tensor) -> list[int]:
@@ -265,7 +281,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _sync_group(self) -> dist.ProcessGroup | None:
         """The group to synchronize over, or None when there is nobody to synchronize with."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if _MICRO_BATCH_STATISTICS.get() or not (dist.is_available() and dist.is_initialized()):
             return None
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         if dist.get_rank(group) < 0:

@@ -103,6 +103,37 @@ def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup | None = No
     return packed.tolist()
 
 
+def gather_rows(
+    rows: dict[int, torch.Tensor], num_rows: int, group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
+    """Every rank's float64 rows, by ordinal, on every rank: row i comes from the one rank that holds it.
+
+    `rows` maps ordinals in [0, num_rows) to 1-D tensors (lengths may differ); every ordinal is held by
+    exactly one rank. Two all-reduces of zero-filled buffers (lengths, then values): each element has one
+    non-zero contributor, so the sums are exact whatever the world size or the reduction order, and nothing
+    is unpickled. Deterministic mode exchanges metrics and BatchNorm statistics this way.
+    """
+    device = comm_device(group)
+    lengths = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    for ordinal, row in rows.items():
+        lengths[ordinal] = row.numel()
+    if _active(group):
+        with tracked("allreduce (row lengths)", (lengths,), group, publish=True):
+            dist.all_reduce(lengths, group=group)
+    sizes = lengths.tolist()
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    flat = torch.zeros(offsets[-1], dtype=torch.float64, device=device)
+    for ordinal, row in rows.items():
+        flat[offsets[ordinal] : offsets[ordinal + 1]] = row.detach().to(device, torch.float64)
+    if _active(group):
+        with tracked("allreduce (rows)", (flat,), group, publish=True):
+            dist.all_reduce(flat, group=group)
+    flat = torch.where(flat == 0, 0.0, flat)  # -0.0 + 0.0 is +0.0: make a world of 1 agree with the others
+    return [flat[offsets[i] : offsets[i + 1]] for i in range(num_rows)]
+
+
 def _encode(obj: Any) -> torch.Tensor:
     data = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)

@@ -1,0 +1,102 @@
+"""BatchNorm running statistics in deterministic mode: as if one process had run the micro-batches in order.
+
+In training mode a BatchNorm layer normalizes with its batch's statistics and folds them into its
+running buffers. In deterministic mode the batch is the micro-batch (its statistics do not depend on the
+world size, and SyncBatchNorm communicates nothing inside a step); the running buffers must not depend
+on which rank ran which micro-batch either. So: the buffers are snapshotted when a step begins, each
+training forward of a layer records (layer, count, mean, unbiased variance) for its micro-batch, and at the
+end of the step every rank restores the snapshot, receives every micro-batch's records (an exact
+exchange: gather_rows), and applies torch's update rule for micro-batch 0, 1, ..., K-1 in that order:
+the same float operations on every rank, at every world size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lockstep.runtime.collectives import gather_rows
+
+
+class RunningStats:
+    """The tracked BatchNorm layers of a module, their snapshot, and the records of the step under way."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.layers = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+        self._index = {id(m): i for i, m in enumerate(self.layers)}
+        self._snapshot: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._records: dict[int, list[torch.Tensor]] = {}
+        self.ordinal: int | None = None  # the micro-batch whose forward is running; None outside a step
+        self._hooks = [m.register_forward_pre_hook(self._record) for m in self.layers]
+
+    def begin(self) -> None:
+        """Snapshot the buffers (a redo begins again from the same snapshot)."""
+        self._records = {}
+        if not self._snapshot:
+            self._snapshot = [
+                (m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())  # type: ignore[union-attr]
+                for m in self.layers
+            ]
+
+    def _record(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
+        if self.ordinal is None or not layer.training or not args:
+            return
+        x = args[0]
+        with torch.no_grad():
+            xc = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+            dims = [0, *range(2, xc.dim())]
+            count = xc.numel() // max(xc.shape[1], 1)
+            var, mean = torch.var_mean(xc, dim=dims, correction=1)
+            head = torch.tensor(
+                [float(self._index[id(layer)]), float(count)], dtype=torch.float64, device=xc.device
+            )
+            row = torch.cat([head, mean.double(), var.double()])  # stays on the device: no sync per layer
+        self._records.setdefault(self.ordinal, []).append(row)
+
+    def finish(self, num_micro_batches: int, group: Any) -> None:
+        """Restore the snapshot and replay every micro-batch's statistics in ordinal order (a collective)."""
+        if not self.layers:
+            return
+        rows = {k: torch.cat(parts) for k, parts in self._records.items()}
+        everything = gather_rows(rows, num_micro_batches, group)
+        with torch.no_grad():
+            everything = [row.cpu() for row in everything]
+            for m, (mean, var, tracked) in zip(self.layers, self._snapshot):
+                m.running_mean.copy_(mean)  # type: ignore[union-attr]
+                m.running_var.copy_(var)  # type: ignore[union-attr]
+                m.num_batches_tracked.copy_(tracked)  # type: ignore[union-attr]
+            for row in everything:
+                self._replay(row)
+        self._snapshot, self._records = [], {}
+
+    def _replay(self, row: torch.Tensor) -> None:
+        offset = 0
+        while offset < row.numel():
+            layer = self.layers[int(row[offset])]
+            count = float(row[offset + 1])
+            channels = layer.num_features
+            mean = row[offset + 2 : offset + 2 + channels]
+            var = row[offset + 2 + channels : offset + 2 + 2 * channels]
+            offset += 2 + 2 * channels
+            _update(layer, mean, var, count)
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def _update(layer: _BatchNorm, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:
+    """torch's rule for one training forward: count it, then running = (1 - f) * running + f * batch."""
+    tracked = layer.num_batches_tracked
+    assert tracked is not None and layer.running_mean is not None and layer.running_var is not None
+    tracked.add_(1)
+    factor = 1.0 / float(tracked.item()) if layer.momentum is None else float(layer.momentum)
+    if count <= 1:
+        return  # torch's BatchNorm refuses such a batch in training; nothing to fold in
+    running_mean, running_var = layer.running_mean, layer.running_var
+    running_mean.mul_(1.0 - factor).add_(mean.to(running_mean), alpha=factor)
+    running_var.mul_(1.0 - factor).add_(var.to(running_var), alpha=factor)
