@@ -1,4 +1,4 @@
-"""The `lockstep` command: a thin dispatcher to its subcommands (run, slurm, env, train).
+"""The `lockstep` command: a thin dispatcher to its subcommands (run, slurm, env, train, compare).
 
 Each subcommand's module is imported only when it is chosen, so `lockstep run` never imports the
 engine or the trainer. User mistakes (ConfigError) print one line naming what to fix and exit 2;
@@ -19,6 +19,7 @@ commands:
   run     start N processes of a training script (torchrun's flags: -n, --nnodes, --rdzv-endpoint, ...)
   slurm   write an sbatch script that runs `lockstep run` on every node, and submit it (--dry-run: print it)
   train   run a lockstep training job (e.g. `lockstep train digits -n 2`)
+  compare tell whether two checkpoints (or runs: their newest checkpoint) are bitwise equal, and where not
   env     print versions, backends, devices, threads, launcher and topology (paste it into bug reports)
 
 `lockstep <command> --help` describes a command.
@@ -30,6 +31,7 @@ _COMMANDS: dict[str, str] = {
     "slurm": "lockstep.launch.slurm:main",
     "env": "lockstep.launch.envinfo:main",
     "train": "lockstep.jobs.cli:main",
+    "compare": "lockstep.checkpoint.compare:main",
 }
 
 

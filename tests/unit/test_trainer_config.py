@@ -157,3 +157,12 @@ def test_fit_refuses_an_iterable_dataset_before_any_setup(tmp_path: Path) -> Non
             config=FitConfig(run_dir=str(tmp_path)),
         )
     assert not list(tmp_path.iterdir())  # nothing was written
+
+
+def test_a_bool_setting_may_stand_alone_as_a_switch() -> None:
+    values, _ = read_overrides(["--deterministic", "--global-batch-size", "64"], switches={"deterministic"})
+    assert values == {"deterministic": "true", "global_batch_size": "64"}
+    config = config_from_mapping(FitConfig, *read_overrides(["--deterministic"], switches={"deterministic"}))
+    assert config.deterministic is True
+    with pytest.raises(ConfigError, match="--lr needs a value"):
+        read_overrides(["--lr", "--deterministic"], switches={"deterministic"})

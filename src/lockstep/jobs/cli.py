@@ -18,6 +18,7 @@ from lockstep.jobs.catalog import JOBS, job
 from lockstep.trainer.config import (
     FitConfig,
     Source,
+    bool_settings,
     config_from_mapping,
     config_to_dict,
     load_config_file,
@@ -31,6 +32,7 @@ jobs:
 Any setting of the job's config can be given as --key value (or --key=value), e.g.
   lockstep train digits -n 2 --run-dir runs/digits --epochs 30 --lr 0.002
   lockstep train gpt -n 2 --run-dir runs/gpt --max-steps 100 --precision bf16
+  lockstep train digits -n 3 --deterministic --global-batch-size 64 --micro-batch-size 8
   lockstep train mnist -n 2 --run-dir runs/mnist --data /usr/share/datasets/fashion-mnist/
 The resolved config is saved as RUN_DIR/config.json (and config.yaml when pyyaml is installed).
 A run directory that already holds checkpoints resumes from the newest valid one (--resume never to start over).
@@ -91,7 +93,7 @@ def resolve_config(
         from_file = load_config_file(config_file)
         values.update(from_file)
         sources.update(dict.fromkeys(from_file, Source.file(config_file)))
-    flag_values, flag_sources = read_overrides(overrides)
+    flag_values, flag_sources = read_overrides(overrides, switches=bool_settings(config_cls))
     values.update(flag_values)
     sources.update(flag_sources)
     if run_dir:

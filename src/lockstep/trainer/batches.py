@@ -1,13 +1,67 @@
-"""Batches in the trainer: split into (inputs, targets), moved to the device, counted in samples."""
+"""Batches in the trainer: how a step's global batch is cut, split into (inputs, targets), moved, counted."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
 
 from lockstep.errors import ConfigError
+
+
+class BatchSettings(Protocol):
+    batch_size: int
+    grad_accum_steps: int
+    global_batch_size: int | None
+    micro_batch_size: int | None
+    deterministic: bool
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's samples are cut: the same global batch, split by world size or not."""
+
+    global_batch_size: int
+    micro_batch_size: int  # samples of one forward/backward
+    micro_batches_per_rank: int  # default mode: forward/backward passes per rank and step
+    num_micro_batches: int  # deterministic mode: micro-batches per step over all ranks (0 otherwise)
+
+
+def plan_batches(config: BatchSettings, world_size: int) -> BatchPlan:
+    """The step's cut for `config` on `world_size` ranks, or a ConfigError naming the sizes to change."""
+    total = config.global_batch_size
+    if total is None:
+        if config.deterministic:
+            raise ConfigError(
+                "deterministic=True needs a global batch that does not depend on the world size: set "
+                "global_batch_size (e.g. --global-batch-size 64 --micro-batch-size 8)"
+            )
+        per_rank = config.batch_size * config.grad_accum_steps
+        return BatchPlan(per_rank * world_size, config.batch_size, config.grad_accum_steps, 0)
+    if config.deterministic:
+        micro = config.micro_batch_size or min(config.batch_size, total)
+        if total % micro:
+            raise ConfigError(
+                f"global_batch_size={total} is not a multiple of the micro-batch size {micro} "
+                f"({'micro_batch_size' if config.micro_batch_size else 'batch_size'}); deterministic mode cuts "
+                "every step into whole micro-batches: choose a micro_batch_size that divides it"
+            )
+        return BatchPlan(total, micro, 0, total // micro)
+    if total % world_size:
+        raise ConfigError(
+            f"global_batch_size={total} does not split evenly over {world_size} ranks; choose a multiple of "
+            f"{world_size}, or use deterministic=True (micro-batches need not match the ranks)"
+        )
+    share = total // world_size
+    micro = config.micro_batch_size or share
+    if share % micro:
+        raise ConfigError(
+            f"each of {world_size} ranks takes {share} samples of global_batch_size={total}, not a multiple of "
+            f"micro_batch_size={micro}; choose a micro_batch_size that divides {share}"
+        )
+    return BatchPlan(total, micro, share // micro, 0)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

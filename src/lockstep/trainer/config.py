@@ -14,7 +14,7 @@ import json
 import math
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -97,7 +97,14 @@ def one_of(*choices: str) -> Bound:
 
 @dataclass
 class FitConfig:
-    """Settings of `lockstep.fit`. Batch size is per rank: the global batch is batch_size * world_size * accum."""
+    """Settings of `lockstep.fit`. Batch size is per rank: the global batch is batch_size * world_size * accum.
+
+    global_batch_size fixes the global batch instead, whatever the world size (batch_size and
+    grad_accum_steps are then derived): each rank takes global_batch_size / world_size samples per step,
+    in micro-batches of micro_batch_size (default: all at once). deterministic=True (needs
+    global_batch_size) gives the same bits at any world size: the step is cut into micro-batches of
+    micro_batch_size (default: batch_size) over all ranks and reduced exactly (SyncPolicy(deterministic)).
+    """
 
     run_dir: str = "runs/default"
     epochs: int = 1
@@ -123,6 +130,9 @@ class FitConfig:
     num_workers: int = 0
     device: str = "auto"  # auto | cpu | cuda
     progress: str = "auto"  # auto | bar | lines | none
+    global_batch_size: int | None = None  # samples per optimizer step over all ranks; fixed at any world size
+    micro_batch_size: int | None = None  # samples per forward/backward when global_batch_size is set
+    deterministic: bool = False  # the same bits at any world size (needs global_batch_size)
 
     # Allowed values beyond the annotation, by field. A subclass adds its own: the MRO is searched.
     BOUNDS: ClassVar[Mapping[str, Bound]] = {
@@ -147,6 +157,8 @@ class FitConfig:
         "num_workers": at_least(0),
         "device": one_of("auto", "cpu", "cuda"),
         "progress": one_of("auto", "bar", "lines", "none"),
+        "global_batch_size": at_least(1),
+        "micro_batch_size": at_least(1),
     }
 
     def __post_init__(self) -> None:
@@ -327,8 +339,13 @@ def _unknown_text(name: str, source: Source, known: set[str]) -> str:
     return f"{name!r} from {source.label}{hint}"
 
 
-def read_overrides(tokens: Sequence[str]) -> tuple[dict[str, str], dict[str, Source]]:
-    """`--key value` and `--key=value` pairs: the values by key (dashes become underscores) and their flags."""
+def read_overrides(
+    tokens: Sequence[str], switches: Collection[str] = ()
+) -> tuple[dict[str, str], dict[str, Source]]:
+    """`--key value` and `--key=value` pairs: the values by key (dashes become underscores) and their flags.
+
+    A key in `switches` (the bool settings) may also stand alone: `--deterministic` means true.
+    """
     values: dict[str, str] = {}
     sources: dict[str, Source] = {}
     index = 0
@@ -337,12 +354,16 @@ def read_overrides(tokens: Sequence[str]) -> tuple[dict[str, str], dict[str, Sou
         if not token.startswith("--") or token == "--":
             raise ConfigError(f"expected --key value, got {token!r}")
         flag, eq, value = token.partition("=")
-        if not eq:
-            if index + 1 >= len(tokens) or tokens[index + 1].startswith("--"):
-                raise ConfigError(f"{flag} needs a value: {flag} VALUE or {flag}=VALUE")
-            value = tokens[index + 1]
-            index += 1
         key = flag[2:].replace("-", "_")
+        if not eq:
+            alone = index + 1 >= len(tokens) or tokens[index + 1].startswith("--")
+            if alone and key not in switches:
+                raise ConfigError(f"{flag} needs a value: {flag} VALUE or {flag}=VALUE")
+            if alone:
+                value = "true"
+            else:
+                value = tokens[index + 1]
+                index += 1
         values[key] = value
         sources[key] = Source.flag(flag)
         index += 1
@@ -376,6 +397,11 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             f"config file {str(path)!r} must hold a mapping of settings, got {type(data).__name__}"
         )
     return data
+
+
+def bool_settings(cls: type) -> set[str]:
+    """The names of the bool fields of config dataclass `cls` (the --flags that may stand alone)."""
+    return {name for name, hint in _field_types(cls).items() if hint is bool}
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:

@@ -21,16 +21,19 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lockstep.checkpoint import CheckpointManager
-from lockstep.data import DistributedSampler, EvalSampler
-from lockstep.engine.api import DistributedDataParallel
+from lockstep.checkpoint.compare import state_sha256
+from lockstep.data import DistributedSampler, EvalSampler, MicroBatchSampler
+from lockstep.engine.api import DistributedDataParallel, ReplicaHandle, replicate
+from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError
 from lockstep.runtime import barrier, broadcast_object, get_logger, init
+from lockstep.runtime.micro_batches import owned_micro_batches
 from lockstep.runtime.progress import DATA, EVALUATE, OPTIMIZER, PROGRESS, phase
 from lockstep.runtime.topology import Topology
-from lockstep.trainer.batches import batch_len, split_batch, to_device
+from lockstep.trainer.batches import batch_len, plan_batches, split_batch, to_device
 from lockstep.trainer.config import FitConfig, config_to_dict
-from lockstep.trainer.metrics import MetricBuffer
+from lockstep.trainer.metrics import MetricBuffer, OrderedMetrics
 from lockstep.trainer.optim import build_optimizer, build_scheduler
 from lockstep.trainer.progress import ProgressBar
 from lockstep.trainer.run_log import RunLog
@@ -127,35 +130,60 @@ class _Run:
         if config.sync_batchnorm:
             model = convert_sync_batchnorm(model)
         self.module = model.to(self.device)
-        self.model = DistributedDataParallel(
-            self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None
-        )
-        # fit() checked that the datasets are map-style (_require_map_style).
-        self.sampler = DistributedSampler(
-            cast(Sized, train_data), shuffle=True, seed=config.seed, drop_last=True
-        )
-        # The loop tells the sampler what it consumed: with DataLoader workers, what the sampler yielded
-        # runs ahead of what was trained on, and resume must continue after the last trained sample.
-        self.sampler.advance(0)
+        self.plan = plan_batches(config, topo.world_size)
+        self.deterministic = config.deterministic
+        pin = self.device.type == "cuda"  # pinned host memory lets to_device copy batches asynchronously
         # Its own generator, reseeded each epoch: otherwise iter(loader) draws worker seeds from the global
         # stream, and a resumed run (which calls iter() at another step) would shift every later draw.
         self.loader_generator = torch.Generator()
-        # Pinned host memory lets to_device copy batches to the GPU asynchronously.
-        self.loader = DataLoader(
-            train_data,
-            batch_size=config.batch_size,
-            sampler=self.sampler,
-            num_workers=config.num_workers,
-            drop_last=True,
-            generator=self.loader_generator,
-            pin_memory=self.device.type == "cuda",
-        )
-        self.eval_loader = _eval_loader(eval_data, config, pin_memory=self.device.type == "cuda")
-        self.steps_per_epoch = math.ceil(len(self.loader) / config.grad_accum_steps)
+        self.handle: ReplicaHandle | None = None
+        self.sampler: DistributedSampler | MicroBatchSampler
+        if self.deterministic:
+            self.handle = replicate(self.module, policy=SyncPolicy(deterministic=True))
+            self.model: nn.Module = self.module
+            self.sampler = MicroBatchSampler(
+                cast(Sized, train_data),
+                self.plan.micro_batch_size,
+                self.plan.num_micro_batches,
+                shuffle=True,
+                seed=config.seed,
+            )
+            self.loader = DataLoader(
+                train_data,
+                batch_sampler=self.sampler,
+                num_workers=config.num_workers,
+                generator=self.loader_generator,
+                pin_memory=pin,
+            )
+            self.micro_per_step = len(self.handle.owned_micro_batches(self.plan.num_micro_batches))
+        else:
+            self.model = DistributedDataParallel(
+                self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+            # fit() checked that the datasets are map-style (_require_map_style).
+            self.sampler = DistributedSampler(
+                cast(Sized, train_data), shuffle=True, seed=config.seed, drop_last=True
+            )
+            self.loader = DataLoader(
+                train_data,
+                batch_size=self.plan.micro_batch_size,
+                sampler=self.sampler,
+                num_workers=config.num_workers,
+                drop_last=True,
+                generator=self.loader_generator,
+                pin_memory=pin,
+            )
+            self.micro_per_step = self.plan.micro_batches_per_rank
+        # The loop tells the sampler what it consumed: with DataLoader workers, what the sampler yielded
+        # runs ahead of what was trained on, and resume must continue after the last trained sample.
+        self.sampler.advance(0)
+        self.eval_loader = _eval_loader(eval_data, config, topo, pin_memory=pin)
+        self.steps_per_epoch = self._steps_in_epoch()
         if self.steps_per_epoch == 0:
             raise ConfigError(
-                f"the training set of {len(train_data)} samples gives no full batch of {config.batch_size} "  # type: ignore[arg-type]
-                f"per rank on {topo.world_size} ranks; lower batch_size or use fewer processes"
+                f"the training set of {len(train_data)} samples gives no full step of "  # type: ignore[arg-type]
+                f"{self.plan.global_batch_size} samples on {topo.world_size} ranks; lower batch_size (or "
+                "global_batch_size) or use fewer processes"
             )
         self.total_steps = config.epochs * self.steps_per_epoch
         if config.max_steps is not None:
@@ -168,7 +196,9 @@ class _Run:
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep_checkpoints)
         self.runlog = RunLog(self.run_dir, enabled=topo.is_main)
         self.bar = ProgressBar(self.total_steps, enabled=topo.is_main, mode=config.progress)
-        self.train_metrics = MetricBuffer()
+        self.train_metrics: MetricBuffer | OrderedMetrics = (
+            OrderedMetrics() if self.deterministic else MetricBuffer()
+        )
         self.last_eval: dict[str, float] = {}
         self.last_train: dict[str, float] = {}
         self.saved_step: int | None = None
@@ -218,24 +248,36 @@ class _Run:
         if not broadcast_object(logged):  # only rank 0 keeps the log; every rank must agree to evaluate
             self._evaluate()
 
+    def _steps_in_epoch(self) -> int:
+        """Optimizer steps of the epoch the sampler is set to (fewer after a mid-epoch resume)."""
+        if isinstance(self.sampler, MicroBatchSampler):
+            return self.sampler.num_steps()
+        return math.ceil(len(self.loader) / self.micro_per_step)
+
     def _train_epoch(self) -> None:
         self.module.train()
         self.sampler.set_epoch(self.counters.epoch)  # resumes mid-epoch when the loaded state stopped there
         self.loader_generator.manual_seed(self.config.seed * 1_000_003 + self.counters.epoch)
+        steps_left = self._steps_in_epoch()
+        micro_left = len(self.loader)  # this rank's micro-batches left in the epoch
         micro_batches = iter(self.loader)
-        remaining = len(self.loader)  # micro-batches left in this epoch (fewer after a mid-epoch resume)
-        while remaining > 0 and self.counters.step < self.total_steps:
+        while steps_left > 0 and self.counters.step < self.total_steps:
             PROGRESS.set_phase(DATA)  # the hang watchdog names the phase a stuck rank is in
-            group = _take(micro_batches, min(self.config.grad_accum_steps, remaining))
-            if not group:
-                remaining = 0  # the loader ended early (the dataset shrank under it): the epoch is done
+            wanted = min(self.micro_per_step, micro_left)
+            group = _take(micro_batches, wanted)
+            if len(group) < wanted or not (group or self.deterministic):
+                steps_left = 0  # the loader ended early (the dataset shrank under it): the epoch is done
                 break
-            remaining -= len(group)
-            self._optimizer_step(group)
+            micro_left -= len(group)
+            steps_left -= 1
+            if self.deterministic:
+                self._deterministic_step(group)
+            else:
+                self._optimizer_step(group)
             self.counters.step += 1
             self.bar.advance(self.counters.step)
             self._after_step()
-        if remaining > 0:
+        if steps_left > 0:
             return  # stopped by the step budget in the middle of an epoch: stay in it (resumable)
         self.counters.epoch += 1
         if self.config.checkpoint_every == 0:
@@ -250,12 +292,44 @@ class _Run:
             counts.append(batch_len(targets))
             last = index == len(group) - 1
             # Accumulate locally; the engine reduces the summed gradients only on the group's last backward.
-            with contextlib.nullcontext() if last else self.model.no_sync():
+            with contextlib.nullcontext() if last else self.model.no_sync():  # type: ignore[operator]
                 with self._autocast():
                     outputs = self.model(inputs)
                     loss = self.loss_fn(outputs, targets)
                 self.scaler.scale(loss / len(group)).backward()
-            self._record(self.train_metrics, "train", outputs, targets, loss, counts[-1])
+            self._record(cast(MetricBuffer, self.train_metrics), "train", outputs, targets, loss, counts[-1])
+        self._update(sum(counts) * self.topo.world_size)
+
+    def _deterministic_step(self, group: list[Any]) -> None:
+        """One step of deterministic mode: this rank's micro-batches through the engine's exact accumulate()."""
+        assert self.handle is not None
+        num = self.plan.num_micro_batches
+        owned = self.handle.owned_micro_batches(num)
+        results = self.handle.accumulate(
+            self._micro_step,
+            dict(zip(owned, group)),
+            num_micro_batches=num,
+            step=self.counters.step,
+            seed=self.config.seed,
+        )
+        metrics = cast(OrderedMetrics, self.train_metrics)
+        names = self._metric_names("train")
+        for ordinal, (sums, count) in results.items():
+            metrics.add(metrics.num_rows + ordinal, sums, count, names)  # rows since the last reduce
+        metrics.num_rows += num
+        self._update(self.plan.global_batch_size)
+
+    def _micro_step(self, batch: Any) -> tuple[dict[str, torch.Tensor], int]:
+        """Forward and backward of one micro-batch (deterministic mode); its metric sums and sample count."""
+        inputs, targets = to_device(split_batch(batch), self.device)
+        with self._autocast():
+            outputs = self.model(inputs)
+            loss = self.loss_fn(outputs, targets)
+        self.scaler.scale(loss).backward()
+        return self._sums("train", outputs, targets, loss, batch_len(targets))
+
+    def _update(self, samples: int) -> None:
+        """The optimizer's part of a step, after the gradients are averaged; `samples` over all ranks."""
         PROGRESS.set_phase(OPTIMIZER)
         if self.config.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
@@ -264,9 +338,16 @@ class _Run:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        samples = sum(counts) * self.topo.world_size
         self.counters.samples += samples
         self.sampler.advance(samples)
+
+    def _sums(
+        self, prefix: str, outputs: Any, targets: Any, loss: torch.Tensor, count: int
+    ) -> tuple[dict[str, torch.Tensor], int]:
+        sums = {f"{prefix}_loss": loss.detach().double() * count}
+        if self.config.task == "classification":
+            sums[f"{prefix}_accuracy"] = (outputs.argmax(dim=-1) == targets).sum().double()
+        return sums, count
 
     def _record(
         self, metrics: MetricBuffer, prefix: str, outputs: Any, targets: Any, loss: torch.Tensor, count: int
@@ -310,15 +391,24 @@ class _Run:
     @phase(EVALUATE)
     def _evaluate(self) -> None:
         self.module.eval()  # the bare module: eval shards are unequal and must not trigger any collective
-        metrics = MetricBuffer()
-        for batch in self.eval_loader or ():
-            inputs, targets = to_device(split_batch(batch), self.device)
-            with self._autocast():
-                outputs = self.module(inputs)
-                loss = self.loss_fn(outputs, targets)
-            self._record(metrics, "eval", outputs, targets, loss, batch_len(targets))
         names = self._metric_names("eval")
-        sums, total = metrics.reduce_sums(names)  # collective: every rank is here
+        sampler = self.eval_loader.batch_sampler if self.eval_loader is not None else None
+        if isinstance(sampler, MicroBatchSampler):  # deterministic: blocks of a fixed size, summed in order
+            blocks = OrderedMetrics()
+            blocks.num_rows = sampler.num_micro_batches
+            owned = owned_micro_batches(sampler.num_micro_batches, self.topo.world_size, self.topo.rank)
+            for ordinal, batch in zip(owned, self.eval_loader or ()):
+                blocks.add(ordinal, *self._eval_sums(batch), names)
+            sums, total = blocks.reduce_sums(names)
+        else:
+            metrics = MetricBuffer()
+            for batch in self.eval_loader or ():
+                inputs, targets = to_device(split_batch(batch), self.device)
+                with self._autocast():
+                    outputs = self.module(inputs)
+                    loss = self.loss_fn(outputs, targets)
+                self._record(metrics, "eval", outputs, targets, loss, batch_len(targets))
+            sums, total = metrics.reduce_sums(names)  # collective: every rank is here
         self.module.train()
         self.eval_step = self.counters.step
         means = {name: value / max(total, 1) for name, value in zip(names, sums)}
@@ -330,6 +420,13 @@ class _Run:
         self.bar.message(
             " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
         )
+
+    def _eval_sums(self, batch: Any) -> tuple[dict[str, torch.Tensor], int]:
+        inputs, targets = to_device(split_batch(batch), self.device)
+        with self._autocast():
+            outputs = self.module(inputs)
+            loss = self.loss_fn(outputs, targets)
+        return self._sums("eval", outputs, targets, loss, batch_len(targets))
 
     def _save_checkpoint(self) -> None:
         if self.saved_step == self.counters.step:
@@ -356,7 +453,11 @@ class _Run:
             "samples_this_run": samples,
             "wall_time_s": round(wall, 3),
             "samples_per_second": round(samples / wall, 2) if samples and wall > 0 else None,
-            "global_batch_size": self.config.batch_size * self.config.grad_accum_steps * self.topo.world_size,
+            "global_batch_size": self.plan.global_batch_size,
+            "micro_batch_size": self.plan.micro_batch_size,
+            "deterministic": self.deterministic,
+            "params_sha256": state_sha256(self.module.state_dict()),
+            "optimizer_sha256": state_sha256(self.optimizer.state_dict()),
             "final_train": self.last_train or None,
             **self.last_eval,
             "config": config_to_dict(self.config),
@@ -393,12 +494,29 @@ def _choose_device(requested: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _eval_loader(eval_data: Dataset | None, config: FitConfig, *, pin_memory: bool) -> DataLoader | None:
+def _eval_loader(
+    eval_data: Dataset | None, config: FitConfig, topo: Topology, *, pin_memory: bool
+) -> DataLoader | None:
     if eval_data is None:
         return None
+    block = config.batch_size * 4
+    if config.deterministic:  # blocks of a fixed size, assigned like micro-batches: one "step" of them all
+        num_blocks = max(math.ceil(len(cast(Sized, eval_data)) / block), 1)
+        sampler = MicroBatchSampler(
+            cast(Sized, eval_data),
+            block,
+            num_blocks,
+            num_replicas=topo.world_size,
+            rank=topo.rank,
+            shuffle=False,
+            drop_last=False,
+        )
+        return DataLoader(
+            eval_data, batch_sampler=sampler, num_workers=config.num_workers, pin_memory=pin_memory
+        )
     return DataLoader(
         eval_data,
-        batch_size=config.batch_size * 4,
+        batch_size=block,
         sampler=EvalSampler(cast(Sized, eval_data)),
         num_workers=config.num_workers,
         pin_memory=pin_memory,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
 
 from lockstep.runtime import all_reduce_sum
+from lockstep.runtime.collectives import gather_rows
 
 
 class MetricBuffer:
@@ -68,3 +70,40 @@ def _as_float64(value: torch.Tensor | float) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().to(torch.float64)
     return torch.tensor(float(value), dtype=torch.float64)
+
+
+class OrderedMetrics:
+    """Deterministic mode's metrics: one row per micro-batch (or evaluation block), summed in ordinal order.
+
+    Which rank computed a row does not matter: rows travel through an exact exchange (gather_rows) and
+    math.fsum adds them correctly rounded, so the means are the same bits at every world size. The loop
+    says how many rows every rank expects (`num_rows`), which the rows held locally cannot tell.
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[int, list[torch.Tensor]] = {}
+        self.num_rows = 0  # rows expected since the last reduce, over all ranks
+
+    def add(
+        self, ordinal: int, sums: Mapping[str, torch.Tensor | float], count: int, names: list[str]
+    ) -> None:
+        """The row of micro-batch `ordinal`: its sample count and its sums of `names` (0 where absent)."""
+        values = [_as_float64(sums.get(name, 0.0)).reshape(()) for name in names]
+        self._rows[ordinal] = [torch.tensor(float(count), dtype=torch.float64), *[v.cpu() for v in values]]
+
+    @property
+    def count(self) -> int:
+        return self.num_rows
+
+    def reduce_sums(self, names: list[str]) -> tuple[list[float], int]:
+        """Global sums of `names` and the global sample count (a collective: every rank calls it); resets."""
+        rows = {ordinal: torch.stack(values) for ordinal, values in self._rows.items()}
+        everything = [row.tolist() for row in gather_rows(rows, self.num_rows)]
+        self._rows, self.num_rows = {}, 0
+        present = [row for row in everything if row]
+        count = int(math.fsum(row[0] for row in present))
+        return [math.fsum(row[1 + i] for row in present) for i in range(len(names))], count
+
+    def reduce(self, names: list[str]) -> tuple[dict[str, float], int]:
+        sums, count = self.reduce_sums(names)
+        return {name: (total / count if count else float("nan")) for name, total in zip(names, sums)}, count
