@@ -50,10 +50,10 @@ REGENERATE = "PYTHONPATH=src python tests/unit/test_public_api.py --write"
 SURFACE: dict[str, dict[str, str]] = {
     "lockstep": {
         "DistributedDataParallel": "class(module: 'nn.Module', device_ids: 'Sequence[int | torch.device] | None' = None, output_device: 'int | torch.device | None' = None, dim: 'int' = 0, broadcast_buffers: 'bool | None' = None, init_sync: 'bool' = True, process_group: 'dist.ProcessGroup | None' = None, bucket_cap_mb: 'float | None' = None, find_unused_parameters: 'bool' = False, check_reduction: 'bool' = False, gradient_as_bucket_view: 'bool' = False, static_graph: 'bool' = False, delay_all_reduce_named_params: 'Any' = None, param_to_hook_all_reduce: 'Any' = None, mixed_precision: 'Any' = None, device_mesh: 'Any' = None, skip_all_reduce_unused_params: 'bool' = False, bucket_cap_mb_list: 'list[int] | None' = None, batched_grad_copy: 'bool' = False, forward_sync_buffers: 'bool | None' = None) -> 'None'",
-        "FitConfig": "class(run_dir: 'str' = 'runs/default', epochs: 'int' = 1, max_steps: 'int | None' = None, batch_size: 'int' = 32, grad_accum_steps: 'int' = 1, optimizer: 'str' = 'adamw', lr: 'float' = 0.001, weight_decay: 'float' = 0.0, momentum: 'float' = 0.9, lr_schedule: 'str' = 'constant', warmup_steps: 'int' = 0, clip_grad_norm: 'float | None' = None, precision: 'str' = 'fp32', sync_batchnorm: 'bool' = False, task: 'str' = 'classification', eval_every: 'int' = 0, log_every: 'int' = 10, checkpoint_every: 'int' = 0, keep_checkpoints: 'int' = 3, resume: 'str' = 'auto', seed: 'int' = 0, num_workers: 'int' = 0, device: 'str' = 'auto', progress: 'str' = 'auto') -> None",
+        "FitConfig": "class(run_dir: 'str' = 'runs/default', epochs: 'int' = 1, max_steps: 'int | None' = None, batch_size: 'int' = 32, grad_accum_steps: 'int' = 1, optimizer: 'str' = 'adamw', lr: 'float' = 0.001, weight_decay: 'float' = 0.0, momentum: 'float' = 0.9, lr_schedule: 'str' = 'constant', warmup_steps: 'int' = 0, clip_grad_norm: 'float | None' = None, precision: 'str' = 'fp32', sync_batchnorm: 'bool' = False, task: 'str' = 'classification', eval_every: 'int' = 0, log_every: 'int' = 10, checkpoint_every: 'int' = 0, keep_checkpoints: 'int' = 3, resume: 'str' = 'auto', seed: 'int' = 0, num_workers: 'int' = 0, device: 'str' = 'auto', progress: 'str' = 'auto', global_batch_size: 'int | None' = None, micro_batch_size: 'int | None' = None, deterministic: 'bool' = False) -> None",
         "FitResult": "class(summary: 'dict[str, Any]', history: 'list[dict[str, Any]]' = <factory>) -> None",
         "ReplicaHandle": "class(replica: 'ReplicaState', hooks: 'list[Any]') -> 'None'",
-        "SyncPolicy": "class(bucket_cap_mb: 'float' = 25.0, first_bucket_mb: 'float' = 1.0, find_unused_parameters: 'bool' = False, static_graph: 'bool' = False, gradient_as_bucket_view: 'bool' = False, broadcast_buffers: 'bool' = True, reduce_dtype: 'torch.dtype | None' = None, upcast_half_precision: 'bool' = True, torch_bucket_layout: 'bool' = False) -> None",
+        "SyncPolicy": "class(bucket_cap_mb: 'float' = 25.0, first_bucket_mb: 'float' = 1.0, find_unused_parameters: 'bool' = False, static_graph: 'bool' = False, gradient_as_bucket_view: 'bool' = False, broadcast_buffers: 'bool' = True, reduce_dtype: 'torch.dtype | None' = None, upcast_half_precision: 'bool' = True, torch_bucket_layout: 'bool' = False, deterministic: 'bool' = False) -> None",
         "Topology": "class(rank: 'int' = 0, local_rank: 'int' = 0, world_size: 'int' = 1, local_world_size: 'int' = 1, node_rank: 'int' = 0, num_nodes: 'int' = 1, master_addr: 'str' = '127.0.0.1', master_port: 'int' = 0, launcher: 'str' = 'none', agent_store_attempt: 'int | None' = None) -> None",
         "__version__": "str",
         "all_reduce_mean": "def(value: 'float | torch.Tensor | Sequence[float]', group: 'dist.ProcessGroup | None' = None) -> 'Any'",
@@ -80,11 +80,15 @@ SURFACE: dict[str, dict[str, str]] = {
     "lockstep.checkpoint": {
         "CheckpointLayout": "class(run_dir: 'Path') -> None",
         "CheckpointManager": "class(run_dir: 'str | os.PathLike[str]', keep: 'int' = 3) -> 'None'",
+        "Comparison": "class(equal: 'bool', compared: 'int', path: 'str' = '', detail: 'str' = '') -> None",
         "Stateful": "class(*args, **kwargs)",
+        "compare_checkpoints": "def(a: 'str | Path', b: 'str | Path') -> 'Comparison'",
+        "state_sha256": "def(state: 'Any') -> 'str'",
     },
     "lockstep.data": {
         "DistributedSampler": "class(dataset: 'Sized', num_replicas: 'int | None' = None, rank: 'int | None' = None, shuffle: 'bool' = True, seed: 'int' = 0, drop_last: 'bool' = False) -> 'None'",
         "EvalSampler": "class(dataset: 'Sized', num_replicas: 'int | None' = None, rank: 'int | None' = None) -> 'None'",
+        "MicroBatchSampler": "class(dataset: 'Sized', micro_batch_size: 'int', num_micro_batches: 'int', *, num_replicas: 'int | None' = None, rank: 'int | None' = None, shuffle: 'bool' = True, seed: 'int' = 0, drop_last: 'bool' = True) -> 'None'",
         "gather_eval": "def(values: 'Rows | Mapping[str, Rows]', *, indices: 'Rows | None' = None, num_samples: 'int | None' = None) -> 'torch.Tensor | dict[str, torch.Tensor]'",
         "reduce_eval": "def(sums: 'Mapping[str, float | int | bool | torch.Tensor]') -> 'dict[str, float | int]'",
     },
@@ -94,7 +98,7 @@ SURFACE: dict[str, dict[str, str]] = {
         "GradBucket": "class(bucket: 'Bucket', num_buckets: 'int') -> 'None'",
         "ReplicaHandle": "class(replica: 'ReplicaState', hooks: 'list[Any]') -> 'None'",
         "StepStats": "class(step: 'int', forward_ms: 'float', backward_ms: 'float', comm_ms: 'float', comm_hidden_ms: 'float', finalize_ms: 'float', bytes_communicated: 'int') -> None",
-        "SyncPolicy": "class(bucket_cap_mb: 'float' = 25.0, first_bucket_mb: 'float' = 1.0, find_unused_parameters: 'bool' = False, static_graph: 'bool' = False, gradient_as_bucket_view: 'bool' = False, broadcast_buffers: 'bool' = True, reduce_dtype: 'torch.dtype | None' = None, upcast_half_precision: 'bool' = True, torch_bucket_layout: 'bool' = False) -> None",
+        "SyncPolicy": "class(bucket_cap_mb: 'float' = 25.0, first_bucket_mb: 'float' = 1.0, find_unused_parameters: 'bool' = False, static_graph: 'bool' = False, gradient_as_bucket_view: 'bool' = False, broadcast_buffers: 'bool' = True, reduce_dtype: 'torch.dtype | None' = None, upcast_half_precision: 'bool' = True, torch_bucket_layout: 'bool' = False, deterministic: 'bool' = False) -> None",
         "replicate": "def(module: 'nn.Module', *, policy: 'SyncPolicy | None' = None, process_group: 'dist.ProcessGroup | None' = None) -> 'ReplicaHandle'",
     },
     "lockstep.errors": {
@@ -170,7 +174,7 @@ SURFACE: dict[str, dict[str, str]] = {
         "watch_collectives": "def(on_tensor: 'Callable[[torch.Tensor], None]') -> 'Iterator[None]'",
     },
     "lockstep.trainer": {
-        "FitConfig": "class(run_dir: 'str' = 'runs/default', epochs: 'int' = 1, max_steps: 'int | None' = None, batch_size: 'int' = 32, grad_accum_steps: 'int' = 1, optimizer: 'str' = 'adamw', lr: 'float' = 0.001, weight_decay: 'float' = 0.0, momentum: 'float' = 0.9, lr_schedule: 'str' = 'constant', warmup_steps: 'int' = 0, clip_grad_norm: 'float | None' = None, precision: 'str' = 'fp32', sync_batchnorm: 'bool' = False, task: 'str' = 'classification', eval_every: 'int' = 0, log_every: 'int' = 10, checkpoint_every: 'int' = 0, keep_checkpoints: 'int' = 3, resume: 'str' = 'auto', seed: 'int' = 0, num_workers: 'int' = 0, device: 'str' = 'auto', progress: 'str' = 'auto') -> None",
+        "FitConfig": "class(run_dir: 'str' = 'runs/default', epochs: 'int' = 1, max_steps: 'int | None' = None, batch_size: 'int' = 32, grad_accum_steps: 'int' = 1, optimizer: 'str' = 'adamw', lr: 'float' = 0.001, weight_decay: 'float' = 0.0, momentum: 'float' = 0.9, lr_schedule: 'str' = 'constant', warmup_steps: 'int' = 0, clip_grad_norm: 'float | None' = None, precision: 'str' = 'fp32', sync_batchnorm: 'bool' = False, task: 'str' = 'classification', eval_every: 'int' = 0, log_every: 'int' = 10, checkpoint_every: 'int' = 0, keep_checkpoints: 'int' = 3, resume: 'str' = 'auto', seed: 'int' = 0, num_workers: 'int' = 0, device: 'str' = 'auto', progress: 'str' = 'auto', global_batch_size: 'int | None' = None, micro_batch_size: 'int | None' = None, deterministic: 'bool' = False) -> None",
         "FitResult": "class(summary: 'dict[str, Any]', history: 'list[dict[str, Any]]' = <factory>) -> None",
         "fit": "def(model: 'nn.Module', train_data: 'Dataset', *, loss_fn: 'LossFn', config: 'FitConfig | None' = None, eval_data: 'Dataset | None' = None, optimizer: 'Callable[[Any], torch.optim.Optimizer] | None' = None) -> 'FitResult'",
     },
@@ -437,7 +441,7 @@ def test_run_defaults() -> None:
 
 
 def test_cli_commands_are_pinned() -> None:
-    assert set(cli._COMMANDS) == {"run", "slurm", "env", "train"}
+    assert set(cli._COMMANDS) == {"run", "slurm", "env", "train", "compare"}
 
 
 def _env() -> dict[str, str]:

@@ -113,12 +113,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     state_file = directory / STATE
     if state_file.is_file():
         try:
-            entries.update(torch.load(state_file, map_location="cpu", weights_only=True))
+            saved = torch.load(state_file, map_location="cpu", weights_only=True)
         except Exception as error:  # a damaged file: say which, do not guess
             raise CheckpointError(
                 f"{state_file} cannot be read with torch.load(weights_only=True): {error}"
             ) from None
-    return dict(sorted(entries.items()))
+        entries.update(saved.get("entries", saved) if isinstance(saved, dict) else {"state": saved})
+    return entries  # tensor files (the model) first, then the other entries in their saved order
 
 
 def _checkpoint_dir(path: Path) -> Path:

@@ -144,11 +144,14 @@ class ExactReducer:
         if self._small:
             small = [self.params[i] for i in self._small]
             self._wide = any(abs(shifts[i]) > _FLOAT32_SHIFT for i in self._small)
+            device = small[0].device
             per_param = torch.tensor(
-                [self._mult[i] for i in self._small], dtype=torch.float64 if self._wide else torch.float32
+                [self._mult[i] for i in self._small],
+                dtype=torch.float64 if self._wide else torch.float32,
+                device=device,
             )
-            sizes = torch.tensor([p.numel() for p in small])
-            self._small_mult = per_param.repeat_interleave(sizes).to(small[0].device)
+            sizes = torch.tensor([p.numel() for p in small], device=device)
+            self._small_mult = per_param.repeat_interleave(sizes)
 
     # ---- take ------------------------------------------------------------------------------------------
 
