@@ -86,8 +86,27 @@ class ExactReducer:
         self.params, self.names, self.group = list(params), list(names), group
         self.rank, self.world, self.device = rank, world_size, device
         self._n = len(self.params)
-        self.large = [p.numel() >= LARGE_ELEMENTS for p in self.params]
+        # "Small" parameters are taken together as one flat vector: they must share a device and a dtype.
+        first_small = next((p for p in self.params if p.numel() < LARGE_ELEMENTS), None)
+        self.large = [
+            p.numel() >= LARGE_ELEMENTS
+            or first_small is None
+            or (p.device, p.dtype) != (first_small.device, first_small.dtype)
+            for p in self.params
+        ]
         self._small = [i for i in range(self._n) if not self.large[i]]
+        self._large = [i for i in range(self._n) if self.large[i]]
+        sizes = [self.params[i].numel() for i in self._small]
+        self._small_size = sum(sizes)
+        self._offsets = [0]
+        for size in sizes:
+            self._offsets.append(self._offsets[-1] + size)
+        small_device = first_small.device if first_small is not None else device
+        self._segments = torch.repeat_interleave(
+            torch.arange(len(sizes), device=small_device),
+            torch.tensor(sizes, dtype=torch.long, device=small_device),
+        )
+        self._small_index = torch.tensor(self._small, dtype=torch.long, device=device)
         self.active = False
         self.num_micro_batches = 1
         self._reset()
@@ -96,15 +115,20 @@ class ExactReducer:
         self._acc: list[torch.Tensor | None] = [None] * self._n  # large parameters' accumulators
         self._small_acc: torch.Tensor | None = None  # the small ones', flat, in self._small order
         self._mult: list[float] | None = None  # 2**s_i, once the scale is known
-        self._small_mult: torch.Tensor | None = None  # the same, per element of the small ones
+        self._small_mult: torch.Tensor | None = None  # 2**s per element of the small ones
+        self._small_inverse: torch.Tensor | None = None  # 2**-s per element, float64
         self._wide = False  # some small parameter's 2**s is beyond float32
         self._limit: torch.Tensor | None = None  # 2**(e_i + H): a micro-batch at or above it overflows
-        self._largest: list[torch.Tensor | None] = [None] * self._n  # this micro-batch's max |g| per param
         self._maxima = torch.zeros(self._n, dtype=torch.float32, device=self.device)
         self._flags = torch.zeros(
             3, self._n, dtype=torch.float64, device=self.device
         )  # used, over, nonfinite
         self._held: list[torch.Tensor | None] = [None] * self._n
+        self._start_micro_batch()
+
+    def _start_micro_batch(self) -> None:
+        self._mb_max = torch.zeros(self._n, dtype=torch.float32, device=self.device)  # max |g| per parameter
+        self._mb_used = bytearray(self._n)
 
     # ---- begin -----------------------------------------------------------------------------------------
 
@@ -121,12 +145,7 @@ class ExactReducer:
 
     def _agree_scale(self) -> None:
         """After the first local micro-batch (or none): rank 0's micro-batch 0 sets everyone's scale."""
-        maxima = torch.zeros(self._n, dtype=torch.float32, device=self.device)
-        if self.rank == 0:
-            present = [i for i, p in enumerate(self.params) if p.grad is not None]
-            if present:
-                norms = torch._foreach_norm([self.params[i].grad.detach() for i in present], float("inf"))  # type: ignore[union-attr]
-                maxima[present] = torch.stack([n.float() for n in norms]).to(self.device)
+        maxima = self._mb_max.clone() if self.rank == 0 else torch.zeros_like(self._mb_max)
         if self.world > 1:
             with tracked("broadcast (gradient scale)", (maxima,), self.group):
                 dist.broadcast(maxima, src=self._global(0), group=self.group)
@@ -142,16 +161,12 @@ class ExactReducer:
             device=self.device,
         )
         if self._small:
-            small = [self.params[i] for i in self._small]
+            device = self._segments.device
             self._wide = any(abs(shifts[i]) > _FLOAT32_SHIFT for i in self._small)
-            device = small[0].device
-            per_param = torch.tensor(
-                [self._mult[i] for i in self._small],
-                dtype=torch.float64 if self._wide else torch.float32,
-                device=device,
-            )
-            sizes = torch.tensor([p.numel() for p in small], device=device)
-            self._small_mult = per_param.repeat_interleave(sizes)
+            exponents = torch.tensor([shifts[i] for i in self._small], dtype=torch.float64, device=device)
+            per_element = exponents[self._segments]
+            self._small_mult = torch.exp2(per_element).to(torch.float64 if self._wide else torch.float32)
+            self._small_inverse = torch.exp2(-per_element)
 
     # ---- take ------------------------------------------------------------------------------------------
 
@@ -162,6 +177,18 @@ class ExactReducer:
 
     @torch.no_grad()
     def _take_large(self, i: int) -> None:
+        grad = self.params[i].grad
+        if grad is None:
+            return
+        self._measure_large(i, grad)
+        self._quantize_large(i)
+
+    def _measure_large(self, i: int, grad: torch.Tensor) -> None:
+        largest = torch.linalg.vector_norm(grad.detach(), float("inf")).to(self.device, torch.float32)
+        self._mb_max[i] = torch.maximum(self._mb_max[i], largest)
+        self._mb_used[i] = 1
+
+    def _quantize_large(self, i: int) -> None:
         p = self.params[i]
         grad = p.grad
         if grad is None:
@@ -169,55 +196,59 @@ class ExactReducer:
         p.grad = None
         assert self._mult is not None
         shift = self._mult[i]
-        grad = grad.detach()
-        largest = torch.linalg.vector_norm(grad, float("inf"))
-        self._largest[i] = largest if self._largest[i] is None else torch.maximum(self._largest[i], largest)  # type: ignore[arg-type]
         acc = self._acc[i]
         if acc is None:
             acc = self._acc[i] = torch.zeros(grad.shape, dtype=torch.float64, device=grad.device)
-        acc.add_(on_grid(grad, shift, wide=abs(math.log2(shift)) > _FLOAT32_SHIFT))
+        acc.add_(on_grid(grad.detach(), shift, wide=abs(math.log2(shift)) > _FLOAT32_SHIFT))
 
     @torch.no_grad()
     def end_micro_batch(self) -> None:
         """After each local micro-batch's backward: set the scale (first one), take what is left, fold flags."""
+        flat = self._measure_small()
         if self._mult is None:
+            for i in self._large:
+                grad = self.params[i].grad
+                if grad is not None:
+                    self._measure_large(i, grad)
             self._agree_scale()
-            for i in range(self._n):
-                if self.large[i]:
-                    self._take_large(i)
-        self._take_small()
-        used = torch.tensor([x is not None for x in self._largest], dtype=torch.bool, device=self.device)
-        if bool(used.any()):
-            largest = torch.zeros(self._n, dtype=torch.float32, device=self.device)
-            present = [i for i in range(self._n) if self._largest[i] is not None]
-            largest[present] = torch.stack([self._largest[i].float() for i in present]).to(self.device)  # type: ignore[union-attr]
-            assert self._limit is not None
-            self._flags[0] += used.double()
-            self._flags[1] += (largest.double() >= self._limit).double()
-            self._flags[2] += (~torch.isfinite(largest)).double()
-            self._maxima = torch.maximum(self._maxima, largest)
-        self._largest = [None] * self._n
+            for i in self._large:
+                self._quantize_large(i)
+        if flat is not None:
+            self._quantize_small(flat)
+        assert self._limit is not None
+        used = torch.tensor(list(self._mb_used), dtype=torch.float64, device=self.device)
+        largest = self._mb_max
+        self._flags[0] += used
+        self._flags[1] += (largest.double() >= self._limit).double() * used
+        self._flags[2] += (~torch.isfinite(largest)).double()
+        self._maxima = torch.maximum(self._maxima, largest)
+        self._start_micro_batch()
 
-    def _take_small(self) -> None:
+    def _measure_small(self) -> torch.Tensor | None:
+        """The small gradients as one flat vector (freed from `.grad`), their maxima noted; None if none."""
         if not self._small:
-            return
+            return None
         grads = [self.params[i].grad for i in self._small]
-        present = [k for k, g in enumerate(grads) if g is not None]
-        if not present:
-            return
-        norms = torch._foreach_norm([grads[k].detach() for k in present], float("inf"))  # type: ignore[union-attr]
-        for k, norm in zip(present, norms):
-            self._largest[self._small[k]] = norm
+        if all(g is None for g in grads):
+            return None
         flat = torch.cat(
             [
                 g.detach().reshape(-1)
                 if g is not None
-                else torch.zeros(self.params[i].numel(), device=self.params[i].device)
+                else torch.zeros(self.params[i].numel(), device=self._segments.device)
                 for i, g in zip(self._small, grads)
             ]
         )
-        for i in self._small:
+        for i, g in zip(self._small, grads):
             self.params[i].grad = None
+            if g is not None:
+                self._mb_used[i] = 1
+        maxima = torch.zeros(len(self._small), dtype=flat.dtype, device=flat.device)
+        maxima.scatter_reduce_(0, self._segments, flat.abs(), "amax")
+        self._mb_max[self._small_index] = maxima.to(self.device, torch.float32)
+        return flat
+
+    def _quantize_small(self, flat: torch.Tensor) -> None:
         if self._small_acc is None:
             self._small_acc = torch.zeros(flat.numel(), dtype=torch.float64, device=flat.device)
         self._small_acc.add_(on_grid(flat, self._small_mult, wide=self._wide))  # type: ignore[arg-type]
@@ -230,19 +261,24 @@ class ExactReducer:
 
         Returns None when the step is done, or (on every rank alike) the agreed per-parameter maxima when
         a micro-batch overflowed its scale: then nothing was written and the caller redoes the step.
+        The flags ride in the first all-reduce, with the small parameters' sums: when a rank overflowed,
+        those sums are dropped unread.
         """
         if self._mult is None:  # this rank had no micro-batch: it still takes part in the scale broadcast
             self._agree_scale()
-        flags = self._flags
-        if self.world > 1:
-            with tracked("allreduce (gradient flags)", (flags,), self.group):
-                dist.all_reduce(flags, group=self.group)
+        small = self._small_acc
+        if small is None:
+            small = torch.zeros(self._small_size, dtype=torch.float64, device=self._segments.device)
+        first = torch.cat([small.to(self.device), self._flags.reshape(-1)])
+        self._small_acc = None
+        self._all_reduce(first, "allreduce (exact gradients: flags and small parameters)")
+        flags = first[self._small_size :].reshape(3, self._n)
         finite = flags[2] == 0
         if bool(((flags[1] > 0) & finite).any()):
             return self._agreed_maxima()
         used = (flags[0] > 0).tolist()
         if self._small:
-            self._reduce_small(used)
+            self._write_small(first[: self._small_size], used)
         for bucket in self._large_buckets(used):
             self._reduce_large(bucket)
         nonfinite = (~finite).tolist()
@@ -271,27 +307,30 @@ class ExactReducer:
         self._finish()
         return maxima
 
-    def _reduce_small(self, used: list[bool]) -> None:
-        small = [self.params[i] for i in self._small]
-        flat = self._small_acc
-        if flat is None:
-            flat = torch.zeros(sum(p.numel() for p in small), dtype=torch.float64, device=small[0].device)
-        self._small_acc = None
-        self._all_reduce(flat, "allreduce (exact gradients, small parameters)")
-        self._write_back(self._small, flat, used)
+    def _write_small(self, total: torch.Tensor, used: list[bool]) -> None:
+        """grad = sum * 2**-s / K for every small parameter in a few whole-vector operations (float64)."""
+        assert self._small_inverse is not None
+        dtype = self.params[self._small[0]].dtype
+        means = total.to(self._small_inverse.device).mul_(self._small_inverse).div_(self.num_micro_batches)
+        values = means.to(dtype)
+        for position, i in enumerate(self._small):
+            p = self.params[i]
+            if used[i]:
+                p.grad = values[self._offsets[position] : self._offsets[position + 1]].view_as(p)
 
     def _large_buckets(self, used: list[bool]) -> list[list[int]]:
         """Used large parameters in order, in groups of about BUCKET_ELEMENTS (the same on every rank)."""
         buckets: list[list[int]] = [[]]
         size = 0
-        for i, p in enumerate(self.params):
-            if not (self.large[i] and used[i]):
+        for i in self._large:
+            if not used[i]:
                 continue
-            if size and size + p.numel() > BUCKET_ELEMENTS:
+            numel = self.params[i].numel()
+            if size and size + numel > BUCKET_ELEMENTS:
                 buckets.append([])
                 size = 0
             buckets[-1].append(i)
-            size += p.numel()
+            size += numel
         return [b for b in buckets if b]
 
     def _reduce_large(self, indices: list[int]) -> None:
@@ -307,7 +346,13 @@ class ExactReducer:
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
         del parts
         self._all_reduce(flat, "allreduce (exact gradient bucket)")
-        self._write_back(indices, flat, [True] * self._n)
+        assert self._mult is not None
+        offset = 0
+        for i in indices:
+            p = self.params[i]
+            total = flat[offset : offset + p.numel()]
+            offset += p.numel()
+            p.grad = total.mul(1.0 / self._mult[i]).div_(self.num_micro_batches).to(p.dtype).view_as(p)
 
     def _all_reduce(self, flat: torch.Tensor, op: str) -> None:
         if self.world > 1:
@@ -316,17 +361,6 @@ class ExactReducer:
                 dist.all_reduce(wire, group=self.group)
             if wire is not flat:
                 flat.copy_(wire)
-
-    def _write_back(self, indices: list[int], flat: torch.Tensor, used: list[bool]) -> None:
-        """grad = sum * 2**-s / K in the parameter's dtype (float64 arithmetic: the same bits everywhere)."""
-        assert self._mult is not None
-        offset = 0
-        for i in indices:
-            p = self.params[i]
-            total = flat[offset : offset + p.numel()]
-            offset += p.numel()
-            if used[i]:
-                p.grad = total.mul(1.0 / self._mult[i]).div_(self.num_micro_batches).to(p.dtype).view_as(p)
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
