@@ -14,7 +14,7 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from lockstep.data.sampler import STATE_VERSION, epoch_order, resolve_replicas
+from lockstep.data.sampler import STATE_VERSION, check_saved_state, epoch_order, resolve_replicas
 from lockstep.errors import ConfigError, rank_tag
 from lockstep.runtime.micro_batches import owned_micro_batches
 
@@ -132,15 +132,14 @@ class MicroBatchSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where `state` stopped, at any world size."""
-        if not isinstance(state, dict) or not {"epoch", "num_consumed"} <= set(state):
-            raise ConfigError(f"{self._tag()}a sampler state needs 'epoch' and 'num_consumed', got {state!r}")
-        for key, mine in (("dataset_len", len(self.dataset)), ("seed", self.seed), ("shuffle", self.shuffle)):
-            if key in state and state[key] != mine:
-                raise ConfigError(
-                    f"{self._tag()}the sampler state was saved with {key}={state[key]!r} but this sampler has "
-                    f"{key}={mine!r}; build it with {key}={state[key]!r} (and the same dataset) or start a fresh run"
-                )
-        epoch, consumed = int(state["epoch"]), int(state["num_consumed"])
+        epoch, consumed = check_saved_state(
+            state,
+            dataset_len=len(self.dataset),
+            seed=self.seed,
+            shuffle=self.shuffle,
+            tag=self._tag(),
+            kind="MicroBatchSampler",
+        )
         if consumed >= len(self.dataset) or self._end(consumed) == consumed:
             epoch, consumed = epoch + 1, 0
         self.epoch, self._start, self._started, self._advanced = epoch, consumed, False, 0

@@ -60,6 +60,27 @@ def resolve_replicas(num_replicas: int | None, rank: int | None) -> tuple[int, i
     return num_replicas, rank
 
 
+def check_saved_state(
+    state: Any, *, dataset_len: int, seed: int, shuffle: bool, tag: str, kind: str = "DistributedSampler"
+) -> tuple[int, int]:
+    """(epoch, num_consumed) of a saved sampler state, checked against the sampler that loads it."""
+    if not isinstance(state, dict) or not {"epoch", "num_consumed"} <= set(state):
+        raise ConfigError(f"{tag}a {kind} state needs 'epoch' and 'num_consumed', got {state!r}")
+    epoch, consumed = state["epoch"], state["num_consumed"]
+    if not isinstance(epoch, int) or epoch < 0 or not isinstance(consumed, int) or consumed < 0:
+        raise ConfigError(
+            f"{tag}sampler state has epoch={epoch!r}, num_consumed={consumed!r}; expected ints >= 0"
+        )
+    for key, mine in (("dataset_len", dataset_len), ("seed", seed), ("shuffle", shuffle)):
+        if key in state and state[key] != mine:
+            raise ConfigError(
+                f"{tag}the sampler state was saved with {key}={state[key]!r} but this sampler has "
+                f"{key}={mine!r}; the resumed order would not continue the saved one. Build the sampler "
+                f"with {key}={state[key]!r} (and the same dataset) or start a fresh run"
+            )
+    return epoch, consumed
+
+
 class DistributedSampler(Sampler[int]):
     """Drop-in for torch.utils.data.DistributedSampler whose order does not depend on the world size.
 
@@ -267,25 +288,9 @@ class DistributedSampler(Sampler[int]):
         return (end - start) // self.num_replicas
 
     def _check_state(self, state: Any) -> tuple[int, int]:
-        if not isinstance(state, dict) or not {"epoch", "num_consumed"} <= set(state):
-            raise ConfigError(
-                f"{self._tag()}a DistributedSampler state needs 'epoch' and 'num_consumed', got {state!r}"
-            )
-        epoch, consumed = state["epoch"], state["num_consumed"]
-        if not isinstance(epoch, int) or epoch < 0 or not isinstance(consumed, int) or consumed < 0:
-            raise ConfigError(
-                f"{self._tag()}sampler state has epoch={epoch!r}, num_consumed={consumed!r}; "
-                "expected ints >= 0"
-            )
-        size = len(self.dataset)
-        for key, mine in (("dataset_len", size), ("seed", self.seed), ("shuffle", self.shuffle)):
-            if key in state and state[key] != mine:
-                raise ConfigError(
-                    f"{self._tag()}the sampler state was saved with {key}={state[key]!r} but this sampler has "
-                    f"{key}={mine!r}; the resumed order would not continue the saved one. Build the sampler "
-                    f"with {key}={state[key]!r} (and the same dataset) or start a fresh run"
-                )
-        return epoch, consumed
+        return check_saved_state(
+            state, dataset_len=len(self.dataset), seed=self.seed, shuffle=self.shuffle, tag=self._tag()
+        )
 
     def _tag(self) -> str:
         return rank_tag(self.rank, self.num_replicas) if self.num_replicas > 1 else ""
