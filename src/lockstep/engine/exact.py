@@ -31,11 +31,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from lockstep.errors import InternalError
 from lockstep.runtime.watchdog import tracked
+
+T = TypeVar("T")
+
+
+def _known(value: T | None, what: str) -> T:
+    """`value`, which the step's order of phases guarantees is set; an InternalError if a phase was skipped."""
+    if value is None:
+        raise InternalError(f"exact reduction: {what} used before the scale was agreed (a phase was skipped)")
+    return value
+
 
 HEADROOM_BITS = 12  # a micro-batch's gradient may be up to 2**12 times micro-batch 0's before a redo
 EXACT_BITS = 53  # float64 represents every integer of magnitude <= 2**53
@@ -194,8 +206,7 @@ class ExactReducer:
         if grad is None:
             return
         p.grad = None
-        assert self._mult is not None
-        shift = self._mult[i]
+        shift = _known(self._mult, "the multipliers")[i]
         acc = self._acc[i]
         if acc is None:
             acc = self._acc[i] = torch.zeros(grad.shape, dtype=torch.float64, device=grad.device)
@@ -215,11 +226,11 @@ class ExactReducer:
                 self._quantize_large(i)
         if flat is not None:
             self._quantize_small(flat)
-        assert self._limit is not None
+        limit = _known(self._limit, "the overflow limits")
         used = torch.tensor(list(self._mb_used), dtype=torch.float64, device=self.device)
         largest = self._mb_max
         self._flags[0] += used
-        self._flags[1] += (largest.double() >= self._limit).double() * used
+        self._flags[1] += (largest.double() >= limit).double() * used
         self._flags[2] += (~torch.isfinite(largest)).double()
         self._maxima = torch.maximum(self._maxima, largest)
         self._start_micro_batch()
@@ -309,9 +320,9 @@ class ExactReducer:
 
     def _write_small(self, total: torch.Tensor, used: list[bool]) -> None:
         """grad = sum * 2**-s / K for every small parameter in a few whole-vector operations (float64)."""
-        assert self._small_inverse is not None
+        inverse = _known(self._small_inverse, "the small parameters' inverse scale")
         dtype = self.params[self._small[0]].dtype
-        means = total.to(self._small_inverse.device).mul_(self._small_inverse).div_(self.num_micro_batches)
+        means = total.to(inverse.device).mul_(inverse).div_(self.num_micro_batches)
         values = means.to(dtype)
         for position, i in enumerate(self._small):
             p = self.params[i]
@@ -346,13 +357,13 @@ class ExactReducer:
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
         del parts
         self._all_reduce(flat, "allreduce (exact gradient bucket)")
-        assert self._mult is not None
+        mult = _known(self._mult, "the multipliers")
         offset = 0
         for i in indices:
             p = self.params[i]
             total = flat[offset : offset + p.numel()]
             offset += p.numel()
-            p.grad = total.mul(1.0 / self._mult[i]).div_(self.num_micro_batches).to(p.dtype).view_as(p)
+            p.grad = total.mul(1.0 / mult[i]).div_(self.num_micro_batches).to(p.dtype).view_as(p)
 
     def _all_reduce(self, flat: torch.Tensor, op: str) -> None:
         if self.world > 1:

@@ -91,12 +91,12 @@ class RunningStats:
 
 def _update(layer: _BatchNorm, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:
     """torch's rule for one training forward: count it, then running = (1 - f) * running + f * batch."""
-    tracked = layer.num_batches_tracked
-    assert tracked is not None and layer.running_mean is not None and layer.running_var is not None
+    tracked, running_mean, running_var = layer.num_batches_tracked, layer.running_mean, layer.running_var
+    if tracked is None or running_mean is None or running_var is None:
+        return  # only layers with track_running_stats are recorded (RunningStats.layers)
     tracked.add_(1)
     factor = 1.0 / float(tracked.item()) if layer.momentum is None else float(layer.momentum)
     if count <= 1:
         return  # torch's BatchNorm refuses such a batch in training; nothing to fold in
-    running_mean, running_var = layer.running_mean, layer.running_var
     running_mean.mul_(1.0 - factor).add_(mean.to(running_mean), alpha=factor)
     running_var.mul_(1.0 - factor).add_(var.to(running_var), alpha=factor)

@@ -26,7 +26,7 @@ from lockstep.data import DistributedSampler, EvalSampler, MicroBatchSampler
 from lockstep.engine.api import DistributedDataParallel, ReplicaHandle, replicate
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.syncbn import convert_sync_batchnorm
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime import barrier, broadcast_object, get_logger, init
 from lockstep.runtime.micro_batches import owned_micro_batches
 from lockstep.runtime.progress import DATA, EVALUATE, OPTIMIZER, PROGRESS, phase
@@ -302,10 +302,12 @@ class _Run:
 
     def _deterministic_step(self, group: list[Any]) -> None:
         """One step of deterministic mode: this rank's micro-batches through the engine's exact accumulate()."""
-        assert self.handle is not None
+        handle = self.handle
+        if handle is None:
+            raise InternalError("_deterministic_step ran without a deterministic replica")
         num = self.plan.num_micro_batches
-        owned = self.handle.owned_micro_batches(num)
-        results = self.handle.accumulate(
+        owned = handle.owned_micro_batches(num)
+        results = handle.accumulate(
             self._micro_step,
             dict(zip(owned, group)),
             num_micro_batches=num,
