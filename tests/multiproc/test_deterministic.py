@@ -262,3 +262,87 @@ def _sparse() -> str:
     except NotSupportedError as error:
         return str(error)
     return "no error"
+
+
+class Branchy(nn.Module):
+    """Large weights in three buckets (BUCKET_ELEMENTS is lowered in the worker): [layers.2, layers.1],
+    [layers.0, odd], [never] in the reverse order of definition. `odd` is used only by odd micro-batches,
+    `never` never; the small ones are taken together. A bucket starts inside the last backward when all its
+    weights were used by it, and never before the buckets ahead of it (the same order on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.never = nn.Linear(256, 256)
+        self.odd = nn.Linear(256, 256)
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(3))  # 65,536 weights each: large
+        self.head = nn.Linear(256, 3)
+
+    def forward(self, x: torch.Tensor, ordinal: int) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if ordinal % 2:
+            x = torch.tanh(self.odd(x))
+        return self.head(x)
+
+
+def _branchy_grads() -> dict[str, Any]:
+    from lockstep.engine import exact
+
+    exact.BUCKET_ELEMENTS = 140_000  # two large weights (and their biases) per bucket
+    torch.manual_seed(0)
+    model = Branchy()
+    handle = lockstep.replicate(model, policy=lockstep.SyncPolicy(deterministic=True))
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(4, 256, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(10)]
+
+    def step(index: int) -> list[torch.Tensor | None]:
+        def micro(item: tuple[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+            ordinal, (x, y) = item
+            nn.functional.cross_entropy(model(x, ordinal), y).backward()
+
+        mine = {k: (k, data[5 * index + k]) for k in handle.owned_micro_batches(5)}
+        handle.accumulate(micro, mine, num_micro_batches=5, step=index)
+        return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+    first = step(0)
+    left_in = step(1)  # the first step's gradients were left in .grad: they are added to
+    model.zero_grad(set_to_none=True)
+    second = step(1)
+    model.zero_grad(set_to_none=False)
+    second_after_zeros = step(1)
+    grads = {"first": first, "left_in": left_in, "second": second, "after_zeros": second_after_zeros}
+    stats = handle.stats()
+    return {
+        "grads": grads,
+        "buckets": stats.num_buckets,
+        "overlapped": stats.extras["buckets_launched_in_backward"],
+    }
+
+
+def test_buckets_launched_during_the_last_backward_give_the_same_bits_and_keep_grads_left_in() -> None:
+    outcomes = {world: run_distributed(_branchy_grads, world, timeout=TIMEOUT) for world in (1, 2, 3, 4)}
+    # the first bucket starts inside every rank's last backward of each of the 4 steps
+    assert all(r["buckets"] == 3 and r["overlapped"] >= 4 for results in outcomes.values() for r in results)
+    runs = {world: [r["grads"] for r in results] for world, results in outcomes.items()}
+    reference = runs[1][0]
+    names = [name for name, _ in Branchy().named_parameters()]
+    never = [i for i, name in enumerate(names) if name.startswith("never.")]
+    for key in ("first", "second"):
+        assert all(reference[key][i] is None for i in never)
+        assert all(grad is not None for i, grad in enumerate(reference[key]) if i not in never)
+    for first, left_in, second in zip(reference["first"], reference["left_in"], reference["second"]):
+        if first is not None:
+            assert second is not None and left_in is not None and torch.equal(left_in, first + second)
+    for after_zeros, second in zip(reference["after_zeros"], reference["second"]):
+        assert (
+            (after_zeros is None or not after_zeros.any())
+            if second is None
+            else torch.equal(after_zeros, second)
+        )
+    for world, results in runs.items():
+        for rank, result in enumerate(results):
+            for key, grads in result.items():
+                for name, a, b in zip(names, reference[key], grads):
+                    assert (a is None and b is None) or (
+                        a is not None and b is not None and torch.equal(a, b)
+                    ), f"world {world} rank {rank} {key}: {name} differs"

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
 from lockstep.checkpoint.compare import compare_states, state_sha256
 from lockstep.data import MicroBatchSampler
-from lockstep.engine.exact import EXACT_BITS, HEADROOM_BITS, on_grid, scale_exponents
+from lockstep.engine import fixed_point
+from lockstep.engine.fixed_point import EXACT_BITS, HEADROOM_BITS, on_grid, powers_of_two, scale_exponents
 from lockstep.errors import ConfigError
 from lockstep.runtime.micro_batches import micro_batch_seed, owned_micro_batches
 from lockstep.trainer.batches import BatchPlan, plan_batches
@@ -95,11 +98,11 @@ def test_an_evaluation_split_keeps_its_short_last_block() -> None:
 
 def test_the_scale_leaves_room_for_the_headroom_and_the_sum() -> None:
     maxima = torch.tensor([0.75, 3.0, 0.0, float("inf")])
-    shifts = scale_exponents(maxima, 8, HEADROOM_BITS)
+    shifts = scale_exponents(maxima, 8, HEADROOM_BITS).tolist()
     top = EXACT_BITS - HEADROOM_BITS - 3
     assert shifts == [top - 0, top - 2, top - 2, top - 2]  # 0.75 < 2**0, 3 < 2**2; the others borrow
     grad = torch.tensor([0.75, -0.75 * 2**-30, 1e-30])
-    rounded = on_grid(grad, 2.0 ** shifts[0], wide=False)
+    rounded = on_grid(grad, 2.0 ** shifts[0])
     assert rounded[0] == 0.75 * 2 ** shifts[0] and rounded[2] == 0
     assert abs(float(rounded[0])) * 8 * 2**HEADROOM_BITS <= 2**EXACT_BITS
 
@@ -112,3 +115,29 @@ def test_compare_and_hash_see_every_bit() -> None:
     assert not verdict.equal and verdict.path == "w" and state_sha256(a) != state_sha256(b)
     c = {"w": torch.tensor([0.0, 1.0]), "opt": {"step": 4, "m": [torch.ones(2)]}}
     assert compare_states(a, c).path == "opt.step"
+
+
+def test_powers_of_two_are_exact_over_the_shift_range() -> None:
+    exponents = torch.arange(-1000, 1001)
+    values = powers_of_two(exponents).tolist()
+    assert values == [math.ldexp(1.0, e) for e in range(-1000, 1001)]
+
+
+def test_the_quantizer_adds_exactly_across_its_pieces_and_measures_the_largest(monkeypatch: Any) -> None:
+    monkeypatch.setattr(fixed_point, "CHUNK_ELEMENTS", 7)  # pieces that do not divide the tensor
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(5, 6, generator=g) * 10.0**i for i in range(3)]
+    quantizer, acc, mult = fixed_point.Quantizer(), torch.empty(30, dtype=torch.float64), 2.0**40
+    largest = [quantizer.add(acc, grad, mult, first=i == 0) for i, grad in enumerate(grads)]
+    expected = sum(on_grid(grad.reshape(-1), mult) for grad in grads)
+    assert torch.equal(acc, expected)
+    assert [float(x) for x in largest] == [float(grad.abs().max()) for grad in grads]
+    assert torch.isnan(
+        quantizer.add(
+            torch.empty(2, dtype=torch.float64), torch.tensor([1.0, float("nan")]), mult, first=True
+        )
+    )
+    out = torch.empty(5, 6)
+    factor = 2.0**-40 / 3
+    quantizer.write_mean(out, acc.clone(), factor)
+    assert torch.equal(out, (expected * factor).to(torch.float32).view(5, 6))

@@ -54,7 +54,9 @@ class DeterministicStep:
             while True:
                 self.reducer.begin(num_micro_batches, maxima)
                 self.running.begin()
-                results = {k: self._micro_batch(fn, batches[k], step, seed, k) for k in owned}
+                results = {
+                    k: self._micro_batch(fn, batches[k], step, seed, k, last=k == owned[-1]) for k in owned
+                }
                 maxima = self.reducer.reduce()
                 if maxima is None:
                     break
@@ -65,7 +67,10 @@ class DeterministicStep:
         self.steps += 1
         return results
 
-    def _micro_batch(self, fn: Callable[[Any], Any], batch: Any, step: int, seed: int, ordinal: int) -> Any:
+    def _micro_batch(
+        self, fn: Callable[[Any], Any], batch: Any, step: int, seed: int, ordinal: int, *, last: bool
+    ) -> Any:
+        self.reducer.start_micro_batch(last=last)
         with self._seeded(micro_batch_seed(seed, step, ordinal)), micro_batch_statistics():
             self.running.ordinal = ordinal
             try:

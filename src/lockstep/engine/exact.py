@@ -4,21 +4,24 @@ Design note. Floating-point addition is not associative, so the bits of a gradie
 which rank summed which micro-batch in which order. Here every micro-batch's gradient is rounded to an
 integer multiple of 2**-s (s per parameter, the same on every rank) and the integers are summed in
 float64, which holds every integer below 2**53 exactly: any order, any tree, any world size gives the
-same sum. The phases of one step, as the code below names them:
+same sum (fixed_point.py has the arithmetic). The phases of one step, as the code below names them:
 
-- begin: zeroed accumulators; gradients a program left in `.grad` are held aside and added back at the end.
+- begin: gradients a program left in `.grad` are held aside and added back at the end.
 - scale: the scale of parameter i comes from micro-batch 0 (always on rank 0): s_i = 53 - H - ceil(log2 K)
   - e_i, where max|g_i| < 2**e_i in micro-batch 0 and H = HEADROOM_BITS. Any micro-batch whose largest
   element stays below 2**(e_i + H) then fits, with room for K of them. Rank 0 broadcasts micro-batch 0's
   per-parameter maxima after its first backward; until then the other ranks keep their first gradients.
 - take: a large gradient is rounded onto the grid and added to its accumulator in its post-accumulate-grad
-  hook, while it is hot, and its `.grad` is freed at once (peak memory: one float64 accumulator per
-  parameter, not that plus a float32 gradient); the small ones are taken together at the end of each
-  micro-batch, in a handful of whole-vector operations (a model of hundreds of tiny layers would otherwise
-  pay a few kernel launches per parameter). A micro-batch above the headroom marks its parameter as
-  overflowed (the step will be redone).
-- reduce: the accumulators go through all-reduces in buckets (with the flags: used, overflowed,
-  non-finite), and `.grad` becomes sum * 2**-s / K, in the parameter's dtype.
+  hook, while it is hot, and its `.grad` is freed at once. Accumulators are views of persistent float64
+  buckets (allocating 100 MB afresh each step costs more in page faults than the arithmetic). The small
+  gradients are views of one flat buffer that autograd accumulates into: at the end of each micro-batch
+  they are taken in a handful of whole-vector operations (a model of hundreds of tiny layers would
+  otherwise pay a few kernel launches and Python calls per parameter). A micro-batch above the headroom
+  marks its parameter as overflowed (the step will be redone).
+- reduce: during the rank's last micro-batch, each bucket's all-reduce starts as soon as its gradients are
+  all taken (in bucket order, the same on every rank), overlapping the rest of the backward; the small
+  sums follow, with the flags (used, overflowed, non-finite). `.grad` becomes sum * 2**-s / K, in the
+  parameter's dtype, written into the last micro-batch's own gradient buffers where it can.
 - redo: when any rank overflowed, every rank learns it from the flags; the ranks agree on the true
   maxima (an all-reduce MAX, exact) and the caller runs the step's micro-batches again at that scale
   (H = 0), which cannot overflow. Rare: a gradient 4096x larger than micro-batch 0's in the same step.
@@ -29,17 +32,30 @@ bits for K = 64), far below float32's own rounding of the result for every eleme
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from lockstep.engine.fixed_point import (
+    HEADROOM_BITS,
+    Quantizer,
+    largest_magnitude,
+    on_grid,
+    overflow_limits,
+    powers_of_two,
+    scale_exponents,
+)
 from lockstep.errors import InternalError
-from lockstep.runtime.watchdog import tracked
+from lockstep.runtime.progress import PROGRESS
+from lockstep.runtime.watchdog import tracked, wait_tracked
 
 T = TypeVar("T")
+
+LARGE_ELEMENTS = 65536  # a gradient this large is taken in its hook; smaller ones at the micro-batch's end
+BUCKET_ELEMENTS = 4 * 1024 * 1024  # float64 elements per all-reduce of large accumulators (32 MiB)
 
 
 def _known(value: T | None, what: str) -> T:
@@ -49,37 +65,16 @@ def _known(value: T | None, what: str) -> T:
     return value
 
 
-HEADROOM_BITS = 12  # a micro-batch's gradient may be up to 2**12 times micro-batch 0's before a redo
-EXACT_BITS = 53  # float64 represents every integer of magnitude <= 2**53
-LARGE_ELEMENTS = 65536  # a gradient this large is taken in its hook; smaller ones at the micro-batch's end
-BUCKET_ELEMENTS = 4 * 1024 * 1024  # float64 elements per all-reduce of large accumulators (32 MiB)
-_MAX_SHIFT = 1000  # |s| stays inside float64's exponent range
-_FLOAT32_SHIFT = 126  # 2**s is a normal float32 for |s| <= 126: the product can stay in float32
+@dataclass
+class _Bucket:
+    """Large parameters whose float64 accumulators share one buffer and one all-reduce."""
 
-
-def scale_exponents(maxima: torch.Tensor, num_micro_batches: int, headroom: int) -> list[int]:
-    """s_i per parameter from the largest |gradient| of each (a 1-D float tensor): pure arithmetic.
-
-    A maximum of zero or a non-finite one says nothing about the magnitude: such a parameter borrows the
-    largest exponent of the others (a redo follows only if its gradients turn out larger than that).
-    """
-    finite = torch.isfinite(maxima) & (maxima > 0)
-    exponents = torch.frexp(maxima.double()).exponent.to(torch.int64)  # maxima < 2**exponent
-    fallback = int(exponents[finite].max()) if bool(finite.any()) else 0
-    exponents = torch.where(finite, exponents, fallback)
-    top = EXACT_BITS - headroom - _sum_bits(num_micro_batches)
-    return [max(-_MAX_SHIFT, min(_MAX_SHIFT, top - int(e))) for e in exponents.tolist()]
-
-
-def _sum_bits(num_micro_batches: int) -> int:
-    """Bits a sum of K values needs beyond one of them."""
-    return max(math.ceil(math.log2(max(num_micro_batches, 1))), 0)
-
-
-def on_grid(grad: torch.Tensor, shift: torch.Tensor | float, *, wide: bool) -> torch.Tensor:
-    """round(grad * 2**shift): exact (a power of two), in float32 unless `wide` (float64: |shift| > 126)."""
-    values = grad.double() if wide or grad.dtype == torch.float64 else grad.float()
-    return torch.round(values * shift)
+    indices: list[int]
+    offsets: list[int]  # where each parameter's accumulator starts in the buffer
+    numel: int
+    buffer: torch.Tensor | None = None  # allocated on first use, kept for the replica's life
+    taken: int = 0  # parameters taken during the rank's last micro-batch of the step
+    record: Any = None  # the all-reduce in flight (its progress record carries the work)
 
 
 class ExactReducer:
@@ -98,62 +93,135 @@ class ExactReducer:
         self.params, self.names, self.group = list(params), list(names), group
         self.rank, self.world, self.device = rank, world_size, device
         self._n = len(self.params)
-        # "Small" parameters are taken together as one flat vector: they must share a device and a dtype.
-        first_small = next((p for p in self.params if p.numel() < LARGE_ELEMENTS), None)
+        self._quantizer = Quantizer()
+        self._plan_small()
+        self._plan_buckets()
+        self._flag_buffer = torch.zeros(self._small_size + 3 * self._n, dtype=torch.float64, device=device)
+        self.active = False
+        self.num_micro_batches = 1
+        self.launched_in_backward = 0  # buckets whose all-reduce started inside a backward (overlapped)
+        self._reset()
+
+    # ---- layout ------------------------------------------------------------------------------------------
+
+    def _plan_small(self) -> None:
+        """Small parameters (sharing the first one's device and dtype) get views of one flat grad buffer."""
+        first = next((p for p in self.params if p.numel() < LARGE_ELEMENTS), None)
         self.large = [
-            p.numel() >= LARGE_ELEMENTS
-            or first_small is None
-            or (p.device, p.dtype) != (first_small.device, first_small.dtype)
+            p.numel() >= LARGE_ELEMENTS or first is None or (p.device, p.dtype) != (first.device, first.dtype)
             for p in self.params
         ]
         self._small = [i for i in range(self._n) if not self.large[i]]
-        self._large = [i for i in range(self._n) if self.large[i]]
         sizes = [self.params[i].numel() for i in self._small]
         self._small_size = sum(sizes)
-        self._offsets = [0]
-        for size in sizes:
-            self._offsets.append(self._offsets[-1] + size)
-        small_device = first_small.device if first_small is not None else device
-        self._segments = torch.repeat_interleave(
-            torch.arange(len(sizes), device=small_device),
-            torch.tensor(sizes, dtype=torch.long, device=small_device),
+        self._small_grads = torch.zeros(
+            self._small_size,
+            dtype=first.dtype if first is not None else torch.float32,
+            device=first.device if first is not None else self.device,
         )
-        self._small_index = torch.tensor(self._small, dtype=torch.long, device=device)
-        self.active = False
-        self.num_micro_batches = 1
-        self._reset()
+        self._small_views = [
+            view.view_as(self.params[i]) for i, view in zip(self._small, self._small_grads.split(sizes))
+        ]
+        self._segments = torch.repeat_interleave(
+            torch.arange(len(sizes), device=self._small_grads.device),
+            torch.tensor(sizes, dtype=torch.long, device=self._small_grads.device),
+        )
+        self._small_index = torch.tensor(self._small, dtype=torch.long, device=self.device)
+        self._large_index = torch.tensor(
+            [i for i in range(self._n) if self.large[i]], dtype=torch.long, device=self.device
+        )
+        self._small_cache: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._small_stage = torch.empty(self._small_size, dtype=torch.float64, device=self.device)
+
+    def _plan_buckets(self) -> None:
+        """Large parameters in reverse order (the order a backward usually produces them), ~BUCKET_ELEMENTS each."""
+        self.buckets: list[_Bucket] = []
+        self._bucket_of = [-1] * self._n
+        self._offset = [0] * self._n
+        for i in reversed(range(self._n)):
+            if not self.large[i]:
+                continue
+            numel = self.params[i].numel()
+            if not self.buckets or (
+                self.buckets[-1].numel and self.buckets[-1].numel + numel > BUCKET_ELEMENTS
+            ):
+                self.buckets.append(_Bucket([], [], 0))
+            b = self.buckets[-1]
+            self._bucket_of[i], self._offset[i] = len(self.buckets) - 1, b.numel
+            b.indices.append(i)
+            b.offsets.append(b.numel)
+            b.numel += numel
+
+    def _accumulator(self, i: int) -> torch.Tensor:
+        b = self.buckets[self._bucket_of[i]]
+        if b.buffer is None:
+            b.buffer = torch.empty(b.numel, dtype=torch.float64, device=self.device)
+        return b.buffer[self._offset[i] : self._offset[i] + self.params[i].numel()]
+
+    # ---- begin -------------------------------------------------------------------------------------------
 
     def _reset(self) -> None:
-        self._acc: list[torch.Tensor | None] = [None] * self._n  # large parameters' accumulators
-        self._small_acc: torch.Tensor | None = None  # the small ones', flat, in self._small order
-        self._mult: list[float] | None = None  # 2**s_i, once the scale is known
-        self._small_mult: torch.Tensor | None = None  # 2**s per element of the small ones
-        self._small_inverse: torch.Tensor | None = None  # 2**-s per element, float64
-        self._wide = False  # some small parameter's 2**s is beyond float32
-        self._limit: torch.Tensor | None = None  # 2**(e_i + H): a micro-batch at or above it overflows
-        self._maxima = torch.zeros(self._n, dtype=torch.float32, device=self.device)
-        self._flags = torch.zeros(
-            3, self._n, dtype=torch.float64, device=self.device
-        )  # used, over, nonfinite
+        self._mult: dict[int, float] | None = None  # 2**s_i of the large parameters, once known
+        self._factor: dict[int, float] = {}  # their 2**-s_i / K
+        self._limit: torch.Tensor | None = None  # per parameter: a micro-batch at or above it overflows
+        self._small_mult: torch.Tensor | None = None  # 2**s per element of the small ones, float64
+        self._small_factor: torch.Tensor | None = None  # 2**-s / K per element, float64
+        self._maxima = torch.zeros(self._n, dtype=torch.float64, device=self.device)
+        self._flags = self._flag_buffer[self._small_size :].view(3, self._n)  # used, over, nonfinite
+        self._flag_buffer.zero_()
+        self._written = bytearray(self._n)  # a large parameter's accumulator holds this step's value
+        self._spare: list[torch.Tensor | None] = [None] * self._n  # last micro-batch's grads, reused
         self._held: list[torch.Tensor | None] = [None] * self._n
+        self._held_small: torch.Tensor | None = None
+        self._small_held = [False] * len(self._small)
+        self._last = False
+        self._next_bucket = 0
+        for b in self.buckets:
+            b.taken, b.record = 0, None
         self._start_micro_batch()
 
     def _start_micro_batch(self) -> None:
-        self._mb_max = torch.zeros(self._n, dtype=torch.float32, device=self.device)  # max |g| per parameter
+        self._mb_max = torch.zeros(self._n, dtype=torch.float64, device=self.device)  # max |g| per parameter
         self._mb_used = bytearray(self._n)
-
-    # ---- begin -----------------------------------------------------------------------------------------
 
     def begin(self, num_micro_batches: int, maxima: torch.Tensor | None = None) -> None:
         """Start a step of `num_micro_batches`; `maxima` (a redo): the step's agreed per-parameter maxima."""
         self._reset()
         self.num_micro_batches, self.active = num_micro_batches, True
-        for i, p in enumerate(self.params):
-            self._held[i], p.grad = p.grad, None
+        self._hold_small()
+        for i in range(self._n):
+            if self.large[i]:
+                p = self.params[i]
+                self._held[i], p.grad = p.grad, None
+        self._small_grads.zero_()
         if maxima is not None:
             self._set_scale(maxima, headroom=0)
 
-    # ---- scale -----------------------------------------------------------------------------------------
+    def _hold_small(self) -> None:
+        """Gradients left on the small parameters (perhaps in our own buffer) are copied aside, then the
+        parameters get their views of the zeroed buffer for autograd to accumulate into."""
+        grads = [self.params[i].grad for i in self._small]
+        held = [(k, grad) for k, grad in enumerate(grads) if grad is not None]
+        self._small_held = [False] * len(self._small)
+        if held:
+            self._held_small = torch.zeros_like(self._small_grads)
+            holds = self._held_small.split([self.params[i].numel() for i in self._small])
+            for k, grad in held:
+                holds[k].copy_(grad.detach().reshape(-1))
+                self._small_held[k] = True
+        self._attach_small_views()
+
+    def _attach_small_views(self) -> None:
+        for i, view in zip(self._small, self._small_views):
+            p = self.params[i]
+            if p.grad is not view:
+                p.grad = view
+
+    def start_micro_batch(self, *, last: bool) -> None:
+        """Before each local micro-batch: `last` says it is this rank's last of the step (buckets launch)."""
+        self._last = last
+
+    # ---- scale -------------------------------------------------------------------------------------------
 
     def _agree_scale(self) -> None:
         """After the first local micro-batch (or none): rank 0's micro-batch 0 sets everyone's scale."""
@@ -164,107 +232,123 @@ class ExactReducer:
         self._set_scale(maxima, headroom=HEADROOM_BITS)
 
     def _set_scale(self, maxima: torch.Tensor, *, headroom: int) -> None:
-        shifts = scale_exponents(maxima.cpu(), self.num_micro_batches, headroom)
-        self._mult = [math.ldexp(1.0, s) for s in shifts]
-        top = EXACT_BITS - _sum_bits(self.num_micro_batches)
-        self._limit = torch.tensor(
-            [math.ldexp(1.0, min(top - s, _MAX_SHIFT)) for s in shifts],
-            dtype=torch.float64,
-            device=self.device,
-        )
+        k = self.num_micro_batches
+        shifts = scale_exponents(maxima, k, headroom)
+        mult, factor = powers_of_two(shifts), powers_of_two(-shifts).mul_(1.0 / k)  # 2**s; 2**-s / K
+        self._limit = overflow_limits(shifts, k)
+        large = self._large_index
+        self._mult = dict(zip(large.tolist(), mult[large].tolist()))
+        self._factor = dict(zip(large.tolist(), factor[large].tolist()))
         if self._small:
-            device = self._segments.device
-            self._wide = any(abs(shifts[i]) > _FLOAT32_SHIFT for i in self._small)
-            exponents = torch.tensor([shifts[i] for i in self._small], dtype=torch.float64, device=device)
-            per_element = exponents[self._segments]
-            self._small_mult = torch.exp2(per_element).to(torch.float64 if self._wide else torch.float32)
-            self._small_inverse = torch.exp2(-per_element)
+            segments = self._segments
+            self._small_mult = torch.index_select(mult[self._small_index].to(segments.device), 0, segments)
+            self._small_factor = torch.index_select(
+                factor[self._small_index].to(segments.device), 0, segments
+            )
 
-    # ---- take ------------------------------------------------------------------------------------------
+    # ---- take --------------------------------------------------------------------------------------------
 
     def post_accumulate_grad(self, i: int, _param: torch.Tensor | None = None) -> None:
-        """The per-parameter hook: a large gradient goes into its accumulator now, once the scale is known."""
-        if self.active and self._mult is not None and self.large[i]:
+        """The per-parameter hook: note the use; a large gradient is taken now once the scale is known."""
+        if not self.active:
+            return
+        self._mb_used[i] = 1
+        if self.large[i] and self._mult is not None:
             self._take_large(i)
 
     @torch.no_grad()
     def _take_large(self, i: int) -> None:
-        grad = self.params[i].grad
-        if grad is None:
-            return
-        self._measure_large(i, grad)
-        self._quantize_large(i)
-
-    def _measure_large(self, i: int, grad: torch.Tensor) -> None:
-        largest = torch.linalg.vector_norm(grad.detach(), float("inf")).to(self.device, torch.float32)
-        self._mb_max[i] = torch.maximum(self._mb_max[i], largest)
-        self._mb_used[i] = 1
-
-    def _quantize_large(self, i: int) -> None:
         p = self.params[i]
         grad = p.grad
         if grad is None:
             return
         p.grad = None
-        shift = _known(self._mult, "the multipliers")[i]
-        acc = self._acc[i]
-        if acc is None:
-            acc = self._acc[i] = torch.zeros(grad.shape, dtype=torch.float64, device=grad.device)
-        acc.add_(on_grid(grad.detach(), shift, wide=abs(math.log2(shift)) > _FLOAT32_SHIFT))
+        mult = _known(self._mult, "the multipliers")[i]
+        largest = self._quantizer.add(self._accumulator(i), grad, mult, first=not self._written[i])
+        self._mb_max[i] = torch.maximum(self._mb_max[i], largest.to(self.device))
+        self._written[i] = 1
+        if self._last:
+            self._spare[i] = grad  # its buffer will hold the averaged gradient
+            b = self.buckets[self._bucket_of[i]]
+            b.taken += 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch, in bucket order, every bucket whose gradients were all taken in the last micro-batch."""
+        while self._next_bucket < len(self.buckets):
+            b = self.buckets[self._next_bucket]
+            if b.taken < len(b.indices):
+                return
+            self._launch(b)
+            self.launched_in_backward += 1
+
+    def _launch_all(self) -> None:
+        while self._next_bucket < len(self.buckets):
+            self._launch(self.buckets[self._next_bucket])
+
+    def _launch(self, b: _Bucket) -> None:
+        for i in b.indices:
+            if not self._written[i]:  # no local micro-batch used it: the rank adds zeros
+                self._accumulator(i).zero_()
+                self._written[i] = 1
+        self._next_bucket += 1
+        if self.world > 1:
+            buffer = _known(b.buffer, "a bucket's buffer")
+            b.record = PROGRESS.issue("allreduce (exact gradient bucket)", (buffer,), self.group)
+            b.record.work = dist.all_reduce(buffer, group=self.group, async_op=True)
 
     @torch.no_grad()
     def end_micro_batch(self) -> None:
         """After each local micro-batch's backward: set the scale (first one), take what is left, fold flags."""
         flat = self._measure_small()
         if self._mult is None:
-            for i in self._large:
+            for i in range(self._n):
                 grad = self.params[i].grad
-                if grad is not None:
-                    self._measure_large(i, grad)
+                if self.large[i] and grad is not None:
+                    self._mb_max[i] = largest_magnitude(grad).to(self.device)
             self._agree_scale()
-            for i in self._large:
-                self._quantize_large(i)
+            for i in range(self._n):
+                if self.large[i]:
+                    self._take_large(i)
         if flat is not None:
-            self._quantize_small(flat)
-        limit = _known(self._limit, "the overflow limits")
-        used = torch.tensor(list(self._mb_used), dtype=torch.float64, device=self.device)
-        largest = self._mb_max
-        self._flags[0] += used
-        self._flags[1] += (largest.double() >= limit).double() * used
-        self._flags[2] += (~torch.isfinite(largest)).double()
-        self._maxima = torch.maximum(self._maxima, largest)
+            self._flag_buffer[: self._small_size].add_(
+                on_grid(flat, _known(self._small_mult, "the small multipliers"), out=self._small_stage)
+            )
+        self._fold_flags()
+        if self._last:
+            self._launch_all()
         self._start_micro_batch()
 
     def _measure_small(self) -> torch.Tensor | None:
-        """The small gradients as one flat vector (freed from `.grad`), their maxima noted; None if none."""
+        """The small gradients of this micro-batch as one flat vector (a copy), their maxima noted; the
+        views are zeroed for the next one. None if no small parameter got a gradient."""
         if not self._small:
             return None
-        grads = [self.params[i].grad for i in self._small]
-        if all(g is None for g in grads):
+        for i, view in zip(self._small, self._small_views):  # autograd may have replaced a view
+            grad = self.params[i].grad
+            if grad is not view:
+                if grad is not None:
+                    view.copy_(grad.detach())
+                self.params[i].grad = view
+        if not any(self._mb_used[i] for i in self._small):
             return None
-        flat = torch.cat(
-            [
-                g.detach().reshape(-1)
-                if g is not None
-                else torch.zeros(self.params[i].numel(), device=self._segments.device)
-                for i, g in zip(self._small, grads)
-            ]
-        )
-        for i, g in zip(self._small, grads):
-            self.params[i].grad = None
-            if g is not None:
-                self._mb_used[i] = 1
+        flat = self._small_grads.clone()
+        self._small_grads.zero_()
         maxima = torch.zeros(len(self._small), dtype=flat.dtype, device=flat.device)
         maxima.scatter_reduce_(0, self._segments, flat.abs(), "amax")
-        self._mb_max[self._small_index] = maxima.to(self.device, torch.float32)
+        self._mb_max[self._small_index] = maxima.to(self.device, torch.float64)
         return flat
 
-    def _quantize_small(self, flat: torch.Tensor) -> None:
-        if self._small_acc is None:
-            self._small_acc = torch.zeros(flat.numel(), dtype=torch.float64, device=flat.device)
-        self._small_acc.add_(on_grid(flat, self._small_mult, wide=self._wide))  # type: ignore[arg-type]
+    def _fold_flags(self) -> None:
+        limit = _known(self._limit, "the overflow limits")
+        used = torch.frombuffer(self._mb_used, dtype=torch.uint8).to(self.device, torch.float64)
+        largest = self._mb_max
+        self._flags[0] += used
+        self._flags[1] += (largest >= limit).double() * used
+        self._flags[2] += (~torch.isfinite(largest)).double()
+        self._maxima = torch.maximum(self._maxima, largest)
 
-    # ---- reduce ----------------------------------------------------------------------------------------
+    # ---- reduce ------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def reduce(self) -> torch.Tensor | None:
@@ -272,31 +356,28 @@ class ExactReducer:
 
         Returns None when the step is done, or (on every rank alike) the agreed per-parameter maxima when
         a micro-batch overflowed its scale: then nothing was written and the caller redoes the step.
-        The flags ride in the first all-reduce, with the small parameters' sums: when a rank overflowed,
-        those sums are dropped unread.
         """
         if self._mult is None:  # this rank had no micro-batch: it still takes part in the scale broadcast
             self._agree_scale()
-        small = self._small_acc
-        if small is None:
-            small = torch.zeros(self._small_size, dtype=torch.float64, device=self._segments.device)
-        first = torch.cat([small.to(self.device), self._flags.reshape(-1)])
-        self._small_acc = None
-        self._all_reduce(first, "allreduce (exact gradients: flags and small parameters)")
-        flags = first[self._small_size :].reshape(3, self._n)
+        self._launch_all()
+        if self.world > 1:
+            with tracked(
+                "allreduce (exact gradients: flags and small parameters)", (self._flag_buffer,), self.group
+            ):
+                dist.all_reduce(self._flag_buffer, group=self.group)
+        flags = self._flags
         finite = flags[2] == 0
         if bool(((flags[1] > 0) & finite).any()):
             return self._agreed_maxima()
         used = (flags[0] > 0).tolist()
-        if self._small:
-            self._write_small(first[: self._small_size], used)
-        for bucket in self._large_buckets(used):
-            self._reduce_large(bucket)
         nonfinite = (~finite).tolist()
-        for i, p in enumerate(self.params):
-            if not used[i]:
-                p.grad = None
-            elif nonfinite[i]:
+        if self._small:
+            self._write_small(used, nonfinite)
+        for b in self.buckets:
+            self._write_bucket(b, used)
+        for i in range(self._n):
+            p = self.params[i]
+            if self.large[i] and nonfinite[i] and used[i]:
                 p.grad = torch.full_like(p, float("nan"))
             held = self._held[i]
             if held is not None:
@@ -306,72 +387,54 @@ class ExactReducer:
 
     def _finish(self) -> None:
         self.active = False
-        self._acc, self._small_acc, self._held = [None] * self._n, None, [None] * self._n
+        self._spare, self._held, self._held_small = [None] * self._n, [None] * self._n, None
+
+    def _wait(self, b: _Bucket) -> None:
+        if b.record is not None:
+            wait_tracked(b.record, b.record.work)
+            b.record = None
 
     def _agreed_maxima(self) -> torch.Tensor:
+        for b in self.buckets:  # every rank waits for what it launched before the next collective
+            self._wait(b)
         maxima = self._maxima.clone()
         if self.world > 1:
             with tracked("allreduce max (gradient maxima)", (maxima,), self.group):
                 dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
+        held_small = self._held_small
         for i, p in enumerate(self.params):  # back as the step found them, for the redo
             p.grad = self._held[i]
+        if held_small is not None:
+            sizes = [self.params[i].numel() for i in self._small]
+            for i, hold in zip(self._small, held_small.split(sizes)):
+                self.params[i].grad = hold.view_as(self.params[i])
         self._finish()
         return maxima
 
-    def _write_small(self, total: torch.Tensor, used: list[bool]) -> None:
-        """grad = sum * 2**-s / K for every small parameter in a few whole-vector operations (float64)."""
-        inverse = _known(self._small_inverse, "the small parameters' inverse scale")
-        dtype = self.params[self._small[0]].dtype
-        means = total.to(inverse.device).mul_(inverse).div_(self.num_micro_batches)
-        values = means.to(dtype)
-        for position, i in enumerate(self._small):
-            p = self.params[i]
-            if used[i]:
-                p.grad = values[self._offsets[position] : self._offsets[position + 1]].view_as(p)
+    def _write_small(self, used: list[bool], nonfinite: list[bool]) -> None:
+        """grad = sum * 2**-s / K for every small parameter, in place in their shared buffer."""
+        factor = _known(self._small_factor, "the small parameters' factors")
+        total = self._flag_buffer[: self._small_size].to(factor.device)
+        self._small_grads.copy_(total.mul_(factor))
+        if self._held_small is not None:
+            self._small_grads.add_(self._held_small)
+        for k, (i, view) in enumerate(zip(self._small, self._small_views)):
+            if nonfinite[i] and used[i]:
+                view.fill_(float("nan"))
+            self.params[i].grad = view if used[i] or self._small_held[k] else None
 
-    def _large_buckets(self, used: list[bool]) -> list[list[int]]:
-        """Used large parameters in order, in groups of about BUCKET_ELEMENTS (the same on every rank)."""
-        buckets: list[list[int]] = [[]]
-        size = 0
-        for i in self._large:
+    def _write_bucket(self, b: _Bucket, used: list[bool]) -> None:
+        self._wait(b)
+        for i in b.indices:
+            p = self.params[i]
             if not used[i]:
+                p.grad = None
                 continue
-            numel = self.params[i].numel()
-            if size and size + numel > BUCKET_ELEMENTS:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(i)
-            size += numel
-        return [b for b in buckets if b]
-
-    def _reduce_large(self, indices: list[int]) -> None:
-        parts = []
-        for i in indices:
-            acc, p = self._acc[i], self.params[i]
-            parts.append(
-                acc.reshape(-1)
-                if acc is not None
-                else torch.zeros(p.numel(), dtype=torch.float64, device=p.device)
+            spare = self._spare[i]
+            out = spare if spare is not None and spare.shape == p.shape and spare.dtype == p.dtype else None
+            p.grad = self._quantizer.write_mean(
+                out if out is not None else torch.empty_like(p), self._accumulator(i), self._factor[i]
             )
-            self._acc[i] = None  # the bucket holds it now: free the accumulator
-        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-        del parts
-        self._all_reduce(flat, "allreduce (exact gradient bucket)")
-        mult = _known(self._mult, "the multipliers")
-        offset = 0
-        for i in indices:
-            p = self.params[i]
-            total = flat[offset : offset + p.numel()]
-            offset += p.numel()
-            p.grad = total.mul(1.0 / mult[i]).div_(self.num_micro_batches).to(p.dtype).view_as(p)
-
-    def _all_reduce(self, flat: torch.Tensor, op: str) -> None:
-        if self.world > 1:
-            wire = flat.to(self.device)
-            with tracked(op, (wire,), self.group):
-                dist.all_reduce(wire, group=self.group)
-            if wire is not flat:
-                flat.copy_(wire)
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank

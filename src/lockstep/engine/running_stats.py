@@ -8,16 +8,22 @@ training forward of a layer records (layer, count, mean, unbiased variance) for 
 end of the step every rank restores the snapshot, receives every micro-batch's records (an exact
 exchange: gather_rows), and applies torch's update rule for micro-batch 0, 1, ..., K-1 in that order:
 the same float operations on every rank, at every world size.
+
+The statistics are the ones the layer's own kernel computes: for the forward, the layer's running
+buffers are swapped for zeroed scratch ones and its momentum set to 1, so the kernel writes exactly the
+batch mean and unbiased variance into them (0 * 0 + 1 * x = x), at no cost beyond the forward's own.
+Computing them again beside the kernel (a var_mean per layer) cost resnet 15% of its step.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lockstep.errors import InternalError
 from lockstep.runtime.collectives import gather_rows
 
 
@@ -30,7 +36,14 @@ class RunningStats:
         self._snapshot: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._records: dict[int, list[torch.Tensor]] = {}
         self.ordinal: int | None = None  # the micro-batch whose forward is running; None outside a step
-        self._hooks = [m.register_forward_pre_hook(self._record) for m in self.layers]
+        self._scratch = [
+            (torch.zeros_like(m.running_mean), torch.zeros_like(m.running_var))  # type: ignore[arg-type]
+            for m in self.layers
+        ]
+        self._swapped: dict[int, tuple[Any, Any, Any, int]] = {}  # layer index -> buffers, momentum, count
+        self._hooks = [m.register_forward_pre_hook(self._swap_in) for m in self.layers] + [
+            m.register_forward_hook(self._record, always_call=True) for m in self.layers
+        ]
 
     def begin(self) -> None:
         """Snapshot the buffers (a redo begins again from the same snapshot)."""
@@ -41,20 +54,29 @@ class RunningStats:
                 for m in self.layers
             ]
 
-    def _record(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
+    def _swap_in(self, layer: _BatchNorm, args: tuple[Any, ...]) -> None:
+        """Before a training forward inside a step: scratch buffers and momentum 1 catch the batch's statistics."""
         if self.ordinal is None or not layer.training or not args:
             return
+        index = self._index[id(layer)]
         x = args[0]
+        count = x.numel() // max(x.shape[1], 1) if x.dim() > 1 else 0
+        self._swapped[index] = (layer.running_mean, layer.running_var, layer.momentum, count)
+        mean, var = self._scratch[index]
+        layer.running_mean, layer.running_var, layer.momentum = mean.zero_(), var.zero_(), 1.0
+
+    def _record(self, layer: _BatchNorm, _args: tuple[Any, ...], _output: Any) -> None:
+        """After the forward (even one that raised): buffers and momentum back; the statistics recorded."""
+        index = self._index[id(layer)]
+        swapped = self._swapped.pop(index, None)
+        if swapped is None:
+            return
+        mean, var = cast(torch.Tensor, layer.running_mean), cast(torch.Tensor, layer.running_var)
+        layer.running_mean, layer.running_var, layer.momentum, count = swapped
         with torch.no_grad():
-            xc = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-            dims = [0, *range(2, xc.dim())]
-            count = xc.numel() // max(xc.shape[1], 1)
-            var, mean = torch.var_mean(xc, dim=dims, correction=1)
-            head = torch.tensor(
-                [float(self._index[id(layer)]), float(count)], dtype=torch.float64, device=xc.device
-            )
+            head = torch.tensor([float(index), float(count)], dtype=torch.float64, device=mean.device)
             row = torch.cat([head, mean.double(), var.double()])  # stays on the device: no sync per layer
-        self._records.setdefault(self.ordinal, []).append(row)
+        self._records.setdefault(_known_ordinal(self.ordinal), []).append(row)
 
     def finish(self, num_micro_batches: int, group: Any) -> None:
         """Restore the snapshot and replay every micro-batch's statistics in ordinal order (a collective)."""
@@ -87,6 +109,12 @@ class RunningStats:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def _known_ordinal(ordinal: int | None) -> int:
+    if ordinal is None:
+        raise InternalError("running statistics: a forward hook ran outside the micro-batch it began in")
+    return ordinal
 
 
 def _update(layer: _BatchNorm, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:

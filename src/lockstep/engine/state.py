@@ -254,14 +254,18 @@ class ReplicaState:
             return EngineStats(
                 world_size=self.world,
                 num_parameters=len(step.reducer.params),
-                num_buckets=0,
-                bucket_sizes_bytes=[],
-                bucket_num_params=[],
+                num_buckets=len(step.reducer.buckets),
+                bucket_sizes_bytes=[8 * b.numel for b in step.reducer.buckets],
+                bucket_num_params=[len(b.indices) for b in step.reducer.buckets],
                 buckets_rebuilt=False,
                 synced_steps=step.steps,
                 last=None,
                 mean=None,
-                extras={"deterministic": True, "redone_steps": step.redos},
+                extras={
+                    "deterministic": True,
+                    "redone_steps": step.redos,
+                    "buckets_launched_in_backward": step.reducer.launched_in_backward,
+                },
             )
         r = self.reducer
         return EngineStats(
