@@ -43,11 +43,11 @@ from lockstep.engine.fixed_point import (
     HEADROOM_BITS,
     Quantizer,
     largest_magnitude,
-    on_grid,
     overflow_limits,
     powers_of_two,
     scale_exponents,
 )
+from lockstep.engine.small_grads import SmallGradients
 from lockstep.errors import InternalError
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.watchdog import tracked, wait_tracked
@@ -111,27 +111,13 @@ class ExactReducer:
             p.numel() >= LARGE_ELEMENTS or first is None or (p.device, p.dtype) != (first.device, first.dtype)
             for p in self.params
         ]
-        self._small = [i for i in range(self._n) if not self.large[i]]
-        sizes = [self.params[i].numel() for i in self._small]
-        self._small_size = sum(sizes)
-        self._small_grads = torch.zeros(
-            self._small_size,
-            dtype=first.dtype if first is not None else torch.float32,
-            device=first.device if first is not None else self.device,
+        self.small = SmallGradients(
+            self.params, [i for i in range(self._n) if not self.large[i]], self.device
         )
-        self._small_views = [
-            view.view_as(self.params[i]) for i, view in zip(self._small, self._small_grads.split(sizes))
-        ]
-        self._segments = torch.repeat_interleave(
-            torch.arange(len(sizes), device=self._small_grads.device),
-            torch.tensor(sizes, dtype=torch.long, device=self._small_grads.device),
-        )
-        self._small_index = torch.tensor(self._small, dtype=torch.long, device=self.device)
+        self._small_size = self.small.size
         self._large_index = torch.tensor(
             [i for i in range(self._n) if self.large[i]], dtype=torch.long, device=self.device
         )
-        self._small_cache: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._small_stage = torch.empty(self._small_size, dtype=torch.float64, device=self.device)
 
     def _plan_buckets(self) -> None:
         """Large parameters in reverse order (the order a backward usually produces them), ~BUCKET_ELEMENTS each."""
@@ -164,16 +150,14 @@ class ExactReducer:
         self._mult: dict[int, float] | None = None  # 2**s_i of the large parameters, once known
         self._factor: dict[int, float] = {}  # their 2**-s_i / K
         self._limit: torch.Tensor | None = None  # per parameter: a micro-batch at or above it overflows
-        self._small_mult: torch.Tensor | None = None  # 2**s per element of the small ones, float64
-        self._small_factor: torch.Tensor | None = None  # 2**-s / K per element, float64
+        self._small_mult: torch.Tensor | None = None  # 2**s of the small ones, in their flat order
+        self._small_factor: torch.Tensor | None = None  # their 2**-s / K
         self._maxima = torch.zeros(self._n, dtype=torch.float64, device=self.device)
         self._flags = self._flag_buffer[self._small_size :].view(3, self._n)  # used, over, nonfinite
         self._flag_buffer.zero_()
         self._written = bytearray(self._n)  # a large parameter's accumulator holds this step's value
         self._spare: list[torch.Tensor | None] = [None] * self._n  # last micro-batch's grads, reused
         self._held: list[torch.Tensor | None] = [None] * self._n
-        self._held_small: torch.Tensor | None = None
-        self._small_held = [False] * len(self._small)
         self._last = False
         self._next_bucket = 0
         for b in self.buckets:
@@ -188,34 +172,13 @@ class ExactReducer:
         """Start a step of `num_micro_batches`; `maxima` (a redo): the step's agreed per-parameter maxima."""
         self._reset()
         self.num_micro_batches, self.active = num_micro_batches, True
-        self._hold_small()
+        self.small.begin()
         for i in range(self._n):
             if self.large[i]:
                 p = self.params[i]
                 self._held[i], p.grad = p.grad, None
-        self._small_grads.zero_()
         if maxima is not None:
             self._set_scale(maxima, headroom=0)
-
-    def _hold_small(self) -> None:
-        """Gradients left on the small parameters (perhaps in our own buffer) are copied aside, then the
-        parameters get their views of the zeroed buffer for autograd to accumulate into."""
-        grads = [self.params[i].grad for i in self._small]
-        held = [(k, grad) for k, grad in enumerate(grads) if grad is not None]
-        self._small_held = [False] * len(self._small)
-        if held:
-            self._held_small = torch.zeros_like(self._small_grads)
-            holds = self._held_small.split([self.params[i].numel() for i in self._small])
-            for k, grad in held:
-                holds[k].copy_(grad.detach().reshape(-1))
-                self._small_held[k] = True
-        self._attach_small_views()
-
-    def _attach_small_views(self) -> None:
-        for i, view in zip(self._small, self._small_views):
-            p = self.params[i]
-            if p.grad is not view:
-                p.grad = view
 
     def start_micro_batch(self, *, last: bool) -> None:
         """Before each local micro-batch: `last` says it is this rank's last of the step (buckets launch)."""
@@ -239,12 +202,7 @@ class ExactReducer:
         large = self._large_index
         self._mult = dict(zip(large.tolist(), mult[large].tolist()))
         self._factor = dict(zip(large.tolist(), factor[large].tolist()))
-        if self._small:
-            segments = self._segments
-            self._small_mult = torch.index_select(mult[self._small_index].to(segments.device), 0, segments)
-            self._small_factor = torch.index_select(
-                factor[self._small_index].to(segments.device), 0, segments
-            )
+        self._small_mult, self._small_factor = mult[self.small.index], factor[self.small.index]
 
     # ---- take --------------------------------------------------------------------------------------------
 
@@ -300,7 +258,7 @@ class ExactReducer:
     @torch.no_grad()
     def end_micro_batch(self) -> None:
         """After each local micro-batch's backward: set the scale (first one), take what is left, fold flags."""
-        flat = self._measure_small()
+        small_used = self._take_small_maxima()
         if self._mult is None:
             for i in range(self._n):
                 grad = self.params[i].grad
@@ -310,34 +268,23 @@ class ExactReducer:
             for i in range(self._n):
                 if self.large[i]:
                     self._take_large(i)
-        if flat is not None:
-            self._flag_buffer[: self._small_size].add_(
-                on_grid(flat, _known(self._small_mult, "the small multipliers"), out=self._small_stage)
-            )
+        if small_used:
+            multipliers = _known(self._small_mult, "the small multipliers")
+            self.small.add_on_grid(self._flag_buffer[: self._small_size], multipliers)
         self._fold_flags()
         if self._last:
             self._launch_all()
         self._start_micro_batch()
 
-    def _measure_small(self) -> torch.Tensor | None:
-        """The small gradients of this micro-batch as one flat vector (a copy), their maxima noted; the
-        views are zeroed for the next one. None if no small parameter got a gradient."""
-        if not self._small:
-            return None
-        for i, view in zip(self._small, self._small_views):  # autograd may have replaced a view
-            grad = self.params[i].grad
-            if grad is not view:
-                if grad is not None:
-                    view.copy_(grad.detach())
-                self.params[i].grad = view
-        if not any(self._mb_used[i] for i in self._small):
-            return None
-        flat = self._small_grads.clone()
-        self._small_grads.zero_()
-        maxima = torch.zeros(len(self._small), dtype=flat.dtype, device=flat.device)
-        maxima.scatter_reduce_(0, self._segments, flat.abs(), "amax")
-        self._mb_max[self._small_index] = maxima.to(self.device, torch.float64)
-        return flat
+    def _take_small_maxima(self) -> bool:
+        """The small gradients' maxima of this micro-batch, noted; False if none of them got a gradient."""
+        if not self.small.params:
+            return False
+        self.small.reattach()
+        if not any(self._mb_used[i] for i in self.small.indices):
+            return False
+        self._mb_max[self.small.index] = self.small.maxima().to(self.device)
+        return True
 
     def _fold_flags(self) -> None:
         limit = _known(self._limit, "the overflow limits")
@@ -371,8 +318,11 @@ class ExactReducer:
             return self._agreed_maxima()
         used = (flags[0] > 0).tolist()
         nonfinite = (~finite).tolist()
-        if self._small:
-            self._write_small(used, nonfinite)
+        if self.small.params:
+            factors = _known(self._small_factor, "the small parameters' factors")
+            keep = [used[i] for i in self.small.indices]
+            nan = [used[i] and nonfinite[i] for i in self.small.indices]
+            self.small.write(self._flag_buffer[: self._small_size], factors, keep, nan)
         for b in self.buckets:
             self._write_bucket(b, used)
         for i in range(self._n):
@@ -387,7 +337,7 @@ class ExactReducer:
 
     def _finish(self) -> None:
         self.active = False
-        self._spare, self._held, self._held_small = [None] * self._n, [None] * self._n, None
+        self._spare, self._held = [None] * self._n, [None] * self._n
 
     def _wait(self, b: _Bucket) -> None:
         if b.record is not None:
@@ -401,27 +351,12 @@ class ExactReducer:
         if self.world > 1:
             with tracked("allreduce max (gradient maxima)", (maxima,), self.group):
                 dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
-        held_small = self._held_small
         for i, p in enumerate(self.params):  # back as the step found them, for the redo
-            p.grad = self._held[i]
-        if held_small is not None:
-            sizes = [self.params[i].numel() for i in self._small]
-            for i, hold in zip(self._small, held_small.split(sizes)):
-                self.params[i].grad = hold.view_as(self.params[i])
+            if self.large[i]:
+                p.grad = self._held[i]
+        self.small.restore()
         self._finish()
         return maxima
-
-    def _write_small(self, used: list[bool], nonfinite: list[bool]) -> None:
-        """grad = sum * 2**-s / K for every small parameter, in place in their shared buffer."""
-        factor = _known(self._small_factor, "the small parameters' factors")
-        total = self._flag_buffer[: self._small_size].to(factor.device)
-        self._small_grads.copy_(total.mul_(factor))
-        if self._held_small is not None:
-            self._small_grads.add_(self._held_small)
-        for k, (i, view) in enumerate(zip(self._small, self._small_views)):
-            if nonfinite[i] and used[i]:
-                view.fill_(float("nan"))
-            self.params[i].grad = view if used[i] or self._small_held[k] else None
 
     def _write_bucket(self, b: _Bucket, used: list[bool]) -> None:
         self._wait(b)
