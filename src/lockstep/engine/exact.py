@@ -77,6 +77,16 @@ class _Bucket:
     record: Any = None  # the all-reduce in flight (its progress record carries the work)
 
 
+@dataclass
+class _Pending:
+    """A rank's first micro-batch, held unrounded while the scale broadcast is in flight."""
+
+    maxima: torch.Tensor
+    used: bytearray
+    large: dict[int, torch.Tensor]
+    small: torch.Tensor | None
+
+
 class ExactReducer:
     """Fixed-point accumulators for one replica's trainable parameters (see the module's design note)."""
 
@@ -159,6 +169,8 @@ class ExactReducer:
         self._spare: list[torch.Tensor | None] = [None] * self._n  # last micro-batch's grads, reused
         self._held: list[torch.Tensor | None] = [None] * self._n
         self._last = False
+        self._agreement: tuple[torch.Tensor, Any] | None = None  # the scale broadcast in flight
+        self._pending: _Pending | None = None  # the first micro-batch's gradients, until the scale is known
         self._next_bucket = 0
         for b in self.buckets:
             b.taken, b.record = 0, None
@@ -186,13 +198,27 @@ class ExactReducer:
 
     # ---- scale -------------------------------------------------------------------------------------------
 
-    def _agree_scale(self) -> None:
-        """After the first local micro-batch (or none): rank 0's micro-batch 0 sets everyone's scale."""
+    def _start_agreement(self) -> None:
+        """After the first local micro-batch (or none): rank 0's micro-batch 0 will set everyone's scale.
+        The broadcast runs while the rank goes on with its next micro-batch; _agree() waits for it."""
         maxima = self._mb_max.clone() if self.rank == 0 else torch.zeros_like(self._mb_max)
+        record = None
         if self.world > 1:
-            with tracked("broadcast (gradient scale)", (maxima,), self.group):
-                dist.broadcast(maxima, src=self._global(0), group=self.group)
+            record = PROGRESS.issue("broadcast (gradient scale)", (maxima,), self.group)
+            record.work = dist.broadcast(maxima, src=self._global(0), group=self.group, async_op=True)
+        self._agreement = (maxima, record)
+
+    def _agree(self) -> None:
+        """Wait for the scale (starting the broadcast on a rank without micro-batches), then take what the
+        first micro-batch left pending."""
+        if self._agreement is None:
+            self._start_agreement()
+        maxima, record = _known(self._agreement, "the scale broadcast")
+        if record is not None:
+            wait_tracked(record, record.work)
+        self._agreement = None
         self._set_scale(maxima, headroom=HEADROOM_BITS)
+        self._take_pending()
 
     def _set_scale(self, maxima: torch.Tensor, *, headroom: int) -> None:
         k = self.num_micro_batches
@@ -211,8 +237,11 @@ class ExactReducer:
         if not self.active:
             return
         self._mb_used[i] = 1
-        if self.large[i] and self._mult is not None:
-            self._take_large(i)
+        if self.large[i]:
+            if self._mult is None and self._agreement is not None:
+                self._agree()  # the first micro-batch's scale: by now rank 0 has long sent it
+            if self._mult is not None:
+                self._take_large(i)
 
     @torch.no_grad()
     def _take_large(self, i: int) -> None:
@@ -257,24 +286,59 @@ class ExactReducer:
 
     @torch.no_grad()
     def end_micro_batch(self) -> None:
-        """After each local micro-batch's backward: set the scale (first one), take what is left, fold flags."""
+        """After each local micro-batch's backward: take what is left, fold flags; after the first one, start
+        agreeing on the scale (and wait for it only if this was the rank's last micro-batch)."""
         small_used = self._take_small_maxima()
+        if self._mult is None and self._agreement is None:
+            self._measure_large_in_grad()
+            self._start_agreement()
+            if not self._last:
+                self._stash(small_used)
+                return
         if self._mult is None:
-            for i in range(self._n):
-                grad = self.params[i].grad
-                if self.large[i] and grad is not None:
-                    self._mb_max[i] = largest_magnitude(grad).to(self.device)
-            self._agree_scale()
-            for i in range(self._n):
+            self._agree()
+            for i in range(self._n):  # this micro-batch's large gradients that no hook could take yet
                 if self.large[i]:
                     self._take_large(i)
         if small_used:
             multipliers = _known(self._small_mult, "the small multipliers")
             self.small.add_on_grid(self._flag_buffer[: self._small_size], multipliers)
-        self._fold_flags()
+        self._fold_flags(self._mb_max, self._mb_used)
         if self._last:
             self._launch_all()
         self._start_micro_batch()
+
+    def _measure_large_in_grad(self) -> None:
+        for i in range(self._n):
+            grad = self.params[i].grad
+            if self.large[i] and grad is not None:
+                self._mb_max[i] = largest_magnitude(grad).to(self.device)
+
+    def _stash(self, small_used: bool) -> None:
+        """The first micro-batch's gradients wait, unrounded, for the scale; the next one starts afresh."""
+        large = {}
+        for i in range(self._n):
+            grad = self.params[i].grad
+            if self.large[i] and grad is not None:
+                large[i], self.params[i].grad = grad, None
+        small = self.small.grads.clone() if small_used else None
+        self.small.grads.zero_()
+        self._pending = _Pending(self._mb_max, self._mb_used, large, small)
+        self._start_micro_batch()
+
+    @torch.no_grad()
+    def _take_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        mult = _known(self._mult, "the multipliers")
+        for i, grad in pending.large.items():
+            self._quantizer.add(self._accumulator(i), grad, mult[i], first=not self._written[i])
+            self._written[i] = 1
+        if pending.small is not None:
+            multipliers = _known(self._small_mult, "the small multipliers")
+            self.small.add_on_grid(self._flag_buffer[: self._small_size], multipliers, source=pending.small)
+        self._fold_flags(pending.maxima, pending.used)
 
     def _take_small_maxima(self) -> bool:
         """The small gradients' maxima of this micro-batch, noted; False if none of them got a gradient."""
@@ -286,10 +350,9 @@ class ExactReducer:
         self._mb_max[self.small.index] = self.small.maxima().to(self.device)
         return True
 
-    def _fold_flags(self) -> None:
+    def _fold_flags(self, largest: torch.Tensor, used_bytes: bytearray) -> None:
         limit = _known(self._limit, "the overflow limits")
-        used = torch.frombuffer(self._mb_used, dtype=torch.uint8).to(self.device, torch.float64)
-        largest = self._mb_max
+        used = torch.frombuffer(used_bytes, dtype=torch.uint8).to(self.device, torch.float64)
         self._flags[0] += used
         self._flags[1] += (largest >= limit).double() * used
         self._flags[2] += (~torch.isfinite(largest)).double()
@@ -305,7 +368,7 @@ class ExactReducer:
         a micro-batch overflowed its scale: then nothing was written and the caller redoes the step.
         """
         if self._mult is None:  # this rank had no micro-batch: it still takes part in the scale broadcast
-            self._agree_scale()
+            self._agree()
         self._launch_all()
         if self.world > 1:
             with tracked(

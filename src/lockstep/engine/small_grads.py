@@ -88,13 +88,17 @@ class SmallGradients:
         return torch.cat(parts)
 
     @torch.no_grad()
-    def add_on_grid(self, acc: torch.Tensor, multipliers: torch.Tensor) -> None:
-        """acc += round(grad * 2**s) for every small gradient (exact), then zero the buffer for the next
-        micro-batch. `multipliers`: 2**s per parameter in flat order."""
-        stage = self._stage.copy_(self.grads)
+    def add_on_grid(
+        self, acc: torch.Tensor, multipliers: torch.Tensor, source: torch.Tensor | None = None
+    ) -> None:
+        """acc += round(grad * 2**s) for every small gradient (exact; `multipliers`: 2**s per parameter in
+        flat order). The gradients are the buffer's, which is then zeroed for the next micro-batch, or
+        `source`'s (a copy of the buffer kept from an earlier micro-batch)."""
+        stage = self._stage.copy_(self.grads if source is None else source)
         self._per_parameter(stage, multipliers.to(stage.device))
         acc.add_(stage.round_().to(acc.device))
-        self.grads.zero_()
+        if source is None:
+            self.grads.zero_()
 
     @torch.no_grad()
     def write(self, total: torch.Tensor, factors: torch.Tensor, keep: list[bool], nan: list[bool]) -> None:
