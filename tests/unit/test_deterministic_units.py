@@ -128,15 +128,19 @@ def test_the_quantizer_adds_exactly_across_its_pieces_and_measures_the_largest(m
     g = torch.Generator().manual_seed(1)
     grads = [torch.randn(5, 6, generator=g) * 10.0**i for i in range(3)]
     quantizer, acc, mult = fixed_point.Quantizer(), torch.empty(30, dtype=torch.float64), 2.0**40
-    largest = [quantizer.add(acc, grad, mult, first=i == 0) for i, grad in enumerate(grads)]
+    largest = [quantizer.add(acc, [grad], mult, first=i == 0) for i, grad in enumerate(grads)]
     expected = sum(on_grid(grad.reshape(-1), mult) for grad in grads)
     assert torch.equal(acc, expected)
     assert [float(x) for x in largest] == [float(grad.abs().max()) for grad in grads]
     assert torch.isnan(
         quantizer.add(
-            torch.empty(2, dtype=torch.float64), torch.tensor([1.0, float("nan")]), mult, first=True
+            torch.empty(2, dtype=torch.float64), [torch.tensor([1.0, float("nan")])], mult, first=True
         )
     )
+    together = torch.empty(30, dtype=torch.float64)  # two gradients in one pass, then a third
+    assert float(quantizer.add(together, grads[:2], mult, first=True)) == float(grads[1].abs().max())
+    quantizer.add(together, grads[2:], mult, first=False)
+    assert torch.equal(together, expected)
     out = torch.empty(5, 6)
     factor = 2.0**-40 / 3
     quantizer.write_mean(out, acc.clone(), factor)

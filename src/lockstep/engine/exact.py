@@ -171,6 +171,7 @@ class ExactReducer:
         self._last = False
         self._agreement: tuple[torch.Tensor, Any] | None = None  # the scale broadcast in flight
         self._pending: _Pending | None = None  # the first micro-batch's gradients, until the scale is known
+        self._waiting: dict[int, torch.Tensor] = {}  # its large ones, once the scale is known
         self._next_bucket = 0
         for b in self.buckets:
             b.taken, b.record = 0, None
@@ -251,7 +252,9 @@ class ExactReducer:
             return
         p.grad = None
         mult = _known(self._mult, "the multipliers")[i]
-        largest = self._quantizer.add(self._accumulator(i), grad, mult, first=not self._written[i])
+        earlier = self._waiting.pop(i, None)  # the first micro-batch's, rounded in the same pass
+        grads = [grad] if earlier is None else [earlier, grad]
+        largest = self._quantizer.add(self._accumulator(i), grads, mult, first=not self._written[i])
         self._mb_max[i] = torch.maximum(self._mb_max[i], largest.to(self.device))
         self._written[i] = 1
         if self._last:
@@ -304,6 +307,7 @@ class ExactReducer:
             multipliers = _known(self._small_mult, "the small multipliers")
             self.small.add_on_grid(self._flag_buffer[: self._small_size], multipliers)
         self._fold_flags(self._mb_max, self._mb_used)
+        self._take_waiting()
         if self._last:
             self._launch_all()
         self._start_micro_batch()
@@ -331,10 +335,7 @@ class ExactReducer:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        mult = _known(self._mult, "the multipliers")
-        for i, grad in pending.large.items():
-            self._quantizer.add(self._accumulator(i), grad, mult[i], first=not self._written[i])
-            self._written[i] = 1
+        self._waiting = pending.large  # taken with the same parameter's next gradient (or at the end)
         if pending.small is not None:
             multipliers = _known(self._small_mult, "the small multipliers")
             self.small.add_on_grid(self._flag_buffer[: self._small_size], multipliers, source=pending.small)
@@ -398,9 +399,17 @@ class ExactReducer:
         self._finish()
         return None
 
+    def _take_waiting(self) -> None:
+        """The first micro-batch's large gradients whose parameters the next one did not use."""
+        mult = _known(self._mult, "the multipliers")
+        for i, grad in self._waiting.items():
+            self._quantizer.add(self._accumulator(i), [grad], mult[i], first=not self._written[i])
+            self._written[i] = 1
+        self._waiting = {}
+
     def _finish(self) -> None:
         self.active = False
-        self._spare, self._held = [None] * self._n, [None] * self._n
+        self._spare, self._held, self._waiting = [None] * self._n, [None] * self._n, {}
 
     def _wait(self, b: _Bucket) -> None:
         if b.record is not None:

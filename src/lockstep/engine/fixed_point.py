@@ -10,6 +10,7 @@ the size of a parameter: on CPU, a fresh 100 MB tensor costs more in page faults
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -83,23 +84,30 @@ class Quantizer:
         return stage[:numel]
 
     @torch.no_grad()
-    def add(self, acc: torch.Tensor, grad: torch.Tensor, multiplier: float, *, first: bool) -> torch.Tensor:
-        """acc (flat float64) = round(grad * multiplier) if `first`, else acc + that; exact either way.
-        Returns max |grad| (0-d float64, NaN if any element is), measured on each piece while it is in cache."""
-        source = grad.detach().reshape(-1)
-        piece = max(source.numel(), 1) if acc.is_cuda else CHUNK_ELEMENTS
+    def add(
+        self, acc: torch.Tensor, grads: Sequence[torch.Tensor], multiplier: float, *, first: bool
+    ) -> torch.Tensor:
+        """acc (flat float64) = the sum of round(grad * multiplier) over `grads` (plus acc unless `first`):
+        exact. Several gradients of one parameter go in one pass over acc. Returns max |grads[-1]| (0-d
+        float64, NaN if any element is), measured on each piece while it is in cache."""
+        sources = [grad.detach().reshape(-1) for grad in grads]
+        numel = acc.numel()
+        piece = max(numel, 1) if acc.is_cuda else CHUNK_ELEMENTS
         extremes: list[torch.Tensor] = []
-        for start in range(0, source.numel(), piece):
-            part = source[start : start + piece]
-            target = acc[start : start + part.numel()]
-            if first:
-                staged = target.copy_(part)
-            else:
-                staged = self._stage(acc.device, part.numel()).copy_(part)
-            extremes.extend(torch.aminmax(staged))
-            staged.mul_(multiplier).round_()
-            if not first:
-                target.add_(staged)
+        for start in range(0, numel, piece):
+            target = acc[start : start + piece]
+            for j, source in enumerate(sources):
+                part = source[start : start + piece]
+                staged = (
+                    target.copy_(part)
+                    if first and j == 0
+                    else self._stage(acc.device, part.numel()).copy_(part)
+                )
+                if j == len(sources) - 1:
+                    extremes.extend(torch.aminmax(staged))
+                staged.mul_(multiplier).round_()
+                if staged is not target:
+                    target.add_(staged)
         if not extremes:
             return torch.zeros((), dtype=torch.float64, device=acc.device)
         both = torch.stack(extremes)
