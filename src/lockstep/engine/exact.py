@@ -10,9 +10,11 @@ same sum (fixed_point.py has the arithmetic). The phases of one step, as the cod
 - scale: the scale of parameter i comes from micro-batch 0 (always on rank 0): s_i = 53 - H - ceil(log2 K)
   - e_i, where max|g_i| < 2**e_i in micro-batch 0 and H = HEADROOM_BITS. Any micro-batch whose largest
   element stays below 2**(e_i + H) then fits, with room for K of them. Rank 0 broadcasts micro-batch 0's
-  per-parameter maxima after its first backward; until then the other ranks keep their first gradients.
+  per-parameter maxima after its first backward, asynchronously: every rank goes on with its next
+  micro-batch meanwhile, holding its first micro-batch's gradients unrounded (no mid-step wait for rank 0).
 - take: a large gradient is rounded onto the grid and added to its accumulator in its post-accumulate-grad
-  hook, while it is hot, and its `.grad` is freed at once. Accumulators are views of persistent float64
+  hook, while it is hot, and its `.grad` is freed at once; the first micro-batch's gradient of the same
+  parameter, if still held, is rounded in the same pass. Accumulators are views of persistent float64
   buckets (allocating 100 MB afresh each step costs more in page faults than the arithmetic). The small
   gradients are views of one flat buffer that autograd accumulates into: at the end of each micro-batch
   they are taken in a handful of whole-vector operations (a model of hundreds of tiny layers would
