@@ -78,6 +78,8 @@ class Quantizer:
         self._stages: dict[torch.device, torch.Tensor] = {}
 
     def _stage(self, device: torch.device, numel: int) -> torch.Tensor:
+        if device.type != "cpu":  # a caching allocator makes a temporary cheap; keep no float64 copy there
+            return torch.empty(numel, dtype=torch.float64, device=device)
         stage = self._stages.get(device)
         if stage is None or stage.numel() < numel:
             stage = self._stages[device] = torch.empty(numel, dtype=torch.float64, device=device)
