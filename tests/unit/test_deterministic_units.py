@@ -12,7 +12,7 @@ import torch
 from lockstep.checkpoint.compare import compare_states, state_sha256
 from lockstep.data import MicroBatchSampler
 from lockstep.engine import fixed_point
-from lockstep.engine.fixed_point import EXACT_BITS, HEADROOM_BITS, on_grid, powers_of_two, scale_exponents
+from lockstep.engine.fixed_point import EXACT_BITS, HEADROOM_BITS, powers_of_two, scale_exponents
 from lockstep.errors import ConfigError
 from lockstep.runtime.micro_batches import micro_batch_seed, owned_micro_batches
 from lockstep.trainer.batches import BatchPlan, plan_batches
@@ -94,6 +94,11 @@ def test_the_sampler_resumes_mid_epoch_at_another_world_size() -> None:
 def test_an_evaluation_split_keeps_its_short_last_block() -> None:
     blocks = MicroBatchSampler(range(10), 4, 3, num_replicas=2, rank=0, shuffle=False, drop_last=False)  # type: ignore[arg-type]
     assert list(blocks) == [[0, 1, 2, 3], [8, 9]]
+
+
+def on_grid(grad: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """The grid's definition, which the kernels must match bit for bit: round(grad * 2**s) in float64."""
+    return torch.round(grad.double() * multiplier)
 
 
 def test_the_scale_leaves_room_for_the_headroom_and_the_sum() -> None:

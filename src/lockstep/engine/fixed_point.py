@@ -54,15 +54,6 @@ def overflow_limits(shifts: torch.Tensor, num_micro_batches: int) -> torch.Tenso
     return powers_of_two((top - shifts).clamp_(-_MAX_SHIFT, _MAX_SHIFT))
 
 
-def on_grid(
-    grad: torch.Tensor, multiplier: torch.Tensor | float, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """round(grad * multiplier) in float64 (into `out` if given): exact when the multiplier is a power of two."""
-    if out is None:
-        out = torch.empty(grad.shape, dtype=torch.float64, device=grad.device)
-    return out.copy_(grad).mul_(multiplier).round_()
-
-
 def largest_magnitude(grad: torch.Tensor) -> torch.Tensor:
     """max |grad| as a 0-d float64 tensor (NaN if any element is NaN); one vectorized pass, no temporary."""
     if grad.numel() == 0:
