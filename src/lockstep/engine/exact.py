@@ -108,7 +108,9 @@ class ExactReducer:
         self._quantizer = Quantizer()
         self._plan_small()
         self._plan_buckets()
-        self._flag_buffer = torch.zeros(self._small_size + 3 * self._n, dtype=torch.float64, device=device)
+        # one all-reduce carries the small parameters' sums, then the flags
+        self._flag_buffer = torch.zeros(self.small.size + 3 * self._n, dtype=torch.float64, device=device)
+        self._small_sums = self._flag_buffer[: self.small.size]
         self.active = False
         self.num_micro_batches = 1
         self.launched_in_backward = 0  # buckets whose all-reduce started inside a backward (overlapped)
@@ -126,7 +128,6 @@ class ExactReducer:
         self.small = SmallGradients(
             self.params, [i for i in range(self._n) if not self.large[i]], self.device
         )
-        self._small_size = self.small.size
         self._large_index = torch.tensor(
             [i for i in range(self._n) if self.large[i]], dtype=torch.long, device=self.device
         )
@@ -165,7 +166,7 @@ class ExactReducer:
         self._small_mult: torch.Tensor | None = None  # 2**s of the small ones, in their flat order
         self._small_factor: torch.Tensor | None = None  # their 2**-s / K
         self._maxima = torch.zeros(self._n, dtype=torch.float64, device=self.device)
-        self._flags = self._flag_buffer[self._small_size :].view(3, self._n)  # used, over, nonfinite
+        self._flags = self._flag_buffer[self.small.size :].view(3, self._n)  # used, over, nonfinite
         self._flag_buffer.zero_()
         self._written = bytearray(self._n)  # a large parameter's accumulator holds this step's value
         self._spare: list[torch.Tensor | None] = [None] * self._n  # last micro-batch's grads, reused
@@ -307,7 +308,7 @@ class ExactReducer:
                     self._take_large(i)
         if small_used:
             multipliers = _known(self._small_mult, "the small multipliers")
-            self.small.add_on_grid(self._flag_buffer[: self._small_size], multipliers)
+            self.small.add_on_grid(self._small_sums, multipliers)
         self._fold_flags(self._mb_max, self._mb_used)
         self._take_waiting()
         if self._last:
@@ -340,7 +341,7 @@ class ExactReducer:
         self._waiting = pending.large  # taken with the same parameter's next gradient (or at the end)
         if pending.small is not None:
             multipliers = _known(self._small_mult, "the small multipliers")
-            self.small.add_on_grid(self._flag_buffer[: self._small_size], multipliers, source=pending.small)
+            self.small.add_on_grid(self._small_sums, multipliers, source=pending.small)
         self._fold_flags(pending.maxima, pending.used)
 
     def _take_small_maxima(self) -> bool:
@@ -388,7 +389,7 @@ class ExactReducer:
             factors = _known(self._small_factor, "the small parameters' factors")
             keep = [used[i] for i in self.small.indices]
             nan = [used[i] and nonfinite[i] for i in self.small.indices]
-            self.small.write(self._flag_buffer[: self._small_size], factors, keep, nan)
+            self.small.write(self._small_sums, factors, keep, nan)
         for b in self.buckets:
             self._write_bucket(b, used)
         for i in range(self._n):
