@@ -114,9 +114,13 @@ def _record(error_file: str | None, exc: BaseException, tb: TracebackType | None
             },
         }
     }
+    # Whole or not at all: torch's agent reads this file as soon as it sees the worker gone, and a peer's
+    # death can make it look while this worker is still writing (a half-written file crashed the agent).
+    tmp = f"{error_file}.tmp{os.getpid()}"
     try:
-        with open(error_file, "w") as fh:
+        with open(tmp, "w") as fh:
             json.dump(data, fh)
+        os.replace(tmp, error_file)
     except OSError:
         pass
 

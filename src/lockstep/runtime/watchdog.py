@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import sys
 import threading
@@ -35,6 +34,7 @@ import torch.distributed as dist
 
 from lockstep.runtime import stall_verdict
 from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user_site
+from lockstep.runtime.sigterm_guard import SigtermGuard
 
 STALL_EXIT_CODE = 124  # like timeout(1): the job ran out of time waiting
 SLOW_FACTOR = 5.0  # checkpoint/evaluate phases and the first steps may keep others waiting this much longer
@@ -50,11 +50,21 @@ class Watchdog:
     """One per process while a process group of more than one rank exists (see `start`)."""
 
     def __init__(
-        self, stores: tuple[Any, Any], rank: int, world: int, timeout: float, report_dir: str | None
+        self,
+        stores: tuple[Any, Any],
+        rank: int,
+        world: int,
+        timeout: float,
+        report_dir: str | None,
+        *,
+        live: bool = False,
     ) -> None:
         # Two connections: the thread's, and the main thread's for publish_issued (never shared).
         self.store, self.main_store = stores
         self.rank, self.world, self.timeout, self.report_dir = rank, world, timeout, report_dir
+        # Live mode (runtime/live.py): a failed collective means a peer died and the survivors re-form the
+        # group; only stalls are this thread's to report.
+        self.live = live
         self.tick = tick_for(timeout)
         self.stale_after = max(2.0, 4 * self.tick)
         self.progress: Progress = PROGRESS
@@ -70,10 +80,12 @@ class Watchdog:
         self._judged_a_failure = False  # the verdict came from a failed collective: its error propagates
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._thread = threading.Thread(target=self._run, name="lockstep-watchdog", daemon=True)
+        self.guard = SigtermGuard()
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        self.guard.install()
         self._thread.start()
 
     def stop(self) -> None:
@@ -82,6 +94,7 @@ class Watchdog:
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.tick + 1)
+        self.guard.uninstall()
         try:
             self._publish(exited=True)
         except Exception:  # noqa: BLE001  the store may be gone already (rank 0 hosted it and left)
@@ -97,22 +110,15 @@ class Watchdog:
     def collective_failed(self) -> None:
         """Called by the main thread when a collective raised: report now, wait for it (bounded).
 
-        A peer's death is usually why: the launcher then stops every worker with SIGTERM at once. While
-        the report is being written, a SIGTERM is held back and delivered right after (the launcher's
-        SIGKILL still comes after its grace period, 5 s by default), so the report names the dead rank.
+        A peer's death is usually why: the launcher then stops every worker with SIGTERM at once. The
+        guard holds a SIGTERM back while a collective is waited on, this wait included, and the main
+        thread delivers it right after (the launcher's SIGKILL still comes after its grace period, 5 s
+        by default), so the report names the dead rank.
         """
-        if not self._thread.is_alive():
+        if not self._thread.is_alive() or self.live:
             return
         self._wake.set()
-        held: list[int] = []
-        previous = _hold_sigterm(held)
-        try:
-            self._reported.wait(timeout=self.stale_after + 4 * self.tick + 5.0)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-                if held:
-                    os.kill(os.getpid(), signal.SIGTERM)
+        self._reported.wait(timeout=self.stale_after + 4 * self.tick + 5.0)
 
     # ------------------------------------------------------------------ the thread
 
@@ -148,7 +154,7 @@ class Watchdog:
         """Worth looking at the others: a failed collective, or a wait past half the timeout."""
         if self.progress.failed and not self._failed_at:
             self._failed_at = time.monotonic()
-        return bool(self.progress.failed) or self._waited() > self.timeout / 2
+        return (bool(self.progress.failed) and not self.live) or self._waited() > self.timeout / 2
 
     # ------------------------------------------------------------------ what this rank publishes
 
@@ -385,13 +391,6 @@ def _merge_issued(state: dict[str, Any], rec: dict[str, Any]) -> None:
         state.update(waiting=rec, step=rec.get("step"), phase=rec.get("phase"), phase_for=0.0)
 
 
-def _hold_sigterm(held: list[int]) -> Any:
-    """Hold SIGTERM back (noting it in `held`); return the handler to restore, None off the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum))
-
-
 def _process_state(pid: int) -> str | None:
     """The state letter of a process on this host (R, S, D, T, Z...), None when there is none."""
     try:
@@ -429,8 +428,9 @@ _current: Watchdog | None = None
 _lock = threading.Lock()
 
 
-def start(timeout: float, report_dir: str | None = None) -> Watchdog | None:
-    """Start this process's watchdog for the default group (no-op: world of 1, timeout 0, running)."""
+def start(timeout: float, report_dir: str | None = None, *, live: bool = False) -> Watchdog | None:
+    """Start this process's watchdog for the default group (no-op: world of 1, timeout 0, running).
+    `live`: the job is in live mode, where a failed collective is recovered from, not reported."""
     global _current
     with _lock:
         if _current is not None or timeout <= 0 or not dist.is_initialized() or dist.get_world_size() < 2:
@@ -438,7 +438,7 @@ def start(timeout: float, report_dir: str | None = None) -> Watchdog | None:
         stores = _store(timeout), _store(timeout)
         if stores[0] is None or stores[1] is None:
             return None
-        _current = Watchdog(stores, dist.get_rank(), dist.get_world_size(), timeout, report_dir)
+        _current = Watchdog(stores, dist.get_rank(), dist.get_world_size(), timeout, report_dir, live=live)
         _current.start()
         return _current
 
@@ -470,25 +470,32 @@ def tracked(
     dog = _current
     if publish and dog is not None:
         dog.publish_issued(rec)
-    PROGRESS.begin_wait(rec)
-    try:
+    with _waiting(dog, rec):
         yield rec
-    except (RuntimeError, dist.DistError) as exc:
-        collective_failed(rec, exc)
-        raise
-    PROGRESS.end_wait()
 
 
 def wait_tracked(rec: CollectiveRecord, work: Any) -> Any:
     """Wait on an asynchronous collective issued earlier (an engine bucket): marked, reported if it raises."""
+    with _waiting(_current, rec):
+        return work.wait()
+
+
+@contextmanager
+def _waiting(dog: Watchdog | None, rec: CollectiveRecord) -> Iterator[None]:
+    """The main thread waits on `rec`: marked for the watchdog, SIGTERM held meanwhile, reported if it raises."""
+    guard = dog.guard if dog is not None else None
+    if guard is not None:
+        guard.enter()
     PROGRESS.begin_wait(rec)
     try:
-        value = work.wait()
+        yield
+        PROGRESS.end_wait()
     except (RuntimeError, dist.DistError) as exc:
         collective_failed(rec, exc)
         raise
-    PROGRESS.end_wait()
-    return value
+    finally:
+        if guard is not None:
+            guard.leave()
 
 
 def collective_failed(rec: CollectiveRecord, exc: BaseException) -> None:
