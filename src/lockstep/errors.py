@@ -149,3 +149,12 @@ class UnknownNameError(LockstepError, AttributeError):
 
 class NetnsError(LockstepError, RuntimeError):
     """lockstep.testing.netns: a command that builds or shapes the network-namespace "hosts" failed."""
+
+
+class WorldTooSmallError(LockstepError, RuntimeError):
+    """Live mode (`lockstep run --min-world M`): ranks died and fewer than M remain, so the job ends."""
+
+
+class MembershipChanged(LockstepError, RuntimeError):
+    """Live mode: a member of the group died or left while this rank waited in a collective; the loop
+    re-forms the group over the survivors and redoes its step."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from lockstep.errors import ConfigError
@@ -164,3 +166,25 @@ def test_threads_default_to_cores_per_process(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     assert omp_threads(LaunchSpec("s.py", nproc_per_node=2)) == ("7", "OMP_NUM_THREADS=7 (set by you)")
     assert omp_threads(LaunchSpec("s.py", nproc_per_node=2, env={"OMP_NUM_THREADS": "5"}))[0] == "5"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-n", "2", "--min-world", "3", "t.py"], "--min-world 3 is more than the 2 processes"),
+        (["-n", "2", "--min-world", "0", "t.py"], "--min-world must be an integer >= 1"),
+        (["-n", "2", "--min-world", "1", "--max-restarts", "1", "t.py"], "do not combine yet"),
+        (
+            ["-n", "2", "--min-world", "1", "--nnodes", "2", "--rdzv-endpoint", "h:29400", "t.py"],
+            "runs on one node for now",
+        ),
+    ],
+)
+def test_min_world_flag_is_checked(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_run_args(argv)
+
+
+def test_min_world_flag_sets_live_mode() -> None:
+    assert parse_run_args(["-n", "4", "--min-world", "2", "t.py"]).min_world == 2
+    assert parse_run_args(["-n", "4", "t.py"]).min_world is None

@@ -117,6 +117,7 @@ SURFACE: dict[str, dict[str, str]] = {
         "InternalError": "exception(LockstepError, RuntimeError)",
         "LaunchError": "exception(LockstepError, RuntimeError)",
         "LockstepError": "exception(Exception)",
+        "MembershipChanged": "exception(LockstepError, RuntimeError)",
         "NetnsError": "exception(LockstepError, RuntimeError)",
         "NoProcessGroupError": "exception(ConfigError, RuntimeError)",
         "NoTrainableParametersError": "exception(ConfigError, RuntimeError)",
@@ -127,6 +128,7 @@ SURFACE: dict[str, dict[str, str]] = {
         "UnknownNameError": "exception(LockstepError, AttributeError)",
         "UnusedParameterError": "exception(LockstepError, RuntimeError)",
         "UsageError": "exception(LockstepError, RuntimeError)",
+        "WorldTooSmallError": "exception(LockstepError, RuntimeError)",
         "rank_tag": "def(rank: 'int | None', world_size: 'int | None') -> 'str'",
     },
     "lockstep.hooks": {
@@ -232,6 +234,7 @@ RUN_FLAGS = {
     "--local-addr",
     "--local_addr",
     "--max-restarts",
+    "--min-world",  # live mode (lockstep's own)
     "--max_restarts",
     "--monitor-interval",
     "--monitor_interval",

@@ -98,6 +98,10 @@ class LaunchState:
 
 def launch(spec: LaunchSpec, *, cwd: str | None = None, console: Console | None = None) -> int:
     """Run `spec` on this node; return the exit code (see the module doc). Raises ConfigError on bad input."""
+    if spec.min_world is not None:
+        from lockstep.launch.live import launch_live
+
+        return launch_live(spec, cwd=cwd, console=console)
     cwd = cwd or os.getcwd()
     check_entrypoint(spec, cwd)
     console = console or Console(sys.stdout, sys.stderr)

@@ -64,6 +64,7 @@ class LaunchSpec:
     shutdown_grace: float = 5.0
     verbose: bool = False
     hang_timeout: float | None = None  # None: the workers' default (LOCKSTEP_HANG_TIMEOUT, else 300 s)
+    min_world: int | None = None  # live mode (launch/live.py): survivors go on while this many remain
 
     def __post_init__(self) -> None:
         validate(self)
@@ -103,6 +104,8 @@ def validate(spec: LaunchSpec) -> None:
             f"--hang-timeout must be a number of seconds >= 0 (0 turns the hang watchdog off), "
             f"got {spec.hang_timeout!r}; e.g. --hang-timeout 300"
         )
+    if spec.min_world is not None:
+        _check_live(spec)
     if spec.shutdown_grace < 0:
         raise ConfigError(f"shutdown_grace must be >= 0 seconds, got {spec.shutdown_grace!r}")
     if spec.logs not in LOG_MODES:
@@ -202,6 +205,14 @@ def build_parser(prog: str = "lockstep run") -> argparse.ArgumentParser:
         help="network interface for collectives (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME)",
     )
     add("--max-restarts", "--max_restarts", dest="max_restarts", default=0)
+    add(
+        "--min-world",
+        dest="min_world",
+        default=None,
+        metavar="M",
+        help="live mode: when a rank dies the others go on without a restart, re-forming the group among "
+        "themselves, while at least M remain",
+    )
     add("--monitor-interval", "--monitor_interval", dest="monitor_interval", default=0.1, metavar="SECONDS")
     add(
         "--hang-timeout",
@@ -278,7 +289,27 @@ def parse_run_args(argv: Sequence[str], prog: str = "lockstep run") -> LaunchSpe
         logs=ns.logs,
         env=parse_key_values(ns.env, "--env"),
         verbose=ns.verbose,
+        min_world=int_flag(ns.min_world, "--min-world", prog),
     )
+
+
+def _check_live(spec: LaunchSpec) -> None:
+    _check_int("--min-world", spec.min_world, minimum=1, example="--min-world 2")
+    if spec.min_world is not None and spec.min_world > spec.nproc_per_node:
+        raise ConfigError(
+            f"--min-world {spec.min_world} is more than the {spec.nproc_per_node} processes started (-n); "
+            f"choose at most {spec.nproc_per_node}"
+        )
+    if spec.is_multi_node:
+        raise ConfigError(
+            "--min-world (live mode) runs on one node for now; drop --nnodes, or drop --min-world and use "
+            "--max-restarts to restart every node after a failure"
+        )
+    if spec.max_restarts:
+        raise ConfigError(
+            "--min-world (live mode: the survivors go on) and --max-restarts (restart every worker) do not "
+            "combine yet: replacements that rejoin a live job are not built; choose one of them"
+        )
 
 
 def check_entrypoint(spec: LaunchSpec, cwd: str) -> None:

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             _record(error_file, exc, exc.__traceback__, exc.code if isinstance(exc.code, int) else 1)
+        _exit_if_groups_abandoned(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
         raise
     except BaseException as exc:
         tb = _user_frames(exc.__traceback__)
@@ -57,7 +58,23 @@ def main(argv: list[str] | None = None) -> None:
         # Default hooks (and torch's rank-prefixing one) print exc.__traceback__, not the tb argument.
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.stderr.flush()
+        _exit_if_groups_abandoned(code)
         sys.exit(code)  # the exit status torch's agent reports; the error itself is in the error file
+    _exit_if_groups_abandoned(0)
+
+
+def _exit_if_groups_abandoned(code: int) -> None:
+    """Live mode left groups with work stuck in them (runtime/live.py): the interpreter's teardown would
+    wait for that work to time out, so leave now, after the group of this generation and the output."""
+    live = sys.modules.get("lockstep.runtime.live")
+    group = live.current() if live is not None else None
+    if group is None or not group.abandoned:
+        return
+    shutdown = sys.modules["lockstep.runtime.process_group"].shutdown
+    shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run(kind: str, target: str, args: list[str]) -> None:

@@ -48,3 +48,12 @@ TORCHRUN_VARS = (
 
 # Which CUDA devices a process sees: the runtime picks its device from it; `lockstep env` reports it.
 CUDA_VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
+
+# lockstep's own, live mode (`lockstep run --min-world M`): the launcher hosts the store at
+# MASTER_ADDR:MASTER_PORT, keeps the survivors running when a rank dies and writes `LIVE_DEAD_KEY + rank`
+# there; each worker re-forms the group over the survivors (runtime/live.py) while at least M remain.
+LIVE_MIN_WORLD_VAR = "LOCKSTEP_MIN_WORLD"
+LIVE_DEAD_KEY = "lockstep/live/dead/"
+# Counts membership changes (deaths seen by the launcher, check-ins of survivors): every worker polls it
+# while it waits in a collective, so that none blocks in a group that lost a member.
+LIVE_CHANGES_KEY = "lockstep/live/changes"

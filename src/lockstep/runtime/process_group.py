@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
 from lockstep.errors import BackendUnavailableError, ConfigError, InitTimeoutError, rank_tag
-from lockstep.runtime import watchdog
+from lockstep.runtime import live, watchdog
 from lockstep.runtime.env_contract import CUDA_VISIBLE_DEVICES_VAR
 from lockstep.runtime.topology import (
     Topology,
@@ -112,7 +112,7 @@ def start_watchdog(hang_timeout: float | None = None) -> None:
                 f"hang_timeout={hang_timeout!r}: expected seconds >= 0 (0 turns the watchdog off)"
             )
         _hang_timeout[:] = [float(hang_timeout)]
-    watchdog.start(hang_timeout_setting(), report_dir_from_env(os.environ))
+    watchdog.start(hang_timeout_setting(), report_dir_from_env(os.environ), live=live.current() is not None)
 
 
 def choose_backend(device_type: str) -> str:
@@ -219,6 +219,8 @@ def init(
     if topo.world_size == 1 and topo.launcher in ("none", "explicit"):
         # No peers: an in-memory store needs no port and cannot collide with anything.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif (min_world := live.min_world_from_env()) is not None:
+        live.form(topo, backend, timeout, min_world)  # `lockstep run --min-world`: the launcher's store
     else:
         _rendezvous(topo, backend, timeout)
     _formed.count += 1
@@ -277,6 +279,12 @@ def _topology_of_existing_group() -> JoinedTopology:
         master_port=topo.master_port,
         launcher=topo.launcher if topo.launcher != "none" else "explicit",
     )
+
+
+def rebind_view(rank: int, world_size: int) -> None:
+    """Live mode re-formed the group over the survivors: init() returns their numbering from now on."""
+    if _formed.view is not None:
+        _formed.view = replace(_formed.view, rank=rank, world_size=world_size)
 
 
 def is_initialized() -> bool:

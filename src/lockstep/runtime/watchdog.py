@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -477,7 +477,34 @@ def tracked(
 def wait_tracked(rec: CollectiveRecord, work: Any) -> Any:
     """Wait on an asynchronous collective issued earlier (an engine bucket): marked, reported if it raises."""
     with _waiting(_current, rec):
-        return work.wait()
+        return settle(work)
+
+
+# Live mode (runtime/live.py) sets this: called every few milliseconds while a collective is waited on,
+# it raises when the group's membership changed, so that no rank blocks in a group that lost a member.
+_live_check: Callable[[], None] | None = None
+_LIVE_CHECK_EVERY = 0.01
+
+
+def set_live_check(check: Callable[[], None] | None) -> None:
+    global _live_check
+    _live_check = check
+
+
+def settle(work: Any) -> Any:
+    """work.wait(), except in live mode, where the wait polls and gives up when a member is lost: gloo
+    cannot abort a collective, and one that waits on a dead rank's peers would block for its timeout."""
+    check = _live_check
+    if check is None or work is None:
+        return work.wait() if work is not None else None
+    next_check = 0.0
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= next_check:
+            check()
+            next_check = now + _LIVE_CHECK_EVERY
+        time.sleep(0.0002)
+    return work.wait()
 
 
 @contextmanager

@@ -12,11 +12,12 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator, Sized
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -26,8 +27,8 @@ from lockstep.data import DistributedSampler, EvalSampler, MicroBatchSampler
 from lockstep.engine.api import DistributedDataParallel, ReplicaHandle, replicate
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.syncbn import convert_sync_batchnorm
-from lockstep.errors import ConfigError, InternalError
-from lockstep.runtime import barrier, broadcast_object, get_logger, init
+from lockstep.errors import ConfigError, InternalError, MembershipChanged, rank_tag
+from lockstep.runtime import barrier, broadcast_object, get_logger, init, live
 from lockstep.runtime.micro_batches import owned_micro_batches
 from lockstep.runtime.progress import DATA, EVALUATE, OPTIMIZER, PROGRESS, phase
 from lockstep.runtime.topology import Topology
@@ -199,6 +200,15 @@ class _Run:
         self.train_metrics: MetricBuffer | OrderedMetrics = (
             OrderedMetrics() if self.deterministic else MetricBuffer()
         )
+        self.eval_data, self.pin = eval_data, pin
+        self.live = live.current()
+        if self.live is not None and not self.deterministic:
+            raise ConfigError(
+                "live mode (lockstep run --min-world) needs deterministic=True (with global_batch_size): a "
+                "step lost to a dead rank is redone over the survivors with the same micro-batches, which "
+                "only deterministic mode cuts independently of the world size"
+            )
+        self.faults: list[dict[str, Any]] = []
         self.last_eval: dict[str, float] = {}
         self.last_train: dict[str, float] = {}
         self.saved_step: int | None = None
@@ -268,15 +278,23 @@ class _Run:
             if len(group) < wanted or not (group or self.deterministic):
                 steps_left = 0  # the loader ended early (the dataset shrank under it): the epoch is done
                 break
+            try:
+                if self.deterministic:
+                    self._deterministic_step(group)
+                else:
+                    self._optimizer_step(group)
+            except (RuntimeError, dist.DistError) as exc:
+                if not self._recover(exc):  # live mode: the survivors go on
+                    raise
+                del group
+                micro_batches = iter(self.loader)  # the same step again, cut for the survivors
+                steps_left, micro_left = self._steps_in_epoch(), len(self.loader)
+                continue
             micro_left -= len(group)
             steps_left -= 1
-            if self.deterministic:
-                self._deterministic_step(group)
-            else:
-                self._optimizer_step(group)
             self.counters.step += 1
             self.bar.advance(self.counters.step)
-            self._after_step()
+            self._after_step_live()
         if steps_left > 0:
             return  # stopped by the step budget in the middle of an epoch: stay in it (resumable)
         self.counters.epoch += 1
@@ -361,6 +379,62 @@ class _Run:
 
     def _metric_names(self, prefix: str) -> list[str]:
         return [f"{prefix}_loss"] + ([f"{prefix}_accuracy"] if self.config.task == "classification" else [])
+
+    def _after_step_live(self) -> None:
+        """_after_step, done again over the survivors if a rank dies in its collectives (live mode)."""
+        while True:
+            try:
+                self._after_step()
+                return
+            except (RuntimeError, dist.DistError) as exc:
+                if not self._recover(exc):
+                    raise
+
+    def _recover(self, exc: BaseException) -> bool:
+        """Live mode: a collective failed. Re-form the group over the survivors and re-cut the work for
+        them (the replica, the sampler's shard, the evaluation shards). False when this is not live mode
+        or when no rank left (the error was not a peer's death): the caller re-raises it."""
+        group = self.live
+        if group is None:
+            return False
+        before = group.membership.members
+        # Nothing may keep the broken group alive: destroying it closes its sockets, which is how the
+        # survivors still waiting in it (not the dead rank's neighbours) learn of the death at once.
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        fault = group.reform(exc)
+        if group.membership.members == before and not isinstance(exc, MembershipChanged):
+            return False  # nobody left: the error is the program's own
+        self.topo = group.topology()
+        self.optimizer.zero_grad(set_to_none=True)  # the abandoned step's partial gradients
+        self._check_same_step()
+        self.handle = replicate(self.module, policy=SyncPolicy(deterministic=True))
+        self.micro_per_step = len(self.handle.owned_micro_batches(self.plan.num_micro_batches))
+        state = self.sampler.state_dict()
+        self.sampler.num_replicas, self.sampler.rank = self.topo.world_size, self.topo.rank
+        self.sampler.load_state_dict(state)
+        self.eval_loader = _eval_loader(self.eval_data, self.config, self.topo, pin_memory=self.pin)
+        record = {"step": self.counters.step, **asdict(fault), "recover_s": round(fault.recover_s, 4)}
+        self.faults.append(record)
+        self.bar.message(
+            f"live: launch ranks {fault.lost} left ({'; '.join(fault.how.values())}); going on with "
+            f"{fault.world_size} ranks from step {self.counters.step} ({fault.recover_s:.2f} s to re-form)"
+        )
+        return True
+
+    def _check_same_step(self) -> None:
+        """Every survivor must have finished the same steps (a rank can see its last collective complete
+        while a peer saw it fail); a replica that differs would diverge silently, so that is an error."""
+        steps = torch.tensor([self.counters.step, -self.counters.step], dtype=torch.int64)
+        torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MAX)
+        if int(steps[0]) != -int(steps[1]):
+            raise InternalError(
+                f"{rank_tag(self.topo.rank, self.topo.world_size)}after a rank died the survivors stand at "
+                f"different steps ({-int(steps[1])} to {int(steps[0])}): one saw the last step complete, "
+                "another did not. Copying the state from the furthest rank is not built yet; resume from "
+                "the last checkpoint"
+            )
 
     def _after_step(self) -> None:
         step = self.counters.step
@@ -458,6 +532,8 @@ class _Run:
             "global_batch_size": self.plan.global_batch_size,
             "micro_batch_size": self.plan.micro_batch_size,
             "deterministic": self.deterministic,
+            "faults": self.faults,
+            "restarts": 0 if self.live is not None else None,
             "params_sha256": state_sha256(self.module.state_dict()),
             "optimizer_sha256": state_sha256(self.optimizer.state_dict()),
             "final_train": self.last_train or None,

@@ -1,0 +1,254 @@
+"""Live mode: when a rank dies, the survivors re-form the default process group among themselves and go on.
+
+Under `lockstep run -n N --min-world M` the launcher (launch/live.py) hosts the c10d store, starts the N
+workers and keeps the others running when one dies; it writes `LIVE_DEAD_KEY<rank>` to the store within
+its poll interval (0.05 s). Each worker forms generation 0 of the default group over all N ranks under the
+store prefix `lockstep/live/gen0`. When a collective fails on a survivor (its peer's sockets closed), the
+training loop calls `reform()`:
+
+1. it leaves the broken group without waiting for it (the group object is kept: gloo cannot abort a
+   collective and its destructor waits for the abandoned work). Every rank learns of the change within
+   10 ms even when its own collective does not fail (it waits on a survivor, not on the dead rank):
+   while a collective is waited on, runtime/watchdog.settle polls a counter on the store that the
+   launcher bumps when a rank dies and each survivor bumps as it checks in, and raises MembershipChanged;
+2. it checks in to generation g+1 and waits until every member of generation g has checked in or is
+   known dead (the launcher's key; a member silent past `checkin_timeout` is left out);
+3. the first survivor to write `gen<g+1>/members` (compare_set: first writer wins) decides the members,
+   in the order of their launch ranks; a worker left out exits at once, below `--min-world` every survivor
+   raises WorldTooSmallError;
+4. it forms generation g+1 under its own store prefix (reusing a prefix reads the old addresses) and
+   restarts the hang watchdog over the new world.
+
+Ranks are renumbered over the survivors (launch rank order); `uid` stays each worker's launch rank. The
+loop then redoes its step over the survivors (trainer/live_fit.py). Replacements and stalled (SIGSTOP)
+ranks are not handled yet: a stalled rank still ends the job through the hang watchdog.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lockstep.errors import MembershipChanged, WorldTooSmallError, rank_tag
+from lockstep.runtime import watchdog
+from lockstep.runtime.env_contract import LIVE_CHANGES_KEY, LIVE_DEAD_KEY, LIVE_MIN_WORLD_VAR
+from lockstep.runtime.progress import PROGRESS
+from lockstep.runtime.topology import Topology
+
+EVICTED_EXIT_CODE = 75  # a worker the survivors left out (it was too late to check in): EX_TEMPFAIL
+_PREFIX = "lockstep/live/"
+
+
+def min_world_from_env(env: Any = None) -> int | None:
+    """--min-world of `lockstep run` (live mode), None when the job is not in live mode."""
+    raw = (os.environ if env is None else env).get(LIVE_MIN_WORLD_VAR, "")
+    return int(raw) if raw else None
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One generation of the group: its members' launch ranks (uids), in rank order."""
+
+    generation: int
+    members: tuple[int, ...]
+    uid: int
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.uid)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+
+@dataclass
+class Fault:
+    """A membership change, as the run's summary records it."""
+
+    generation: int
+    lost: list[int]  # launch ranks
+    how: dict[str, str]  # launch rank -> what the launcher saw ("killed by SIGKILL", "exit code 1")
+    world_size: int  # after the change
+    cause: str  # the error this rank saw
+    recover_s: float = 0.0  # from the failed collective to the new group (the loop adds its redo)
+    detail: dict[str, float] = field(default_factory=dict)
+
+
+class LiveGroup:
+    """This worker's side of live mode: the store, the current membership, the faults seen."""
+
+    def __init__(self, store: Any, topo: Topology, min_world: int, backend: str, timeout: timedelta) -> None:
+        self.store, self.topo, self.min_world = store, topo, min_world
+        self.backend, self.timeout = backend, timeout
+        self.membership = Membership(0, tuple(range(topo.world_size)), topo.rank)
+        self.checkin_timeout = 60.0
+        self._graveyard: list[Any] = []  # abandoned groups (see _leave_group); the process ends with os._exit
+        self._changes_seen = 0
+        self.faults: list[Fault] = []
+
+    def form_first(self) -> None:
+        self._changes_seen = int(self.store.add(LIVE_CHANGES_KEY, 0))
+        self._form(self.membership)
+        watchdog.set_live_check(self.check)
+
+    def check(self) -> None:
+        """Raise MembershipChanged when a member died or a survivor is re-forming (polled while waiting)."""
+        if int(self.store.add(LIVE_CHANGES_KEY, 0)) != self._changes_seen:
+            raise MembershipChanged(
+                f"{rank_tag(self.membership.rank, self.membership.world_size)}the group lost a member while "
+                f"this rank waited in a collective (generation {self.membership.generation})"
+            )
+
+    @property
+    def abandoned(self) -> int:
+        """Groups left with work possibly stuck in them: the process must end with os._exit."""
+        return len(self._graveyard)
+
+    def _form(self, m: Membership) -> None:
+        prefix = dist.PrefixStore(f"{_PREFIX}gen{m.generation}", self.store)
+        dist.init_process_group(
+            self.backend, store=prefix, rank=m.rank, world_size=m.world_size, timeout=self.timeout
+        )
+
+    def topology(self) -> Topology:
+        m = self.membership
+        return replace(self.topo, rank=m.rank, world_size=m.world_size)
+
+    def dead(self) -> dict[int, str]:
+        """Launch ranks the launcher saw die, with how."""
+        keys = [f"{LIVE_DEAD_KEY}{u}" for u in range(self.topo.world_size)]
+        out = {}
+        for uid, key in enumerate(keys):
+            if self.store.check([key]):
+                out[uid] = bytes(self.store.get(key)).decode()
+        return out
+
+    def reform(self, cause: BaseException | str) -> Fault:
+        """Leave the broken group, agree on the survivors, form the next generation (see the module doc)."""
+        started = time.monotonic()
+        old = self.membership
+        g = old.generation + 1
+        watchdog.stop()
+        if isinstance(cause, BaseException):
+            # The failed call's frames hold its Work, and the Work holds the group: let them go.
+            traceback.clear_frames(cause.__traceback__)
+        self._leave_group()
+        left_at = time.monotonic()
+        self.store.add(LIVE_CHANGES_KEY, 1)  # before checking in: whoever waits on this rank stops waiting
+        self.store.set(f"{_PREFIX}gen{g}/in/{old.uid}", "1")
+        members = self._agree(old, g)
+        # Every change behind this generation is counted by now (the launcher counts a death before it
+        # marks the rank dead, a survivor before it checks in): a later change is a new fault.
+        self._changes_seen = int(self.store.add(LIVE_CHANGES_KEY, 0))
+        agreed_at = time.monotonic()
+        if old.uid not in members:
+            sys.stderr.write(
+                f"lockstep: rank {old.uid} (launch rank) was left out of the group by the survivors "
+                f"(generation {g}: {list(members)}); it exits\n"
+            )
+            sys.stderr.flush()
+            os._exit(EVICTED_EXIT_CODE)
+        how = self.dead()
+        lost = [u for u in old.members if u not in members]
+        self.membership = Membership(g, members, old.uid)
+        fault = Fault(
+            generation=g,
+            lost=lost,
+            how={str(u): how.get(u, "did not check in") for u in lost},
+            world_size=len(members),
+            cause=_first_line(cause),
+        )
+        if len(members) < self.min_world:
+            raise WorldTooSmallError(
+                f"{rank_tag(self.membership.rank, len(members))}launch ranks {lost} left the job "
+                f"({_describe(fault.how)}); {len(members)} remain, fewer than --min-world {self.min_world}: "
+                "the job ends. Its last checkpoint is intact; resume from it, or lower --min-world"
+            )
+        self._form(self.membership)
+        from lockstep.runtime.process_group import rebind_view  # it imports this module
+
+        rebind_view(self.membership.rank, self.membership.world_size)
+        PROGRESS.failed = None
+        PROGRESS.waiting = None
+        watchdog.start(watchdog_timeout(), _report_dir(), live=True)
+        formed_at = time.monotonic()
+        fault.recover_s = formed_at - started
+        fault.detail = {
+            "leave_s": round(left_at - started, 4),
+            "agree_s": round(agreed_at - left_at, 4),
+            "new_group_s": round(formed_at - agreed_at, 4),
+        }
+        self.faults.append(fault)
+        return fault
+
+    def _leave_group(self) -> None:
+        """Leave the broken group without waiting for it: work abandoned in it may never finish (gloo has
+        no abort, and its destructor waits for pending work), so the group object is kept referenced."""
+        if dist.is_initialized():
+            self._graveyard.append(dist.group.WORLD)
+            dist.destroy_process_group()
+
+    def _agree(self, old: Membership, g: int) -> tuple[int, ...]:
+        deadline = time.monotonic() + self.checkin_timeout
+        checked: set[int] = {old.uid}
+        while True:
+            dead = self.dead()
+            for uid in old.members:
+                if uid not in checked and self.store.check([f"{_PREFIX}gen{g}/in/{uid}"]):
+                    checked.add(uid)
+            waiting = [u for u in old.members if u not in checked and u not in dead]
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        proposal = json.dumps(sorted(checked))
+        agreed = self.store.compare_set(f"{_PREFIX}gen{g}/members", "", proposal)
+        return tuple(json.loads(bytes(agreed).decode()))
+
+
+_live: LiveGroup | None = None
+
+
+def current() -> LiveGroup | None:
+    """This worker's LiveGroup in live mode (after init()), else None."""
+    return _live
+
+
+def form(topo: Topology, backend: str, timeout: timedelta, min_world: int) -> LiveGroup:
+    """Form generation 0 over every launch rank, on the launcher's store (called by init())."""
+    global _live
+    client = dist.TCPStore(
+        topo.master_addr, topo.master_port, topo.world_size, False, timeout, wait_for_workers=False
+    )
+    _live = LiveGroup(client, topo, min_world, backend, timeout)
+    _live.form_first()
+    return _live
+
+
+def watchdog_timeout() -> float:
+    from lockstep.runtime.process_group import hang_timeout_setting
+
+    return hang_timeout_setting()
+
+
+def _report_dir() -> str | None:
+    from lockstep.runtime.topology import report_dir_from_env
+
+    return report_dir_from_env(os.environ)
+
+
+def _first_line(cause: BaseException | str) -> str:
+    text = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def _describe(how: dict[str, str]) -> str:
+    return "; ".join(f"rank {u} {what}" for u, what in how.items())

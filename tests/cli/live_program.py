@@ -1,0 +1,94 @@
+"""A deterministic lockstep.fit run that loses a rank on purpose, for tests/cli/test_live.py.
+
+argv: OUT_DIR FAULT VICTIM AT. FAULT says where launch rank VICTIM dies (SIGKILL) on its AT-th call:
+"forward" (in a forward), "backward" (in a gradient hook: its peers are inside the step's all-reduces),
+"optimizer" (in optimizer.step, after the gradients were averaged), or "none". Every rank appends the
+sample ids that reached its forward to OUT_DIR/seen-<launch rank>.txt; the summary is in OUT_DIR/run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import lockstep
+
+OUT, FAULT, VICTIM, AT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+UID = int(os.environ["RANK"])  # the launch rank: it does not change when the group is re-formed
+calls = {"forward": 0, "backward": 0, "optimizer": 0}
+
+
+def maybe_die(where: str) -> None:
+    if UID != VICTIM or FAULT != where:
+        return
+    calls[where] += 1
+    if calls[where] == AT:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Numbers(Dataset):
+    def __len__(self) -> int:
+        return 192
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(8, generator=g)
+        return torch.cat([x, torch.tensor([float(i)])]), (x.sum() > 0).long()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
+        self.body[0].weight.register_hook(self._in_backward)
+        self.seen = open(os.path.join(OUT, f"seen-{UID}.txt"), "a")  # noqa: SIM115
+
+    def _in_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        maybe_die("backward")
+        return grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        maybe_die("forward")
+        self.seen.write(" ".join(str(int(i)) for i in x[:, -1]) + "\n")
+        self.seen.flush()
+        return self.body(x[:, :-1])
+
+
+class DyingSGD(torch.optim.SGD):
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        maybe_die("optimizer")
+        return super().step(closure)
+
+
+def main() -> None:
+    with open(os.path.join(OUT, f"pid-{UID}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    torch.manual_seed(0)
+    config = lockstep.FitConfig(
+        run_dir=os.path.join(OUT, "run"),
+        epochs=2,
+        global_batch_size=24,
+        micro_batch_size=4,
+        deterministic=True,
+        log_every=4,
+        progress="none",
+    )
+    lockstep.fit(
+        Net(),
+        Numbers(),
+        loss_fn=nn.functional.cross_entropy,
+        config=config,
+        optimizer=lambda params: DyingSGD(params, lr=0.1, momentum=0.9),
+    )
+    with open(os.path.join(OUT, f"done-{UID}"), "w") as fh:
+        fh.write(str(os.getpid()))  # the same process that started: it was never restarted
+    lockstep.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Live mode end to end (`lockstep run --min-world`): a rank is SIGKILLed at a chosen point of a step and
+the survivors finish the run in the processes they started in, without a restart.
+
+Deterministic mode makes the strongest check possible: the run that lost a rank must end with the same
+parameter bits as a fault-free run (at any world size, so the reference runs on 3 ranks), which holds
+only if every sample of every step was trained on exactly once. tests/cli/live_program.py says where
+each fault strikes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cli.launch_util import run_cli
+
+PROGRAM = Path(__file__).with_name("live_program.py")
+SAMPLES, EPOCHS, GLOBAL_BATCH = 192, 2, 24
+
+
+def _run(tmp_path: Path, name: str, *launch: str, fault: str = "none", victim: int = 0, at: int = 0) -> Any:
+    out = tmp_path / name
+    out.mkdir()
+    result = run_cli(
+        "run",
+        *launch,
+        "--run-dir",
+        str(out / "logs"),
+        str(PROGRAM),
+        str(out),
+        fault,
+        str(victim),
+        str(at),
+        cwd=tmp_path,
+        timeout=180,
+    )
+    return out, result
+
+
+def _summary(out: Path) -> dict[str, Any]:
+    return json.loads((out / "run" / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("live_reference")
+    out, result = _run(tmp, "ref", "-n", "3")
+    assert result.returncode == 0, result.stderr
+    return _summary(out)
+
+
+@pytest.mark.parametrize(
+    ("fault", "victim", "at"),
+    [
+        ("forward", 2, 5),  # in the forward of its 2nd step (it owns 2 of 6 micro-batches a step)
+        ("backward", 2, 9),  # in backward: its peers are inside the step's all-reduces
+        ("optimizer", 1, 3),  # after the gradients were averaged, in optimizer.step
+        ("forward", 0, 7),  # rank 0 itself (it writes the summary): another rank takes its place
+    ],
+)
+def test_survivors_finish_without_restart_and_match_a_fault_free_run_bit_for_bit(
+    tmp_path: Path, reference: dict[str, Any], fault: str, victim: int, at: int
+) -> None:
+    out, result = _run(tmp_path, "live", "-n", "4", "--min-world", "2", fault=fault, victim=victim, at=at)
+    assert result.returncode == 0, result.stderr
+    assert f"lockstep run: rank {victim} killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
+    assert "finished on 3 of 4 ranks, without a restart" in result.stderr
+    summary = _summary(out)
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["optimizer_sha256"] == reference["optimizer_sha256"]
+    assert summary["steps"] == reference["steps"] == EPOCHS * SAMPLES // GLOBAL_BATCH
+    assert summary["world_size"] == 3 and summary["restarts"] == 0
+    [record] = summary["faults"]
+    assert record["lost"] == [victim] and record["how"] == {str(victim): "killed by SIGKILL"}
+    assert record["world_size"] == 3 and 0 < record["recover_s"] < 2.0, record
+    survivors = [r for r in range(4) if r != victim]
+    for uid in survivors:  # the same processes from start to end
+        assert (out / f"pid-{uid}").read_text() == (out / f"done-{uid}").read_text()
+    assert not (out / f"done-{victim}").exists()
+    seen = Counter(
+        int(i)
+        for path in out.glob("seen-*.txt")
+        for line in path.read_text().split("\n")
+        for i in line.split()
+    )
+    assert set(seen) == set(range(SAMPLES))  # nothing lost...
+    extra = sum(seen.values()) - EPOCHS * SAMPLES
+    assert 0 <= extra <= GLOBAL_BATCH  # ...and only the abandoned step's samples went through forward twice
+
+
+def test_below_min_world_the_job_fails_cleanly(tmp_path: Path) -> None:
+    out, result = _run(tmp_path, "small", "-n", "2", "--min-world", "2", fault="forward", victim=1, at=3)
+    assert result.returncode != 0
+    assert "lockstep run: rank 1 killed by SIGKILL; 1 of 2 ranks left (--min-world 2)" in result.stderr
+    assert "lockstep run: FAILED: 1 of 2 ranks left, fewer than --min-world 2" in result.stderr, result.stderr
+    assert "rank 1/2 (local rank 1" in result.stderr and "was killed by SIGKILL" in result.stderr
+    assert not (out / "done-0").exists()
+    survivor = Path("/proc", (out / "pid-0").read_text())  # stopped by the launcher: nothing is left
+    assert not survivor.exists() or (survivor / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
