@@ -2,8 +2,12 @@
 
 argv: OUT_DIR FAULT VICTIM AT. FAULT says where launch rank VICTIM dies (SIGKILL) on its AT-th call:
 "forward" (in a forward), "backward" (in a gradient hook: its peers are inside the step's all-reduces),
-"optimizer" (in optimizer.step, after the gradients were averaged), or "none". Every rank appends the
-sample ids that reached its forward to OUT_DIR/seen-<launch rank>.txt; the summary is in OUT_DIR/run.
+"optimizer" (in optimizer.step, after the gradients were averaged), "stop" (SIGSTOP in a forward: it
+stops answering without dying), or "none". Every rank appends the sample ids that reached its forward to
+OUT_DIR/seen-<launch rank>.txt; the summary is in OUT_DIR/run. A replacement (`--max-restarts`) has
+launch rank N, N+1, ... (LOCKSTEP_LIVE_UID); RANK is the rank it replaces. With a fifth argument
+"replace", the survivors of a smaller world slow down until the replacement process has started, so
+that it joins before the run ends however slowly this machine starts a process.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 from torch import nn
@@ -19,16 +24,19 @@ from torch.utils.data import Dataset
 import lockstep
 
 OUT, FAULT, VICTIM, AT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-UID = int(os.environ["RANK"])  # the launch rank: it does not change when the group is re-formed
+REPLACE = sys.argv[5:] == ["replace"]
+# The launch rank (RANK outside live mode): it does not change when the group is re-formed.
+UID = int(os.environ.get("LOCKSTEP_LIVE_UID", os.environ["RANK"]))
 calls = {"forward": 0, "backward": 0, "optimizer": 0}
 
 
 def maybe_die(where: str) -> None:
-    if UID != VICTIM or FAULT != where:
+    fault = "forward" if FAULT == "stop" else FAULT
+    if UID != VICTIM or fault != where:
         return
     calls[where] += 1
     if calls[where] == AT:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if FAULT == "stop" else signal.SIGKILL)
 
 
 class Numbers(Dataset):
@@ -54,6 +62,11 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         maybe_die("forward")
+        if REPLACE and torch.distributed.get_world_size() < 4:  # a rank was lost: give its replacement time
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.path.join(OUT, "pid-4")) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
         self.seen.write(" ".join(str(int(i)) for i in x[:, -1]) + "\n")
         self.seen.flush()
         return self.body(x[:, :-1])

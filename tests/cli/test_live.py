@@ -22,7 +22,15 @@ PROGRAM = Path(__file__).with_name("live_program.py")
 SAMPLES, EPOCHS, GLOBAL_BATCH = 192, 2, 24
 
 
-def _run(tmp_path: Path, name: str, *launch: str, fault: str = "none", victim: int = 0, at: int = 0) -> Any:
+def _run(
+    tmp_path: Path,
+    name: str,
+    *launch: str,
+    fault: str = "none",
+    victim: int = 0,
+    at: int = 0,
+    extra: tuple[str, ...] = (),
+) -> Any:
     out = tmp_path / name
     out.mkdir()
     result = run_cli(
@@ -35,6 +43,7 @@ def _run(tmp_path: Path, name: str, *launch: str, fault: str = "none", victim: i
         fault,
         str(victim),
         str(at),
+        *extra,
         cwd=tmp_path,
         timeout=180,
     )
@@ -77,10 +86,17 @@ def test_survivors_finish_without_restart_and_match_a_fault_free_run_bit_for_bit
     [record] = summary["faults"]
     assert record["lost"] == [victim] and record["how"] == {str(victim): "killed by SIGKILL"}
     assert record["world_size"] == 3 and 0 < record["recover_s"] < 2.0, record
-    survivors = [r for r in range(4) if r != victim]
-    for uid in survivors:  # the same processes from start to end
+    _survivors_kept_their_processes(out, victim)
+    _every_sample_once_but_the_abandoned_step(out)
+
+
+def _survivors_kept_their_processes(out: Path, victim: int) -> None:
+    for uid in (r for r in range(4) if r != victim):  # the same processes from start to end
         assert (out / f"pid-{uid}").read_text() == (out / f"done-{uid}").read_text()
     assert not (out / f"done-{victim}").exists()
+
+
+def _every_sample_once_but_the_abandoned_step(out: Path) -> None:
     seen = Counter(
         int(i)
         for path in out.glob("seen-*.txt")
@@ -90,6 +106,65 @@ def test_survivors_finish_without_restart_and_match_a_fault_free_run_bit_for_bit
     assert set(seen) == set(range(SAMPLES))  # nothing lost...
     extra = sum(seen.values()) - EPOCHS * SAMPLES
     assert 0 <= extra <= GLOBAL_BATCH  # ...and only the abandoned step's samples went through forward twice
+
+
+def test_a_stopped_rank_is_evicted_after_the_hang_timeout_and_the_others_go_on(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    hang_timeout = 3.0
+    out, result = _run(
+        tmp_path, "stop", "-n", "4", "--min-world", "2", "--hang-timeout", "3", fault="stop", victim=2, at=5
+    )
+    assert result.returncode == 0, result.stderr
+    assert "lockstep run: rank 2 evicted by the survivors (stopped: its process" in result.stderr
+    assert "finished on 3 of 4 ranks, without a restart" in result.stderr
+    summary = _summary(out)
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["optimizer_sha256"] == reference["optimizer_sha256"]
+    [record] = summary["faults"]
+    assert record["lost"] == [2] and "SIGSTOP" in record["how"]["2"], record
+    # Detected after the hang timeout (plus a watchdog tick), then re-formed within the 2 s budget.
+    assert hang_timeout <= record["detail"]["waited_s"] < hang_timeout + 2.0, record
+    assert 0 < record["recover_s"] < 2.0, record
+    _survivors_kept_their_processes(out, 2)
+    _every_sample_once_but_the_abandoned_step(out)
+    stopped = Path("/proc", (out / "pid-2").read_text())  # the launcher killed it: it cannot wake up later
+    assert not stopped.exists() or (stopped / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_replacement_joins_heals_from_a_peer_and_the_run_matches_a_fault_free_one(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    out, result = _run(
+        tmp_path,
+        "heal",
+        "-n",
+        "4",
+        "--min-world",
+        "2",
+        "--max-restarts",
+        "1",
+        fault="forward",
+        victim=2,
+        at=5,
+        extra=("replace",),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "rank 2 killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
+    assert "replacement rank 4 started" in result.stderr
+    assert "finished on 4 of 4 ranks (1 of them replacements: ranks [4]), without a restart" in result.stderr
+    summary = _summary(out)
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["optimizer_sha256"] == reference["optimizer_sha256"]
+    assert summary["world_size"] == 4 and summary["restarts"] == 0
+    lost, joined = summary["faults"]
+    assert (lost["kind"], lost["lost"], lost["world_size"]) == ("lost", [2], 3), lost
+    assert (joined["kind"], joined["joined"], joined["world_size"]) == ("joined", [4], 4), joined
+    assert joined["step"] > lost["step"]
+    _survivors_kept_their_processes(out, 2)
+    assert (out / "pid-4").read_text() == (out / "done-4").read_text()  # the replacement finished the run
+    assert (out / "seen-4.txt").read_text().strip()  # ...and trained on its share after it joined
+    _every_sample_once_but_the_abandoned_step(out)
 
 
 def test_below_min_world_the_job_fails_cleanly(tmp_path: Path) -> None:

@@ -133,3 +133,28 @@ def test_concurrent_harness_runs_do_not_collide() -> None:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(run_distributed, _whoami, 2, timeout=90) for _ in range(2)]
         assert [f.result()[1][0] for f in futures] == [1, 1]
+
+
+def _send_state() -> dict[str, object]:
+    from lockstep.runtime.state_transfer import broadcast_state
+
+    rank = torch.distributed.get_rank()
+    model = torch.nn.Linear(5, 3)
+    torch.manual_seed(rank)  # every rank's own values: only rank 1's may arrive
+    model.reset_parameters()
+    tree = {"model": model.state_dict(), "step": 10 + rank, "ids": (rank, "r")} if rank == 1 else None
+    got = broadcast_state(tree, src=1)
+    return {
+        "step": got["step"],
+        "ids": got["ids"],
+        "weight": got["model"]["weight"].tolist(),
+        "mine": model.weight.tolist() if rank == 1 else None,
+    }
+
+
+def test_broadcast_state_sends_the_source_rank_state_to_all() -> None:
+    out = run_distributed(_send_state, 3, timeout=60)
+    source = out[1]["mine"]
+    assert [o["step"] for o in out] == [11, 11, 11]
+    assert [o["ids"] for o in out] == [(1, "r")] * 3
+    assert all(o["weight"] == source for o in out)

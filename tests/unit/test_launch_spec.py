@@ -173,7 +173,6 @@ def test_threads_default_to_cores_per_process(monkeypatch: pytest.MonkeyPatch) -
     [
         (["-n", "2", "--min-world", "3", "t.py"], "--min-world 3 is more than the 2 processes"),
         (["-n", "2", "--min-world", "0", "t.py"], "--min-world must be an integer >= 1"),
-        (["-n", "2", "--min-world", "1", "--max-restarts", "1", "t.py"], "do not combine yet"),
         (
             ["-n", "2", "--min-world", "1", "--nnodes", "2", "--rdzv-endpoint", "h:29400", "t.py"],
             "runs on one node for now",
@@ -188,3 +187,5 @@ def test_min_world_flag_is_checked(argv: list[str], message: str) -> None:
 def test_min_world_flag_sets_live_mode() -> None:
     assert parse_run_args(["-n", "4", "--min-world", "2", "t.py"]).min_world == 2
     assert parse_run_args(["-n", "4", "t.py"]).min_world is None
+    replacements = parse_run_args(["-n", "4", "--min-world", "2", "--max-restarts", "3", "t.py"])
+    assert (replacements.min_world, replacements.max_restarts) == (2, 3)  # live mode: 3 replacements

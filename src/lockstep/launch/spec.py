@@ -211,7 +211,8 @@ def build_parser(prog: str = "lockstep run") -> argparse.ArgumentParser:
         default=None,
         metavar="M",
         help="live mode: when a rank dies the others go on without a restart, re-forming the group among "
-        "themselves, while at least M remain",
+        "themselves, while at least M remain; with --max-restarts R, up to R replacements join at a step "
+        "boundary and take their state from a peer",
     )
     add("--monitor-interval", "--monitor_interval", dest="monitor_interval", default=0.1, metavar="SECONDS")
     add(
@@ -304,11 +305,6 @@ def _check_live(spec: LaunchSpec) -> None:
         raise ConfigError(
             "--min-world (live mode) runs on one node for now; drop --nnodes, or drop --min-world and use "
             "--max-restarts to restart every node after a failure"
-        )
-    if spec.max_restarts:
-        raise ConfigError(
-            "--min-world (live mode: the survivors go on) and --max-restarts (restart every worker) do not "
-            "combine yet: replacements that rejoin a live job are not built; choose one of them"
         )
 
 

@@ -57,3 +57,12 @@ LIVE_DEAD_KEY = "lockstep/live/dead/"
 # Counts membership changes (deaths seen by the launcher, check-ins of survivors): every worker polls it
 # while it waits in a collective, so that none blocks in a group that lost a member.
 LIVE_CHANGES_KEY = "lockstep/live/changes"
+# Each worker's id in live mode ("launch rank"): 0..N-1 for the first N, N, N+1, ... for replacements,
+# which also get RANK/LOCAL_RANK of the rank they replace (its device) and LIVE_JOIN_VAR=1. A replacement
+# queues under LIVE_JOIN_KEY, is admitted at a step boundary (LIVE_ADMIT_KEY + uid: the generation it
+# joins) and receives its state from a peer; LIVE_CLOSED_KEY tells a queued one that the job ended first.
+LIVE_UID_VAR = "LOCKSTEP_LIVE_UID"
+LIVE_JOIN_VAR = "LOCKSTEP_LIVE_JOIN"
+LIVE_JOIN_KEY = "lockstep/live/join/"
+LIVE_ADMIT_KEY = "lockstep/live/admit/"
+LIVE_CLOSED_KEY = "lockstep/live/closed"

@@ -20,8 +20,22 @@ training loop calls `reform()`:
    restarts the hang watchdog over the new world.
 
 Ranks are renumbered over the survivors (launch rank order); `uid` stays each worker's launch rank. The
-loop then redoes its step over the survivors (trainer/live_fit.py). Replacements and stalled (SIGSTOP)
-ranks are not handled yet: a stalled rank still ends the job through the hang watchdog.
+loop then redoes its step over the survivors (trainer/live_fit.py).
+
+A rank that stops answering (SIGSTOP, a hard hang) is evicted: when a survivor has waited on it past the
+hang timeout and its heartbeat stopped, that survivor's watchdog marks it dead on the store (`evict`),
+which is a membership change like any other; the launcher then kills it.
+
+Replacements (`--max-restarts R` beside `--min-world`) grow the group back. A replacement queues on the
+store (LIVE_JOIN_KEY) instead of forming generation 0. After each completed step every member calls
+`joiners_due(step)`: rank 0 plans a growth for the next step boundary (`gen<g>/grow`); the others read
+the plan by then, because that next step's collectives cannot complete before rank 0 wrote it. At that
+boundary every member re-forms with the joiners appended (no counter bump: nothing failed), the
+joiners read their admission and form the same generation, and the state comes from rank 0 over the new
+group (runtime/state_transfer.py).
+
+Known gap: a member that dies between the agreement and the new group's formation leaves the others in
+init_process_group until its timeout (a window of milliseconds).
 """
 
 from __future__ import annotations
@@ -33,13 +47,22 @@ import time
 import traceback
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from lockstep.errors import MembershipChanged, WorldTooSmallError, rank_tag
+from lockstep.errors import InternalError, MembershipChanged, WorldTooSmallError, rank_tag
 from lockstep.runtime import watchdog
-from lockstep.runtime.env_contract import LIVE_CHANGES_KEY, LIVE_DEAD_KEY, LIVE_MIN_WORLD_VAR
+from lockstep.runtime.env_contract import (
+    LIVE_ADMIT_KEY,
+    LIVE_CHANGES_KEY,
+    LIVE_CLOSED_KEY,
+    LIVE_DEAD_KEY,
+    LIVE_JOIN_KEY,
+    LIVE_JOIN_VAR,
+    LIVE_MIN_WORLD_VAR,
+    LIVE_UID_VAR,
+)
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.topology import Topology
 
@@ -79,26 +102,50 @@ class Fault:
     how: dict[str, str]  # launch rank -> what the launcher saw ("killed by SIGKILL", "exit code 1")
     world_size: int  # after the change
     cause: str  # the error this rank saw
+    kind: str = "lost"  # "lost": members left; "joined": replacements came in (and none left)
+    joined: list[int] = field(default_factory=list)  # launch ranks of the replacements admitted
     recover_s: float = 0.0  # from the failed collective to the new group (the loop adds its redo)
+    # waited_s: how long this rank waited in the failed collective (for a stopped rank: the detection)
     detail: dict[str, float] = field(default_factory=dict)
 
 
 class LiveGroup:
     """This worker's side of live mode: the store, the current membership, the faults seen."""
 
-    def __init__(self, store: Any, topo: Topology, min_world: int, backend: str, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        store: Any,
+        topo: Topology,
+        min_world: int,
+        backend: str,
+        timeout: timedelta,
+        *,
+        uid: int | None = None,
+        joining: bool = False,
+    ) -> None:
         self.store, self.topo, self.min_world = store, topo, min_world
         self.backend, self.timeout = backend, timeout
-        self.membership = Membership(0, tuple(range(topo.world_size)), topo.rank)
+        uid = topo.rank if uid is None else uid
+        self.membership = Membership(0, tuple(range(topo.world_size)), uid)
+        self.joining = joining  # a replacement: it queues, and its state comes from a peer
+        self.needs_state = joining  # until the trainer received it (state_received)
         self.checkin_timeout = 60.0
         self._graveyard: list[Any] = []  # abandoned groups (see _leave_group); the process ends with os._exit
         self._changes_seen = 0
+        self._uids: set[int] = set(range(topo.world_size))  # every launch rank seen: members and replacements
+        self._queue: list[int] = []  # rank 0: the join queue's entries read so far (launch ranks)
+        self._growth: dict[str, Any] | None = None  # this generation's planned growth
+        # The watchdog thread evicts through a connection of its own (a store client is not shared).
+        self._evict_store = store.clone() if hasattr(store, "clone") else store
         self.faults: list[Fault] = []
 
     def form_first(self) -> None:
-        self._changes_seen = int(self.store.add(LIVE_CHANGES_KEY, 0))
-        self._form(self.membership)
-        watchdog.set_live_check(self.check)
+        if self.joining:
+            self._join()
+        else:
+            self._changes_seen = int(self.store.add(LIVE_CHANGES_KEY, 0))
+            self._form(self.membership)
+        watchdog.set_live_hooks(self.check, self.evict)
 
     def check(self) -> None:
         """Raise MembershipChanged when a member died or a survivor is re-forming (polled while waiting)."""
@@ -107,6 +154,14 @@ class LiveGroup:
                 f"{rank_tag(self.membership.rank, self.membership.world_size)}the group lost a member while "
                 f"this rank waited in a collective (generation {self.membership.generation})"
             )
+
+    def evict(self, rank: int, why: str) -> None:
+        """From the watchdog thread: `rank` of the current group stopped answering; name it dead (once)."""
+        key = f"{LIVE_DEAD_KEY}{self.membership.members[rank]}"
+        if self._evict_store.check([key]):
+            return
+        self._evict_store.add(LIVE_CHANGES_KEY, 1)  # counted before marked, as the launcher does
+        self._evict_store.compare_set(key, "", f"evicted by the survivors ({why})")
 
     @property
     def abandoned(self) -> int:
@@ -124,28 +179,111 @@ class LiveGroup:
         return replace(self.topo, rank=m.rank, world_size=m.world_size)
 
     def dead(self) -> dict[int, str]:
-        """Launch ranks the launcher saw die, with how."""
-        keys = [f"{LIVE_DEAD_KEY}{u}" for u in range(self.topo.world_size)]
+        """Launch ranks known dead (the launcher saw them end, or the survivors evicted them), with how."""
         out = {}
-        for uid, key in enumerate(keys):
+        for uid in sorted(self._uids):
+            key = f"{LIVE_DEAD_KEY}{uid}"
             if self.store.check([key]):
                 out[uid] = bytes(self.store.get(key)).decode()
         return out
 
-    def reform(self, cause: BaseException | str) -> Fault:
-        """Leave the broken group, agree on the survivors, form the next generation (see the module doc)."""
+    # ---- replacements -----------------------------------------------------------------------------------
+
+    def _join(self) -> None:
+        """A replacement: queue, wait for the members to admit this process, form their generation."""
+        uid = self.membership.uid
+        position = int(self.store.add(f"{LIVE_JOIN_KEY}count", 1))
+        self.store.set(f"{LIVE_JOIN_KEY}{position}", str(uid))
+        admit = f"{LIVE_ADMIT_KEY}{uid}"
+        while not self.store.check([admit]):
+            if self.store.check([LIVE_CLOSED_KEY]):
+                sys.stderr.write(
+                    f"lockstep: replacement {uid} was not needed: the job ended before it joined\n"
+                )
+                raise SystemExit(0)
+            time.sleep(0.01)
+        g = int(bytes(self.store.get(admit)).decode())
+        members = tuple(json.loads(bytes(self.store.get(f"{_PREFIX}gen{g}/members")).decode()))
+        self._uids.update(members)
+        self.membership = Membership(g, members, uid)
+        self._changes_seen = int(self.store.add(LIVE_CHANGES_KEY, 0))  # the members' check-ins are counted
+        self._form(self.membership)
+
+    def joiners_due(self, step: int) -> list[int]:
+        """Called by every member after each completed `step`: the replacements to admit now, else [].
+
+        Rank 0 reads the queue and plans the growth for the next boundary; every other member sees that
+        plan by then (see the module doc). One store round trip per step.
+        """
+        m = self.membership
+        key = f"{_PREFIX}gen{m.generation}/grow"
+        if self._growth is None and m.rank != 0 and self.store.check([key]):
+            self._growth = json.loads(bytes(self.store.get(key)).decode())
+        if self._growth is None and m.rank == 0:
+            queued = self._queued()
+            if queued:
+                plan = json.dumps({"step": step + 1, "joiners": queued})
+                self._growth = json.loads(bytes(self.store.compare_set(key, "", plan)).decode())
+        if self._growth is None or self._growth["step"] > step:
+            return []
+        if self._growth["step"] < step:
+            raise InternalError(
+                f"{rank_tag(m.rank, m.world_size)}the growth planned for step {self._growth['step']} was "
+                f"read at step {step}: the members would form different groups"
+            )
+        return [int(u) for u in self._growth["joiners"]]
+
+    def _queued(self) -> list[int]:
+        """Replacements waiting in the queue (not members, not dead), in the order they queued."""
+        count = int(self.store.add(f"{LIVE_JOIN_KEY}count", 0))
+        while len(self._queue) < count:  # store.get waits for an entry whose writer is between its two calls
+            self._queue.append(int(bytes(self.store.get(f"{LIVE_JOIN_KEY}{len(self._queue) + 1}")).decode()))
+        waiting = [u for u in self._queue if u not in self.membership.members]
+        if not waiting:
+            return []
+        self._uids.update(waiting)
+        dead = self.dead()
+        return [u for u in waiting if u not in dead]
+
+    def state_received(self) -> None:
+        self.needs_state = False
+
+    def give_up(self, cause: BaseException) -> NoReturn:
+        """A replacement that lost its peer before it had the state: leave (marked dead, so the members
+        do not wait for it); the launcher may start another replacement."""
+        uid = self.membership.uid
+        self.store.add(LIVE_CHANGES_KEY, 1)
+        self.store.compare_set(
+            f"{LIVE_DEAD_KEY}{uid}", "", f"gave up: lost its peer while healing ({_first_line(cause)})"
+        )
+        sys.stderr.write(
+            f"lockstep: replacement {uid} lost its peer before it received the state; it exits\n"
+        )
+        sys.stderr.flush()
+        os._exit(EVICTED_EXIT_CODE)
+
+    # ---- re-forming ---------------------------------------------------------------------------------------
+
+    def reform(self, cause: BaseException | str, joiners: list[int] | tuple[int, ...] = ()) -> Fault:
+        """Leave the group, agree on the members, form the next generation (see the module doc).
+        `joiners`: a planned growth at a step boundary (nothing failed); else a member was lost."""
         started = time.monotonic()
         old = self.membership
         g = old.generation + 1
+        waited = time.time() - PROGRESS.wait_since if PROGRESS.waiting is not None else 0.0
         watchdog.stop()
         if isinstance(cause, BaseException):
             # The failed call's frames hold its Work, and the Work holds the group: let them go.
             traceback.clear_frames(cause.__traceback__)
         self._leave_group()
         left_at = time.monotonic()
-        self.store.add(LIVE_CHANGES_KEY, 1)  # before checking in: whoever waits on this rank stops waiting
+        if not joiners:
+            self.store.add(
+                LIVE_CHANGES_KEY, 1
+            )  # before checking in: whoever waits on this rank stops waiting
         self.store.set(f"{_PREFIX}gen{g}/in/{old.uid}", "1")
-        members = self._agree(old, g)
+        members = self._agree(old, g, joiners)
+        self._growth = None
         # Every change behind this generation is counted by now (the launcher counts a death before it
         # marks the rank dead, a survivor before it checks in): a later change is a new fault.
         self._changes_seen = int(self.store.add(LIVE_CHANGES_KEY, 0))
@@ -159,6 +297,9 @@ class LiveGroup:
             os._exit(EVICTED_EXIT_CODE)
         how = self.dead()
         lost = [u for u in old.members if u not in members]
+        joined = [u for u in members if u not in old.members]
+        for uid in joined:
+            self.store.set(f"{LIVE_ADMIT_KEY}{uid}", str(g))  # every member writes it: the same value
         self.membership = Membership(g, members, old.uid)
         fault = Fault(
             generation=g,
@@ -166,6 +307,8 @@ class LiveGroup:
             how={str(u): how.get(u, "did not check in") for u in lost},
             world_size=len(members),
             cause=_first_line(cause),
+            kind="lost" if lost else "joined",
+            joined=joined,
         )
         if len(members) < self.min_world:
             raise WorldTooSmallError(
@@ -183,6 +326,7 @@ class LiveGroup:
         formed_at = time.monotonic()
         fault.recover_s = formed_at - started
         fault.detail = {
+            "waited_s": round(waited, 4),
             "leave_s": round(left_at - started, 4),
             "agree_s": round(agreed_at - left_at, 4),
             "new_group_s": round(formed_at - agreed_at, 4),
@@ -197,7 +341,7 @@ class LiveGroup:
             self._graveyard.append(dist.group.WORLD)
             dist.destroy_process_group()
 
-    def _agree(self, old: Membership, g: int) -> tuple[int, ...]:
+    def _agree(self, old: Membership, g: int, joiners: list[int] | tuple[int, ...]) -> tuple[int, ...]:
         deadline = time.monotonic() + self.checkin_timeout
         checked: set[int] = {old.uid}
         while True:
@@ -209,7 +353,8 @@ class LiveGroup:
             if not waiting or time.monotonic() > deadline:
                 break
             time.sleep(0.005)
-        proposal = json.dumps(sorted(checked))
+        self._uids.update(joiners)
+        proposal = json.dumps(sorted(checked) + [u for u in joiners if u not in self.dead()])
         agreed = self.store.compare_set(f"{_PREFIX}gen{g}/members", "", proposal)
         return tuple(json.loads(bytes(agreed).decode()))
 
@@ -228,7 +373,11 @@ def form(topo: Topology, backend: str, timeout: timedelta, min_world: int) -> Li
     client = dist.TCPStore(
         topo.master_addr, topo.master_port, topo.world_size, False, timeout, wait_for_workers=False
     )
-    _live = LiveGroup(client, topo, min_world, backend, timeout)
+    env = os.environ
+    uid = int(env[LIVE_UID_VAR]) if env.get(LIVE_UID_VAR) else None
+    _live = LiveGroup(
+        client, topo, min_world, backend, timeout, uid=uid, joining=env.get(LIVE_JOIN_VAR) == "1"
+    )
     _live.form_first()
     return _live
 

@@ -220,7 +220,8 @@ def init(
         # No peers: an in-memory store needs no port and cannot collide with anything.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif (min_world := live.min_world_from_env()) is not None:
-        live.form(topo, backend, timeout, min_world)  # `lockstep run --min-world`: the launcher's store
+        # `lockstep run --min-world`: the launcher's store; a replacement learns its rank when admitted
+        topo = live.form(topo, backend, timeout, min_world).topology()
     else:
         _rendezvous(topo, backend, timeout)
     _formed.count += 1

@@ -78,6 +78,7 @@ class Watchdog:
         self._failed_at = 0.0
         self._verdict: dict[str, Any] | None = None  # once set, this process ends (see _finish)
         self._judged_a_failure = False  # the verdict came from a failed collective: its error propagates
+        self._evicted: set[int] = set()  # live mode: silent ranks this thread named dead
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._thread = threading.Thread(target=self._run, name="lockstep-watchdog", daemon=True)
         self.guard = SigtermGuard()
@@ -131,7 +132,9 @@ class Watchdog:
                     return
                 if self._stalled():
                     verdict = self._judge()
-                    if verdict is not None and _not_a_hang(verdict):
+                    if verdict is not None and self.live and _silent_culprits(verdict):
+                        self._evict(verdict)  # live mode: the survivors go on without the silent ranks
+                    elif verdict is not None and _not_a_hang(verdict):
                         self._reported.set()  # the failing collective's error is all there is to say
                         return
                     if verdict is not None and self._claim(verdict):
@@ -238,6 +241,14 @@ class Watchdog:
         if verdict is not None:
             verdict["states"] = states
         return verdict
+
+    def _evict(self, verdict: dict[str, Any]) -> None:
+        """Live mode: name each silent rank dead on the store, once; live.py's hook does the writing."""
+        hook = _live_evict
+        for rank in _silent_culprits(verdict):
+            if hook is not None and rank not in self._evicted:
+                self._evicted.add(rank)
+                hook(int(rank), str(verdict["states"][rank].get("liveness") or "not responding"))
 
     def _claim(self, verdict: dict[str, Any]) -> bool:
         """Become the reporter unless another rank already is (then answer it)."""
@@ -364,6 +375,18 @@ def _not_a_hang(verdict: dict[str, Any]) -> bool:
     )
 
 
+def _silent_culprits(verdict: dict[str, Any]) -> list[int]:
+    """The culprits that stopped publishing heartbeats (stopped, hung hard, cut off): live mode evicts
+    them. Others blamed beside them are usually their victims (a broadcast or ring that reached some ranks
+    but not all parts their sequences by one); if a real bug remains, the next generation reports it."""
+    states = verdict.get("states") or {}
+    return [
+        r
+        for r in verdict.get("culprits") or []
+        if stall_verdict.classify(states.get(r, {})) == stall_verdict.SILENT
+    ]
+
+
 def _format_stack(frame: Any, limit: int = 24) -> list[str]:
     """The innermost `limit` frames, outermost first, without reading source files (cheap every tick)."""
     out: list[str] = []
@@ -486,9 +509,14 @@ _live_check: Callable[[], None] | None = None
 _LIVE_CHECK_EVERY = 0.01
 
 
-def set_live_check(check: Callable[[], None] | None) -> None:
-    global _live_check
-    _live_check = check
+# Live mode also sets this: the watchdog thread calls it with a rank of the current group (and why) when
+# that rank stopped publishing heartbeats while this one waits on it past the hang timeout.
+_live_evict: Callable[[int, str], None] | None = None
+
+
+def set_live_hooks(check: Callable[[], None] | None, evict: Callable[[int, str], None] | None) -> None:
+    global _live_check, _live_evict
+    _live_check, _live_evict = check, evict
 
 
 def settle(work: Any) -> Any:

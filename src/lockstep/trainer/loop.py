@@ -12,7 +12,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator, Sized
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,11 +27,12 @@ from lockstep.data import DistributedSampler, EvalSampler, MicroBatchSampler
 from lockstep.engine.api import DistributedDataParallel, ReplicaHandle, replicate
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.syncbn import convert_sync_batchnorm
-from lockstep.errors import ConfigError, InternalError, MembershipChanged, rank_tag
+from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime import barrier, broadcast_object, get_logger, init, live
 from lockstep.runtime.micro_batches import owned_micro_batches
 from lockstep.runtime.progress import DATA, EVALUATE, OPTIMIZER, PROGRESS, phase
 from lockstep.runtime.topology import Topology
+from lockstep.trainer import live_fit
 from lockstep.trainer.batches import batch_len, plan_batches, split_batch, to_device
 from lockstep.trainer.config import FitConfig, config_to_dict
 from lockstep.trainer.metrics import MetricBuffer, OrderedMetrics
@@ -217,16 +218,22 @@ class _Run:
     # ---- phases -------------------------------------------------------------------------------------------
 
     def train(self) -> FitResult:
-        self._maybe_resume()
+        if self.live is not None and self.live.needs_state:
+            live_fit.receive_state(self)  # a replacement: the state comes from a peer, not a checkpoint
+        else:
+            self._maybe_resume()
         started, start_samples, start_step = time.monotonic(), self.counters.samples, self.counters.step
         while self.counters.step < self.total_steps and self.counters.epoch < self.config.epochs:
             self._train_epoch()
+        self._live_retry(self._end_of_run)
+        wall = time.monotonic() - started
+        return self._finish(wall, self.counters.samples - start_samples, self.counters.step - start_step)
+
+    def _end_of_run(self) -> None:
         self._log_train(force=True)
         if self.eval_loader is not None and self.eval_step != self.counters.step:
             self._evaluate()
         self._save_checkpoint()
-        wall = time.monotonic() - started
-        return self._finish(wall, self.counters.samples - start_samples, self.counters.step - start_step)
 
     def _maybe_resume(self) -> None:
         if self.config.resume == "never" and self.checkpoints.steps():
@@ -284,7 +291,7 @@ class _Run:
                 else:
                     self._optimizer_step(group)
             except (RuntimeError, dist.DistError) as exc:
-                if not self._recover(exc):  # live mode: the survivors go on
+                if not live_fit.recover(self, exc):  # live mode: the survivors go on
                     raise
                 del group
                 micro_batches = iter(self.loader)  # the same step again, cut for the survivors
@@ -294,13 +301,24 @@ class _Run:
             steps_left -= 1
             self.counters.step += 1
             self.bar.advance(self.counters.step)
-            self._after_step_live()
+            changed = self._live_retry(self._after_step)
+            changed = live_fit.admit_joiners(self) or changed
+            if changed and steps_left > 0:  # the shards were cut again: iterate the rest of the epoch anew
+                micro_batches = iter(self.loader)
+                steps_left, micro_left = self._steps_in_epoch(), len(self.loader)
         if steps_left > 0:
             return  # stopped by the step budget in the middle of an epoch: stay in it (resumable)
         self.counters.epoch += 1
+        self._live_retry(self._end_of_epoch)
+
+    def _end_of_epoch(self) -> None:
         if self.config.checkpoint_every == 0:
             self._save_checkpoint()
-        if self.eval_loader is not None and self.config.eval_every == 0:
+        if (
+            self.eval_loader is not None
+            and self.config.eval_every == 0
+            and self.eval_step != self.counters.step
+        ):
             self._evaluate()
 
     def _optimizer_step(self, group: list[Any]) -> None:
@@ -380,61 +398,25 @@ class _Run:
     def _metric_names(self, prefix: str) -> list[str]:
         return [f"{prefix}_loss"] + ([f"{prefix}_accuracy"] if self.config.task == "classification" else [])
 
-    def _after_step_live(self) -> None:
-        """_after_step, done again over the survivors if a rank dies in its collectives (live mode)."""
+    def _live_retry(self, work: Callable[[], Any]) -> bool:
+        """work(), done again over the survivors if a member is lost in its collectives (live mode).
+        True when the group changed meanwhile (the loop re-cuts its iteration)."""
+        changed = False
         while True:
             try:
-                self._after_step()
-                return
+                work()
+                return changed
             except (RuntimeError, dist.DistError) as exc:
-                if not self._recover(exc):
+                if not live_fit.recover(self, exc):
                     raise
+                changed = True
 
-    def _recover(self, exc: BaseException) -> bool:
-        """Live mode: a collective failed. Re-form the group over the survivors and re-cut the work for
-        them (the replica, the sampler's shard, the evaluation shards). False when this is not live mode
-        or when no rank left (the error was not a peer's death): the caller re-raises it."""
-        group = self.live
-        if group is None:
-            return False
-        before = group.membership.members
-        # Nothing may keep the broken group alive: destroying it closes its sockets, which is how the
-        # survivors still waiting in it (not the dead rank's neighbours) learn of the death at once.
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-        fault = group.reform(exc)
-        if group.membership.members == before and not isinstance(exc, MembershipChanged):
-            return False  # nobody left: the error is the program's own
-        self.topo = group.topology()
-        self.optimizer.zero_grad(set_to_none=True)  # the abandoned step's partial gradients
-        self._check_same_step()
-        self.handle = replicate(self.module, policy=SyncPolicy(deterministic=True))
-        self.micro_per_step = len(self.handle.owned_micro_batches(self.plan.num_micro_batches))
+    def reshard(self) -> None:
+        """The group changed (live mode): this rank's shard of the data and of the evaluation, re-cut."""
         state = self.sampler.state_dict()
         self.sampler.num_replicas, self.sampler.rank = self.topo.world_size, self.topo.rank
         self.sampler.load_state_dict(state)
         self.eval_loader = _eval_loader(self.eval_data, self.config, self.topo, pin_memory=self.pin)
-        record = {"step": self.counters.step, **asdict(fault), "recover_s": round(fault.recover_s, 4)}
-        self.faults.append(record)
-        self.bar.message(
-            f"live: launch ranks {fault.lost} left ({'; '.join(fault.how.values())}); going on with "
-            f"{fault.world_size} ranks from step {self.counters.step} ({fault.recover_s:.2f} s to re-form)"
-        )
-        return True
-
-    def _check_same_step(self) -> None:
-        """Every survivor must have finished the same steps (a rank can see its last collective complete
-        while a peer saw it fail); a replica that differs would diverge silently, so that is an error."""
-        steps = torch.tensor([self.counters.step, -self.counters.step], dtype=torch.int64)
-        torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MAX)
-        if int(steps[0]) != -int(steps[1]):
-            raise InternalError(
-                f"{rank_tag(self.topo.rank, self.topo.world_size)}after a rank died the survivors stand at "
-                f"different steps ({-int(steps[1])} to {int(steps[0])}): one saw the last step complete, "
-                "another did not. Copying the state from the furthest rank is not built yet; resume from "
-                "the last checkpoint"
-            )
 
     def _after_step(self) -> None:
         step = self.counters.step
@@ -548,7 +530,7 @@ class _Run:
             plot = self.runlog.plot(self.run_dir / "curves.png")
             self.bar.close()
             self.log.info("run finished: %s", _headline(summary, plot))
-        barrier()
+        self._live_retry(barrier)
         return FitResult(summary=summary, history=list(self.runlog.records))
 
     def close(self) -> None:
