@@ -13,6 +13,10 @@ every rank prints it (under `lockstep run`: one line; the launcher prints the re
 process exits with STALL_EXIT_CODE. A rank whose collective raised re-raises its error instead, once
 the report is out. Heartbeats that stop changing mark a rank as not responding; on the same host the
 thread also says whether that process is stopped (SIGSTOP) or gone.
+
+In live mode (runtime/live.py) a failed collective is not reported (the survivors re-form the group), and
+neither is a stall whose culprits include ranks that stopped publishing heartbeats: the thread names
+those dead on the store (`_live_evict`) and the survivors go on without them. Other stalls are reported.
 """
 
 from __future__ import annotations
