@@ -10,13 +10,19 @@ each fault strikes.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.cli.launch_util import run_cli
+from tests.cli.launch_util import child_env, run_cli
+from tests.cli.test_train import lockstep_cli
 
 PROGRAM = Path(__file__).with_name("live_program.py")
 SAMPLES, EPOCHS, GLOBAL_BATCH = 192, 2, 24
@@ -176,3 +182,48 @@ def test_below_min_world_the_job_fails_cleanly(tmp_path: Path) -> None:
     assert not (out / "done-0").exists()
     survivor = Path("/proc", (out / "pid-0").read_text())  # stopped by the launcher: nothing is left
     assert not survivor.exists() or (survivor / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+TOY = ("--deterministic", "--global-batch-size", "48", "--micro-batch-size", "8", "--progress", "none")
+
+
+def test_lockstep_train_min_world_survives_a_rank_killed_from_outside(tmp_path: Path) -> None:
+    """`lockstep train` in live mode: rank 2 is SIGKILLed once the first epoch's checkpoint is written, the
+    other two finish, and the result is bitwise a fault-free run on 2 ranks."""
+    reference = lockstep_cli("train", "toy", "-n", "2", "--run-dir", str(tmp_path / "ref"), *TOY)
+    assert reference.returncode == 0, reference.stderr
+    run_dir = tmp_path / "live"
+    cmd = [sys.executable, "-m", "lockstep", "train", "toy", "-n", "3", "--min-world", "2"]
+    proc = subprocess.Popen(
+        [*cmd, "--run-dir", str(run_dir), *TOY],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(run_dir.glob("checkpoints/step_*")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(int((run_dir / "rank2" / "pid").read_text()), signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "lockstep run: rank 2 killed by SIGKILL; 2 of 3 ranks go on (--min-world 2)" in stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    expected = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    assert summary["steps"] == expected["steps"] and summary["world_size"] == 2
+    assert [f["lost"] for f in summary["faults"]] == [[2]] and summary["restarts"] == 0
+    assert summary["params_sha256"] == expected["params_sha256"]
+    assert summary["optimizer_sha256"] == expected["optimizer_sha256"]
+
+
+def test_lockstep_train_min_world_needs_deterministic_mode(tmp_path: Path) -> None:
+    result = lockstep_cli("train", "toy", "-n", "2", "--min-world", "2", "--run-dir", str(tmp_path / "r"))
+    assert result.returncode == 2
+    assert "--min-world 2 (live mode) needs --deterministic and --global-batch-size" in result.stderr
+    too_many = lockstep_cli(
+        "train", "toy", "-n", "2", "--min-world", "3", *TOY, "--run-dir", str(tmp_path / "r")
+    )
+    assert too_many.returncode == 2 and "--min-world 3 is more than the 2 processes" in too_many.stderr

@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts", type=int, default=0, help="restart all workers up to this many times"
     )
     parser.add_argument(
+        "--min-world",
+        type=int,
+        default=None,
+        metavar="M",
+        help="live mode: when a rank dies the others go on without a restart while at least M remain "
+        "(needs --deterministic and --global-batch-size); with --max-restarts R, up to R replacements join",
+    )
+    parser.add_argument(
         "--hang-timeout",
         type=float,
         default=None,
@@ -128,10 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.nproc_per_node < 1:
         parser.error(f"-n {args.nproc_per_node}: need at least 1 process")
+    if args.min_world is not None and not config.deterministic:
+        parser.error(
+            f"--min-world {args.min_world} (live mode) needs --deterministic and --global-batch-size: a step "
+            "lost to a dead rank is redone over the survivors with the same micro-batches, which only "
+            "deterministic mode cuts independently of the world size"
+        )
     run_dir = Path(config.run_dir)
     config_path = save_config(config, run_dir)
     from lockstep.launch.local import launch
-    from lockstep.launch.spec import LaunchSpec
+    from lockstep.launch.spec import LaunchSpec, validate
 
     spec = LaunchSpec(
         entrypoint="lockstep.jobs.worker",
@@ -139,8 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         args=(args.job, str(config_path)),
         nproc_per_node=args.nproc_per_node,
         max_restarts=args.max_restarts,
+        min_world=args.min_world,
         hang_timeout=args.hang_timeout,
         run_dir=str(run_dir),
         logs=args.logs,
     )
+    try:
+        validate(spec)  # the flags shared with `lockstep run` (--min-world against -n, ...)
+    except ConfigError as exc:
+        parser.error(str(exc))
     return launch(spec)
