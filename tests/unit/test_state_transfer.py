@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime.state_transfer import _metas, join, split
 
 
@@ -42,5 +42,5 @@ def test_an_object_that_would_need_pickle_is_refused_with_its_place() -> None:
 
 
 def test_a_skeleton_from_a_peer_cannot_name_anything_but_a_dtype() -> None:
-    with pytest.raises(ValueError, match="not a torch dtype"):
+    with pytest.raises(InternalError, match="not a torch dtype"):
         _metas({"t": 0, "dtype": "load", "shape": [1]})

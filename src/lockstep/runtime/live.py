@@ -200,7 +200,7 @@ class LiveGroup:
                 sys.stderr.write(
                     f"lockstep: replacement {uid} was not needed: the job ended before it joined\n"
                 )
-                raise SystemExit(0)
+                sys.exit(0)
             time.sleep(0.01)
         g = int(bytes(self.store.get(admit)).decode())
         members = tuple(json.loads(bytes(self.store.get(f"{_PREFIX}gen{g}/members")).decode()))

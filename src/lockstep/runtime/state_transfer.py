@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime.collectives import broadcast_object, comm_device, get_rank
 from lockstep.runtime.watchdog import settle, tracked
 
@@ -61,7 +61,7 @@ def join(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         return tuple(join(v, tensors) for v in skeleton["u"])
     value = skeleton["v"]
     if not isinstance(value, _SCALARS):
-        raise ValueError(f"a state skeleton holds a {type(value).__name__} where a scalar belongs")
+        raise InternalError(f"a state skeleton holds a {type(value).__name__} where a scalar belongs")
     return value
 
 
@@ -72,7 +72,7 @@ def _metas(skeleton: Any) -> list[tuple[torch.dtype, list[int]]]:
         if "t" in node:
             dtype = getattr(torch, str(node["dtype"]))
             if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"a state skeleton names {node['dtype']!r}, which is not a torch dtype")
+                raise InternalError(f"a state skeleton names {node['dtype']!r}, which is not a torch dtype")
             found[int(node["t"])] = (dtype, [int(n) for n in node["shape"]])
         for key in ("l", "u"):
             for child in node.get(key, ()):
@@ -89,7 +89,7 @@ def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
     numel = 1
     for n in shape:
         numel *= n
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * dtype.itemsize
 
 
 def broadcast_state(tree: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
