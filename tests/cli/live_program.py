@@ -2,8 +2,11 @@
 
 argv: OUT_DIR FAULT VICTIM AT. FAULT says where launch rank VICTIM dies (SIGKILL) on its AT-th call:
 "forward" (in a forward), "backward" (in a gradient hook: its peers are inside the step's all-reduces),
-"optimizer" (in optimizer.step, after the gradients were averaged), "stop" (SIGSTOP in a forward: it
-stops answering without dying), or "none". Every rank appends the sample ids that reached its forward to
+"optimizer" (in optimizer.step, after the gradients were averaged), "checkpoint" (in the state_dict()
+call of a checkpoint save: rank 0 writes while the others wait), "stop" (SIGSTOP in a forward: it
+stops answering without dying), "heal" (VICTIM dies in a forward as for "forward"; then, once the world
+is back to 4, launch rank 0 dies in the state_dict() call that gathers the state for the replacement: the
+peer it heals from is lost while it heals), or "none". Every rank appends the sample ids that reached its forward to
 OUT_DIR/seen-<launch rank>.txt; the summary is in OUT_DIR/run. A replacement (`--max-restarts`) has
 launch rank N, N+1, ... (LOCKSTEP_LIVE_UID); RANK is the rank it replaces. With a fifth argument
 "replace", the survivors of a smaller world slow down until the replacement process has started, so
@@ -27,11 +30,14 @@ OUT, FAULT, VICTIM, AT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.arg
 REPLACE = sys.argv[5:] == ["replace"]
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_LIVE_UID", os.environ["RANK"]))
-calls = {"forward": 0, "backward": 0, "optimizer": 0}
+calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0}
 
 
 def maybe_die(where: str) -> None:
-    fault = "forward" if FAULT == "stop" else FAULT
+    if FAULT == "heal" and where == "checkpoint" and UID == 0 and torch.distributed.get_world_size() == 4:
+        if os.path.exists(os.path.join(OUT, "pid-4")):  # the world grew back: this call gathers its state
+            os.kill(os.getpid(), signal.SIGKILL)
+    fault = "forward" if FAULT in ("stop", "heal") else FAULT
     if UID != VICTIM or fault != where:
         return
     calls[where] += 1
@@ -59,6 +65,10 @@ class Net(nn.Module):
     def _in_backward(self, grad: torch.Tensor) -> torch.Tensor:
         maybe_die("backward")
         return grad
+
+    def state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        maybe_die("checkpoint")
+        return super().state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         maybe_die("forward")

@@ -75,6 +75,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ("backward", 2, 9),  # in backward: its peers are inside the step's all-reduces
         ("optimizer", 1, 3),  # after the gradients were averaged, in optimizer.step
         ("forward", 0, 7),  # rank 0 itself (it writes the summary): another rank takes its place
+        ("checkpoint", 0, 1),  # rank 0 while it saves the first epoch's checkpoint: the next rank 0 saves it
     ],
 )
 def test_survivors_finish_without_restart_and_match_a_fault_free_run_bit_for_bit(
@@ -92,6 +93,10 @@ def test_survivors_finish_without_restart_and_match_a_fault_free_run_bit_for_bit
     [record] = summary["faults"]
     assert record["lost"] == [victim] and record["how"] == {str(victim): "killed by SIGKILL"}
     assert record["world_size"] == 3 and 0 < record["recover_s"] < 2.0, record
+    if fault == "checkpoint":  # lost at the first epoch's end; the new rank 0 wrote that checkpoint
+        steps_per_epoch = SAMPLES // GLOBAL_BATCH
+        assert record["step"] == steps_per_epoch
+        assert (out / "run" / "checkpoints" / f"step_{steps_per_epoch:06d}").is_dir()
     _survivors_kept_their_processes(out, victim)
     _every_sample_once_but_the_abandoned_step(out)
 
@@ -227,3 +232,36 @@ def test_lockstep_train_min_world_needs_deterministic_mode(tmp_path: Path) -> No
         "train", "toy", "-n", "2", "--min-world", "3", *TOY, "--run-dir", str(tmp_path / "r")
     )
     assert too_many.returncode == 2 and "--min-world 3 is more than the 2 processes" in too_many.stderr
+
+
+def test_the_peer_a_replacement_heals_from_dies_and_the_others_still_finish_bit_for_bit(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    out, result = _run(
+        tmp_path,
+        "heal-fault",
+        "-n",
+        "4",
+        "--min-world",
+        "2",
+        "--max-restarts",
+        "1",
+        fault="heal",
+        victim=2,
+        at=5,
+        extra=("replace",),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "rank 2 killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
+    assert "rank 0 killed by SIGKILL" in result.stderr
+    assert "rank 4 gave up: lost its peer while healing" in result.stderr
+    assert "finished on 2 of 4 ranks, without a restart" in result.stderr
+    summary = _summary(out)
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["optimizer_sha256"] == reference["optimizer_sha256"]
+    assert summary["world_size"] == 2
+    assert [f["kind"] for f in summary["faults"]] == ["lost", "joined", "lost"], summary["faults"]
+    assert sorted(summary["faults"][-1]["lost"]) == [0, 4]
+    for uid in (1, 3):
+        assert (out / f"pid-{uid}").read_text() == (out / f"done-{uid}").read_text()
+    _every_sample_once_but_the_abandoned_step(out)
