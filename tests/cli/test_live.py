@@ -60,6 +60,34 @@ def _summary(out: Path) -> dict[str, Any]:
     return json.loads((out / "run" / "summary.json").read_text())
 
 
+def _run_with_a_replacement(tmp_path: Path, name: str, fault: str) -> Any:
+    """4 ranks, --min-world 2, one replacement; launch rank 2 dies in its 5th forward (2nd step)."""
+    out, result = _run(
+        tmp_path,
+        name,
+        "-n",
+        "4",
+        "--min-world",
+        "2",
+        "--max-restarts",
+        "1",
+        fault=fault,
+        victim=2,
+        at=5,
+        extra=("replace",),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "rank 2 killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
+    return out, result
+
+
+def _same_bits_as(reference: dict[str, Any], out: Path) -> dict[str, Any]:
+    summary = _summary(out)
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["optimizer_sha256"] == reference["optimizer_sha256"]
+    return summary
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("live_reference")
@@ -85,9 +113,7 @@ def test_survivors_finish_without_restart_and_match_a_fault_free_run_bit_for_bit
     assert result.returncode == 0, result.stderr
     assert f"lockstep run: rank {victim} killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
     assert "finished on 3 of 4 ranks, without a restart" in result.stderr
-    summary = _summary(out)
-    assert summary["params_sha256"] == reference["params_sha256"]
-    assert summary["optimizer_sha256"] == reference["optimizer_sha256"]
+    summary = _same_bits_as(reference, out)
     assert summary["steps"] == reference["steps"] == EPOCHS * SAMPLES // GLOBAL_BATCH
     assert summary["world_size"] == 3 and summary["restarts"] == 0
     [record] = summary["faults"]
@@ -129,9 +155,7 @@ def test_a_stopped_rank_is_evicted_after_the_hang_timeout_and_the_others_go_on(
     assert result.returncode == 0, result.stderr
     assert "lockstep run: rank 2 evicted by the survivors (stopped: its process" in result.stderr
     assert "finished on 3 of 4 ranks, without a restart" in result.stderr
-    summary = _summary(out)
-    assert summary["params_sha256"] == reference["params_sha256"]
-    assert summary["optimizer_sha256"] == reference["optimizer_sha256"]
+    summary = _same_bits_as(reference, out)
     [record] = summary["faults"]
     assert record["lost"] == [2] and "SIGSTOP" in record["how"]["2"], record
     # Detected after the hang timeout (plus a watchdog tick), then re-formed within the 2 s budget.
@@ -146,27 +170,10 @@ def test_a_stopped_rank_is_evicted_after_the_hang_timeout_and_the_others_go_on(
 def test_a_replacement_joins_heals_from_a_peer_and_the_run_matches_a_fault_free_one(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    out, result = _run(
-        tmp_path,
-        "heal",
-        "-n",
-        "4",
-        "--min-world",
-        "2",
-        "--max-restarts",
-        "1",
-        fault="forward",
-        victim=2,
-        at=5,
-        extra=("replace",),
-    )
-    assert result.returncode == 0, result.stderr
-    assert "rank 2 killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
+    out, result = _run_with_a_replacement(tmp_path, "heal", "forward")
     assert "replacement rank 4 started" in result.stderr
     assert "finished on 4 of 4 ranks (1 of them replacements: ranks [4]), without a restart" in result.stderr
-    summary = _summary(out)
-    assert summary["params_sha256"] == reference["params_sha256"]
-    assert summary["optimizer_sha256"] == reference["optimizer_sha256"]
+    summary = _same_bits_as(reference, out)
     assert summary["world_size"] == 4 and summary["restarts"] == 0
     lost, joined = summary["faults"]
     assert (lost["kind"], lost["lost"], lost["world_size"]) == ("lost", [2], 3), lost
@@ -237,28 +244,11 @@ def test_lockstep_train_min_world_needs_deterministic_mode(tmp_path: Path) -> No
 def test_the_peer_a_replacement_heals_from_dies_and_the_others_still_finish_bit_for_bit(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    out, result = _run(
-        tmp_path,
-        "heal-fault",
-        "-n",
-        "4",
-        "--min-world",
-        "2",
-        "--max-restarts",
-        "1",
-        fault="heal",
-        victim=2,
-        at=5,
-        extra=("replace",),
-    )
-    assert result.returncode == 0, result.stderr
-    assert "rank 2 killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
+    out, result = _run_with_a_replacement(tmp_path, "heal-fault", "heal")
     assert "rank 0 killed by SIGKILL" in result.stderr
     assert "rank 4 gave up: lost its peer while healing" in result.stderr
     assert "finished on 2 of 4 ranks, without a restart" in result.stderr
-    summary = _summary(out)
-    assert summary["params_sha256"] == reference["params_sha256"]
-    assert summary["optimizer_sha256"] == reference["optimizer_sha256"]
+    summary = _same_bits_as(reference, out)
     assert summary["world_size"] == 2
     assert [f["kind"] for f in summary["faults"]] == ["lost", "joined", "lost"], summary["faults"]
     assert sorted(summary["faults"][-1]["lost"]) == [0, 4]
