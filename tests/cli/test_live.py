@@ -206,21 +206,20 @@ def test_lockstep_train_min_world_survives_a_rank_killed_from_outside(tmp_path: 
     assert reference.returncode == 0, reference.stderr
     run_dir = tmp_path / "live"
     cmd = [sys.executable, "-m", "lockstep", "train", "toy", "-n", "3", "--min-world", "2"]
-    proc = subprocess.Popen(
-        [*cmd, "--run-dir", str(run_dir), *TOY],
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not list(run_dir.glob("checkpoints/step_*")) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        os.kill(int((run_dir / "rank2" / "pid").read_text()), signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=180)
-    finally:
-        proc.kill()
+    log = tmp_path / "launcher.log"  # a file, not a pipe: nobody reads a pipe while the test waits to kill
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [*cmd, "--run-dir", str(run_dir), *TOY], env=child_env(), stdout=fh, stderr=fh, text=True
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not list(run_dir.glob("checkpoints/step_*")) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(int((run_dir / "rank2" / "pid").read_text()), signal.SIGKILL)
+            proc.wait(timeout=180)
+        finally:
+            proc.kill()
+    stderr = log.read_text()
     assert proc.returncode == 0, stderr
     assert "lockstep run: rank 2 killed by SIGKILL; 2 of 3 ranks go on (--min-world 2)" in stderr
     summary = json.loads((run_dir / "summary.json").read_text())

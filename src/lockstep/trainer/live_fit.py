@@ -119,9 +119,15 @@ def _rejoin(run: _Run, group: LiveGroup, fault: Fault) -> None:
 
 def _converge(run: _Run, group: LiveGroup) -> None:
     """Every member stands at the same step; a replacement receives the state from rank 0."""
-    mine = NO_STATE if group.needs_state else run.counters.step
-    steps = [int(s) for s in all_gather_object(mine)]
+    mine = [NO_STATE, None, None] if group.needs_state else [run.counters.step, run.saved_step, run.eval_step]
+    rows = [list(r) for r in all_gather_object(mine)]
+    steps = [int(r[0]) for r in rows]
     members = {s for s in steps if s != NO_STATE}
+    # A collective can complete on some ranks and fail on others: a save (or evaluation) that one member
+    # finished and another did not is redone by all, so that their retried work issues the same collectives.
+    for index, name in ((1, "saved_step"), (2, "eval_step")):
+        if len({repr(r[index]) for r in rows if r[0] != NO_STATE}) > 1:
+            setattr(run, name, None)
     if len(members) > 1:
         raise InternalError(
             f"{rank_tag(run.topo.rank, run.topo.world_size)}after a change of members the ranks stand at "
