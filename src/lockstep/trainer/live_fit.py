@@ -119,7 +119,12 @@ def _rejoin(run: _Run, group: LiveGroup, fault: Fault) -> None:
 
 def _converge(run: _Run, group: LiveGroup) -> None:
     """Every member stands at the same step; a replacement receives the state from rank 0."""
-    mine = [NO_STATE, None, None] if group.needs_state else [run.counters.step, run.saved_step, run.eval_step]
+    pending = run.train_metrics.count
+    mine = (
+        [NO_STATE, None, None, 0]
+        if group.needs_state
+        else [run.counters.step, run.saved_step, run.eval_step, pending]
+    )
     rows = [list(r) for r in all_gather_object(mine)]
     steps = [int(r[0]) for r in rows]
     members = {s for s in steps if s != NO_STATE}
@@ -128,6 +133,10 @@ def _converge(run: _Run, group: LiveGroup) -> None:
     for index, name in ((1, "saved_step"), (2, "eval_step")):
         if len({repr(r[index]) for r in rows if r[0] != NO_STATE}) > 1:
             setattr(run, name, None)
+    if len({int(r[3]) for r in rows if r[0] != NO_STATE}) > 1:
+        # The metric reduction completed on some members (their rows are gone) and not on others: the
+        # interval's rows cannot all be had again, so every member drops them (the log skips it).
+        run.train_metrics = type(run.train_metrics)()
     if len(members) > 1:
         raise InternalError(
             f"{rank_tag(run.topo.rank, run.topo.world_size)}after a change of members the ranks stand at "
