@@ -277,10 +277,9 @@ class LiveGroup:
             traceback.clear_frames(cause.__traceback__)
         self._leave_group()
         left_at = time.monotonic()
-        if not joiners:
-            self.store.add(
-                LIVE_CHANGES_KEY, 1
-            )  # before checking in: whoever waits on this rank stops waiting
+        if not joiners:  # a growth bumps nothing: a peer finishing its last collective must not abandon it
+            # Before checking in: whoever waits on this rank stops waiting.
+            self.store.add(LIVE_CHANGES_KEY, 1)
         self.store.set(f"{_PREFIX}gen{g}/in/{old.uid}", "1")
         members = self._agree(old, g, joiners)
         self._growth = None
