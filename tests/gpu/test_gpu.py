@@ -5,6 +5,8 @@ Skipped where torch sees no CUDA device; run on a GPU machine with `pytest tests
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -56,28 +58,47 @@ def test_gloo_with_cuda_tensors_two_ranks() -> None:
     )
 
 
-def _split_replica() -> list[float]:
-    torch.manual_seed(0)
-    net1, net2 = nn.Linear(10, 10), nn.Linear(10, 5).cuda()
+class _Split(nn.Module):
+    """The model-parallel tutorial's split, with its first half on the CPU."""
 
-    class Split(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net1, self.net2 = net1, net2
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net1, self.net2 = nn.Linear(10, 10), nn.Linear(10, 5).cuda()
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.net2(torch.relu(self.net1(x)).cuda())
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(torch.relu(self.net1(x)).cuda())
 
-    model = lockstep.DistributedDataParallel(Split())
-    gen = torch.Generator().manual_seed(torch.distributed.get_rank())
-    loss = model(torch.randn(20, 10, generator=gen)).square().mean()
-    loss.backward()
-    return [float(p.grad.double().sum()) for p in model.parameters()]
+
+def _split_replica() -> dict[str, Any]:
+    refusals = []
+    for wrapper in (lockstep.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+        try:
+            wrapper(_Split())
+        except ValueError as error:  # torch's type for a module on two device types
+            refusals.append(str(error).split(",")[0])
+    model, oracle = _Split(), _Split()
+    lockstep.replicate(model)  # lockstep's own API takes a module across device types
+    rank = torch.distributed.get_rank()
+    xs = torch.randn(2, 20, 10, generator=torch.Generator().manual_seed(3))
+    model(xs[rank]).square().mean().backward()
+    # The oracle: one process, the mean of both ranks' losses.
+    (sum(oracle(x).square().mean() for x in xs) / 2).backward()
+    worst = max(
+        float((p.grad.cpu() - q.grad.cpu()).abs().max())
+        for p, q in zip(model.parameters(), oracle.parameters())
+    )
+    devices = sorted({p.grad.device.type for p in model.parameters()})
+    return {"refusals": refusals, "worst": worst, "devices": devices}
 
 
 def test_replica_split_across_cpu_and_cuda() -> None:
-    grads = run_distributed(_split_replica, 2, backend="gloo", timeout=180)
-    assert grads[0] == pytest.approx(grads[1], abs=1e-6)
+    for result in run_distributed(_split_replica, 2, backend="gloo", timeout=180):
+        # DistributedDataParallel refuses it as torch's does (same type, same message) ...
+        assert len(result["refusals"]) == 2 and result["refusals"][0] == result["refusals"][1], result
+        # ... and replicate() averages the gradients of both devices' parameters.
+        assert result["devices"] == ["cpu", "cuda"]
+        assert result["worst"] < 1e-6, result
 
 
 def _fp16_scaler_agrees() -> list[float]:

@@ -587,3 +587,57 @@ def test_powersgd_last_bucket_with_nothing_to_compress(layouts2: list[dict[str, 
         # step 0 starts from the same weights in both runs: fc1 (weight and bias) is averaged exactly
         assert_same(run["grads"][0][:2], exact["grads"][0][:2], f"rank {rank} {engine} uncompressed fc1")
         assert max_rel(run["grads"][0][2], exact["grads"][0][2]) > 0.05, "fc2.weight should be compressed"
+
+
+# ---------------------------------------------------------------- a world of one
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.used, self.sometimes = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        return self.used(h) + self.sometimes(h) if use_branch else self.used(h)
+
+
+def _unused_with_hook(engine: str) -> list[list[torch.Tensor | None]]:
+    """find_unused_parameters with a hook: a parameter unused in a step keeps grad None, as in torch."""
+    torch.manual_seed(0)
+    cls = lockstep.DistributedDataParallel if engine == "lockstep" else TorchDDP
+    model = cls(_Branchy(), find_unused_parameters=True)
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    grads = []
+    for step in range(3):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)), step != 1).sum().backward()
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _world_of_one_launch() -> dict[str, Any]:
+    names = ("none", "torch_fp16", "fp16", "bf16", "torch_allreduce")
+    out: dict[str, Any] = {
+        (engine, name): run_steps(engine, name, 2)["grads"] for engine in ENGINES for name in names
+    }
+    out.update({(engine, "unused"): _unused_with_hook(engine) for engine in ENGINES})
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_a_world_of_one_still_runs_the_hook_like_torch() -> None:
+    # torch's DDP hands every bucket to a registered hook even alone: fp16 compression rounds the
+    # gradients. Seen on an H100 (NCCL can only run a world of one there), where lockstep skipped the hook.
+    out = run_distributed(_world_of_one_launch, 1, timeout=60)[0]
+    for name in ("none", "torch_fp16", "fp16", "bf16", "torch_allreduce"):
+        for step in range(2):
+            assert_same(out["lockstep", name][step], out["torch", name][step], f"{name} step {step}")
+    assert not torch.equal(out["lockstep", "fp16"][0][0], out["lockstep", "none"][0][0])
+    assert_same(out["lockstep", "torch_allreduce"][0], out["lockstep", "none"][0], "allreduce alone")
+    for step, (ours, theirs) in enumerate(
+        zip(out["lockstep", "unused"], out["torch", "unused"], strict=True)
+    ):
+        assert [g is None for g in ours] == [g is None for g in theirs], f"unused, step {step}"
+        assert_same([g for g in ours if g is not None], [g for g in theirs if g is not None], f"step {step}")
+    assert out["lockstep", "unused"][1][-1] is None  # the branch unused in step 1

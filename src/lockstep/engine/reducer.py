@@ -84,6 +84,9 @@ class Reducer:
         self._n = len(self.params)
         self._tag = rank_tag(rank, world_size)
         self.hook: CommHook = sum_hook
+        # Whether buckets go through the hook. A world of one skips the built-in sum (nothing to add) but,
+        # like torch's DDP, still hands buckets to a user's hook: fp16 compression changes the bits.
+        self._communicates = world_size > 1
         self._hook_op = "allreduce (gradient bucket)"  # how the hang watchdog names a bucket's collective
         self.hook_state: Any = group
         self._prescale = True
@@ -189,6 +192,7 @@ class Reducer:
                 "register a single hook that does all the communication, before the first backward"
             )
         self.hook, self.hook_state, self._prescale = hook, state, False
+        self._communicates = True
         self._hook_op = f"comm hook {getattr(hook, '__qualname__', type(hook).__name__)} (gradient bucket)"
 
     def enable_static_graph(self) -> None:
@@ -292,7 +296,7 @@ class Reducer:
         if self._order is not None:
             self._order.append(i)
         b, pos = self._where[i]
-        if b.eager and self.world > 1:
+        if b.eager and self._communicates:
             self._copy_in_one(b, pos)
         b.pending -= 1
         if b.pending == 0 and not step.defer:
@@ -326,7 +330,7 @@ class Reducer:
     def _ready_again(self, i: int) -> None:
         b, pos = self._where[i]
         if b.future is None:
-            if b.eager and self.world > 1:
+            if b.eager and self._communicates:
                 self._copy_in_one(b, pos)  # the grad grew since: copy the total again
             return
         raise GradientError(
@@ -340,7 +344,7 @@ class Reducer:
     # ---------------------------------------------------------------- launch
 
     def _launch(self, step: StepState, b: Bucket) -> None:
-        if self.world == 1:
+        if not self._communicates:
             return
         if b.sparse:
             self._sparse_buffer(b)
@@ -455,7 +459,8 @@ class Reducer:
         """An error message (the same on every rank), '' when all is well, None: read the status element."""
         tolerant = self.policy.find_unused_parameters or self.static_graph
         if self.world == 1:
-            self._globally_unused = set(missing) if tolerant else set()
+            # Used since the last synced step, as the bitmap all-reduce gives at any other world size.
+            self._globally_unused = {i for i in range(self._n) if not self._used[i]} if tolerant else set()
             if tolerant or not missing:
                 return ""
             return unused.missing_message(self._tag, {0: [self.names[i] for i in missing]})

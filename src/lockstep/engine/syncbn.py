@@ -200,6 +200,14 @@ def _local_grad_sums(
     if xc.numel() == 0:  # the native kernel divides by the element count (SIGFPE on CPU)
         zeros = torch.zeros(xc.shape[1], dtype=xc.dtype, device=xc.device)
         return zeros, zeros.clone()
+    if xc.device.type == "cuda":
+        # CUDA's native_batch_norm_backward asserts on save_mean in eval form (seen on an H100, torch
+        # 2.11); torch's SyncBatchNorm uses this reduction kernel instead: sum(dy), sum(dy * (x - mean)).
+        invstd = torch.rsqrt(var + eps)
+        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
+            g, xc, mean, invstd, None, True, False, False
+        )
+        return sum_dy, sum_dy_xmu * invstd
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
         g, xc, None, mean, var, None, None, False, eps, [False, True, True]
     )
