@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # what static tools see; the same table as _EXPORTS (a test c
         phase,
         shutdown,
     )
-    from lockstep.trainer import FitConfig, FitResult, fit
+    from lockstep.trainer import FitConfig, FitResult, LiveLoop, fit
 
 # Public name -> the public subpackage that defines it (imported at first use, then cached in globals()).
 _EXPORTS: dict[str, str] = {
@@ -53,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "FitConfig": "lockstep.trainer",
     "FitResult": "lockstep.trainer",
     "fit": "lockstep.trainer",
+    "LiveLoop": "lockstep.trainer",
 }
 _SUBMODULES = ("checkpoint", "data", "engine", "errors", "hooks", "nn", "runtime", "testing", "trainer")
 
@@ -61,6 +62,7 @@ __all__ = [
     "DistributedDataParallel",
     "FitConfig",
     "FitResult",
+    "LiveLoop",
     "ReplicaHandle",
     "SyncPolicy",
     "Topology",

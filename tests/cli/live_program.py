@@ -2,7 +2,9 @@
 
 argv: OUT_DIR FAULT VICTIM AT. FAULT says where launch rank VICTIM dies (SIGKILL) on its AT-th call:
 "forward" (in a forward), "backward" (in a gradient hook: its peers are inside the step's all-reduces),
-"optimizer" (in optimizer.step, after the gradients were averaged), "checkpoint" (in the state_dict()
+"optimizer" (in optimizer.step, after the gradients were averaged), "commit" (after its all-reduces of
+the step completed, before it counted itself done: the others must all redo the step, none may count
+it), "checkpoint" (in the state_dict()
 call of a checkpoint save: rank 0 writes while the others wait), "stop" (SIGSTOP in a forward: it
 stops answering without dying), "heal" (VICTIM dies in a forward as for "forward"; then, once the world
 is back to 4, launch rank 0 dies in the state_dict() call that gathers the state for the replacement: the
@@ -30,7 +32,7 @@ OUT, FAULT, VICTIM, AT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.arg
 REPLACE = sys.argv[5:] == ["replace"]
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_LIVE_UID", os.environ["RANK"]))
-calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0}
+calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0}
 
 
 def maybe_die(where: str) -> None:
@@ -88,7 +90,21 @@ class DyingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+def _die_before_commit() -> None:
+    from lockstep.runtime.live import LiveGroup
+
+    commit = LiveGroup.commit
+
+    def dying_commit(self: LiveGroup, step: int) -> None:
+        maybe_die("commit")
+        commit(self, step)
+
+    LiveGroup.commit = dying_commit  # type: ignore[method-assign]
+
+
 def main() -> None:
+    if FAULT == "commit":
+        _die_before_commit()
     with open(os.path.join(OUT, f"pid-{UID}"), "w") as fh:
         fh.write(str(os.getpid()))
     torch.manual_seed(0)

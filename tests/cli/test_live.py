@@ -102,6 +102,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ("forward", 2, 5),  # in the forward of its 2nd step (it owns 2 of 6 micro-batches a step)
         ("backward", 2, 9),  # in backward: its peers are inside the step's all-reduces
         ("optimizer", 1, 3),  # after the gradients were averaged, in optimizer.step
+        ("commit", 1, 2),  # its all-reduces of step 1 done, not yet counted: the others redo step 1
         ("forward", 0, 7),  # rank 0 itself (it writes the summary): another rank takes its place
         ("checkpoint", 0, 1),  # rank 0 while it saves the first epoch's checkpoint: the next rank 0 saves it
     ],
@@ -254,3 +255,49 @@ def test_the_peer_a_replacement_heals_from_dies_and_the_others_still_finish_bit_
     for uid in (1, 3):
         assert (out / f"pid-{uid}").read_text() == (out / f"done-{uid}").read_text()
     _every_sample_once_but_the_abandoned_step(out)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "live_own_loop.py"
+
+
+def test_a_loop_of_your_own_survives_a_kill_and_admits_a_replacement(tmp_path: Path) -> None:
+    """examples/live_own_loop.py (lockstep.LiveLoop) under `lockstep run -n 4 --min-world 2 --max-restarts 1`:
+    rank 2 is SIGKILLed from outside at step 20; the others redo that step, a replacement heals from
+    rank 0 (model, optimizer, sampler, step and the LR scheduler) and the world is back to 4. The end
+    is bitwise a fault-free 2-rank run of the same program, and the survivors kept their processes."""
+    args = [str(EXAMPLE), "--epochs", "4"]
+    ref = run_cli("run", "-n", "2", "--run-dir", "ref", *args, "--summary", "ref.json", cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr
+    expected = json.loads((tmp_path / "ref.json").read_text())
+    logs, out = tmp_path / "live", tmp_path / "live.log"
+    cmd = [sys.executable, "-m", "lockstep", "run", "-n", "4", "--min-world", "2", "--max-restarts", "1"]
+    with open(out, "w") as fh:
+        proc = subprocess.Popen(
+            [*cmd, "--run-dir", str(logs), *args, "--summary", str(tmp_path / "live.json")],
+            env=child_env(),
+            stdout=fh,
+            stderr=fh,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while "\nstep 20 " not in out.read_text() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            pids = {r: (logs / f"rank{r}" / "pid").read_text() for r in range(4)}
+            os.kill(int(pids[2]), signal.SIGKILL)
+            proc.wait(timeout=180)
+        finally:
+            proc.kill()
+    log = out.read_text()
+    assert proc.returncode == 0, log
+    assert "rank 2 killed by SIGKILL; 3 of 4 ranks go on (--min-world 2)" in log
+    assert "finished on 4 of 4 ranks (1 of them replacements: ranks [4]), without a restart" in log
+    summary = json.loads((tmp_path / "live.json").read_text())
+    assert summary["params_sha256"] == expected["params_sha256"]
+    assert summary["optimizer_sha256"] == expected["optimizer_sha256"]
+    assert summary["steps"] == expected["steps"] == 4 * 4096 // 64 and summary["world_size"] == 4
+    assert [f["kind"] for f in summary["faults"]] == ["lost", "joined"], summary["faults"]
+    lost, joined = summary["faults"]
+    assert lost["lost"] == [2] and lost["step"] >= 20 and 0 < lost["recover_s"] < 2.0
+    assert joined["joined"] == [4] and joined["world_size"] == 4
+    assert {r: (logs / f"rank{r}" / "pid").read_text() for r in (0, 1, 3)} == {r: pids[r] for r in (0, 1, 3)}

@@ -157,11 +157,14 @@ class LiveGroup:
 
     def evict(self, rank: int, why: str) -> None:
         """From the watchdog thread: `rank` of the current group stopped answering; name it dead (once)."""
+        self._mark_dead(self._evict_store, rank, why)
+
+    def _mark_dead(self, store: Any, rank: int, why: str) -> None:
         key = f"{LIVE_DEAD_KEY}{self.membership.members[rank]}"
-        if self._evict_store.check([key]):
+        if store.check([key]):
             return
-        self._evict_store.add(LIVE_CHANGES_KEY, 1)  # counted before marked, as the launcher does
-        self._evict_store.compare_set(key, "", f"evicted by the survivors ({why})")
+        store.add(LIVE_CHANGES_KEY, 1)  # counted before marked, as the launcher does
+        store.compare_set(key, "", f"evicted by the survivors ({why})")
 
     @property
     def abandoned(self) -> int:
@@ -186,6 +189,41 @@ class LiveGroup:
             if self.store.check([key]):
                 out[uid] = bytes(self.store.get(key)).decode()
         return out
+
+    # ---- committing a step ----------------------------------------------------------------------------------
+
+    def commit(self, step: int) -> None:
+        """After this rank's collectives of `step` completed: return once every member's did (the step
+        counts everywhere), or raise MembershipChanged on every member when one's did not (all redo it).
+
+        A collective can complete on some ranks and fail on others (the dead rank sent its last bytes to
+        some peers only), so completion alone would let the members disagree on whether the step
+        happened. Each member counts itself done on the store; a step counts when all are. A member
+        writes its key before it can die, so when a death is seen the keys are final and every member
+        decides the same. One store write and a read or two per step.
+        """
+        m = self.membership
+        prefix = f"{_PREFIX}gen{m.generation}/done/{step}/"
+        self.store.add(f"{prefix}{m.uid}", 1)  # answered by the store: written before this rank can die
+        keys = [f"{prefix}{u}" for u in m.members]
+        timeout = watchdog_timeout()
+        deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
+        while not self.store.check(keys):
+            if int(self.store.add(LIVE_CHANGES_KEY, 0)) != self._changes_seen:
+                if self.store.check(keys):
+                    return
+                raise MembershipChanged(
+                    f"{rank_tag(m.rank, m.world_size)}a member left before step {step} completed on every "
+                    f"rank (generation {m.generation}): the step is redone"
+                )
+            if time.monotonic() > deadline:  # stopped between its collectives and its key: evict it
+                for rank, uid in enumerate(m.members):
+                    if not self.store.check([f"{prefix}{uid}"]):
+                        self._mark_dead(
+                            self.store, rank, f"did not complete step {step} within the hang timeout"
+                        )
+                deadline = float("inf")
+            time.sleep(0.0005)
 
     # ---- replacements -----------------------------------------------------------------------------------
 

@@ -13,8 +13,10 @@ loop's side, given the fit run (`trainer/loop.py`'s _Run) it acts on:
   Deterministic mode draws every random number from (seed, step, micro-batch), so there is no RNG
   stream to carry; the members receive the same broadcast and drop it.
 
-After every change the members compare their step counters: one that saw the last step complete while
-another did not would make the replicas differ, so that is an InternalError on every rank.
+A step counts on every member or on none: before the optimizer step each member waits until all have
+counted themselves done on the store (LiveGroup.commit), because the step's last all-reduce can
+complete on some ranks and fail on others. After every change the members still compare their step
+counters, as a guard: a difference would make the replicas differ, so it is an InternalError on every rank.
 """
 
 from __future__ import annotations
@@ -140,9 +142,8 @@ def _converge(run: _Run, group: LiveGroup) -> None:
     if len(members) > 1:
         raise InternalError(
             f"{rank_tag(run.topo.rank, run.topo.world_size)}after a change of members the ranks stand at "
-            f"different steps ({min(members)} to {max(members)}): one saw the last step complete, another "
-            "did not. Copying the state from the furthest rank is not built yet; resume from the last "
-            "checkpoint"
+            f"different steps ({min(members)} to {max(members)}), although a step counts on every member "
+            "or on none (LiveGroup.commit); resume from the last checkpoint"
         )
     if NO_STATE not in steps:
         return

@@ -350,6 +350,8 @@ class _Run:
             step=self.counters.step,
             seed=self.config.seed,
         )
+        if self.live is not None:
+            self.live.commit(self.counters.step)  # the step counts on every member or on none
         metrics = cast(OrderedMetrics, self.train_metrics)
         names = self._metric_names("train")
         for ordinal, (sums, count) in results.items():
