@@ -4,7 +4,9 @@ argv: OUT_DIR FAULT VICTIM AT. FAULT says where launch rank VICTIM dies (SIGKILL
 "forward" (in a forward), "backward" (in a gradient hook: its peers are inside the step's all-reduces),
 "optimizer" (in optimizer.step, after the gradients were averaged), "commit" (after its all-reduces of
 the step completed, before it counted itself done: the others must all redo the step, none may count
-it), "checkpoint" (in the state_dict()
+it), three faults at start-up: "startup" (before lockstep.init: the others form the first group without
+it), "forming" (as the first group forms: the others give up on it after the formation timeout and form
+the next without it), "replicate" (in the model's start-up collectives inside fit), "checkpoint" (in the state_dict()
 call of a checkpoint save: rank 0 writes while the others wait), "stop" (SIGSTOP in a forward: it
 stops answering without dying), "heal" (VICTIM dies in a forward as for "forward"; then, once the world
 is back to 4, launch rank 0 dies in the state_dict() call that gathers the state for the replacement: the
@@ -32,7 +34,7 @@ OUT, FAULT, VICTIM, AT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.arg
 REPLACE = sys.argv[5:] == ["replace"]
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_LIVE_UID", os.environ["RANK"]))
-calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0}
+calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0, "replicate": 0}
 
 
 def maybe_die(where: str) -> None:
@@ -72,6 +74,10 @@ class Net(nn.Module):
         maybe_die("checkpoint")
         return super().state_dict(*args, **kwargs)
 
+    def named_parameters(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        maybe_die("replicate")  # the first call is replicate's, before its collectives
+        return super().named_parameters(*args, **kwargs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         maybe_die("forward")
         if REPLACE and torch.distributed.get_world_size() < 4:  # a rank was lost: give its replacement time
@@ -102,9 +108,22 @@ def _die_before_commit() -> None:
     LiveGroup.commit = dying_commit  # type: ignore[method-assign]
 
 
+def _die_while_forming() -> None:
+    from lockstep.runtime.live import LiveGroup
+
+    def dying_form(self: LiveGroup, m: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)  # checked in, then gone before its group formed
+
+    LiveGroup._form = dying_form  # type: ignore[method-assign]
+
+
 def main() -> None:
     if FAULT == "commit":
         _die_before_commit()
+    if UID == VICTIM and FAULT == "startup":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if UID == VICTIM and FAULT == "forming":
+        _die_while_forming()
     with open(os.path.join(OUT, f"pid-{UID}"), "w") as fh:
         fh.write(str(os.getpid()))
     torch.manual_seed(0)

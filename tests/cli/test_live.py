@@ -77,7 +77,7 @@ def _run_with_a_replacement(tmp_path: Path, name: str, fault: str) -> Any:
         extra=("replace",),
     )
     assert result.returncode == 0, result.stderr
-    assert "rank 2 killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
+    assert "rank 2 killed by SIGKILL; 3 of 4 ranks go on" in result.stderr, result.stderr
     return out, result
 
 
@@ -112,8 +112,10 @@ def test_survivors_finish_without_restart_and_match_a_fault_free_run_bit_for_bit
 ) -> None:
     out, result = _run(tmp_path, "live", "-n", "4", "--min-world", "2", fault=fault, victim=victim, at=at)
     assert result.returncode == 0, result.stderr
-    assert f"lockstep run: rank {victim} killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
-    assert "finished on 3 of 4 ranks, without a restart" in result.stderr
+    assert f"lockstep run: rank {victim} killed by SIGKILL; 3 of 4 ranks go on" in result.stderr, (
+        result.stderr
+    )
+    assert "finished on 3 of 4 ranks, without a restart" in result.stderr, result.stderr
     summary = _same_bits_as(reference, out)
     assert summary["steps"] == reference["steps"] == EPOCHS * SAMPLES // GLOBAL_BATCH
     assert summary["world_size"] == 3 and summary["restarts"] == 0
@@ -125,6 +127,36 @@ def test_survivors_finish_without_restart_and_match_a_fault_free_run_bit_for_bit
         assert record["step"] == steps_per_epoch
         assert (out / "run" / "checkpoints" / f"step_{steps_per_epoch:06d}").is_dir()
     _survivors_kept_their_processes(out, victim)
+    _every_sample_once_but_the_abandoned_step(out)
+
+
+@pytest.mark.parametrize(
+    ("fault", "victim"),
+    [
+        ("startup", 3),  # dead before it checked in to the first group
+        ("forming", 1),  # checked in, dead before the first group formed: the others wait 3 s for it
+        ("replicate", 2),  # dead in fit's start-up collectives (the replica's model check and broadcast)
+    ],
+)
+def test_a_rank_lost_at_start_up_is_survived(
+    tmp_path: Path, reference: dict[str, Any], fault: str, victim: int
+) -> None:
+    launch = ("-n", "4", "--min-world", "2", "--hang-timeout", "3")
+    out, result = _run(tmp_path, "live", *launch, fault=fault, victim=victim, at=1)
+    assert result.returncode == 0, result.stderr
+    assert f"lockstep run: rank {victim} killed by SIGKILL; 3 of 4 ranks go on" in result.stderr, (
+        result.stderr
+    )
+    assert "finished on 3 of 4 ranks, without a restart" in result.stderr, result.stderr
+    summary = _same_bits_as(reference, out)
+    assert summary["world_size"] == 3 and summary["restarts"] == 0
+    [record] = summary["faults"]
+    assert record["step"] == 0 and record["lost"] == [victim], record
+    assert record["how"] == {str(victim): "killed by SIGKILL"}, record
+    if fault == "startup":
+        assert not (out / f"pid-{victim}").exists()
+    else:
+        _survivors_kept_their_processes(out, victim)
     _every_sample_once_but_the_abandoned_step(out)
 
 
@@ -154,7 +186,9 @@ def test_a_stopped_rank_is_evicted_after_the_hang_timeout_and_the_others_go_on(
         tmp_path, "stop", "-n", "4", "--min-world", "2", "--hang-timeout", "3", fault="stop", victim=2, at=5
     )
     assert result.returncode == 0, result.stderr
-    assert "lockstep run: rank 2 evicted by the survivors (stopped: its process" in result.stderr
+    assert "lockstep run: rank 2 evicted by the survivors (stopped: its process" in result.stderr, (
+        result.stderr
+    )
     assert "finished on 3 of 4 ranks, without a restart" in result.stderr
     summary = _same_bits_as(reference, out)
     [record] = summary["faults"]
@@ -172,7 +206,7 @@ def test_a_replacement_joins_heals_from_a_peer_and_the_run_matches_a_fault_free_
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
     out, result = _run_with_a_replacement(tmp_path, "heal", "forward")
-    assert "replacement rank 4 started" in result.stderr
+    assert "replacement rank 4 started" in result.stderr, result.stderr
     assert "finished on 4 of 4 ranks (1 of them replacements: ranks [4]), without a restart" in result.stderr
     summary = _same_bits_as(reference, out)
     assert summary["world_size"] == 4 and summary["restarts"] == 0
@@ -189,7 +223,9 @@ def test_a_replacement_joins_heals_from_a_peer_and_the_run_matches_a_fault_free_
 def test_below_min_world_the_job_fails_cleanly(tmp_path: Path) -> None:
     out, result = _run(tmp_path, "small", "-n", "2", "--min-world", "2", fault="forward", victim=1, at=3)
     assert result.returncode != 0
-    assert "lockstep run: rank 1 killed by SIGKILL; 1 of 2 ranks left (--min-world 2)" in result.stderr
+    assert "lockstep run: rank 1 killed by SIGKILL; 1 of 2 ranks left (--min-world 2)" in result.stderr, (
+        result.stderr
+    )
     assert "lockstep run: FAILED: 1 of 2 ranks left, fewer than --min-world 2" in result.stderr, result.stderr
     assert "rank 1/2 (local rank 1" in result.stderr and "was killed by SIGKILL" in result.stderr
     assert not (out / "done-0").exists()
@@ -234,7 +270,9 @@ def test_lockstep_train_min_world_survives_a_rank_killed_from_outside(tmp_path: 
 def test_lockstep_train_min_world_needs_deterministic_mode(tmp_path: Path) -> None:
     result = lockstep_cli("train", "toy", "-n", "2", "--min-world", "2", "--run-dir", str(tmp_path / "r"))
     assert result.returncode == 2
-    assert "--min-world 2 (live mode) needs --deterministic and --global-batch-size" in result.stderr
+    assert "--min-world 2 (live mode) needs --deterministic and --global-batch-size" in result.stderr, (
+        result.stderr
+    )
     too_many = lockstep_cli(
         "train", "toy", "-n", "2", "--min-world", "3", *TOY, "--run-dir", str(tmp_path / "r")
     )
@@ -245,9 +283,9 @@ def test_the_peer_a_replacement_heals_from_dies_and_the_others_still_finish_bit_
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
     out, result = _run_with_a_replacement(tmp_path, "heal-fault", "heal")
-    assert "rank 0 killed by SIGKILL" in result.stderr
+    assert "rank 0 killed by SIGKILL" in result.stderr, result.stderr
     assert "rank 4 gave up: lost its peer while healing" in result.stderr
-    assert "finished on 2 of 4 ranks, without a restart" in result.stderr
+    assert "finished on 2 of 4 ranks, without a restart" in result.stderr, result.stderr
     summary = _same_bits_as(reference, out)
     assert summary["world_size"] == 2
     assert [f["kind"] for f in summary["faults"]] == ["lost", "joined", "lost"], summary["faults"]

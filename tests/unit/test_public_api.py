@@ -189,6 +189,7 @@ PUBLIC_NAMES = [
     "DistributedDataParallel",
     "FitConfig",
     "FitResult",
+    "LiveLoop",
     "ReplicaHandle",
     "SyncPolicy",
     "Topology",

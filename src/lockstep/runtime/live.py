@@ -34,8 +34,10 @@ boundary every member re-forms with the joiners appended (no counter bump: nothi
 joiners read their admission and form the same generation, and the state comes from rank 0 over the new
 group (runtime/state_transfer.py).
 
-Known gap: a member that dies between the agreement and the new group's formation leaves the others in
-init_process_group until its timeout (a window of milliseconds).
+Generation 0 is agreed the same way (a rank dead before it checked in is left out of it). A member that
+dies between the agreement and the new group's formation leaves the others in init_process_group: it is
+bounded by form_timeout() (30 s, or the hang timeout when shorter), after which they form the next
+generation without it. A step counts on every member or on none (`commit`).
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
@@ -66,6 +69,7 @@ from lockstep.runtime.env_contract import (
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.topology import Topology
 
+T = TypeVar("T")
 EVICTED_EXIT_CODE = 75  # a worker the survivors left out (it was too late to check in): EX_TEMPFAIL
 _PREFIX = "lockstep/live/"
 
@@ -140,12 +144,27 @@ class LiveGroup:
         self.faults: list[Fault] = []
 
     def form_first(self) -> None:
+        watchdog.set_live_hooks(self.check, self.evict)
         if self.joining:
             self._join()
-        else:
-            self._changes_seen = int(self.store.add(LIVE_CHANGES_KEY, 0))
-            self._form(self.membership)
-        watchdog.set_live_hooks(self.check, self.evict)
+            return
+        # Generation 0 is agreed like any other: a rank that died before it checked in is left out, and
+        # one that dies while the group forms makes the others form generation 1 without it.
+        self._changes_seen = int(self.store.add(LIVE_CHANGES_KEY, 0))
+        launched = self.membership
+        self.membership = Membership(-1, launched.members, launched.uid)
+        started = time.monotonic()
+        cause: BaseException | str = "lost at start-up, before it checked in"
+        while True:  # launches can be slow: wait for check-ins as long as the group's own timeout
+            fault = self._next_generation(launched, cause, (), checkin_s=self.timeout.total_seconds())
+            try:
+                self._form(self.membership)
+                break
+            except MembershipChanged as exc:
+                cause = exc
+        if fault.lost:
+            fault.recover_s = time.monotonic() - started
+            self.faults.append(fault)
 
     def check(self) -> None:
         """Raise MembershipChanged when a member died or a survivor is re-forming (polled while waiting)."""
@@ -157,14 +176,11 @@ class LiveGroup:
 
     def evict(self, rank: int, why: str) -> None:
         """From the watchdog thread: `rank` of the current group stopped answering; name it dead (once)."""
-        self._mark_dead(self._evict_store, rank, why)
-
-    def _mark_dead(self, store: Any, rank: int, why: str) -> None:
         key = f"{LIVE_DEAD_KEY}{self.membership.members[rank]}"
-        if store.check([key]):
+        if self._evict_store.check([key]):
             return
-        store.add(LIVE_CHANGES_KEY, 1)  # counted before marked, as the launcher does
-        store.compare_set(key, "", f"evicted by the survivors ({why})")
+        self._evict_store.add(LIVE_CHANGES_KEY, 1)  # counted before marked, as the launcher does
+        self._evict_store.compare_set(key, "", f"evicted by the survivors ({why})")
 
     @property
     def abandoned(self) -> int:
@@ -172,10 +188,21 @@ class LiveGroup:
         return len(self._graveyard)
 
     def _form(self, m: Membership) -> None:
+        """init_process_group for generation m, bounded: a member that dies while the group forms leaves
+        the others waiting for its address, so they give up after form_timeout() and re-form without it."""
         prefix = dist.PrefixStore(f"{_PREFIX}gen{m.generation}", self.store)
-        dist.init_process_group(
-            self.backend, store=prefix, rank=m.rank, world_size=m.world_size, timeout=self.timeout
-        )
+        bounded = min(self.timeout, form_timeout())
+        try:
+            dist.init_process_group(
+                self.backend, store=prefix, rank=m.rank, world_size=m.world_size, timeout=bounded
+            )
+        except (RuntimeError, dist.DistError) as exc:
+            raise MembershipChanged(
+                f"{rank_tag(m.rank, m.world_size)}forming generation {m.generation} of the group failed "
+                f"({_first_line(exc)}): a member died while it formed"
+            ) from exc
+        if bounded < self.timeout:
+            dist.distributed_c10d._set_pg_timeout(self.timeout)  # collectives keep the job's own timeout
 
     def topology(self) -> Topology:
         m = self.membership
@@ -206,24 +233,18 @@ class LiveGroup:
         prefix = f"{_PREFIX}gen{m.generation}/done/{step}/"
         self.store.add(f"{prefix}{m.uid}", 1)  # answered by the store: written before this rank can die
         keys = [f"{prefix}{u}" for u in m.members]
-        timeout = watchdog_timeout()
-        deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
-        while not self.store.check(keys):
-            if int(self.store.add(LIVE_CHANGES_KEY, 0)) != self._changes_seen:
-                if self.store.check(keys):
-                    return
-                raise MembershipChanged(
-                    f"{rank_tag(m.rank, m.world_size)}a member left before step {step} completed on every "
-                    f"rank (generation {m.generation}): the step is redone"
-                )
-            if time.monotonic() > deadline:  # stopped between its collectives and its key: evict it
-                for rank, uid in enumerate(m.members):
-                    if not self.store.check([f"{prefix}{uid}"]):
-                        self._mark_dead(
-                            self.store, rank, f"did not complete step {step} within the hang timeout"
-                        )
-                deadline = float("inf")
-            time.sleep(0.0005)
+        # Waited on like a collective: a member stopped between its collectives and its key is judged by
+        # the hang watchdog (its heartbeat), and evicted after the hang timeout like in any collective.
+        with watchdog.tracked(f"commit (step {step})", ()):
+            while not self.store.check(keys):
+                if int(self.store.add(LIVE_CHANGES_KEY, 0)) != self._changes_seen:
+                    if self.store.check(keys):
+                        return
+                    raise MembershipChanged(
+                        f"{rank_tag(m.rank, m.world_size)}a member left before step {step} completed on "
+                        f"every rank (generation {m.generation}): the step is redone"
+                    )
+                time.sleep(0.0005)
 
     # ---- replacements -----------------------------------------------------------------------------------
 
@@ -245,7 +266,10 @@ class LiveGroup:
         self._uids.update(members)
         self.membership = Membership(g, members, uid)
         self._changes_seen = int(self.store.add(LIVE_CHANGES_KEY, 0))  # the members' check-ins are counted
-        self._form(self.membership)
+        try:
+            self._form(self.membership)
+        except MembershipChanged as exc:  # a member died as the group formed: the members go on without
+            self.give_up(exc)  # this process, which has no state yet; the launcher may start another
 
     def joiners_due(self, step: int) -> list[int]:
         """Called by every member after each completed `step`: the replacements to admit now, else [].
@@ -304,10 +328,10 @@ class LiveGroup:
 
     def reform(self, cause: BaseException | str, joiners: list[int] | tuple[int, ...] = ()) -> Fault:
         """Leave the group, agree on the members, form the next generation (see the module doc).
-        `joiners`: a planned growth at a step boundary (nothing failed); else a member was lost."""
+        `joiners`: a planned growth at a step boundary (nothing failed); else a member was lost.
+        A member lost while the new group forms makes it try once more without that member."""
         started = time.monotonic()
-        old = self.membership
-        g = old.generation + 1
+        first = self.membership
         waited = time.time() - PROGRESS.wait_since if PROGRESS.waiting is not None else 0.0
         watchdog.stop()
         if isinstance(cause, BaseException):
@@ -315,29 +339,49 @@ class LiveGroup:
             traceback.clear_frames(cause.__traceback__)
         self._leave_group()
         left_at = time.monotonic()
-        if not joiners:  # a growth bumps nothing: a peer finishing its last collective must not abandon it
-            # Before checking in: whoever waits on this rank stops waiting.
+        while True:
+            fault = self._next_generation(first, cause, joiners)
+            agreed_at = time.monotonic()
+            try:
+                self._form(self.membership)
+                break
+            except MembershipChanged as exc:  # a member died while the group formed: again without it
+                cause, joiners = exc, ()
+        self._formed()
+        formed_at = time.monotonic()
+        fault.recover_s = formed_at - started
+        fault.detail = {
+            "waited_s": round(waited, 4),
+            "leave_s": round(left_at - started, 4),
+            "agree_s": round(agreed_at - left_at, 4),
+            "new_group_s": round(formed_at - agreed_at, 4),
+        }
+        self.faults.append(fault)
+        return fault
+
+    def _next_generation(
+        self,
+        first: Membership,
+        cause: BaseException | str,
+        joiners: list[int] | tuple[int, ...],
+        checkin_s: float | None = None,
+    ) -> Fault:
+        """Check in to the generation after the current one and agree on its members; the Fault counts
+        who left and joined since `first` (the members before the change). `checkin_s`: at start-up,
+        how long to wait for the others (else checkin_timeout); nobody waits in a collective yet then."""
+        old = self.membership
+        g = old.generation + 1
+        if not joiners and checkin_s is None:
+            # A growth bumps nothing: a peer finishing its last collective must not abandon it. Else,
+            # before checking in: whoever waits on this rank stops waiting.
             self.store.add(LIVE_CHANGES_KEY, 1)
-        self.store.set(f"{_PREFIX}gen{g}/in/{old.uid}", "1")
-        members = self._agree(old, g, joiners)
-        self._growth = None
-        # Every change behind this generation is counted by now (the launcher counts a death before it
-        # marks the rank dead, a survivor before it checks in): a later change is a new fault.
-        self._changes_seen = int(self.store.add(LIVE_CHANGES_KEY, 0))
-        agreed_at = time.monotonic()
-        if old.uid not in members:
-            sys.stderr.write(
-                f"lockstep: rank {old.uid} (launch rank) was left out of the group by the survivors "
-                f"(generation {g}: {list(members)}); it exits\n"
-            )
-            sys.stderr.flush()
-            os._exit(EVICTED_EXIT_CODE)
-        how = self.dead()
-        lost = [u for u in old.members if u not in members]
-        joined = [u for u in members if u not in old.members]
+        members = self._check_in(old, g, joiners, checkin_s or self.checkin_timeout)
+        lost = [u for u in first.members if u not in members]
+        joined = [u for u in members if u not in first.members]
         for uid in joined:
             self.store.set(f"{LIVE_ADMIT_KEY}{uid}", str(g))  # every member writes it: the same value
         self.membership = Membership(g, members, old.uid)
+        how = self.dead()
         fault = Fault(
             generation=g,
             lost=lost,
@@ -353,23 +397,35 @@ class LiveGroup:
                 f"({_describe(fault.how)}); {len(members)} remain, fewer than --min-world {self.min_world}: "
                 "the job ends. Its last checkpoint is intact; resume from it, or lower --min-world"
             )
-        self._form(self.membership)
+        return fault
+
+    def _check_in(
+        self, old: Membership, g: int, joiners: list[int] | tuple[int, ...], wait_s: float
+    ) -> tuple[int, ...]:
+        """Check in to generation g, agree on its members; leave the job if left out of them."""
+        self.store.set(f"{_PREFIX}gen{g}/in/{old.uid}", "1")
+        members = self._agree(old, g, joiners, wait_s)
+        self._growth = None
+        # Every change behind this generation is counted by now (the launcher counts a death before it
+        # marks the rank dead, a survivor before it checks in): a later change is a new fault.
+        self._changes_seen = int(self.store.add(LIVE_CHANGES_KEY, 0))
+        if old.uid not in members:
+            sys.stderr.write(
+                f"lockstep: rank {old.uid} (launch rank) was left out of the group by the survivors "
+                f"(generation {g}: {list(members)}); it exits\n"
+            )
+            sys.stderr.flush()
+            os._exit(EVICTED_EXIT_CODE)
+        return members
+
+    def _formed(self) -> None:
+        """The new generation's group exists: the process-wide view of it, the watchdog over it."""
         from lockstep.runtime.process_group import rebind_view  # it imports this module
 
         rebind_view(self.membership.rank, self.membership.world_size)
         PROGRESS.failed = None
         PROGRESS.waiting = None
         watchdog.start(watchdog_timeout(), _report_dir(), live=True)
-        formed_at = time.monotonic()
-        fault.recover_s = formed_at - started
-        fault.detail = {
-            "waited_s": round(waited, 4),
-            "leave_s": round(left_at - started, 4),
-            "agree_s": round(agreed_at - left_at, 4),
-            "new_group_s": round(formed_at - agreed_at, 4),
-        }
-        self.faults.append(fault)
-        return fault
 
     def _leave_group(self) -> None:
         """Leave the broken group without waiting for it: work abandoned in it may never finish (gloo has
@@ -378,8 +434,10 @@ class LiveGroup:
             self._graveyard.append(dist.group.WORLD)
             dist.destroy_process_group()
 
-    def _agree(self, old: Membership, g: int, joiners: list[int] | tuple[int, ...]) -> tuple[int, ...]:
-        deadline = time.monotonic() + self.checkin_timeout
+    def _agree(
+        self, old: Membership, g: int, joiners: list[int] | tuple[int, ...], wait_s: float
+    ) -> tuple[int, ...]:
+        deadline = time.monotonic() + wait_s
         checked: set[int] = {old.uid}
         while True:
             dead = self.dead()
@@ -404,6 +462,22 @@ def current() -> LiveGroup | None:
     return _live
 
 
+def retry_start(work: Callable[[], T]) -> T:
+    """work() with collectives at start-up (replicating a model, loading a checkpoint), done again over
+    the survivors when a member is lost in it. Outside live mode: work() once."""
+    while True:
+        try:
+            return work()
+        except (RuntimeError, dist.DistError) as exc:
+            group = _live
+            if group is None:
+                raise
+            before = group.membership.members
+            group.reform(exc)
+            if group.membership.members == before and not isinstance(exc, MembershipChanged):
+                raise  # nobody left: the error is the program's own
+
+
 def form(topo: Topology, backend: str, timeout: timedelta, min_world: int) -> LiveGroup:
     """Form generation 0 over every launch rank, on the launcher's store (called by init())."""
     global _live
@@ -417,6 +491,15 @@ def form(topo: Topology, backend: str, timeout: timedelta, min_world: int) -> Li
     )
     _live.form_first()
     return _live
+
+
+FORM_TIMEOUT_S = 30.0  # longest wait for a new group to form (below the 60 s check-in timeout)
+
+
+def form_timeout() -> timedelta:
+    """How long a new generation may take to form: 30 s, or the hang timeout when that is shorter."""
+    hang = watchdog_timeout()
+    return timedelta(seconds=min(FORM_TIMEOUT_S, hang) if hang > 0 else FORM_TIMEOUT_S)
 
 
 def watchdog_timeout() -> float:

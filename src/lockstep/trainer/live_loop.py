@@ -90,7 +90,15 @@ class LiveLoop:
         self.step = 0  # optimizer steps completed
         self.faults: list[dict[str, Any]] = []
         self.group: LiveGroup | None = live.current()
-        self.handle: ReplicaHandle | None = replicate(model, policy=SyncPolicy(deterministic=True))
+        self.handle: ReplicaHandle | None = live.retry_start(
+            lambda: replicate(model, policy=SyncPolicy(deterministic=True))
+        )
+        # Members lost at start-up (before this loop began) are faults of this run too.
+        self.faults = (
+            [{"step": 0, **asdict(f), "recover_s": round(f.recover_s, 4)} for f in self.group.faults]
+            if self.group
+            else []
+        )
         if self.group is not None and self.group.needs_state:
             self._receive_state()
 

@@ -12,7 +12,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator, Sized
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -141,7 +141,13 @@ class _Run:
         self.handle: ReplicaHandle | None = None
         self.sampler: DistributedSampler | MicroBatchSampler
         if self.deterministic:
-            self.handle = replicate(self.module, policy=SyncPolicy(deterministic=True))
+            # Live mode: a member lost in the replica's start-up collectives is survived like any other.
+            self.handle = live.retry_start(
+                lambda: replicate(self.module, policy=SyncPolicy(deterministic=True))
+            )
+            group = live.current()
+            if group is not None:  # the members may have changed meanwhile
+                self.topo = topo = group.topology()
             self.model: nn.Module = self.module
             self.sampler = MicroBatchSampler(
                 cast(Sized, train_data),
@@ -209,7 +215,11 @@ class _Run:
                 "step lost to a dead rank is redone over the survivors with the same micro-batches, which "
                 "only deterministic mode cuts independently of the world size"
             )
-        self.faults: list[dict[str, Any]] = []
+        # Members lost before fit began (at start-up) are faults of this run too.
+        self.faults: list[dict[str, Any]] = [
+            {"step": 0, **asdict(f), "recover_s": round(f.recover_s, 4)}
+            for f in (self.live.faults if self.live is not None else [])
+        ]
         self.last_eval: dict[str, float] = {}
         self.last_train: dict[str, float] = {}
         self.saved_step: int | None = None
@@ -221,7 +231,7 @@ class _Run:
         if self.live is not None and self.live.needs_state:
             live_fit.receive_state(self)  # a replacement: the state comes from a peer, not a checkpoint
         else:
-            self._maybe_resume()
+            self._live_retry(self._maybe_resume)
         started, start_samples, start_step = time.monotonic(), self.counters.samples, self.counters.step
         while self.counters.step < self.total_steps and self.counters.epoch < self.config.epochs:
             self._train_epoch()
