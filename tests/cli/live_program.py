@@ -14,7 +14,8 @@ peer it heals from is lost while it heals), or "none". Every rank appends the sa
 OUT_DIR/seen-<launch rank>.txt; the summary is in OUT_DIR/run. A replacement (`--max-restarts`) has
 launch rank N, N+1, ... (LOCKSTEP_LIVE_UID); RANK is the rank it replaces. With a fifth argument
 "replace", the survivors of a smaller world slow down until the replacement process has started, so
-that it joins before the run ends however slowly this machine starts a process.
+that it joins before the run ends however slowly this machine starts a process; with "slow", each forward
+takes 0.1 s longer, so that a test can act (take a link down) while the job runs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from torch.utils.data import Dataset
 import lockstep
 
 OUT, FAULT, VICTIM, AT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-REPLACE = sys.argv[5:] == ["replace"]
+REPLACE = "replace" in sys.argv[5:]
+SLOW = "slow" in sys.argv[5:]  # 0.1 s per forward: a test has time to act while the job runs
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_LIVE_UID", os.environ["RANK"]))
 calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0, "replicate": 0}
@@ -85,6 +87,8 @@ class Net(nn.Module):
             while not os.path.exists(os.path.join(OUT, "pid-4")) and time.monotonic() < deadline:
                 time.sleep(0.01)
             time.sleep(0.05)
+        if SLOW:
+            time.sleep(0.1)
         self.seen.write(" ".join(str(int(i)) for i in x[:, -1]) + "\n")
         self.seen.flush()
         return self.body(x[:, :-1])

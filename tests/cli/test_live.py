@@ -339,3 +339,87 @@ def test_a_loop_of_your_own_survives_a_kill_and_admits_a_replacement(tmp_path: P
     assert lost["lost"] == [2] and lost["step"] >= 20 and 0 < lost["recover_s"] < 2.0
     assert joined["joined"] == [4] and joined["world_size"] == 4
     assert {r: (logs / f"rank{r}" / "pid").read_text() for r in (0, 1, 3)} == {r: pids[r] for r in (0, 1, 3)}
+
+
+def test_two_hosts_one_loses_its_link_and_the_other_goes_on(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """`lockstep run --nnodes 2 ... -n 2 --min-world 2` on two network-namespace hosts; host 1's link goes
+    down mid-run. Host 0's ranks evict host 1's (their heartbeats stopped) after the hang timeout, re-form
+    and finish, bitwise equal to a fault-free run; host 1's launcher loses the store, stops its workers and
+    fails, leaving no process behind."""
+    from tests.testbed.netns import IFNAME, netns_hosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no network-namespace hosts on this machine: {reason}")
+    out = tmp_path / "two-hosts"
+    out.mkdir()
+    with netns_hosts(2) as hosts:
+        commands = [
+            [
+                sys.executable,
+                "-m",
+                "lockstep",
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--rdzv-endpoint",
+                f"{hosts[0].addr}:29400",
+                "--local-addr",
+                host.addr,
+                "--network-interface",
+                host.ifname,
+                "-n",
+                "2",
+                "--min-world",
+                "2",
+                "--hang-timeout",
+                "3",
+                "--run-dir",
+                str(out / f"logs{i}"),
+                str(PROGRAM),
+                str(out),
+                "none",
+                "0",
+                "0",
+                "slow",
+            ]  # fmt: skip
+            for i, host in enumerate(hosts)
+        ]
+        logs = [open(tmp_path / f"launcher{i}.log", "w") for i in range(2)]  # noqa: SIM115
+        procs = [
+            host.popen(cmd, env=child_env(), cwd=str(tmp_path), stdout=fh, stderr=fh)
+            for host, cmd, fh in zip(hosts, commands, logs)
+        ]
+        try:
+            deadline = time.monotonic() + 120
+            seen = out / "seen-2.txt"  # host 1's first rank has trained a few micro-batches
+            while time.monotonic() < deadline and (
+                not seen.exists() or len(seen.read_text().split("\n")) < 5
+            ):
+                time.sleep(0.02)
+            hosts[1].run(["ip", "link", "set", "dev", IFNAME, "down"])
+            codes = [proc.wait(timeout=120) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            for fh in logs:
+                fh.close()
+    text = [(tmp_path / f"launcher{i}.log").read_text() for i in range(2)]
+    assert codes[0] == 0, text[0]
+    assert codes[1] != 0 and "node 1 lost the job's store" in text[1], text[1]
+    summary = _same_bits_as(reference, out)
+    assert summary["world_size"] == 2 and summary["restarts"] == 0
+    [record] = summary["faults"]
+    assert sorted(record["lost"]) == [2, 3] and record["world_size"] == 2, record
+    assert all("evicted by the survivors" in how for how in record["how"].values()), record
+    for uid in (0, 1):
+        assert (out / f"pid-{uid}").read_text() == (out / f"done-{uid}").read_text()
+    for uid in (2, 3):  # host 1's workers were stopped: nothing is left running
+        assert not Path("/proc", (out / f"pid-{uid}").read_text()).exists()
+    _every_sample_once_but_the_abandoned_step(out)

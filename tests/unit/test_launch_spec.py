@@ -175,7 +175,27 @@ def test_threads_default_to_cores_per_process(monkeypatch: pytest.MonkeyPatch) -
         (["-n", "2", "--min-world", "0", "t.py"], "--min-world must be an integer >= 1"),
         (
             ["-n", "2", "--min-world", "1", "--nnodes", "2", "--rdzv-endpoint", "h:29400", "t.py"],
-            "runs on one node for now",
+            "--min-world on several nodes needs --node-rank I on each node",
+        ),
+        (
+            [
+                "-n",
+                "2",
+                "--min-world",
+                "5",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "0",
+                "--rdzv-endpoint",
+                "h:1",
+                "t.py",
+            ],
+            "--min-world 5 is more than the 4 processes started (-n) on 2 nodes",
+        ),
+        (
+            ["-n", "2", "--min-world", "2", "--nnodes", "1:2", "--rdzv-endpoint", "h:29400", "t.py"],
+            "needs a fixed number of nodes, got --nnodes 1:2",
         ),
     ],
 )
@@ -186,6 +206,8 @@ def test_min_world_flag_is_checked(argv: list[str], message: str) -> None:
 
 def test_min_world_flag_sets_live_mode() -> None:
     assert parse_run_args(["-n", "4", "--min-world", "2", "t.py"]).min_world == 2
+    two_nodes = ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:29400"]
+    assert parse_run_args(["-n", "2", "--min-world", "3", *two_nodes, "t.py"]).min_world == 3
     assert parse_run_args(["-n", "4", "t.py"]).min_world is None
     replacements = parse_run_args(["-n", "4", "--min-world", "2", "--max-restarts", "3", "t.py"])
     assert (replacements.min_world, replacements.max_restarts) == (2, 3)  # live mode: 3 replacements

@@ -296,15 +296,22 @@ def parse_run_args(argv: Sequence[str], prog: str = "lockstep run") -> LaunchSpe
 
 def _check_live(spec: LaunchSpec) -> None:
     _check_int("--min-world", spec.min_world, minimum=1, example="--min-world 2")
-    if spec.min_world is not None and spec.min_world > spec.nproc_per_node:
+    started = spec.nproc_per_node * spec.max_nodes
+    if spec.min_world is not None and spec.min_world > started:
+        where = f" on {spec.max_nodes} nodes" if spec.is_multi_node else ""
         raise ConfigError(
-            f"--min-world {spec.min_world} is more than the {spec.nproc_per_node} processes started (-n); "
-            f"choose at most {spec.nproc_per_node}"
+            f"--min-world {spec.min_world} is more than the {started} processes started (-n){where}; "
+            f"choose at most {started}"
         )
-    if spec.is_multi_node:
+    if spec.min_nodes != spec.max_nodes:
         raise ConfigError(
-            "--min-world (live mode) runs on one node for now; drop --nnodes, or drop --min-world and use "
-            "--max-restarts to restart every node after a failure"
+            f"--min-world (live mode) needs a fixed number of nodes, got --nnodes {spec.min_nodes}:"
+            f"{spec.max_nodes}; write --nnodes {spec.max_nodes} (the job itself goes on with fewer ranks)"
+        )
+    if spec.is_multi_node and spec.node_rank is None:
+        raise ConfigError(
+            "--min-world on several nodes needs --node-rank I on each node (0 on the node that hosts the store "
+            "at --rdzv-endpoint)"
         )
 
 

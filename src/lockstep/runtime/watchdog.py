@@ -137,7 +137,10 @@ class Watchdog:
                 if self._stalled():
                     verdict = self._judge()
                     if verdict is not None and self.live and _silent_culprits(verdict):
-                        self._evict(verdict)  # live mode: the survivors go on without the silent ranks
+                        # Live mode: the survivors go on without the silent ranks. No report: the main
+                        # thread re-forms the group (and stops this thread) as soon as it sees the change.
+                        self._evict(verdict)
+                        verdict = None
                     elif verdict is not None and _not_a_hang(verdict):
                         self._reported.set()  # the failing collective's error is all there is to say
                         return
