@@ -103,8 +103,8 @@ def main() -> None:
         base = run(Path(tmp) / "fault_free", args, args.baseline_s, None)
         faulty = run(Path(tmp) / "faulty", args, args.duration_s, args.every_s)
         launcher = (Path(tmp) / "faulty" / "launcher.log").read_text()
-    lost = launcher.count("killed by SIGKILL")
-    joined = launcher.count("replacement rank")
+    lost = launcher.count("killed by SIGKILL;")
+    joined = launcher.count("started, it joins at a step boundary")
     text = "\n".join(
         [
             f"# live mode under a kill every {args.every_s:g} s ({datetime.date.today()})",
