@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -242,22 +243,14 @@ def test_lockstep_train_min_world_survives_a_rank_killed_from_outside(tmp_path: 
     reference = lockstep_cli("train", "toy", "-n", "2", "--run-dir", str(tmp_path / "ref"), *TOY)
     assert reference.returncode == 0, reference.stderr
     run_dir = tmp_path / "live"
-    cmd = [sys.executable, "-m", "lockstep", "train", "toy", "-n", "3", "--min-world", "2"]
-    log = tmp_path / "launcher.log"  # a file, not a pipe: nobody reads a pipe while the test waits to kill
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            [*cmd, "--run-dir", str(run_dir), *TOY], env=child_env(), stdout=fh, stderr=fh, text=True
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while not list(run_dir.glob("checkpoints/step_*")) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            os.kill(int((run_dir / "rank2" / "pid").read_text()), signal.SIGKILL)
-            proc.wait(timeout=180)
-        finally:
-            proc.kill()
-    stderr = log.read_text()
-    assert proc.returncode == 0, stderr
+    cmd = ["train", "toy", "-n", "3", "--min-world", "2", "--run-dir", str(run_dir), *TOY]
+    returncode, stderr = _kill_from_outside(
+        cmd,
+        tmp_path / "launcher.log",
+        lambda: bool(list(run_dir.glob("checkpoints/step_*"))),
+        run_dir / "rank2",
+    )
+    assert returncode == 0, stderr
     assert "lockstep run: rank 2 killed by SIGKILL; 2 of 3 ranks go on (--min-world 2)" in stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     expected = json.loads((tmp_path / "ref" / "summary.json").read_text())
@@ -308,26 +301,19 @@ def test_a_loop_of_your_own_survives_a_kill_and_admits_a_replacement(tmp_path: P
     assert ref.returncode == 0, ref.stderr
     expected = json.loads((tmp_path / "ref.json").read_text())
     logs, out = tmp_path / "live", tmp_path / "live.log"
-    cmd = [sys.executable, "-m", "lockstep", "run", "-n", "4", "--min-world", "2", "--max-restarts", "1"]
-    with open(out, "w") as fh:
-        proc = subprocess.Popen(
-            [*cmd, "--run-dir", str(logs), *args, "--summary", str(tmp_path / "live.json")],
-            env=child_env(),
-            stdout=fh,
-            stderr=fh,
-            text=True,
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while "\nstep 20 " not in out.read_text() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            pids = {r: (logs / f"rank{r}" / "pid").read_text() for r in range(4)}
-            os.kill(int(pids[2]), signal.SIGKILL)
-            proc.wait(timeout=180)
-        finally:
-            proc.kill()
-    log = out.read_text()
-    assert proc.returncode == 0, log
+    pids = {}
+
+    def at_step_20() -> bool:
+        if "\nstep 20 " not in out.read_text():
+            return False
+        pids.update({r: (logs / f"rank{r}" / "pid").read_text() for r in range(4)})
+        return True
+
+    cmd = ["run", "-n", "4", "--min-world", "2", "--max-restarts", "1", "--run-dir", str(logs), *args]
+    returncode, log = _kill_from_outside(
+        [*cmd, "--summary", str(tmp_path / "live.json")], out, at_step_20, logs / "rank2"
+    )
+    assert returncode == 0, log
     assert "rank 2 killed by SIGKILL; 3 of 4 ranks go on (--min-world 2)" in log
     assert "finished on 4 of 4 ranks (1 of them replacements: ranks [4]), without a restart" in log
     summary = json.loads((tmp_path / "live.json").read_text())
@@ -423,3 +409,24 @@ def test_two_hosts_one_loses_its_link_and_the_other_goes_on(
     for uid in (2, 3):  # host 1's workers were stopped: nothing is left running
         assert not Path("/proc", (out / f"pid-{uid}").read_text()).exists()
     _every_sample_once_but_the_abandoned_step(out)
+
+
+def _kill_from_outside(
+    argv: list[str], log: Path, ready: Callable[[], bool], victim_dir: Path
+) -> tuple[int, str]:
+    """`lockstep ARGV` with its output in `log` (a file, not a pipe: nobody reads a pipe while the test
+    waits); once ready() (polled, 2 minutes at most), SIGKILL the worker of `victim_dir`. Its exit code
+    and output."""
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lockstep", *argv], env=child_env(), stdout=fh, stderr=fh, text=True
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not ready() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(int((victim_dir / "pid").read_text()), signal.SIGKILL)
+            proc.wait(timeout=180)
+        finally:
+            proc.kill()
+    return proc.returncode, log.read_text()
