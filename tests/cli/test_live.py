@@ -398,6 +398,10 @@ def test_two_hosts_one_loses_its_link_and_the_other_goes_on(
                 fh.close()
     text = [(tmp_path / f"launcher{i}.log").read_text() for i in range(2)]
     assert codes[0] == 0, text[0]
+    assert (
+        "lockstep run: node 0's ranks finished; lost on other nodes: rank 2 (evicted by the survivors"
+        in text[0]
+    )
     assert codes[1] != 0 and "node 1 lost the job's store" in text[1], text[1]
     summary = _same_bits_as(reference, out)
     assert summary["world_size"] == 2 and summary["restarts"] == 0

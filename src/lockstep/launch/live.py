@@ -296,7 +296,14 @@ class _Supervisor:
             self._mark_node("done")
             if self.layout.node == 0 and not self._other_nodes_over():
                 return None  # the store must outlive every node's workers
-            return _outcome(self.workers, self.faults)
+            code, report = _outcome(self.workers, self.faults)
+            remote = self._lost_elsewhere() if self.layout.nodes > 1 and code == 0 else ""
+            if remote:
+                line = (
+                    f"lockstep run: node {self.layout.node}'s ranks finished; lost on other nodes: {remote}"
+                )
+                report = f"{report}\n{line}" if report else line
+            return code, report
         if self.layout.nodes == 1 and self._in_job() < (self.spec.min_world or 1) and self.faults:
             failures = [_failure(w) for w in self.faults]
             n = self.spec.nproc_per_node
@@ -368,6 +375,17 @@ class _Supervisor:
                 f"({self.replacements_left} replacements left)"
             )
         self.console.line("stderr", line)
+
+    def _lost_elsewhere(self) -> str:
+        """The ranks of other nodes marked dead on the store, with how, for the last line."""
+        mine = {w.rank for w in self.workers}
+        launched = self.layout.world + int(self.store.add(_REPLACEMENTS_KEY, 0))
+        lost = []
+        for uid in range(launched):
+            key = f"{self.keys.LIVE_DEAD_KEY}{uid}"
+            if uid not in mine and self.store.check([key]):
+                lost.append(f"rank {uid} ({bytes(self.store.get(key)).decode()})")
+        return ", ".join(lost)
 
     def _beat(self) -> None:
         now = time.monotonic()
