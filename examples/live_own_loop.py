@@ -9,7 +9,8 @@ Kill one of its workers meanwhile (kill -9 on a pid from runs/.../rank*/pid, or 
 others redo the step they were in over the survivors and carry on, in the same processes. The
 parameters at the end are bitwise those of a run without faults, at any world size; compare the
 `params_sha256` line of two runs. Without --min-world (plain `lockstep run`, or torchrun) the same
-program trains as usual.
+program trains as usual. With --no-deterministic the engine sums the gradients in float with its buckets
+(faster; the end equals a fault-free run's up to rounding).
 
 What LiveLoop needs from your program: the model, the optimizer, a MicroBatchSampler (each step's
 samples, fixed at any world size), the objects whose state a replacement must receive (here the
@@ -58,6 +59,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--micro-batches", type=int, default=8, help="per step: the global batch is 8 x 8")
+    parser.add_argument(
+        "--no-deterministic", action="store_true", help="float sums: faster, the same result up to rounding"
+    )
     parser.add_argument("--summary", default=None, help="rank 0 writes the end state here (JSON)")
     args = parser.parse_args()
 
@@ -70,13 +74,16 @@ def main() -> None:
     sampler = MicroBatchSampler(
         range(args.samples), micro_batch_size=args.micro_batch_size, num_micro_batches=args.micro_batches
     )
-    loop = lockstep.LiveLoop(model, optimizer, sampler, state={"scheduler": scheduler})
+    loop = lockstep.LiveLoop(
+        model, optimizer, sampler, state={"scheduler": scheduler}, deterministic=not args.no_deterministic
+    )
 
     def micro_step(indices: list[int]) -> float:
         loss = F.cross_entropy(model(inputs[indices]), targets[indices])
         loss.backward()
         return float(loss.detach())
 
+    accuracy = 0.0
     for epoch in range(loop.epoch, args.epochs):
         for losses in loop.train_epoch(epoch, micro_step):
             scheduler.step()
@@ -97,6 +104,7 @@ def main() -> None:
             "params_sha256": state_sha256(model.state_dict()),
             "optimizer_sha256": state_sha256(optimizer.state_dict()["state"]),
             "faults": loop.faults,
+            "accuracy": accuracy,
         }
         print(f"params_sha256 {summary['params_sha256']}", flush=True)
         if args.summary:

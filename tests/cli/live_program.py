@@ -15,7 +15,9 @@ OUT_DIR/seen-<launch rank>.txt; the summary is in OUT_DIR/run. A replacement (`-
 launch rank N, N+1, ... (LOCKSTEP_LIVE_UID); RANK is the rank it replaces. With a fifth argument
 "replace", the survivors of a smaller world slow down until the replacement process has started, so
 that it joins before the run ends however slowly this machine starts a process; with "slow", each forward
-takes 0.1 s longer, so that a test can act (take a link down) while the job runs.
+takes 0.1 s longer, so that a test can act (take a link down) while the job runs; with "float", the run is
+not in deterministic mode (live mode's float step). Every rank that finishes saves its final parameters to
+OUT_DIR/params-<launch rank>.pt.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import lockstep
 OUT, FAULT, VICTIM, AT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 REPLACE = "replace" in sys.argv[5:]
 SLOW = "slow" in sys.argv[5:]  # 0.1 s per forward: a test has time to act while the job runs
+FLOAT = "float" in sys.argv[5:]  # live mode without deterministic mode
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_LIVE_UID", os.environ["RANK"]))
 calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0, "replicate": 0}
@@ -136,17 +139,19 @@ def main() -> None:
         epochs=2,
         global_batch_size=24,
         micro_batch_size=4,
-        deterministic=True,
+        deterministic=not FLOAT,
         log_every=4,
         progress="none",
     )
+    net = Net()
     lockstep.fit(
-        Net(),
+        net,
         Numbers(),
         loss_fn=nn.functional.cross_entropy,
         config=config,
         optimizer=lambda params: DyingSGD(params, lr=0.1, momentum=0.9),
     )
+    torch.save(net.body.state_dict(), os.path.join(OUT, f"params-{UID}.pt"))  # body: no fault hook
     with open(os.path.join(OUT, f"done-{UID}"), "w") as fh:
         fh.write(str(os.getpid()))  # the same process that started: it was never restarted
     lockstep.shutdown()

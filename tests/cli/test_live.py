@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.cli.launch_util import child_env, run_cli
 from tests.cli.test_train import lockstep_cli
@@ -61,7 +62,7 @@ def _summary(out: Path) -> dict[str, Any]:
     return json.loads((out / "run" / "summary.json").read_text())
 
 
-def _run_with_a_replacement(tmp_path: Path, name: str, fault: str) -> Any:
+def _run_with_a_replacement(tmp_path: Path, name: str, fault: str, *extra: str) -> Any:
     """4 ranks, --min-world 2, one replacement; launch rank 2 dies in its 5th forward (2nd step)."""
     out, result = _run(
         tmp_path,
@@ -75,7 +76,7 @@ def _run_with_a_replacement(tmp_path: Path, name: str, fault: str) -> Any:
         fault=fault,
         victim=2,
         at=5,
-        extra=("replace",),
+        extra=("replace", *extra),
     )
     assert result.returncode == 0, result.stderr
     assert "rank 2 killed by SIGKILL; 3 of 4 ranks go on" in result.stderr, result.stderr
@@ -260,16 +261,80 @@ def test_lockstep_train_min_world_survives_a_rank_killed_from_outside(tmp_path: 
     assert summary["optimizer_sha256"] == expected["optimizer_sha256"]
 
 
-def test_lockstep_train_min_world_needs_deterministic_mode(tmp_path: Path) -> None:
-    result = lockstep_cli("train", "toy", "-n", "2", "--min-world", "2", "--run-dir", str(tmp_path / "r"))
-    assert result.returncode == 2
-    assert "--min-world 2 (live mode) needs --deterministic and --global-batch-size" in result.stderr, (
-        result.stderr
-    )
+def test_lockstep_train_min_world_refuses_more_than_it_launches(tmp_path: Path) -> None:
     too_many = lockstep_cli(
         "train", "toy", "-n", "2", "--min-world", "3", *TOY, "--run-dir", str(tmp_path / "r")
     )
     assert too_many.returncode == 2 and "--min-world 3 is more than the 2 processes" in too_many.stderr
+
+
+def test_lockstep_train_min_world_without_deterministic_mode_cuts_the_jobs_batch_into_micro_batches(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "float"
+    result = lockstep_cli(
+        "train", "toy", "-n", "2", "--min-world", "1", "--epochs", "1", "--progress", "none",
+        "--run-dir", str(run_dir),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    batch = summary["config"]["batch_size"]
+    assert summary["deterministic"] is False and summary["restarts"] == 0 and summary["faults"] == []
+    assert (summary["global_batch_size"], summary["micro_batch_size"]) == (2 * batch, batch)
+
+
+@pytest.fixture(scope="module")
+def float_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A fault-free live run on 4 ranks without deterministic mode: its final parameters."""
+    tmp = tmp_path_factory.mktemp("float_reference")
+    out, result = _run(tmp, "ref", "-n", "4", "--min-world", "2", extra=("float",))
+    assert result.returncode == 0, result.stderr
+    return torch.load(out / "params-0.pt", weights_only=True)
+
+
+def _close_to(reference: dict[str, Any], out: Path, uid: int) -> None:
+    """Equal up to float rounding (the sums ran over another world size): no step lost or done twice."""
+    params = torch.load(out / f"params-{uid}.pt", weights_only=True)
+    for name, value in reference.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(("fault", "victim", "at"), [("backward", 2, 9), ("commit", 1, 2)])
+def test_without_deterministic_mode_the_survivors_go_on_and_train_every_sample_once(
+    tmp_path: Path, float_reference: dict[str, Any], fault: str, victim: int, at: int
+) -> None:
+    """Live mode's float step: the same micro-batches redone over the survivors, summed by the engine's
+    buckets; the result equals a fault-free run's up to rounding."""
+    out, result = _run(
+        tmp_path, "live", "-n", "4", "--min-world", "2", fault=fault, victim=victim, at=at, extra=("float",)
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"lockstep run: rank {victim} killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
+    assert "finished on 3 of 4 ranks, without a restart" in result.stderr, result.stderr
+    summary = _summary(out)
+    assert summary["deterministic"] is False and summary["world_size"] == 3 and summary["restarts"] == 0
+    assert summary["steps"] == EPOCHS * SAMPLES // GLOBAL_BATCH
+    [record] = summary["faults"]
+    assert record["lost"] == [victim] and 0 < record["recover_s"] < 2.0, record
+    _close_to(float_reference, out, 0 if victim else 1)
+    _survivors_kept_their_processes(out, victim)
+    _every_sample_once_but_the_abandoned_step(out)
+
+
+def test_without_deterministic_mode_a_replacement_heals_and_the_world_grows_back(
+    tmp_path: Path, float_reference: dict[str, Any]
+) -> None:
+    out, result = _run_with_a_replacement(tmp_path, "heal", "forward", "float")
+    assert "finished on 4 of 4 ranks (1 of them replacements: ranks [4]), without a restart" in result.stderr
+    summary = _summary(out)
+    assert summary["deterministic"] is False and summary["world_size"] == 4
+    assert [f["kind"] for f in summary["faults"]] == ["lost", "joined"], summary["faults"]
+    for uid in (0, 4):  # a member and the replacement end with the same numbers
+        _close_to(float_reference, out, uid)
+    member, replacement = (torch.load(out / f"params-{u}.pt", weights_only=True) for u in (0, 4))
+    assert all(torch.equal(member[name], replacement[name]) for name in member)  # the replicas: bitwise
+    _survivors_kept_their_processes(out, 2)
+    _every_sample_once_but_the_abandoned_step(out)
 
 
 def test_the_peer_a_replacement_heals_from_dies_and_the_others_still_finish_bit_for_bit(
@@ -325,6 +390,15 @@ def test_a_loop_of_your_own_survives_a_kill_and_admits_a_replacement(tmp_path: P
     assert lost["lost"] == [2] and lost["step"] >= 20 and 0 < lost["recover_s"] < 2.0
     assert joined["joined"] == [4] and joined["world_size"] == 4
     assert {r: (logs / f"rank{r}" / "pid").read_text() for r in (0, 1, 3)} == {r: pids[r] for r in (0, 1, 3)}
+
+
+def test_a_loop_of_your_own_without_deterministic_mode_trains_in_live_mode(tmp_path: Path) -> None:
+    args = [str(EXAMPLE), "--epochs", "2", "--no-deterministic", "--summary", "float.json"]
+    result = run_cli("run", "-n", "3", "--min-world", "2", "--run-dir", "logs", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "float.json").read_text())
+    assert summary["steps"] == 2 * 4096 // 64 and summary["world_size"] == 3 and summary["faults"] == []
+    assert summary["accuracy"] > 0.8, summary  # it learned: 3 ranks own 3, 3 and 2 of 8 micro-batches
 
 
 def test_two_hosts_one_loses_its_link_and_the_other_goes_on(

@@ -50,6 +50,21 @@ def test_deterministic_micro_batches_do_not_depend_on_the_world_size() -> None:
         plan_batches(Settings(global_batch_size=48, deterministic=True), 2)
 
 
+def test_live_mode_cuts_micro_batches_without_deterministic_mode_too() -> None:
+    # The global batch defaults to the per-rank batch on every launched rank, at any current world size.
+    assert {plan_batches(Settings(batch_size=8, grad_accum_steps=2), w, live_world=4) for w in (4, 3, 1)} == {
+        BatchPlan(64, 8, 0, 8)
+    }
+    assert plan_batches(Settings(global_batch_size=24, micro_batch_size=4), 3, live_world=4) == BatchPlan(
+        24, 4, 0, 6
+    )
+    with pytest.raises(ConfigError, match="into 2 micro-batches of 12, fewer than the ranks"):
+        plan_batches(Settings(global_batch_size=24, micro_batch_size=12), 4, live_world=4)
+    # deterministic mode keeps its own rules (an explicit global batch)
+    with pytest.raises(ConfigError, match="needs a global batch"):
+        plan_batches(Settings(deterministic=True), 2, live_world=2)
+
+
 def test_owners_are_round_robin_and_seeds_ignore_the_rank() -> None:
     assert [owned_micro_batches(5, 2, r) for r in (0, 1)] == [[0, 2, 4], [1, 3]]
     assert owned_micro_batches(2, 4, 3) == []

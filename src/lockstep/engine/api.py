@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from lockstep.engine.deterministic import DeterministicStep
 from lockstep.engine.join import EngineJoin
 from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, SyncPolicy
 from lockstep.engine.reducer import CommHook, Reducer
@@ -420,33 +419,29 @@ class ReplicaHandle(_JoinableReplica):
         step: int,
         seed: int = 0,
     ) -> dict[int, Any]:
-        """One deterministic training step (SyncPolicy(deterministic=True)): the same bits at any world size.
+        """One training step of K micro-batches over the ranks; afterwards `.grad` holds their mean.
 
         The step's global batch is `num_micro_batches` (K) micro-batches of a fixed size; `micro_batches`
         maps this rank's ordinals (`owned_micro_batches(K)`: rank r of W owns r, r + W, ...) to their
         batches. `fn(batch)` runs forward and backward of one micro-batch (`loss.backward()`, its loss the
-        micro-batch's mean) and may return anything (the loss, say); it may be called twice for a micro-
-        batch in the rare step that is redone. Afterwards every rank's `.grad` holds the mean over the K
-        micro-batches, bit for bit the same at every world size. `step` and `seed` seed each micro-batch's
-        random numbers (dropout). Returns {ordinal: fn's result} for this rank's micro-batches.
+        micro-batch's mean) and may return anything (the loss, say). `step` and `seed` seed each micro-
+        batch's random numbers (dropout); BatchNorm uses each micro-batch's statistics and its running
+        buffers are updated as if one process had run the micro-batches in order. Returns
+        {ordinal: fn's result} for this rank's micro-batches.
+
+        With SyncPolicy(deterministic=True) the mean is exact: bit for bit the same at every world size
+        (`fn` may be called twice for a micro-batch in the rare step that is redone). Under the default
+        policy the engine sums in float with its usual buckets, overlapped with the last backward: the
+        same result up to rounding, at the default mode's speed; then every rank needs a micro-batch
+        (K >= W).
         """
-        return self._deterministic.run(
+        return self._replica.micro_batched().run(
             fn, micro_batches, num_micro_batches=num_micro_batches, step=step, seed=seed
         )
 
     def owned_micro_batches(self, num_micro_batches: int) -> list[int]:
         """The ordinals of a step's K micro-batches that this rank computes in accumulate()."""
-        return self._deterministic.owned(num_micro_batches)
-
-    @property
-    def _deterministic(self) -> DeterministicStep:
-        step = self._replica.deterministic
-        if step is None:
-            raise UsageError(
-                "accumulate() is deterministic mode's step: replicate the module with "
-                "policy=lockstep.SyncPolicy(deterministic=True)"
-            )
-        return step
+        return self._replica.micro_batched().owned(num_micro_batches)
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self._replica.register_comm_hook(state, hook)

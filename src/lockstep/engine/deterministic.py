@@ -34,7 +34,7 @@ class DeterministicStep:
         self.running = RunningStats(module)
         self.steps = 0
         self.redos = 0  # steps run twice because a micro-batch overflowed micro-batch 0's scale
-        self._cuda = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+        self._cuda = cuda_devices(module)
 
     def owned(self, num_micro_batches: int) -> list[int]:
         return owned_micro_batches(num_micro_batches, self.reducer.world, self.reducer.rank)
@@ -48,7 +48,9 @@ class DeterministicStep:
         step: int,
         seed: int,
     ) -> dict[int, Any]:
-        owned = self._check(batches, num_micro_batches, step)
+        owned = check_micro_batches(
+            batches, num_micro_batches, step, rank=self.reducer.rank, world=self.reducer.world
+        )
         maxima = None
         try:
             while True:
@@ -71,7 +73,7 @@ class DeterministicStep:
         self, fn: Callable[[Any], Any], batch: Any, step: int, seed: int, ordinal: int, *, last: bool
     ) -> Any:
         self.reducer.start_micro_batch(last=last)
-        with self._seeded(micro_batch_seed(seed, step, ordinal)), micro_batch_statistics():
+        with seeded(micro_batch_seed(seed, step, ordinal), self._cuda), micro_batch_statistics():
             self.running.ordinal = ordinal
             try:
                 result = fn(batch)
@@ -80,26 +82,34 @@ class DeterministicStep:
         self.reducer.end_micro_batch()
         return result
 
-    @contextmanager
-    def _seeded(self, seed: int) -> Iterator[None]:
-        """The micro-batch's own random stream; the caller's streams are untouched after it."""
-        with torch.random.fork_rng(devices=self._cuda, device_type="cuda"):
-            torch.manual_seed(seed)
-            yield
 
-    def _check(self, batches: Mapping[int, Any], num_micro_batches: int, step: int) -> list[int]:
-        tag = rank_tag(self.reducer.rank, self.reducer.world)
-        if not isinstance(num_micro_batches, int) or num_micro_batches < 1:
-            raise ConfigError(f"{tag}num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
-        if not isinstance(step, int) or step < 0:
-            raise ConfigError(
-                f"{tag}step must be an int >= 0 (it seeds the step's random numbers), got {step!r}"
-            )
-        owned = self.owned(num_micro_batches)
-        if sorted(batches) != owned:
-            raise ConfigError(
-                f"{tag}accumulate() got micro-batches {sorted(batches)!r} of {num_micro_batches}, expected this "
-                f"rank's ordinals {owned!r} (rank r of W computes r, r + W, ...: handle.owned_micro_batches(K) "
-                "says which; lockstep.data.MicroBatchSampler loads exactly those)"
-            )
-        return owned
+def cuda_devices(module: nn.Module) -> list[int]:
+    """The CUDA devices of `module`'s parameters: their random streams are seeded per micro-batch too."""
+    return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+
+
+@contextmanager
+def seeded(seed: int, cuda: list[int]) -> Iterator[None]:
+    """A micro-batch's own random stream; the caller's streams are untouched after it."""
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.manual_seed(seed)
+        yield
+
+
+def check_micro_batches(
+    batches: Mapping[int, Any], num_micro_batches: int, step: int, *, rank: int, world: int
+) -> list[int]:
+    """This rank's ordinals of the step, once `batches` is known to hold exactly them (else ConfigError)."""
+    tag = rank_tag(rank, world)
+    if not isinstance(num_micro_batches, int) or num_micro_batches < 1:
+        raise ConfigError(f"{tag}num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
+    if not isinstance(step, int) or step < 0:
+        raise ConfigError(f"{tag}step must be an int >= 0 (it seeds the step's random numbers), got {step!r}")
+    owned = owned_micro_batches(num_micro_batches, world, rank)
+    if sorted(batches) != owned:
+        raise ConfigError(
+            f"{tag}accumulate() got micro-batches {sorted(batches)!r} of {num_micro_batches}, expected this "
+            f"rank's ordinals {owned!r} (rank r of W computes r, r + W, ...: handle.owned_micro_batches(K) "
+            "says which; lockstep.data.MicroBatchSampler loads exactly those)"
+        )
+    return owned

@@ -15,6 +15,7 @@ from torch.distributed.algorithms.join import _JoinConfig
 
 from lockstep.engine.deterministic import DeterministicStep
 from lockstep.engine.exact import ExactReducer
+from lockstep.engine.float_step import FloatStep
 from lockstep.engine.init_sync import broadcast_coalesced, check_same_model
 from lockstep.engine.join import EngineJoinHook, JoinSession, join_pre_forward
 from lockstep.engine.policy import SyncPolicy
@@ -98,6 +99,7 @@ class ReplicaState:
         sparse = _sparse_flags(module, list(params))
         self._reducer: Reducer | None = None
         self.deterministic: DeterministicStep | None = None
+        self._float_step: FloatStep | None = None  # accumulate() under the default policy, made on first use
         hook: Any
         if policy.deterministic:
             if any(sparse):
@@ -162,6 +164,18 @@ class ReplicaState:
         if self.will_broadcast_buffers():
             with torch.no_grad():
                 broadcast_coalesced(self.buffers, self._src, self.group)
+
+    def broadcast_buffers_for_step(self) -> None:
+        """accumulate()'s step: the buffers broadcast now, once, and not by its forwards.
+
+        Ranks that own different numbers of micro-batches run different forwards (no_sync ones first);
+        left to pre_forward, the broadcast would come before the bucket rebuild on some ranks and after
+        it on others, a collective mismatch.
+        """
+        if self.will_broadcast_buffers():
+            with torch.no_grad():
+                broadcast_coalesced(self.buffers, self._src, self.group)
+        self.flags.require_forward_param_sync = False
 
     def _check_deterministic_forward(self, step: DeterministicStep) -> None:
         if torch.is_grad_enabled() and self.module.training and not step.reducer.active:
@@ -288,6 +302,16 @@ class ReplicaState:
         self._handles = []
         if self.deterministic is not None:
             self.deterministic.running.remove()
+        if self._float_step is not None:
+            self._float_step.remove()
+
+    def micro_batched(self) -> DeterministicStep | FloatStep:
+        """The runner of accumulate(): deterministic mode's exact step, or the default policy's float one."""
+        if self.deterministic is not None:
+            return self.deterministic
+        if self._float_step is None:
+            self._float_step = FloatStep(self)
+        return self._float_step
 
 
 def _sparse_flags(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:

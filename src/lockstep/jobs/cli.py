@@ -136,12 +136,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.nproc_per_node < 1:
         parser.error(f"-n {args.nproc_per_node}: need at least 1 process")
-    if args.min_world is not None and not config.deterministic:
-        parser.error(
-            f"--min-world {args.min_world} (live mode) needs --deterministic and --global-batch-size: a step "
-            "lost to a dead rank is redone over the survivors with the same micro-batches, which only "
-            "deterministic mode cuts independently of the world size"
-        )
     run_dir = Path(config.run_dir)
     config_path = save_config(config, run_dir)
     from lockstep.launch.local import launch

@@ -166,6 +166,11 @@ class LiveGroup:
             fault.recover_s = time.monotonic() - started
             self.faults.append(fault)
 
+    @property
+    def launch_world_size(self) -> int:
+        """The world the job was launched with (-n times the nodes), whoever is a member now."""
+        return self.topo.world_size
+
     def check(self) -> None:
         """Raise MembershipChanged when a member died or a survivor is re-forming (polled while waiting)."""
         if int(self.store.add(LIVE_CHANGES_KEY, 0)) != self._changes_seen:

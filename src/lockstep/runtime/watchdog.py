@@ -533,7 +533,9 @@ def settle(work: Any) -> Any:
     if check is None or work is None:
         return work.wait() if work is not None else None
     next_check = 0.0
-    while not work.is_completed():
+    # A c10d Work (is_completed) or a torch Future (done): the engine's buckets wait on the latter.
+    completed = work.is_completed if hasattr(work, "is_completed") else work.done
+    while not completed():
         now = time.monotonic()
         if now >= next_check:
             check()

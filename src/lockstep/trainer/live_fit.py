@@ -10,8 +10,8 @@ loop's side, given the fit run (`trainer/loop.py`'s _Run) it acts on:
   members re-form with the replacements appended.
 - `receive_state`: a replacement's first act in fit(): it takes the model, optimizer, scheduler, scaler,
   sampler, counters and pending metric rows from rank 0 over the new group (runtime/state_transfer.py).
-  Deterministic mode draws every random number from (seed, step, micro-batch), so there is no RNG
-  stream to carry; the members receive the same broadcast and drop it.
+  accumulate() draws every random number of a step from (seed, step, micro-batch), in deterministic
+  mode and out of it, so there is no RNG stream to carry; the members receive the same broadcast and drop it.
 
 A step counts on every member or on none: before the optimizer step each member waits until all have
 counted themselves done on the store (LiveGroup.commit), because the step's last all-reduce can
@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from lockstep.engine.api import replicate
-from lockstep.engine.policy import SyncPolicy
 from lockstep.errors import InternalError, MembershipChanged, rank_tag
 from lockstep.runtime.collectives import all_gather_object
 from lockstep.runtime.live import Fault, LiveGroup
@@ -101,7 +100,7 @@ def _release_replica(run: _Run) -> None:
 def _rejoin(run: _Run, group: LiveGroup, fault: Fault) -> None:
     """After a new generation formed: the replica on it, the replacements' state, the shards re-cut."""
     run.topo = group.topology()
-    run.handle = replicate(run.module, policy=SyncPolicy(deterministic=True))
+    run.handle = replicate(run.module, policy=run.replica_policy())
     run.micro_per_step = len(run.handle.owned_micro_batches(run.plan.num_micro_batches))
     record = {"step": run.counters.step, **asdict(fault), "recover_s": round(fault.recover_s, 4)}
     run.faults.append(record)  # before _converge: a replacement receives the list with this record

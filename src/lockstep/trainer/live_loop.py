@@ -3,8 +3,9 @@
 `lockstep.fit` handles live mode by itself (trainer/live_fit.py). A program with its own loop hands
 LiveLoop the three things a step depends on, and LiveLoop runs the steps:
 
-- the model (LiveLoop replicates it in deterministic mode: the same bits at any world size, so a step
-  redone over fewer ranks gives what the full group would have);
+- the model (LiveLoop replicates it; with deterministic=True, the default, in deterministic mode: the
+  same bits at any world size, so a step redone over fewer ranks gives what the full group would have;
+  with deterministic=False the engine sums in float with its buckets, faster, equal up to rounding);
 - the optimizer (stepped by LiveLoop once the gradients are averaged);
 - a `lockstep.data.MicroBatchSampler`: which samples form each step's micro-batches, from (seed, epoch,
   step) alone, and the position reached, which is all a replacement needs to know of the data.
@@ -61,6 +62,8 @@ class LiveLoop:
             for losses in loop.train_epoch(epoch, micro_step):  # after each completed step
                 scheduler.step()
 
+    `deterministic=False` trades the same bits at any world size for the default engine's speed (each
+    rank then needs a micro-batch of every step: num_micro_batches >= the launched world size).
     `train_epoch` yields this rank's results of the step, by micro-batch ordinal. Work of your own
     between steps that issues collectives (a checkpoint save, an evaluation) goes through
     `loop.retry(work)`, which redoes it over the survivors when a member is lost in it.
@@ -74,6 +77,7 @@ class LiveLoop:
         *,
         state: Mapping[str, Stateful] | None = None,
         seed: int = 0,
+        deterministic: bool = True,
     ) -> None:
         if not isinstance(sampler, MicroBatchSampler):
             raise ConfigError(
@@ -87,12 +91,11 @@ class LiveLoop:
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
         self.state = dict(state or {})
         self.seed = seed
+        self.policy = SyncPolicy(deterministic=deterministic)
         self.step = 0  # optimizer steps completed
         self.faults: list[dict[str, Any]] = []
         self.group: LiveGroup | None = live.current()
-        self.handle: ReplicaHandle | None = live.retry_start(
-            lambda: replicate(model, policy=SyncPolicy(deterministic=True))
-        )
+        self.handle: ReplicaHandle | None = live.retry_start(lambda: replicate(model, policy=self.policy))
         # Members lost at start-up (before this loop began) are faults of this run too.
         self.faults = (
             [{"step": 0, **asdict(f), "recover_s": round(f.recover_s, 4)} for f in self.group.faults]
@@ -227,7 +230,7 @@ class LiveLoop:
             self.handle = None
 
     def _rejoin(self, group: LiveGroup, fault: Fault) -> None:
-        self.handle = replicate(self.model, policy=SyncPolicy(deterministic=True))
+        self.handle = replicate(self.model, policy=self.policy)
         record = {"step": self.step, **asdict(fault), "recover_s": round(fault.recover_s, 4)}
         self.faults.append(record)  # before _converge: a replacement receives the list with this record
         started = time.monotonic()

@@ -132,19 +132,24 @@ class _Run:
         if config.sync_batchnorm:
             model = convert_sync_batchnorm(model)
         self.module = model.to(self.device)
-        self.plan = plan_batches(config, topo.world_size)
+        self.live = live.current()
+        # Live mode cuts every step into micro-batches (as deterministic mode does), so that a step lost
+        # with a rank is redone over the survivors with the same samples; its global batch defaults to
+        # the per-rank batch on every launched rank.
+        self.plan = plan_batches(
+            config, topo.world_size, live_world=self.live.launch_world_size if self.live else None
+        )
         self.deterministic = config.deterministic
+        self.micro_batched = self.plan.num_micro_batches > 0  # a step: K micro-batches through accumulate()
         pin = self.device.type == "cuda"  # pinned host memory lets to_device copy batches asynchronously
         # Its own generator, reseeded each epoch: otherwise iter(loader) draws worker seeds from the global
         # stream, and a resumed run (which calls iter() at another step) would shift every later draw.
         self.loader_generator = torch.Generator()
         self.handle: ReplicaHandle | None = None
         self.sampler: DistributedSampler | MicroBatchSampler
-        if self.deterministic:
+        if self.micro_batched:
             # Live mode: a member lost in the replica's start-up collectives is survived like any other.
-            self.handle = live.retry_start(
-                lambda: replicate(self.module, policy=SyncPolicy(deterministic=True))
-            )
+            self.handle = live.retry_start(lambda: replicate(self.module, policy=self.replica_policy()))
             group = live.current()
             if group is not None:  # the members may have changed meanwhile
                 self.topo = topo = group.topology()
@@ -205,16 +210,9 @@ class _Run:
         self.runlog = RunLog(self.run_dir, enabled=topo.is_main)
         self.bar = ProgressBar(self.total_steps, enabled=topo.is_main, mode=config.progress)
         self.train_metrics: MetricBuffer | OrderedMetrics = (
-            OrderedMetrics() if self.deterministic else MetricBuffer()
+            OrderedMetrics() if self.micro_batched else MetricBuffer()
         )
         self.eval_data, self.pin = eval_data, pin
-        self.live = live.current()
-        if self.live is not None and not self.deterministic:
-            raise ConfigError(
-                "live mode (lockstep run --min-world) needs deterministic=True (with global_batch_size): a "
-                "step lost to a dead rank is redone over the survivors with the same micro-batches, which "
-                "only deterministic mode cuts independently of the world size"
-            )
         # Members lost before fit began (at start-up) are faults of this run too.
         self.faults: list[dict[str, Any]] = [
             {"step": 0, **asdict(f), "recover_s": round(f.recover_s, 4)}
@@ -292,12 +290,12 @@ class _Run:
             PROGRESS.set_phase(DATA)  # the hang watchdog names the phase a stuck rank is in
             wanted = min(self.micro_per_step, micro_left)
             group = _take(micro_batches, wanted)
-            if len(group) < wanted or not (group or self.deterministic):
+            if len(group) < wanted or not (group or self.micro_batched):
                 steps_left = 0  # the loader ended early (the dataset shrank under it): the epoch is done
                 break
             try:
-                if self.deterministic:
-                    self._deterministic_step(group)
+                if self.micro_batched:
+                    self._micro_batched_step(group)
                 else:
                     self._optimizer_step(group)
             except (RuntimeError, dist.DistError) as exc:
@@ -346,11 +344,12 @@ class _Run:
             self._record(cast(MetricBuffer, self.train_metrics), "train", outputs, targets, loss, counts[-1])
         self._update(sum(counts) * self.topo.world_size)
 
-    def _deterministic_step(self, group: list[Any]) -> None:
-        """One step of deterministic mode: this rank's micro-batches through the engine's exact accumulate()."""
+    def _micro_batched_step(self, group: list[Any]) -> None:
+        """One step of K micro-batches (deterministic or live mode): this rank's through the engine's
+        accumulate(), exact in deterministic mode, the bucketed float all-reduce otherwise."""
         handle = self.handle
         if handle is None:
-            raise InternalError("_deterministic_step ran without a deterministic replica")
+            raise InternalError("_micro_batched_step ran without a replica")
         num = self.plan.num_micro_batches
         owned = handle.owned_micro_batches(num)
         results = handle.accumulate(
@@ -370,7 +369,7 @@ class _Run:
         self._update(self.plan.global_batch_size)
 
     def _micro_step(self, batch: Any) -> tuple[dict[str, torch.Tensor], int]:
-        """Forward and backward of one micro-batch (deterministic mode); its metric sums and sample count."""
+        """Forward and backward of one micro-batch (through accumulate()); its metric sums and sample count."""
         inputs, targets = to_device(split_batch(batch), self.device)
         with self._autocast():
             outputs = self.model(inputs)
@@ -409,6 +408,10 @@ class _Run:
 
     def _metric_names(self, prefix: str) -> list[str]:
         return [f"{prefix}_loss"] + ([f"{prefix}_accuracy"] if self.config.task == "classification" else [])
+
+    def replica_policy(self) -> SyncPolicy:
+        """The engine's policy for accumulate(): exact in deterministic mode, float sums otherwise."""
+        return SyncPolicy(deterministic=self.deterministic)
 
     def _live_retry(self, work: Callable[[], Any]) -> bool:
         """work(), done again over the survivors if a member is lost in its collectives (live mode).
