@@ -108,9 +108,9 @@ def _die_before_commit() -> None:
 
     commit = LiveGroup.commit
 
-    def dying_commit(self: LiveGroup, step: int) -> None:
+    def dying_commit(self: LiveGroup, step: int, rows: bytes | None = None) -> None:
         maybe_die("commit")
-        commit(self, step)
+        commit(self, step, rows)
 
     LiveGroup.commit = dying_commit  # type: ignore[method-assign]
 

@@ -83,10 +83,19 @@ def _run_with_a_replacement(tmp_path: Path, name: str, fault: str, *extra: str) 
     return out, result
 
 
+def _train_log(out: Path) -> list[dict[str, Any]]:
+    lines = (out / "run" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "train_loss" in r]
+
+
 def _same_bits_as(reference: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The same parameters and optimizer state as the fault-free run, and the same logged training metrics:
+    a lost member's rows since the last log were taken over from the store, so every mean covers every
+    sample (deterministic mode sums them in the same order at any world size)."""
     summary = _summary(out)
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["optimizer_sha256"] == reference["optimizer_sha256"]
+    assert _train_log(out) == reference["train_log"]
     return summary
 
 
@@ -95,7 +104,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("live_reference")
     out, result = _run(tmp, "ref", "-n", "3")
     assert result.returncode == 0, result.stderr
-    return _summary(out)
+    train_log = _train_log(out)
+    assert len(train_log) == EPOCHS * SAMPLES // GLOBAL_BATCH // 4  # log_every=4
+    return {**_summary(out), "train_log": train_log}
 
 
 @pytest.mark.parametrize(

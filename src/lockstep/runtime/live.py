@@ -224,7 +224,7 @@ class LiveGroup:
 
     # ---- committing a step ----------------------------------------------------------------------------------
 
-    def commit(self, step: int) -> None:
+    def commit(self, step: int, rows: bytes | None = None) -> None:
         """After this rank's collectives of `step` completed: return once every member's did (the step
         counts everywhere), or raise MembershipChanged on every member when one's did not (all redo it).
 
@@ -233,9 +233,14 @@ class LiveGroup:
         happened. Each member counts itself done on the store; a step counts when all are. A member
         writes its key before it can die, so when a death is seen the keys are final and every member
         decides the same. One store write and a read or two per step.
+
+        `rows`: this member's metric rows of the step (packed). They are written before its key, so once
+        the step counts they stay readable (`committed_rows`) after this member is lost.
         """
         m = self.membership
         prefix = f"{_PREFIX}gen{m.generation}/done/{step}/"
+        if rows is not None:
+            self.store.set(f"{prefix}{m.uid}/rows", rows)  # on the same connection as the add below
         self.store.add(f"{prefix}{m.uid}", 1)  # answered by the store: written before this rank can die
         keys = [f"{prefix}{u}" for u in m.members]
         # Waited on like a collective: a member stopped between its collectives and its key is judged by
@@ -250,6 +255,16 @@ class LiveGroup:
                         f"every rank (generation {m.generation}): the step is redone"
                     )
                 time.sleep(0.0005)
+
+    def committed_rows(self, generation: int, step: int, uid: int) -> bytes | None:
+        """The metric rows that member `uid` committed with `step` in `generation`, if it did."""
+        key = f"{_PREFIX}gen{generation}/done/{step}/{uid}/rows"
+        return bytes(self.store.get(key)) if self.store.check([key]) else None
+
+    def forget_rows(self, committed: list[tuple[int, int]]) -> None:
+        """Drop this member's rows of (step, generation) pairs once they are logged: the store stays small."""
+        for step, generation in committed:
+            self.store.delete_key(f"{_PREFIX}gen{generation}/done/{step}/{self.membership.uid}/rows")
 
     # ---- replacements -----------------------------------------------------------------------------------
 

@@ -33,6 +33,9 @@ from lockstep.errors import InternalError, MembershipChanged, rank_tag
 from lockstep.runtime.collectives import all_gather_object
 from lockstep.runtime.live import Fault, LiveGroup
 from lockstep.runtime.state_transfer import broadcast_state
+from lockstep.trainer.metrics import OrderedMetrics
+from lockstep.trainer.progress import ProgressBar
+from lockstep.trainer.run_log import RunLog
 
 if TYPE_CHECKING:
     from lockstep.trainer.loop import _Run
@@ -107,6 +110,9 @@ def _rejoin(run: _Run, group: LiveGroup, fault: Fault) -> None:
     started = time.monotonic()
     _converge(run, group)
     record["detail"]["converge_s"] = round(time.monotonic() - started, 4)  # with the state sent, if any
+    if run.topo.rank == 0:
+        _take_over_rows(run, group, fault.lost)
+        _take_over_the_log(run)
     run.reshard()
     if fault.kind == "joined":
         text = f"replacements {fault.joined} joined"
@@ -138,6 +144,7 @@ def _converge(run: _Run, group: LiveGroup) -> None:
         # The metric reduction completed on some members (their rows are gone) and not on others: the
         # interval's rows cannot all be had again, so every member drops them (the log skips it).
         run.train_metrics = type(run.train_metrics)()
+        run.unlogged = []
     if len(members) > 1:
         raise InternalError(
             f"{rank_tag(run.topo.rank, run.topo.world_size)}after a change of members the ranks stand at "
@@ -150,6 +157,30 @@ def _converge(run: _Run, group: LiveGroup) -> None:
     if group.needs_state:
         load_state_tree(run, tree)
         group.state_received()
+
+
+def _take_over_rows(run: _Run, group: LiveGroup, lost: list[int]) -> None:
+    """Rank 0 holds from now on the metric rows that the lost members committed since the last log (from
+    the store), so that the interval's logged means cover every sample, as in a run without the fault."""
+    metrics = run.train_metrics
+    if not lost or not isinstance(metrics, OrderedMetrics):
+        return
+    names = run._metric_names("train")
+    for step, generation in run.unlogged:
+        for uid in lost:
+            rows = group.committed_rows(generation, step, uid)
+            if rows is not None:
+                metrics.add_packed(rows, names)
+
+
+def _take_over_the_log(run: _Run) -> None:
+    """This rank became rank 0 (the old one was lost): it writes the metric log and shows progress now."""
+    if run.runlog.enabled:
+        return
+    run.runlog = RunLog(run.run_dir, enabled=True)
+    run.runlog.rewind(run.counters.step)  # what the lost rank 0 wrote, up to the step the group stands at
+    run.bar = ProgressBar(run.total_steps, enabled=True, mode=run.config.progress)
+    run.bar.advance(run.counters.step)
 
 
 def state_tree(run: _Run) -> dict[str, Any]:
@@ -167,6 +198,7 @@ def state_tree(run: _Run) -> dict[str, Any]:
         "faults": run.faults,
         "saved_step": run.saved_step,
         "eval_step": run.eval_step,
+        "unlogged": run.unlogged,
     }
 
 
@@ -184,3 +216,4 @@ def load_state_tree(run: _Run, tree: dict[str, Any]) -> None:
     run.last_train, run.last_eval = dict(tree["last_train"]), dict(tree["last_eval"])
     run.faults = list(tree["faults"])
     run.saved_step, run.eval_step = tree["saved_step"], tree["eval_step"]
+    run.unlogged = [(int(step), int(generation)) for step, generation in tree["unlogged"]]

@@ -222,6 +222,7 @@ class _Run:
         self.last_train: dict[str, float] = {}
         self.saved_step: int | None = None
         self.eval_step: int | None = None
+        self.unlogged: list[tuple[int, int]] = []  # live mode: (step, generation) committed since the last log
 
     # ---- phases -------------------------------------------------------------------------------------------
 
@@ -359,12 +360,18 @@ class _Run:
             step=self.counters.step,
             seed=self.config.seed,
         )
-        if self.live is not None:
-            self.live.commit(self.counters.step)  # the step counts on every member or on none
         metrics = cast(OrderedMetrics, self.train_metrics)
         names = self._metric_names("train")
+        rows = OrderedMetrics() if self.live is not None else metrics
         for ordinal, (sums, count) in results.items():
-            metrics.add(metrics.num_rows + ordinal, sums, count, names)  # rows since the last reduce
+            rows.add(metrics.num_rows + ordinal, sums, count, names)  # rows since the last reduce
+        if self.live is not None:
+            # The step counts on every member or on none; its rows go with it to the store, where the
+            # survivors find them if this rank is lost before the next log.
+            packed = rows.packed()
+            self.live.commit(self.counters.step, packed)
+            self.unlogged.append((self.counters.step, self.live.membership.generation))
+            metrics.add_packed(packed, names)
         metrics.num_rows += num
         self._update(self.plan.global_batch_size)
 
@@ -448,6 +455,9 @@ class _Run:
         means, count = self.train_metrics.reduce(
             self._metric_names("train")
         )  # collective: every rank is here
+        if self.live is not None:
+            self.live.forget_rows(self.unlogged)  # logged: a later loss need not recover them
+            self.unlogged = []
         if count == 0:
             return
         record = {

@@ -95,6 +95,19 @@ class OrderedMetrics:
     def count(self) -> int:
         return self.num_rows
 
+    def packed(self) -> bytes:
+        """The rows held here as float64 bytes, each [ordinal, count, sums...] (live mode keeps them on the store)."""
+        rows = [torch.stack([torch.tensor(float(k), dtype=torch.float64), *v]) for k, v in sorted(self._rows.items())]
+        return torch.cat(rows).numpy().tobytes() if rows else b""
+
+    def add_packed(self, data: bytes, names: list[str]) -> None:
+        """Rows that `packed` gave (a lost member's): held here from now on."""
+        if not data:
+            return
+        flat = torch.frombuffer(bytearray(data), dtype=torch.float64).reshape(-1, 2 + len(names))
+        for row in flat:
+            self._rows[int(row[0])] = list(row[1:].clone().unbind())
+
     def reduce_sums(self, names: list[str]) -> tuple[list[float], int]:
         """Global sums of `names` and the global sample count (a collective: every rank calls it); resets."""
         rows = {ordinal: torch.stack(values) for ordinal, values in self._rows.items()}
