@@ -222,7 +222,9 @@ class _Run:
         self.last_train: dict[str, float] = {}
         self.saved_step: int | None = None
         self.eval_step: int | None = None
-        self.unlogged: list[tuple[int, int]] = []  # live mode: (step, generation) committed since the last log
+        self.unlogged: list[
+            tuple[int, int]
+        ] = []  # live mode: (step, generation) committed since the last log
 
     # ---- phases -------------------------------------------------------------------------------------------
 

@@ -97,7 +97,10 @@ class OrderedMetrics:
 
     def packed(self) -> bytes:
         """The rows held here as float64 bytes, each [ordinal, count, sums...] (live mode keeps them on the store)."""
-        rows = [torch.stack([torch.tensor(float(k), dtype=torch.float64), *v]) for k, v in sorted(self._rows.items())]
+        rows = [
+            torch.stack([torch.tensor(float(k), dtype=torch.float64), *v])
+            for k, v in sorted(self._rows.items())
+        ]
         return torch.cat(rows).numpy().tobytes() if rows else b""
 
     def add_packed(self, data: bytes, names: list[str]) -> None:
