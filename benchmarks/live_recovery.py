@@ -16,6 +16,8 @@ old group, agreeing on the members, forming the new group); for the replacement,
 start to its first step) and the state transfer.
 
     OMP_NUM_THREADS=1 python benchmarks/live_recovery.py --mb 100 --steps 24 --kill-step 10
+
+--float runs the job without deterministic mode (live mode's float step: the engine's bucketed all-reduce).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def run_way(way: str, args: argparse.Namespace, base: Path) -> dict[str, Any]:
     out.mkdir()
     cmd = [sys.executable, "-m", "lockstep", "run", "-n", "4", *WAYS[way], "--run-dir", str(out / "logs")]
     job = [str(JOB), str(out), str(args.mb), str(args.steps), str(args.kill_step), str(args.checkpoint_every)]
+    job += ["float"] if args.float else []
     started = time.time()
     proc = subprocess.run([*cmd, *job], capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
     wall = time.time() - started
@@ -100,6 +103,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=8)
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS))
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--float", action="store_true", help="not in deterministic mode")
     parser.add_argument("--out", default=None, help="write the markdown report here")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -109,7 +113,8 @@ def main() -> None:
         f"# live recovery vs restart ({datetime.date.today()})",
         "",
         machine_line(),
-        f"job: 4 ranks, MLP of {args.mb} MB parameters, Adam, deterministic, {args.steps} steps, launch rank 2 "
+        f"job: 4 ranks, MLP of {args.mb} MB parameters, Adam, {'float sums' if args.float else 'deterministic'}, "
+        f"{args.steps} steps, launch rank 2 "
         f"SIGKILLed in step {args.kill_step}, checkpoints every {args.checkpoint_every} steps",
         "",
         "| way | kill to next step (s) | kill to the lost step done (s) | steps done twice | job wall (s) | world at end |",

@@ -1,7 +1,7 @@
 """The job that benchmarks/live_recovery.py runs under `lockstep run`: deterministic lockstep.fit of an MLP
 whose parameters take MB megabytes (Adam: the state sent to a replacement is three times that).
 
-argv: OUT MB STEPS KILL_STEP CHECKPOINT_EVERY. Launch rank 2 SIGKILLs itself in the forward of step
+argv: OUT MB STEPS KILL_STEP CHECKPOINT_EVERY [float]. With "float", not in deterministic mode. Launch rank 2 SIGKILLs itself in the forward of step
 KILL_STEP (after writing the time to OUT/killed; once: a restarted rank 2 does not). Every process appends
 "<time> <step>" to
 OUT/steps-<launch rank>.txt when it completes a step (the step number comes from Adam's own count, so a
@@ -26,6 +26,7 @@ from torch.utils.data import Dataset  # noqa: E402
 import lockstep  # noqa: E402
 
 OUT, MB, STEPS, KILL_STEP, CHECKPOINT_EVERY = sys.argv[1], *map(int, sys.argv[2:6])
+FLOAT = sys.argv[6:] == ["float"]
 UID = int(os.environ.get("LOCKSTEP_LIVE_UID", os.environ["RANK"]))
 WIDTH, GLOBAL_BATCH, MICRO_BATCH = 1024, 8, 2
 
@@ -86,7 +87,7 @@ def main() -> None:
         epochs=1,
         global_batch_size=GLOBAL_BATCH,
         micro_batch_size=MICRO_BATCH,
-        deterministic=True,
+        deterministic=not FLOAT,
         checkpoint_every=CHECKPOINT_EVERY,
         log_every=1000,
         task="regression",
