@@ -69,3 +69,49 @@ def test_a_parameter_unused_on_one_rank_only_raises_everywhere_instead_of_hangin
     for message in out:
         assert "rank 1: 'extra.weight', 'extra.bias'" in message, message
         assert "rank 0:" not in message, message
+
+
+def test_a_parameter_unused_on_one_rank_of_three_raises_everywhere() -> None:
+    # torch's bucket layout (the drop-in class) carries the flag as a NaN in its last bucket: world 3
+    # checks that every rank reads the same reduced flag and that the ranks without missing gradients
+    # join the count that confirms it.
+    out = run_distributed(_no_flag, 3, args=("ours", True), timeout=60)
+    for rank, message in enumerate(out):
+        assert message.startswith(f"[rank {rank}/3]"), message
+        assert "rank 1: 'extra.weight', 'extra.bias'" in message, message
+        assert "rank 0:" not in message and "rank 2:" not in message, message
+
+
+def _nan_gradients(kind: str) -> list[list[torch.Tensor]]:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    if kind == "ours":
+        import lockstep
+
+        model: torch.nn.Module = lockstep.DistributedDataParallel(module)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(module)
+    grads = []
+    for step in range(4):  # the bucket rebuild after step 0 is crossed too
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + step))
+        out = model(x).square().mean()
+        if step == 1 and rank == 0:  # a real NaN gradient (fp16 overflow, a bad sample): not a flag
+            out = out * float("nan")
+        out.backward()
+        grads.append([p.grad.clone() for p in module.parameters()])
+    return grads
+
+
+def _nan_gradients_both() -> bool:
+    ours, theirs = _nan_gradients("ours"), _nan_gradients("torch")
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        for ga, gb in zip(a, b):
+            torch.testing.assert_close(ga, gb, rtol=0, atol=0, equal_nan=True, msg=f"step {step}")
+    assert all(g.isnan().all() for g in ours[1]) and not any(g.isnan().any() for g in ours[2])
+    return True
+
+
+def test_a_real_nan_gradient_is_not_taken_for_a_missing_one() -> None:
+    assert run_distributed(_nan_gradients_both, 2, timeout=60) == [True, True]

@@ -45,6 +45,7 @@ class Bucket:
         self.widen = dtype != self.params[0].dtype and dtype.itemsize >= self.params[0].dtype.itemsize
         self.nbytes = total * dtype.itemsize
         self.pending = len(self.params)
+        self.last_ready = -1  # the parameter that completed it in the latest step (its trigger, reducer.py)
         self.future: torch.futures.Future[Any] | None = None
         self.hook_buffer = self.buffer
         self.t_launch = 0.0

@@ -100,7 +100,7 @@ class ReplicaState:
         self._reducer: Reducer | None = None
         self.deterministic: DeterministicStep | None = None
         self._float_step: FloatStep | None = None  # accumulate() under the default policy, made on first use
-        hook: Any
+        self._handles: list[Any] = []  # deterministic mode's hooks (the reducer keeps its own)
         if policy.deterministic:
             if any(sparse):
                 raise NotSupportedError(
@@ -111,7 +111,10 @@ class ReplicaState:
                 params, names, group, rank=self.rank, world_size=self.world, device=self.comm_device
             )
             self.deterministic = DeterministicStep(module, exact, group)
-            hook = exact.post_accumulate_grad
+            self._handles = [
+                p.register_post_accumulate_grad_hook(functools.partial(exact.post_accumulate_grad, i))
+                for i, p in enumerate(params)
+            ]
         else:
             self._reducer = Reducer(
                 params,
@@ -123,10 +126,7 @@ class ReplicaState:
                 sparse=sparse,
                 device=self.comm_device,
             )
-            hook = self._reducer.post_accumulate_grad
-        self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(hook, i)) for i, p in enumerate(params)
-        ]
+            self._reducer.attach_hooks()
         # join(): torch's Join sets the config (read by its notify_join_context); join.py does the rest.
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self.join_session: JoinSession | None = None
@@ -156,6 +156,8 @@ class ReplicaState:
             self._check_deterministic_forward(self.deterministic)
             return
         syncing = torch.is_grad_enabled() and self.flags.require_backward_grad_sync
+        if self._reducer is not None:
+            self._reducer.drain()  # a local backward's (no_sync) fast-hook reports: before anything else
         if self._join_config.enable:
             join_pre_forward(self, syncing)
             return
@@ -300,6 +302,8 @@ class ReplicaState:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._reducer is not None:
+            self._reducer.detach_hooks()
         if self.deterministic is not None:
             self.deterministic.running.remove()
         if self._float_step is not None:

@@ -6,8 +6,9 @@ filled in and reduced like the others; what differs is what happens afterwards:
 - find_unused_parameters / static_graph: the ranks all-reduce a used-bitmap; a parameter no rank used
   keeps its `.grad` untouched (None stays None), like torch.
 - otherwise a missing gradient is an error, raised on every rank: each rank's count of missing
-  parameters is summed (in the last bucket's status element, or by a small all-reduce), and if the sum
-  is not zero every rank gathers the names and raises the same message.
+  parameters is summed (in the last bucket's status element; with torch's bucket layout, a NaN flag in
+  the last bucket calls for the count; with a user's comm hook, by a small all-reduce), and if the sum
+  is not zero every rank gathers the names and raises the same message (Reducer._missing_signal).
 """
 
 from __future__ import annotations
