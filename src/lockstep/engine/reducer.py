@@ -243,7 +243,7 @@ class Reducer:
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor], t_forward_start: float) -> None:
         """Arm for the backward of this forward (the last synced forward wins, like torch)."""
-        self.drain()
+        self.drain()  # pre_forward drained too; this catches a backward run inside the forward itself
         if self._static_hits is not None:
             forward_unused = self._static_unused
         elif self.policy.find_unused_parameters and not self.static_graph:
