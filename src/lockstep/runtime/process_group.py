@@ -36,8 +36,8 @@ from lockstep.runtime.topology import (
 def unpin_world_group_defaults() -> None:
     """Undo the pin above when torch.distributed.nn.functional was imported after the group existed.
 
-    A program that calls init_process_group itself and only then touches lockstep's engine imports that
-    module late: its defaults then hold the group object itself. None has the same meaning ("the default
+    A program that calls init_process_group itself and only then touches lockstep imports that module
+    late: its defaults then hold the group object itself. None has the same meaning ("the default
     group") and lets destroy_process_group() really destroy it (a caught wrap-time error followed by
     destroy_process_group() and exit aborted in about 1 run of 6 before this).
     """
@@ -48,6 +48,12 @@ def unpin_world_group_defaults() -> None:
         defaults = getattr(fn, "__defaults__", None)
         if defaults and any(d is world for d in defaults):
             fn.__defaults__ = tuple(None if d is world else d for d in defaults)
+
+
+# lockstep's names load lazily (lockstep/__init__.py): a program that formed its group with
+# dist.init_process_group and then calls lockstep.init() imports this module, and with it the one above,
+# only now (in about 1 run of 6 such a program aborted at exit before this call).
+unpin_world_group_defaults()
 
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
