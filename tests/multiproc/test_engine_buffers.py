@@ -79,3 +79,34 @@ def test_buffer_broadcast_follows_torch_through_a_reassigned_buffer() -> None:
 
 def _both_engines() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return _buffers_seen("lockstep"), _buffers_seen("torch")
+
+
+class _Scaled(nn.Module):
+    """A buffer that the forward saves for backward (the product needs it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+
+def _two_forwards_one_backward() -> list[list[torch.Tensor]]:
+    grads = []
+    for cls in (lockstep.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+        torch.manual_seed(0)
+        model = cls(_Scaled())
+        model.module.scale.fill_(dist.get_rank() + 1.0)  # each rank its own value: the sync copies rank 0's
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(2):  # siamese steps: the second forward's buffer sync writes over a saved buffer
+            a, b = model(torch.randn(2, 4, generator=gen)), model(torch.randn(2, 4, generator=gen))
+            (a - b).square().sum().backward()
+        grads.append([p.grad.clone() for p in model.module.parameters()])
+    return grads
+
+
+def test_two_forwards_then_one_backward_over_a_saved_buffer_like_torch() -> None:
+    for ours, theirs in run_distributed(_two_forwards_one_backward, 2, timeout=60):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))

@@ -258,8 +258,11 @@ class ReplicaState:
 
     # what else join.py needs (its JoinReplica protocol)
     def broadcast_buffers_from(self, group_rank: int) -> None:
-        """Every rank takes the buffers of `group_rank` (join(): the highest rank still training)."""
-        broadcast_coalesced(self.buffers, self._global_rank(group_rank), self.group)
+        """Every rank takes the buffers of `group_rank` (join(): the highest rank still training), hidden
+        from autograd's version counters like every forward's buffer sync."""
+        buffers = self.buffers
+        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            broadcast_coalesced(buffers, self._global_rank(group_rank), self.group)
 
     def broadcast_model_from(self, group_rank: int) -> None:
         """Every rank takes the parameters (frozen ones too) and, if the policy broadcasts buffers, the
