@@ -130,9 +130,11 @@ class ReplicaState:
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self.join_session: JoinSession | None = None
         self._t_forward = 0.0
-        self._buffer_broadcast: RepeatedBroadcast | None = (
-            None  # made at the first forward that syncs buffers
-        )
+        # The buffer sync's message layout, made at the first forward that syncs buffers; and torch's
+        # modules_buffers: the buffers of the last sync (or of construction), whose number decides whether
+        # a forward syncs. They are looked up again only then: a module without buffers never looks.
+        self._buffer_broadcast: RepeatedBroadcast | None = None
+        self._synced_buffers = self.buffers
 
     @property
     def reducer(self) -> Reducer:
@@ -171,7 +173,7 @@ class ReplicaState:
     def _broadcast_buffers(self) -> None:
         """Every rank takes the source rank's buffers (torch's forward buffer sync), with a message layout
         kept from one forward to the next while the buffers stay the same tensors."""
-        buffers = self.buffers
+        buffers = self._synced_buffers = self.buffers
         plan = self._buffer_broadcast
         if plan is None or plan.key != layout_key(buffers):
             plan = self._buffer_broadcast = RepeatedBroadcast(buffers, self._src, self.group)
@@ -202,7 +204,10 @@ class ReplicaState:
         """pre_forward broadcasts buffers (torch's will_sync_module_buffers, in a world above 1)."""
         flags = self.flags
         return bool(
-            flags.require_forward_param_sync and flags.broadcast_buffers and self.world > 1 and self.buffers
+            flags.require_forward_param_sync
+            and flags.broadcast_buffers
+            and self.world > 1
+            and self._synced_buffers
         )
 
     def post_forward(self, output: Any) -> Any:
