@@ -138,11 +138,11 @@ class Tied(nn.Module):
 class Checkpointed(nn.Module):
     """Activation checkpointing around the middle blocks (reentrant or not)."""
 
-    def __init__(self, reentrant: bool = True, shared: bool = False) -> None:
+    def __init__(self, reentrant: bool = True, shared: bool = False, blocks: int = 3) -> None:
         super().__init__()
         self.order = [0, 1, 0] if shared else [0, 1, 2]  # shared: block 0 runs in two checkpoints
         self.inp = nn.Linear(IN, 16)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(blocks))
         self.head = nn.Linear(16, OUT)
         self.reentrant = reentrant
 
@@ -177,6 +177,7 @@ MODELS.update(
         "ckpt_reentrant": lambda: Checkpointed(True),
         "ckpt_plain": lambda: Checkpointed(False),
         "toymp": ToyMpModel,
-        "ckpt_shared": lambda: Checkpointed(True, shared=True),
+        "ckpt_shared": lambda: Checkpointed(True, shared=True),  # block 2 unused
+        "ckpt_twice": lambda: Checkpointed(True, shared=True, blocks=2),  # every parameter used
     }
 )

@@ -308,8 +308,34 @@ class Reducer:
         del arrivals[:n]
         index_of = self._index_of
         with torch.no_grad():
+            if self._armed is not None and self._order is None:
+                self._drain_ready(batch)
+                return
             for p in batch:
                 self._arrived(index_of[id(p)])
+
+    def _drain_ready(self, batch: list[torch.Tensor]) -> None:
+        """drain() for a synced step whose bucket order is settled: `_arrived` inlined for parameters
+        of copy-at-launch buckets ready for the first time (0.4 us each instead of 1; the fast hooks
+        are on such parameters only). Any other arrival takes the general path, in its turn."""
+        step = self._step or self._start_step()
+        if step.hits is not None:
+            for p in batch:
+                self._arrived(self._index_of[id(p)])
+            return
+        index_of, where, used, ready = self._index_of, self._where, self._used, step.ready
+        for p in batch:
+            i = index_of[id(p)]
+            b = where[i][0]
+            if ready[i] or b.eager:
+                self._arrived(i)
+                continue
+            used[i] = ready[i] = 1
+            b.pending -= 1
+            if b.pending == 0:
+                b.last_ready = i
+                if not step.defer:
+                    self._launch_completed(step)
 
     def _arrived(self, i: int) -> None:
         """Param i's gradient is complete (the common case, a step under way and first time ready, in
@@ -362,9 +388,13 @@ class Reducer:
         if b.pending == 0:
             b.last_ready = i
         if b.pending == 0 and not step.defer:
-            while step.next_bucket < len(self.buckets) and self.buckets[step.next_bucket].pending == 0:
-                self._launch(step, self.buckets[step.next_bucket])
-                step.next_bucket += 1
+            self._launch_completed(step)
+
+    def _launch_completed(self, step: StepState) -> None:
+        """Launch the completed buckets that are next in order (buckets launch strictly in order)."""
+        while step.next_bucket < len(self.buckets) and self.buckets[step.next_bucket].pending == 0:
+            self._launch(step, self.buckets[step.next_bucket])
+            step.next_bucket += 1
 
     @property
     def _first_static(self) -> bool:
