@@ -110,10 +110,11 @@ def test_with_leaves_a_group_formed_by_init_process_group_alone() -> None:
         alive = dist.is_initialized()
         after = torch.tensor([10.0 * (dist.get_rank() + 1)])
         dist.all_reduce(after)
-        import torch.distributed.nn.functional as fn  # imported (by lockstep or torch) after the group exists
-        world = dist.group.WORLD
-        pinned = [n for n, f in vars(fn).items() if any(d is world for d in getattr(f, "__defaults__", None) or ())]
-        print(topo.rank, topo.world_size, inside.item(), alive, after.item(), pinned)
+        def pinned():  # a function: no global of this program may hold the group itself at exit either
+            import torch.distributed.nn.functional as fn  # imported (by lockstep or torch) after the group
+            world = dist.group.WORLD
+            return [n for n, f in vars(fn).items() if any(d is world for d in getattr(f, "__defaults__", None) or ())]
+        print(topo.rank, topo.world_size, inside.item(), alive, after.item(), pinned())
         dist.destroy_process_group()
     """
     assert _run_ranks(code) == [["0 2 3.0 True 30.0 []"], ["1 2 3.0 True 30.0 []"]]
