@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.common import MODELS, abba, batch, build, fmt_ratios, loss, machine_line, slowest_rank_seconds  # noqa: E402
 
 import lockstep  # noqa: E402
-from lockstep.runtime import watchdog  # noqa: E402
+from lockstep.runtime import waits, watchdog  # noqa: E402
 from lockstep.runtime.progress import PROGRESS  # noqa: E402
 from lockstep.testing import run_distributed  # noqa: E402
 
@@ -88,7 +88,7 @@ def _tracking_cost_us(model: Any) -> float:
             rec = PROGRESS.issue("allreduce (gradient bucket)", (buf,), None)
             PROGRESS.begin_wait(rec)
             PROGRESS.end_wait()
-        with watchdog.tracked("allreduce (missing-gradient count)", (buckets[0],), None):
+        with waits.tracked("allreduce (missing-gradient count)", (buckets[0],), None):
             pass
         PROGRESS.end_step()
 

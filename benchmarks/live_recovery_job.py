@@ -27,7 +27,7 @@ import lockstep  # noqa: E402
 
 OUT, MB, STEPS, KILL_STEP, CHECKPOINT_EVERY = sys.argv[1], *map(int, sys.argv[2:6])
 FLOAT = sys.argv[6:] == ["float"]
-UID = int(os.environ.get("LOCKSTEP_LIVE_UID", os.environ["RANK"]))
+UID = int(os.environ.get("LOCKSTEP_MEMBER_ID", os.environ["RANK"]))
 WIDTH, GLOBAL_BATCH, MICRO_BATCH = 1024, 8, 2
 
 

@@ -12,7 +12,7 @@ stops answering without dying), "heal" (VICTIM dies in a forward as for "forward
 is back to 4, launch rank 0 dies in the state_dict() call that gathers the state for the replacement: the
 peer it heals from is lost while it heals), or "none". Every rank appends the sample ids that reached its forward to
 OUT_DIR/seen-<launch rank>.txt; the summary is in OUT_DIR/run. A replacement (`--max-restarts`) has
-launch rank N, N+1, ... (LOCKSTEP_LIVE_UID); RANK is the rank it replaces. With a fifth argument
+launch rank N, N+1, ... (LOCKSTEP_MEMBER_ID); RANK is the rank it replaces. With a fifth argument
 "replace", the survivors of a smaller world slow down until the replacement process has started, so
 that it joins before the run ends however slowly this machine starts a process; with "slow", each forward
 takes 0.1 s longer, so that a test can act (take a link down) while the job runs; with "float", the run is
@@ -38,7 +38,7 @@ REPLACE = "replace" in sys.argv[5:]
 SLOW = "slow" in sys.argv[5:]  # 0.1 s per forward: a test has time to act while the job runs
 FLOAT = "float" in sys.argv[5:]  # live mode without deterministic mode
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
-UID = int(os.environ.get("LOCKSTEP_LIVE_UID", os.environ["RANK"]))
+UID = int(os.environ.get("LOCKSTEP_MEMBER_ID", os.environ["RANK"]))
 calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0, "replicate": 0}
 
 
@@ -104,7 +104,7 @@ class DyingSGD(torch.optim.SGD):
 
 
 def _die_before_commit() -> None:
-    from lockstep.runtime.live import LiveGroup
+    from lockstep.runtime.membership.group import LiveGroup
 
     commit = LiveGroup.commit
 
@@ -116,12 +116,12 @@ def _die_before_commit() -> None:
 
 
 def _die_while_forming() -> None:
-    from lockstep.runtime.live import LiveGroup
+    from lockstep.runtime.membership.formation import Formation
 
-    def dying_form(self: LiveGroup, m: object) -> None:
+    def dying_form(self: Formation) -> None:
         os.kill(os.getpid(), signal.SIGKILL)  # checked in, then gone before its group formed
 
-    LiveGroup._form = dying_form  # type: ignore[method-assign]
+    Formation.form_group = dying_form  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lockstep.errors import CollectiveMismatchError, ConfigError, rank_tag
 from lockstep.runtime import all_gather_object, get_rank, get_world_size
 from lockstep.runtime.collectives import comm_device
-from lockstep.runtime.watchdog import tracked
+from lockstep.runtime.waits import tracked
 
 Rows = torch.Tensor | Sequence[torch.Tensor]
 _INDEX = "\x00indices"  # the indices travel as one more named column

@@ -52,7 +52,7 @@ from lockstep.engine.fixed_point import (
 from lockstep.engine.small_grads import SmallGradients
 from lockstep.errors import InternalError
 from lockstep.runtime.progress import PROGRESS
-from lockstep.runtime.watchdog import settle, tracked, wait_tracked
+from lockstep.runtime.waits import tracked, wait_tracked, wait_watching_membership
 
 T = TypeVar("T")
 
@@ -378,7 +378,7 @@ class ExactReducer:
             with tracked(
                 "allreduce (exact gradients: flags and small parameters)", (self._flag_buffer,), self.group
             ):
-                settle(dist.all_reduce(self._flag_buffer, group=self.group, async_op=True))
+                wait_watching_membership(dist.all_reduce(self._flag_buffer, group=self.group, async_op=True))
         flags = self._flags
         finite = flags[2] == 0
         if bool(((flags[1] > 0) & finite).any()):
@@ -425,7 +425,9 @@ class ExactReducer:
         maxima = self._maxima.clone()
         if self.world > 1:
             with tracked("allreduce max (gradient maxima)", (maxima,), self.group):
-                settle(dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+                wait_watching_membership(
+                    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+                )
         for i, p in enumerate(self.params):  # back as the step found them, for the redo
             if self.large[i]:
                 p.grad = self._held[i]

@@ -20,7 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from lockstep.errors import CollectiveMismatchError, rank_tag
 from lockstep.runtime.collectives import all_gather_object
 from lockstep.runtime.progress import PROGRESS
-from lockstep.runtime.watchdog import settle, tracked, wait_tracked
+from lockstep.runtime.waits import tracked, wait_tracked, wait_watching_membership
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # like torch: few messages, bounded extra memory
 
@@ -78,7 +78,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.P
             datas = [t.detach() for t in chunk]
             flat = _flatten_dense_tensors(datas) if len(datas) > 1 else datas[0].reshape(-1).clone()
             with tracked("broadcast (parameters and buffers)", (flat,), group):
-                settle(dist.broadcast(flat, src=src, group=group, async_op=True))
+                wait_watching_membership(dist.broadcast(flat, src=src, group=group, async_op=True))
             if len(datas) == 1:
                 with torch.no_grad():
                     datas[0].copy_(flat.view_as(datas[0]))

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
 from lockstep.errors import InternalError, UnevenInputsError
-from lockstep.runtime.watchdog import settle, tracked
+from lockstep.runtime.waits import tracked, wait_watching_membership
 
 _SYNC, _REBUILD, _BUFFERS = range(3)  # flags after the per-rank slots of a step record
 
@@ -152,7 +152,7 @@ def _exchange(
         values[world + _SYNC], values[world + _REBUILD], values[world + _BUFFERS] = sync, rebuild, buffers
     record = torch.tensor(values, dtype=torch.int64, device=replica.join_device)
     with tracked("allreduce (join record)", (record,), replica.group):
-        settle(dist.all_reduce(record, group=replica.group, async_op=True))
+        wait_watching_membership(dist.all_reduce(record, group=replica.group, async_op=True))
     summed = record.tolist()
     flags = summed[world:]
     return StepRecord(
@@ -231,7 +231,9 @@ def _sync_final_model(replica: JoinReplica, is_last_joiner: bool) -> None:
         [replica.rank if is_last_joiner else -1], dtype=torch.int64, device=replica.join_device
     )
     with tracked("allreduce max (join: last joiner)", (candidate,), replica.group):
-        settle(dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=replica.group, async_op=True))
+        wait_watching_membership(
+            dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=replica.group, async_op=True)
+        )
     replica.broadcast_model_from(int(candidate.item()))
 
 

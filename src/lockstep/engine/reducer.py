@@ -67,7 +67,7 @@ from lockstep.engine.stats import StatsRecorder, StepStats, union_ms
 from lockstep.engine.step import ArmedForward, StepState
 from lockstep.errors import CommHookResultError, GradientError, UnusedParameterError, UsageError, rank_tag
 from lockstep.runtime.progress import BACKWARD, PROGRESS
-from lockstep.runtime.watchdog import wait_tracked
+from lockstep.runtime.waits import wait_tracked
 
 CommHook = Callable[[Any, "GradBucket"], "torch.futures.Future[Any]"]
 # A gradient this large is reduced in place in its own bucket: no copy into a flat buffer and back

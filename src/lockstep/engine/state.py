@@ -30,7 +30,6 @@ from lockstep.errors import (
 )
 from lockstep.runtime import watchdog
 from lockstep.runtime.collectives import comm_device
-from lockstep.runtime.process_group import hang_timeout_setting
 from lockstep.runtime.progress import PROGRESS
 
 
@@ -69,7 +68,9 @@ class ReplicaState:
                 f"no process group: {type(module).__name__} was wrapped before torch.distributed was "
                 "initialized; call lockstep.init() (or torch.distributed.init_process_group) first"
             )
-        watchdog.start(hang_timeout_setting())  # a program that called init_process_group itself gets one too
+        watchdog.start(
+            watchdog.hang_timeout_setting()
+        )  # a program that called init_process_group itself gets one too
         self.module, self.policy, self.group = module, policy, group
         self.flags = flags if flags is not None else SyncFlags(policy.broadcast_buffers)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)

@@ -37,7 +37,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lockstep.errors import ConfigError, rank_tag
 from lockstep.runtime.collectives import comm_device
-from lockstep.runtime.watchdog import settle, tracked
+from lockstep.runtime.waits import tracked, wait_watching_membership
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
@@ -93,7 +93,7 @@ def _local_moments(xc: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _all_reduce(packed: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     with tracked("allreduce (SyncBatchNorm statistics)", (packed,), group):
-        settle(dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        wait_watching_membership(dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group, async_op=True))
     return packed
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.runtime.collectives import all_gather_object
-from lockstep.runtime.watchdog import settle, tracked
+from lockstep.runtime.waits import tracked, wait_watching_membership
 
 
 def unreached(outputs: Sequence[torch.Tensor], index_of: dict[int, int]) -> list[int]:
@@ -54,7 +54,7 @@ def globally_unused(used: bytearray, group: dist.ProcessGroup | None, device: to
     """Parameters that no rank used since the last synced step (one all-reduce of the used-bitmap)."""
     flags = torch.frombuffer(bytearray(used), dtype=torch.uint8).to(device=device, dtype=torch.int32)
     with tracked("allreduce (unused-parameter flags)", (flags,), group):
-        settle(dist.all_reduce(flags, group=group, async_op=True))
+        wait_watching_membership(dist.all_reduce(flags, group=group, async_op=True))
     return set((flags == 0).nonzero().flatten().tolist())
 
 
@@ -62,7 +62,7 @@ def total_missing(count: int, group: dist.ProcessGroup | None, device: torch.dev
     """Sum over ranks of the number of parameters without gradient (one 8-byte all-reduce)."""
     total = torch.tensor([count], dtype=torch.int64, device=device)
     with tracked("allreduce (missing-gradient count)", (total,), group):
-        settle(dist.all_reduce(total, group=group, async_op=True))
+        wait_watching_membership(dist.all_reduce(total, group=group, async_op=True))
     return int(total.item())
 
 

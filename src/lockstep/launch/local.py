@@ -99,7 +99,7 @@ class LaunchState:
 def launch(spec: LaunchSpec, *, cwd: str | None = None, console: Console | None = None) -> int:
     """Run `spec` on this node; return the exit code (see the module doc). Raises ConfigError on bad input."""
     if spec.min_world is not None:
-        from lockstep.launch.live import launch_live
+        from lockstep.launch.live_launch import launch_live
 
         return launch_live(spec, cwd=cwd, console=console)
     cwd = cwd or os.getcwd()

@@ -64,7 +64,7 @@ class LaunchSpec:
     shutdown_grace: float = 5.0
     verbose: bool = False
     hang_timeout: float | None = None  # None: the workers' default (LOCKSTEP_HANG_TIMEOUT, else 300 s)
-    min_world: int | None = None  # live mode (launch/live.py): survivors go on while this many remain
+    min_world: int | None = None  # live mode (launch/live_launch.py): survivors go on while this many remain
 
     def __post_init__(self) -> None:
         validate(self)

@@ -64,14 +64,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _exit_if_groups_abandoned(code: int) -> None:
-    """Live mode left groups with work stuck in them (runtime/live.py): the interpreter's teardown would
-    wait for that work to time out, so leave now, after the group of this generation and the output."""
-    live = sys.modules.get("lockstep.runtime.live")
-    group = live.current() if live is not None else None
+    """Live mode left groups with work stuck in them (runtime/membership/formation.py): the interpreter's
+    teardown would wait for that work to time out, so leave now, after the group of this generation and
+    the output. Read from sys.modules: this bootstrap imports nothing of torch's itself."""
+    process_group = sys.modules.get("lockstep.runtime.process_group")
+    if process_group is None:
+        return
+    group = process_group.live_group()
     if group is None or not group.abandoned:
         return
-    shutdown = sys.modules["lockstep.runtime.process_group"].shutdown
-    shutdown()
+    process_group.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.runtime.watchdog import settle, tracked
+from lockstep.runtime.waits import tracked, wait_watching_membership
 
 
 def _active(group: dist.ProcessGroup | None = None) -> bool:
@@ -57,7 +57,7 @@ def device_for_backend(capability: Sequence[str], current_index: Callable[[], in
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if _active(group):
         with tracked("barrier", (), group, publish=True):
-            settle(dist.barrier(group, async_op=True))
+            wait_watching_membership(dist.barrier(group, async_op=True))
 
 
 @contextmanager
@@ -80,7 +80,7 @@ def all_reduce_mean(
         tensor = value.detach().to(comm_device(group), torch.float64)
         if _active(group):
             with tracked("allreduce (mean)", (tensor,), group, publish=True):
-                settle(dist.all_reduce(tensor, group=group, async_op=True))
+                wait_watching_membership(dist.all_reduce(tensor, group=group, async_op=True))
             tensor /= dist.get_world_size(group)
         return tensor.to(value.device)
     is_scalar = isinstance(value, (int, float))
@@ -88,7 +88,7 @@ def all_reduce_mean(
     packed = torch.tensor(values, dtype=torch.float64, device=comm_device(group))
     if _active(group):
         with tracked("allreduce (mean)", (packed,), group, publish=True):
-            settle(dist.all_reduce(packed, group=group, async_op=True))
+            wait_watching_membership(dist.all_reduce(packed, group=group, async_op=True))
         packed /= dist.get_world_size(group)
     means: list[float] = packed.tolist()
     return means[0] if is_scalar else means
@@ -99,7 +99,7 @@ def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup | None = No
     packed = torch.tensor(list(values), dtype=torch.float64, device=comm_device(group))
     if _active(group):
         with tracked("allreduce (sum)", (packed,), group, publish=True):
-            settle(dist.all_reduce(packed, group=group, async_op=True))
+            wait_watching_membership(dist.all_reduce(packed, group=group, async_op=True))
     return packed.tolist()
 
 
@@ -119,7 +119,7 @@ def gather_rows(
         lengths[ordinal] = row.numel()
     if _active(group):
         with tracked("allreduce (row lengths)", (lengths,), group, publish=True):
-            settle(dist.all_reduce(lengths, group=group, async_op=True))
+            wait_watching_membership(dist.all_reduce(lengths, group=group, async_op=True))
     sizes = lengths.tolist()
     offsets = [0]
     for size in sizes:
@@ -129,7 +129,7 @@ def gather_rows(
         flat[offsets[ordinal] : offsets[ordinal + 1]] = row.detach().to(device, torch.float64)
     if _active(group):
         with tracked("allreduce (rows)", (flat,), group, publish=True):
-            settle(dist.all_reduce(flat, group=group, async_op=True))
+            wait_watching_membership(dist.all_reduce(flat, group=group, async_op=True))
     flat = torch.where(flat == 0, 0.0, flat)  # -0.0 + 0.0 is +0.0: make a world of 1 agree with the others
     return [flat[offsets[i] : offsets[i + 1]] for i in range(num_rows)]
 
@@ -151,11 +151,11 @@ def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = N
     payload = _encode(obj).to(device) if get_rank() == src else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
     with tracked("broadcast (object size)", (size,), group, publish=True):
-        settle(dist.broadcast(size, src=src, group=group, async_op=True))
+        wait_watching_membership(dist.broadcast(size, src=src, group=group, async_op=True))
     if payload is None:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     with tracked("broadcast (object)", (payload,), group, publish=True):
-        settle(dist.broadcast(payload, src=src, group=group, async_op=True))
+        wait_watching_membership(dist.broadcast(payload, src=src, group=group, async_op=True))
     return _decode(payload)
 
 
@@ -169,11 +169,11 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
     with tracked("allgather (object sizes)", (size,), group, publish=True):
-        settle(dist.all_gather(sizes, size, group=group, async_op=True))
+        wait_watching_membership(dist.all_gather(sizes, size, group=group, async_op=True))
     longest = max(int(s.item()) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     gathered = [torch.empty_like(padded) for _ in range(world)]
     with tracked("allgather (objects)", (padded,), group, publish=True):
-        settle(dist.all_gather(gathered, padded, group=group, async_op=True))
+        wait_watching_membership(dist.all_gather(gathered, padded, group=group, async_op=True))
     return [_decode(t[: int(s.item())]) for t, s in zip(gathered, sizes)]

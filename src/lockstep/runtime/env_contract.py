@@ -50,19 +50,11 @@ TORCHRUN_VARS = (
 CUDA_VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
 
 # lockstep's own, live mode (`lockstep run --min-world M`): the launcher hosts the store at
-# MASTER_ADDR:MASTER_PORT, keeps the survivors running when a rank dies and writes `LIVE_DEAD_KEY + rank`
-# there; each worker re-forms the group over the survivors (runtime/live.py) while at least M remain.
+# MASTER_ADDR:MASTER_PORT and keeps the survivors running when a rank dies; each worker re-forms the group
+# over the survivors (runtime/membership/) while at least M remain. The store keys of that protocol are
+# named in runtime/membership/keys.py.
 LIVE_MIN_WORLD_VAR = "LOCKSTEP_MIN_WORLD"
-LIVE_DEAD_KEY = "lockstep/live/dead/"
-# Counts membership changes (deaths seen by the launcher, check-ins of survivors): every worker polls it
-# while it waits in a collective, so that none blocks in a group that lost a member.
-LIVE_CHANGES_KEY = "lockstep/live/changes"
-# Each worker's id in live mode ("launch rank"): 0..N-1 for the first N, N, N+1, ... for replacements,
-# which also get RANK/LOCAL_RANK of the rank they replace (its device) and LIVE_JOIN_VAR=1. A replacement
-# queues under LIVE_JOIN_KEY, is admitted at a step boundary (LIVE_ADMIT_KEY + uid: the generation it
-# joins) and receives its state from a peer; LIVE_CLOSED_KEY tells a queued one that the job ended first.
-LIVE_UID_VAR = "LOCKSTEP_LIVE_UID"
+# Each worker's member id in live mode: 0..N-1 for the first N, N, N+1, ... for replacements, which also
+# get RANK/LOCAL_RANK of the rank they replace (its device) and LIVE_JOIN_VAR=1 (they queue for admission).
+MEMBER_ID_VAR = "LOCKSTEP_MEMBER_ID"
 LIVE_JOIN_VAR = "LOCKSTEP_LIVE_JOIN"
-LIVE_JOIN_KEY = "lockstep/live/join/"
-LIVE_ADMIT_KEY = "lockstep/live/admit/"
-LIVE_CLOSED_KEY = "lockstep/live/closed"

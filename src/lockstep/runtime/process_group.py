@@ -23,11 +23,12 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
 from lockstep.errors import BackendUnavailableError, ConfigError, InitTimeoutError, rank_tag
-from lockstep.runtime import live, watchdog
+from lockstep.runtime import watchdog
 from lockstep.runtime.env_contract import CUDA_VISIBLE_DEVICES_VAR
+from lockstep.runtime.membership.group import LiveGroup, form_live_group
 from lockstep.runtime.topology import (
     Topology,
-    hang_timeout_from_env,
+    live_settings_from_env,
     report_dir_from_env,
     resolve_topology,
 )
@@ -73,7 +74,7 @@ class JoinedTopology(Topology):
     def __enter__(self) -> JoinedTopology:
         # The name bound by `as` describes the group; ownership stays with this `with` statement, so a
         # nested `with topo:` cannot leave the group under the outer block.
-        return _formed.view or replace(self, formed_group=None)
+        return _formed.current() or replace(self, formed_group=None)
 
     def __exit__(self, *exc: object) -> None:
         if self.formed_group is not None and self.formed_group == _formed.count and _formed.view is not None:
@@ -93,21 +94,30 @@ def _facts(topo: Topology) -> dict[str, Any]:
 
 @dataclass
 class _FormedGroups:
-    """The groups init() formed in this process: the live one, returned by every later init(), and how
-    many there were, so that a `with` over a group since left (and formed again) does nothing."""
+    """The groups init() formed in this process: the current one, returned by every later init(), how
+    many there were, so that a `with` over a group since left (and formed again) does nothing, and in
+    live mode the LiveGroup whose generations replace the group over time."""
 
     view: JoinedTopology | None = None
     count: int = 0
+    live: LiveGroup | None = None
+
+    def current(self) -> JoinedTopology | None:
+        """The view of the group now: in live mode, numbered as the current generation numbers ranks."""
+        view, group = self.view, self.live
+        if view is not None and group is not None:
+            m = group.membership
+            if (view.rank, view.world_size) != (m.rank, m.world_size):
+                view = self.view = replace(view, rank=m.rank, world_size=m.world_size)
+        return view
 
 
 _formed = _FormedGroups()
-_hang_timeout: list[float] = []  # init(hang_timeout=...) of this process, if it gave one
 
 
-def hang_timeout_setting() -> float:
-    """The hang watchdog's timeout for this process: init(hang_timeout=...), else LOCKSTEP_HANG_TIMEOUT,
-    else 300 s (0: off)."""
-    return _hang_timeout[-1] if _hang_timeout else hang_timeout_from_env(os.environ)
+def live_group() -> LiveGroup | None:
+    """This worker's live membership (runtime/membership/) when init() formed a live-mode group, else None."""
+    return _formed.live
 
 
 def start_watchdog(hang_timeout: float | None = None) -> None:
@@ -117,8 +127,9 @@ def start_watchdog(hang_timeout: float | None = None) -> None:
             raise ConfigError(
                 f"hang_timeout={hang_timeout!r}: expected seconds >= 0 (0 turns the watchdog off)"
             )
-        _hang_timeout[:] = [float(hang_timeout)]
-    watchdog.start(hang_timeout_setting(), report_dir_from_env(os.environ), live=live.current() is not None)
+        watchdog.set_hang_timeout(hang_timeout)
+    report_dir = report_dir_from_env(os.environ)
+    watchdog.start(watchdog.hang_timeout_setting(), report_dir, membership=_formed.live)
 
 
 def choose_backend(device_type: str) -> str:
@@ -215,7 +226,7 @@ def init(
         timeout = timedelta(seconds=timeout)
     if dist.is_initialized():
         start_watchdog(hang_timeout)
-        return _formed.view or _topology_of_existing_group()
+        return _formed.current() or _topology_of_existing_group()
     topo = resolve_topology(os.environ, rank=rank, world_size=world_size)
     device = _local_device(topo, backend)
     backend = backend or choose_backend(device.type)
@@ -225,9 +236,18 @@ def init(
     if topo.world_size == 1 and topo.launcher in ("none", "explicit"):
         # No peers: an in-memory store needs no port and cannot collide with anything.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    elif (min_world := live.min_world_from_env()) is not None:
+    elif (live := live_settings_from_env(os.environ)) is not None:
         # `lockstep run --min-world`: the launcher's store; a replacement learns its rank when admitted
-        topo = live.form(topo, backend, timeout, min_world).topology()
+        _formed.live = form_live_group(
+            topo,
+            backend,
+            timeout,
+            min_world=live.min_world,
+            member_id=live.member_id,
+            joining=live.joining,
+            report_dir=report_dir_from_env(os.environ),
+        )
+        topo = _formed.live.topology()
     else:
         _rendezvous(topo, backend, timeout)
     _formed.count += 1
@@ -288,12 +308,6 @@ def _topology_of_existing_group() -> JoinedTopology:
     )
 
 
-def rebind_view(rank: int, world_size: int) -> None:
-    """Live mode re-formed the group over the survivors: init() returns their numbering from now on."""
-    if _formed.view is not None:
-        _formed.view = replace(_formed.view, rank=rank, world_size=world_size)
-
-
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -309,5 +323,5 @@ def shutdown() -> None:
 def current_topology() -> Topology:
     """The Topology of this process: from init(), from an existing group, or from the environment."""
     if is_initialized():
-        return _formed.view or _topology_of_existing_group()
+        return _formed.current() or _topology_of_existing_group()
     return resolve_topology(os.environ)

@@ -9,6 +9,9 @@ runtime/watchdog.py), so every rule is unit-testable without processes:
   whether this is a hang and who is to blame: the ranks not in its collective (behind), a rank in the
   same collective with another op or other shapes (desync), or at another sequence number (diverged);
 - `divergence` finds the first sequence number at which two ranks' recent collectives differ;
+- `not_a_hang` and `silent_culprits` read a verdict: peers that left on purpose, culprits that stopped
+  publishing heartbeats (live mode evicts those); `merge_issued` folds a collective published as it was
+  issued into a rank's heartbeat;
 - `format_report` renders the report for a terminal.
 
 A rank that is busy in a slow phase (checkpoint, evaluate) or in its first two steps (compilation, bucket
@@ -159,6 +162,39 @@ def divergence(states: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None
                 "ranks": {str(r): dict(rec) for r, rec in sorted(recs.items())},
             }
     return None
+
+
+def not_a_hang(verdict: Mapping[str, Any]) -> bool:
+    """A collective failed because its peers left the group on purpose (their program ended, most often
+    with an exception that the launcher reports with its traceback), and their collective sequences
+    agree with this rank's: nothing hung."""
+    states = verdict.get("states") or {}
+    culprits = verdict.get("culprits") or []
+    mine = states.get(verdict.get("detected_by"), {})
+    return bool(
+        mine.get("failed")
+        and culprits
+        and all(states.get(r, {}).get("exited") for r in culprits)
+        and verdict.get("divergence") is None
+    )
+
+
+def silent_culprits(verdict: Mapping[str, Any]) -> list[int]:
+    """The culprits that stopped publishing heartbeats (stopped, hung hard, cut off): live mode evicts
+    them. Others blamed beside them are usually their victims (a broadcast or ring that reached some ranks
+    but not all parts their sequences by one); if a real bug remains, the next generation reports it."""
+    states = verdict.get("states") or {}
+    return [r for r in verdict.get("culprits") or [] if classify(states.get(r, {})) == SILENT]
+
+
+def merge_issued(state: dict[str, Any], rec: dict[str, Any]) -> None:
+    """A collective published as it was issued, newer than the heartbeat: the rank is (or died) in it."""
+    recent = state.setdefault("recent", [])
+    if any(r.get("group") == rec.get("group") and r.get("seq") == rec.get("seq") for r in recent):
+        return
+    recent.append(rec)
+    if not state.get("exited"):
+        state.update(waiting=rec, step=rec.get("step"), phase=rec.get("phase"), phase_for=0.0)
 
 
 def format_report(report: Mapping[str, Any]) -> str:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime.collectives import broadcast_object, comm_device, get_rank
-from lockstep.runtime.watchdog import settle, tracked
+from lockstep.runtime.waits import tracked, wait_watching_membership
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -108,7 +108,7 @@ def broadcast_state(tree: Any, src: int = 0, group: dist.ProcessGroup | None = N
         payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     if payload.numel():
         with tracked("broadcast (training state)", (payload,), group, publish=True):
-            settle(dist.broadcast(payload, src=src, group=group, async_op=True))
+            wait_watching_membership(dist.broadcast(payload, src=src, group=group, async_op=True))
     if sending:
         return tree
     received, offset = [], 0

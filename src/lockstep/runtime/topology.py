@@ -16,10 +16,13 @@ from lockstep.runtime.env_contract import (
     ATTEMPT_VAR,
     GROUP_RANK_VAR,
     HANG_TIMEOUT_VAR,
+    LIVE_JOIN_VAR,
+    LIVE_MIN_WORLD_VAR,
     LOCAL_RANK_VAR,
     LOCAL_WORLD_SIZE_VAR,
     MASTER_ADDR_VAR,
     MASTER_PORT_VAR,
+    MEMBER_ID_VAR,
     RANK_VAR,
     REPORT_DIR_VAR,
     RESTART_COUNT_VAR,
@@ -269,3 +272,25 @@ def hang_timeout_from_env(environ: Mapping[str, str]) -> float:
 def report_dir_from_env(environ: Mapping[str, str]) -> str | None:
     """Where `lockstep run` wants the hang report (None: print it to stderr on every rank)."""
     return environ.get(REPORT_DIR_VAR) or None
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """Live mode, as `lockstep run --min-world M` sets it up for a worker (runtime/membership/)."""
+
+    min_world: int
+    member_id: int | None  # this worker's id in the job (None: its RANK)
+    joining: bool  # a replacement: it queues for admission and receives its state from a peer
+
+
+def live_settings_from_env(environ: Mapping[str, str]) -> LiveSettings | None:
+    """Live mode's settings, None when the job is not in live mode."""
+    raw = environ.get(LIVE_MIN_WORLD_VAR, "")
+    if not raw:
+        return None
+    member = environ.get(MEMBER_ID_VAR)
+    return LiveSettings(
+        min_world=int(raw),
+        member_id=int(member) if member else None,
+        joining=environ.get(LIVE_JOIN_VAR) == "1",
+    )

@@ -14,9 +14,14 @@ process exits with STALL_EXIT_CODE. A rank whose collective raised re-raises its
 the report is out. Heartbeats that stop changing mark a rank as not responding; on the same host the
 thread also says whether that process is stopped (SIGSTOP) or gone.
 
-In live mode (runtime/live.py) a failed collective is not reported (the survivors re-form the group), and
-neither is a stall whose culprits include ranks that stopped publishing heartbeats: the thread names
-those dead on the store (`_live_evict`) and the survivors go on without them. Other stalls are reported.
+In live mode (runtime/membership/) a failed collective is not reported (the survivors re-form the group),
+and neither is a stall whose culprits include ranks that stopped publishing heartbeats: the thread names
+those dead through the membership it was given (`MembershipWatch.evict`) and the survivors go on without
+them. Other stalls are reported.
+
+Around the thread: runtime/waits.py is how the main thread waits (tracked, reported, in live mode given
+up on a lost member), runtime/hang_report.py joins the ranks' final states into the report, and
+runtime/process_inspection.py reads stacks and /proc.
 """
 
 from __future__ import annotations
@@ -28,17 +33,16 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 
-from lockstep.runtime import stall_verdict
+from lockstep.runtime import hang_report, stall_verdict
+from lockstep.runtime.process_inspection import all_stacks, format_stack, gone, liveness
 from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user_site
 from lockstep.runtime.sigterm_guard import SigtermGuard
+from lockstep.runtime.topology import hang_timeout_from_env
 
 STALL_EXIT_CODE = 124  # like timeout(1): the job ran out of time waiting
 SLOW_FACTOR = 5.0  # checkpoint/evaluate phases and the first steps may keep others waiting this much longer
@@ -48,6 +52,16 @@ _C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
 
 def tick_for(timeout: float) -> float:
     return min(2.0, max(0.2, timeout / 10.0))
+
+
+class MembershipWatch(Protocol):
+    """What live mode hands the watchdog and the waits (runtime/membership/group.py's LiveGroup)."""
+
+    def check(self) -> None:
+        """Raise MembershipChanged when the group lost a member (polled while a collective is waited on)."""
+
+    def evict(self, rank: int, why: str) -> None:
+        """From the watchdog thread: `rank` of the current group stopped answering; name it dead (once)."""
 
 
 class Watchdog:
@@ -61,14 +75,15 @@ class Watchdog:
         timeout: float,
         report_dir: str | None,
         *,
-        live: bool = False,
+        membership: MembershipWatch | None = None,
     ) -> None:
         # Two connections: the thread's, and the main thread's for publish_issued (never shared).
         self.store, self.main_store = stores
         self.rank, self.world, self.timeout, self.report_dir = rank, world, timeout, report_dir
-        # Live mode (runtime/live.py): a failed collective means a peer died and the survivors re-form the
-        # group; only stalls are this thread's to report.
-        self.live = live
+        # Live mode (runtime/membership/): a failed collective means a peer died and the survivors re-form
+        # the group; only stalls are this thread's to report, and silent ranks are evicted through it.
+        self.membership = membership
+        self.live = membership is not None
         self.tick = tick_for(timeout)
         self.stale_after = max(2.0, 4 * self.tick)
         self.progress: Progress = PROGRESS
@@ -136,12 +151,12 @@ class Watchdog:
                     return
                 if self._stalled():
                     verdict = self._judge()
-                    if verdict is not None and self.live and _silent_culprits(verdict):
+                    if verdict is not None and self.live and stall_verdict.silent_culprits(verdict):
                         # Live mode: the survivors go on without the silent ranks. No report: the main
                         # thread re-forms the group (and stops this thread) as soon as it sees the change.
                         self._evict(verdict)
                         verdict = None
-                    elif verdict is not None and _not_a_hang(verdict):
+                    elif verdict is not None and stall_verdict.not_a_hang(verdict):
                         self._reported.set()  # the failing collective's error is all there is to say
                         return
                     if verdict is not None and self._claim(verdict):
@@ -180,10 +195,10 @@ class Watchdog:
             t=now,
             exited=exited,
             untracked=self._untracked(frame),
-            stack=_format_stack(frame),
+            stack=format_stack(frame),
         )
         if final:
-            state["threads"] = _all_stacks()
+            state["threads"] = all_stacks()
         return state
 
     def _untracked(self, frame: Any = None) -> str | None:
@@ -218,7 +233,7 @@ class Watchdog:
             state: dict[str, Any] = json.loads(raw) if raw else {"rank": rank, "beat": -1, "phase": "?"}
             issued = values.get(f"issued/{rank}")
             if issued:
-                _merge_issued(state, json.loads(issued))
+                stall_verdict.merge_issued(state, json.loads(issued))
             beat = int(state.get("beat", -1))
             seen = self._seen.get(rank)
             if seen is None:
@@ -226,10 +241,10 @@ class Watchdog:
             elif seen[0] != beat:
                 seen = self._seen[rank] = (beat, now, True)
             unchanged = now - seen[1]
-            gone = _gone(state, self.host)
-            if not state.get("exited") and (gone or unchanged >= self.stale_after):
+            away = gone(state, self.host)
+            if not state.get("exited") and (away or unchanged >= self.stale_after):
                 state["silent"] = True
-                state["liveness"] = gone or _liveness(state, unchanged)
+                state["liveness"] = away or liveness(state, unchanged)
             elif not state.get("exited") and not seen[2]:
                 state["undecided"] = True
             states[rank] = state
@@ -250,12 +265,12 @@ class Watchdog:
         return verdict
 
     def _evict(self, verdict: dict[str, Any]) -> None:
-        """Live mode: name each silent rank dead on the store, once; live.py's hook does the writing."""
-        hook = _live_evict
-        for rank in _silent_culprits(verdict):
-            if hook is not None and rank not in self._evicted:
+        """Live mode: name each silent rank dead, once, through the membership this watchdog was given."""
+        membership = self.membership
+        for rank in stall_verdict.silent_culprits(verdict):
+            if membership is not None and rank not in self._evicted:
                 self._evicted.add(rank)
-                hook(int(rank), str(verdict["states"][rank].get("liveness") or "not responding"))
+                membership.evict(int(rank), str(verdict["states"][rank].get("liveness") or "not responding"))
 
     def _claim(self, verdict: dict[str, Any]) -> bool:
         """Become the reporter unless another rank already is (then answer it)."""
@@ -278,84 +293,28 @@ class Watchdog:
         if self._verdict is None:
             self._judged_a_failure = bool(self.progress.failed)
             self._verdict = json.loads(self.store.get("verdict"))
-        self.store.set(f"final/{self.rank}", json.dumps(self._state(final=True)))
-        report = self._wait_key("report", self.stale_after + 4 * self.tick + 5.0)
-        self.store.set(f"ack/{self.rank}", "1")
-        self._finish(json.loads(report) if report else None)
+        wait_s = self.stale_after + 4 * self.tick + 5.0
+        self._finish(hang_report.respond(self.store, self.rank, self._state(final=True), wait_s))
 
     def _report(self, verdict: dict[str, Any]) -> None:
-        states = verdict.pop("states")
-        self.store.set(f"final/{self.rank}", json.dumps(self._state(final=True)))
-        expected = [r for r, s in states.items() if not s.get("silent") and not s.get("exited")]
-        deadline = time.monotonic() + 2 * self.tick + 2.0
-        finals: dict[int, dict[str, Any]] = {}
-        while time.monotonic() < deadline and len(finals) < len(expected):
-            for r in expected:
-                if r not in finals and self.store.check([f"final/{r}"]):
-                    finals[r] = json.loads(self.store.get(f"final/{r}"))
-            time.sleep(0.05)
-        verdict["ranks"] = {str(r): finals.get(r, s) for r, s in sorted(states.items())}
-        verdict["path"] = self._write_json(verdict)
-        self.store.set("report", json.dumps(verdict))
-        # Rank 0 may host the store (env:// without an agent): stay until the others have read the report.
-        self._wait_keys([f"ack/{r}" for r in finals if r != self.rank], 2 * self.tick + 2.0)
-        self._finish(verdict)
-
-    def _write_json(self, report: dict[str, Any]) -> str | None:
-        if not self.report_dir:
-            return None
-        path = os.path.join(self.report_dir, "hang_report.json")
-        try:
-            tmp = f"{path}.tmp{self.pid}"
-            with open(tmp, "w") as fh:
-                json.dump(report, fh, indent=1)
-            os.replace(tmp, path)
-        except OSError:
-            return None
-        return path
-
-    def _wait_keys(self, keys: list[str], seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while keys and time.monotonic() < deadline and not self.store.check(keys):
-            time.sleep(0.05)
-
-    def _wait_key(self, key: str, seconds: float) -> bytes | None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if self.store.check([key]):
-                return bytes(self.store.get(key))
-            time.sleep(0.05)
-        return None
+        path = os.path.join(self.report_dir, "hang_report.json") if self.report_dir else None
+        final = self._state(final=True)
+        wait_s = 2 * self.tick + 2.0
+        self._finish(
+            hang_report.collect(self.store, self.rank, verdict, final, wait_s=wait_s, report_path=path)
+        )
 
     def _finish(self, report: dict[str, Any] | None) -> None:
         if report is None:
             self._local_report("the reporting rank published no report")
             return
-        if self.report_dir:
-            where = report.get("path") or "the launcher's failure summary"
-            sys.stderr.write(
-                f"[rank {self.rank}] lockstep: hang detected: {report.get('summary')} ({where})\n"
-            )
-        else:
-            sys.stderr.write(stall_verdict.format_report(report) + "\n")
+        hang_report.print_report(self.rank, report, self.report_dir)
         self._exit()
 
     def _local_report(self, why: str) -> None:
         """No store to agree through: say what this rank alone knows, then exit."""
         state = self._state(final=True)
-        summary = f"rank {self.rank} could not reach the c10d store ({why})"
-        if self._verdict is not None:
-            summary = f"{self._verdict.get('summary')} [{summary} to read the full report]"
-        else:
-            summary += f" after waiting {self._waited():.1f} s; the rank that hosts it (rank 0 without a launcher) may be stopped or dead"
-        report = {
-            "kind": (self._verdict or {}).get("kind", "store unreachable"),
-            "timeout": self.timeout,
-            "summary": summary,
-            "culprits": (self._verdict or {}).get("culprits", []),
-            "ranks": {str(self.rank): state},
-        }
-        sys.stderr.write(stall_verdict.format_report(report) + "\n")
+        hang_report.print_local_report(self.rank, why, state, self._verdict, self._waited(), self.timeout)
         self._exit()
 
     def _exit(self) -> None:
@@ -367,100 +326,30 @@ class Watchdog:
         os._exit(STALL_EXIT_CODE)
 
 
-def _not_a_hang(verdict: dict[str, Any]) -> bool:
-    """A collective failed because its peers left the group on purpose (their program ended, most often
-    with an exception that the launcher reports with its traceback), and their collective sequences
-    agree with this rank's: nothing hung."""
-    states = verdict.get("states") or {}
-    culprits = verdict.get("culprits") or []
-    mine = states.get(verdict.get("detected_by"), {})
-    return bool(
-        mine.get("failed")
-        and culprits
-        and all(states.get(r, {}).get("exited") for r in culprits)
-        and verdict.get("divergence") is None
-    )
-
-
-def _silent_culprits(verdict: dict[str, Any]) -> list[int]:
-    """The culprits that stopped publishing heartbeats (stopped, hung hard, cut off): live mode evicts
-    them. Others blamed beside them are usually their victims (a broadcast or ring that reached some ranks
-    but not all parts their sequences by one); if a real bug remains, the next generation reports it."""
-    states = verdict.get("states") or {}
-    return [
-        r
-        for r in verdict.get("culprits") or []
-        if stall_verdict.classify(states.get(r, {})) == stall_verdict.SILENT
-    ]
-
-
-def _format_stack(frame: Any, limit: int = 24) -> list[str]:
-    """The innermost `limit` frames, outermost first, without reading source files (cheap every tick)."""
-    out: list[str] = []
-    while frame is not None and len(out) < limit:
-        out.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
-        frame = frame.f_back
-    return out[::-1]
-
-
-def _all_stacks() -> dict[str, list[str]]:
-    names = {t.ident: t.name for t in threading.enumerate()}
-    return {
-        f"{names.get(ident, 'thread')} ({ident})": _format_stack(frame)
-        for ident, frame in sys._current_frames().items()
-    }
-
-
-def _merge_issued(state: dict[str, Any], rec: dict[str, Any]) -> None:
-    """A collective published as it was issued, newer than the heartbeat: the rank is (or died) in it."""
-    recent = state.setdefault("recent", [])
-    if any(r.get("group") == rec.get("group") and r.get("seq") == rec.get("seq") for r in recent):
-        return
-    recent.append(rec)
-    if not state.get("exited"):
-        state.update(waiting=rec, step=rec.get("step"), phase=rec.get("phase"), phase_for=0.0)
-
-
-def _process_state(pid: int) -> str | None:
-    """The state letter of a process on this host (R, S, D, T, Z...), None when there is none."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _gone(state: dict[str, Any], my_host: str) -> str | None:
-    """Why a rank on this host cannot answer (stopped or dead), None when it can or is elsewhere."""
-    pid = state.get("pid")
-    if not pid or state.get("host") != my_host or state.get("exited"):
-        return None
-    status = _process_state(int(pid))
-    if status is None:
-        return f"dead: its process (pid {pid}) no longer exists"
-    if status in ("Z", "X"):
-        return f"dead: its process (pid {pid}) has exited"
-    if status in ("T", "t"):
-        return f"stopped: its process (pid {pid}) is stopped (SIGSTOP or a debugger)"
-    return None
-
-
-def _liveness(state: dict[str, Any], unchanged: float) -> str:
-    pid, host = state.get("pid"), state.get("host", "?")
-    if state.get("beat", -1) < 0:
-        return f"not responding: it never published a heartbeat in {unchanged:.1f} s"
-    return f"not responding: no heartbeat for {unchanged:.1f} s (host {host}, pid {pid})"
-
-
 # ---------------------------------------------------------------------- one per process
 
 _current: Watchdog | None = None
 _lock = threading.Lock()
+_hang_timeout: list[float] = []  # init(hang_timeout=...) of this process, if it gave one
 
 
-def start(timeout: float, report_dir: str | None = None, *, live: bool = False) -> Watchdog | None:
+def set_hang_timeout(seconds: float) -> None:
+    """This process's hang timeout from now on (lockstep.init(hang_timeout=...))."""
+    _hang_timeout[:] = [float(seconds)]
+
+
+def hang_timeout_setting() -> float:
+    """The hang watchdog's timeout for this process: init(hang_timeout=...), else LOCKSTEP_HANG_TIMEOUT,
+    else 300 s (0: off)."""
+    return _hang_timeout[-1] if _hang_timeout else hang_timeout_from_env(os.environ)
+
+
+def start(
+    timeout: float, report_dir: str | None = None, *, membership: MembershipWatch | None = None
+) -> Watchdog | None:
     """Start this process's watchdog for the default group (no-op: world of 1, timeout 0, running).
-    `live`: the job is in live mode, where a failed collective is recovered from, not reported."""
+    `membership`: the job is in live mode, where a failed collective is recovered from, not reported,
+    and a silent rank is evicted through it."""
     global _current
     with _lock:
         if _current is not None or timeout <= 0 or not dist.is_initialized() or dist.get_world_size() < 2:
@@ -468,7 +357,9 @@ def start(timeout: float, report_dir: str | None = None, *, live: bool = False) 
         stores = _store(timeout), _store(timeout)
         if stores[0] is None or stores[1] is None:
             return None
-        _current = Watchdog(stores, dist.get_rank(), dist.get_world_size(), timeout, report_dir, live=live)
+        _current = Watchdog(
+            stores, dist.get_rank(), dist.get_world_size(), timeout, report_dir, membership=membership
+        )
         _current.start()
         return _current
 
@@ -484,90 +375,6 @@ def stop() -> None:
 
 def current() -> Watchdog | None:
     return _current
-
-
-@contextmanager
-def tracked(
-    op: str, tensors: Sequence[torch.Tensor], group: Any = None, *, publish: bool = False
-) -> Iterator[CollectiveRecord]:
-    """A synchronous collective of lockstep's (the small collectives, SyncBatchNorm, join, broadcasts):
-    numbered, marked as waited on for the block, reported if it raises. `publish`: also written to the
-    store at once, for collectives whose shapes the caller's data decides (runtime/collectives.py): a rank
-    whose collective mismatches its peers' can be killed by gloo within milliseconds, before its next
-    heartbeat. Not for the engine's per-step collectives, whose shapes the model fixes (a store round
-    trip per step would cost more than all the rest of the tracking)."""
-    rec = PROGRESS.issue(op, tensors, group)
-    dog = _current
-    if publish and dog is not None:
-        dog.publish_issued(rec)
-    with _waiting(dog, rec):
-        yield rec
-
-
-def wait_tracked(rec: CollectiveRecord, work: Any) -> Any:
-    """Wait on an asynchronous collective issued earlier (an engine bucket): marked, reported if it raises."""
-    with _waiting(_current, rec):
-        return settle(work)
-
-
-# Live mode (runtime/live.py) sets this: called every few milliseconds while a collective is waited on,
-# it raises when the group's membership changed, so that no rank blocks in a group that lost a member.
-_live_check: Callable[[], None] | None = None
-_LIVE_CHECK_EVERY = 0.01
-
-
-# Live mode also sets this: the watchdog thread calls it with a rank of the current group (and why) when
-# that rank stopped publishing heartbeats while this one waits on it past the hang timeout.
-_live_evict: Callable[[int, str], None] | None = None
-
-
-def set_live_hooks(check: Callable[[], None] | None, evict: Callable[[int, str], None] | None) -> None:
-    global _live_check, _live_evict
-    _live_check, _live_evict = check, evict
-
-
-def settle(work: Any) -> Any:
-    """work.wait(), except in live mode, where the wait polls and gives up when a member is lost: gloo
-    cannot abort a collective, and one that waits on a dead rank's peers would block for its timeout."""
-    check = _live_check
-    if check is None or work is None:
-        return work.wait() if work is not None else None
-    next_check = 0.0
-    # A c10d Work (is_completed) or a torch Future (done): the engine's buckets wait on the latter.
-    completed = work.is_completed if hasattr(work, "is_completed") else work.done
-    while not completed():
-        now = time.monotonic()
-        if now >= next_check:
-            check()
-            next_check = now + _LIVE_CHECK_EVERY
-        time.sleep(0.0002)
-    return work.wait()
-
-
-@contextmanager
-def _waiting(dog: Watchdog | None, rec: CollectiveRecord) -> Iterator[None]:
-    """The main thread waits on `rec`: marked for the watchdog, SIGTERM held meanwhile, reported if it raises."""
-    guard = dog.guard if dog is not None else None
-    if guard is not None:
-        guard.enter()
-    PROGRESS.begin_wait(rec)
-    try:
-        yield
-        PROGRESS.end_wait()
-    except (RuntimeError, dist.DistError) as exc:
-        collective_failed(rec, exc)
-        raise
-    finally:
-        if guard is not None:
-            guard.leave()
-
-
-def collective_failed(rec: CollectiveRecord, exc: BaseException) -> None:
-    """A collective raised on the main thread: record it and let the watchdog report before it propagates."""
-    PROGRESS.fail(rec, exc)
-    dog = _current
-    if dog is not None:
-        dog.collective_failed()
 
 
 def _store(timeout: float) -> Any:

@@ -2,10 +2,12 @@
 
 Public: `fit`, its settings `FitConfig` and its return value `FitResult`, and `LiveLoop` (live mode for a
 loop of your own) (all re-exported by `lockstep`).
-The modules behind them: config (FitConfig, from Python, files and --key value flags), loop (fit),
-batches (split, move, count), optim (optimizer and LR schedule), metrics (one packed cross-rank
-reduction), progress (rank 0's console display), run_log (rank 0's metric log and plot), live_fit
-(live mode inside fit) and live_loop (LiveLoop).
+The modules behind them: config (FitConfig, from Python, files and --key value flags), loop (fit's
+phases), run_state (the run's state with one state_dict), steps (one optimizer step), evaluation, metrics
+(what a task measures; one packed cross-rank reduction), summary (summary.json), batches (split, move,
+count), device (device and autocast), optim (optimizer and LR schedule), progress (rank 0's console
+display), run_log (rank 0's metric log and plot), live_takeover (a new rank 0 takes over a lost member's
+rows and the log) and live_loop (LiveLoop). Live recovery itself is runtime/membership/recovery.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Live mode for a training loop of your own: `lockstep.LiveLoop`.
 
-`lockstep.fit` handles live mode by itself (trainer/live_fit.py). A program with its own loop hands
-LiveLoop the three things a step depends on, and LiveLoop runs the steps:
+`lockstep.fit` handles live mode by itself; a program with its own loop hands LiveLoop the three things a
+step depends on, and LiveLoop runs the steps, with the same recovery as fit's
+(runtime/membership/recovery.py):
 
 - the model (LiveLoop replicates it; with deterministic=True, the default, in deterministic mode: the
   same bits at any world size, so a step redone over fewer ranks gives what the full group would have;
@@ -19,31 +20,23 @@ from rank 0. Outside live mode (a plain `lockstep run`, torchrun) the same progr
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from lockstep.checkpoint.stateful import Stateful
 from lockstep.data.micro_batch_sampler import MicroBatchSampler
 from lockstep.engine.api import ReplicaHandle, replicate
 from lockstep.engine.policy import SyncPolicy
-from lockstep.errors import ConfigError, InternalError, MembershipChanged, rank_tag
-from lockstep.runtime import live
-from lockstep.runtime.collectives import all_gather_object
-from lockstep.runtime.live import Fault, LiveGroup
-from lockstep.runtime.state_transfer import broadcast_state
+from lockstep.errors import ConfigError, InternalError
+from lockstep.runtime.membership.records import Fault
+from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery, retry_at_start
+from lockstep.runtime.process_group import live_group
+from lockstep.runtime.topology import Topology
 
-NO_STATE = -1  # the step a replacement reports before it received its state
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+T = TypeVar("T")
 
 
 class LiveLoop:
@@ -67,6 +60,19 @@ class LiveLoop:
     `train_epoch` yields this rank's results of the step, by micro-batch ordinal. Work of your own
     between steps that issues collectives (a checkpoint save, an evaluation) goes through
     `loop.retry(work)`, which redoes it over the survivors when a member is lost in it.
+
+    Args:
+        model: the model to train; LiveLoop replicates it (in place, like `lockstep.replicate`).
+        optimizer: its optimizer, stepped by LiveLoop once the step's gradients are averaged.
+        sampler: a `lockstep.data.MicroBatchSampler(drop_last=True)`: each step's micro-batches, from
+            (seed, epoch, step) alone.
+        state: more objects with state_dict()/load_state_dict() (a scheduler, say) that a replacement
+            receives from rank 0.
+        seed: seeds each micro-batch's random numbers (dropout) from (seed, step, micro-batch).
+        deterministic: the same bits at any world size (exact sums); False: the default engine's float sums.
+
+    Raises:
+        ConfigError: the sampler is not a MicroBatchSampler with drop_last=True.
     """
 
     def __init__(
@@ -94,16 +100,15 @@ class LiveLoop:
         self.policy = SyncPolicy(deterministic=deterministic)
         self.step = 0  # optimizer steps completed
         self.faults: list[dict[str, Any]] = []
-        self.group: LiveGroup | None = live.current()
-        self.handle: ReplicaHandle | None = live.retry_start(lambda: replicate(model, policy=self.policy))
-        # Members lost at start-up (before this loop began) are faults of this run too.
-        self.faults = (
-            [{"step": 0, **asdict(f), "recover_s": round(f.recover_s, 4)} for f in self.group.faults]
-            if self.group
-            else []
+        group = live_group()
+        self.handle: ReplicaHandle | None = retry_at_start(
+            group, lambda: replicate(model, policy=self.policy)
         )
-        if self.group is not None and self.group.needs_state:
-            self._receive_state()
+        self.recovery = LiveRecovery(group, self) if group is not None else None
+        if self.recovery is not None:
+            self.faults = self.recovery.startup_faults()  # members lost before this loop began
+            if self.recovery.group.needs_state:
+                self.recovery.receive_state()
 
     @property
     def epoch(self) -> int:
@@ -119,7 +124,7 @@ class LiveLoop:
         while steps_left > 0:
             # Replacements join at the top of a step: there they stand where a new process starts, after
             # the program's own work of the step before (its scheduler step, say), whose state they receive.
-            if self._admit_joiners():
+            if self.recovery is not None and self.recovery.admit_joiners(self.step):
                 batches, steps_left = self._cut()
             num = self.sampler.num_micro_batches
             owned = self._handle().owned_micro_batches(num)
@@ -128,11 +133,11 @@ class LiveLoop:
                 results = self._handle().accumulate(
                     micro_step, mine, num_micro_batches=num, step=self.step, seed=self.seed
                 )
-                if self.group is not None:
-                    self.group.commit(self.step)  # the step counts on every member or on none
+                if self.recovery is not None:
+                    self.recovery.group.commit(self.step)  # the step counts on every member or on none
                 self.optimizer.step()
-            except (RuntimeError, dist.DistError) as exc:
-                if not self._recover(exc):
+            except FAILURES as exc:
+                if self.recovery is None or not self.recovery.recover(exc):
                     raise
                 batches, steps_left = self._cut()  # the same step again, cut for the survivors
                 continue
@@ -142,14 +147,11 @@ class LiveLoop:
             steps_left -= 1
             yield results
 
-    def retry(self, work: Callable[[], Any]) -> Any:
+    def retry(self, work: Callable[[], T]) -> T:
         """work() (collectives of your own between steps), done again if a member is lost in it."""
-        while True:
-            try:
-                return work()
-            except (RuntimeError, dist.DistError) as exc:
-                if not self._recover(exc):
-                    raise
+        if self.recovery is None:
+            return work()
+        return self.recovery.retry(work)
 
     def _handle(self) -> ReplicaHandle:
         if self.handle is None:
@@ -183,82 +185,33 @@ class LiveLoop:
             obj.load_state_dict(tree["state"][name])
         self.faults = list(tree.get("faults", []))
 
-    # ---- live mode ------------------------------------------------------------------------------------------
+    # ---- live mode: what runtime/membership/recovery.py asks of the loop (its Recoverable) ---------------
 
-    def _recover(self, exc: BaseException) -> bool:
-        """A collective failed: re-form over the survivors. False when this is not live mode or nobody
-        left (the error is the program's own)."""
-        group = self.group
-        if group is None:
-            return False
-        before = group.membership.members
-        self._release()
-        fault = group.reform(exc)
-        if group.membership.members == before and not isinstance(exc, MembershipChanged):
-            return False
-        self.optimizer.zero_grad(set_to_none=True)  # the abandoned step's partial gradients
-        self._rejoin(group, fault)
-        return True
-
-    def _admit_joiners(self) -> bool:
-        group = self.group
-        joiners = group.joiners_due(self.step) if group is not None else []
-        if group is None or not joiners:
-            return False
-        try:
-            self._release()
-            self._rejoin(group, group.reform(f"replacements {joiners} join after step {self.step}", joiners))
-        except (RuntimeError, dist.DistError) as exc:  # a member or the replacement died in the growth
-            if not self._recover(exc):
-                raise
-        return True
-
-    def _receive_state(self) -> None:
-        group = self.group
-        if group is None:
-            raise InternalError("_receive_state outside live mode")
-        try:
-            self._converge(group)
-        except (RuntimeError, dist.DistError) as exc:
-            group.give_up(exc)  # no state to go on with: leave, so that the members need not wait for it
-        self._reshard(group)
-
-    def _release(self) -> None:
-        # Nothing may keep the old group alive (see live_fit._release_replica).
+    def release_replica(self) -> None:
+        # Nothing may keep the old group alive: destroying it closes its sockets.
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
 
-    def _rejoin(self, group: LiveGroup, fault: Fault) -> None:
+    def rebuild_replica(self, topology: Topology) -> None:
         self.handle = replicate(self.model, policy=self.policy)
-        record = {"step": self.step, **asdict(fault), "recover_s": round(fault.recover_s, 4)}
-        self.faults.append(record)  # before _converge: a replacement receives the list with this record
-        started = time.monotonic()
-        self._converge(group)
-        record["detail"]["converge_s"] = round(time.monotonic() - started, 4)
-        self._reshard(group)
 
-    def _converge(self, group: LiveGroup) -> None:
-        """Every member stands at the same step; a replacement receives the state from rank 0."""
-        steps = [int(s) for s in all_gather_object(NO_STATE if group.needs_state else self.step)]
-        members = {s for s in steps if s != NO_STATE}
-        if len(members) > 1:
-            m = group.membership
-            raise InternalError(
-                f"{rank_tag(m.rank, m.world_size)}after a change of members the ranks stand at different "
-                f"steps ({min(members)} to {max(members)}): one saw the last step complete, another did not"
-            )
-        if NO_STATE not in steps:
-            return
-        tree = broadcast_state(self.state_dict() if group.membership.rank == 0 else None, src=0)
-        if group.needs_state:
-            self.load_state_dict(tree)
-            group.state_received()
+    def discard_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)  # the abandoned step's partial gradients
 
-    def _reshard(self, group: LiveGroup) -> None:
+    def marks(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def reconcile(self, mark: str) -> None:
+        raise InternalError(f"LiveLoop has no progress mark {mark!r} to reconcile")
+
+    def reshard(self, topology: Topology) -> None:
         state = self.sampler.state_dict()
-        self.sampler.num_replicas, self.sampler.rank = group.membership.world_size, group.membership.rank
+        self.sampler.num_replicas, self.sampler.rank = topology.world_size, topology.rank
         self.sampler.load_state_dict(state)
+
+    def regrouped(self, fault: Fault) -> None:
+        """Nothing of the loop's own: a program of yours logs what it keeps."""
 
 
 def _take(iterator: Iterator[list[int]], count: int) -> list[list[int]]:

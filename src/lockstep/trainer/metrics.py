@@ -1,9 +1,15 @@
-"""Metrics summed on the device between log steps and reduced across ranks in one packed all-reduce."""
+"""fit's metrics: summed on the device between log steps, reduced across ranks in one packed all-reduce.
+
+`MetricBuffer` (float sums, the default) and `OrderedMetrics` (deterministic and live mode: one row per
+micro-batch, summed in ordinal order) hold the sums; `TrainMetrics` knows what a task measures (the loss,
+and the accuracy of a classifier) and holds the training rows pending until the next log.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -123,3 +129,49 @@ class OrderedMetrics:
     def reduce(self, names: list[str]) -> tuple[dict[str, float], int]:
         sums, count = self.reduce_sums(names)
         return {name: (total / count if count else float("nan")) for name, total in zip(names, sums)}, count
+
+
+class TrainMetrics:
+    """What fit measures for its task, and the training metrics pending until the next log."""
+
+    def __init__(self, task: str, *, ordered: bool) -> None:
+        self.task, self.ordered = task, ordered
+        self.pending: MetricBuffer | OrderedMetrics = OrderedMetrics() if ordered else MetricBuffer()
+        self.unlogged: list[
+            tuple[int, int]
+        ] = []  # live mode: (step, generation) committed since the last log
+
+    def names(self, prefix: str) -> list[str]:
+        return [f"{prefix}_loss"] + ([f"{prefix}_accuracy"] if self.task == "classification" else [])
+
+    def sums(
+        self, prefix: str, outputs: Any, targets: Any, loss: torch.Tensor, count: int
+    ) -> tuple[dict[str, torch.Tensor], int]:
+        """One micro-batch's (or evaluation block's) sums in float64, and its sample count."""
+        sums = {f"{prefix}_loss": loss.detach().double() * count}
+        if self.task == "classification":
+            sums[f"{prefix}_accuracy"] = (outputs.argmax(dim=-1) == targets).sum().double()
+        return sums, count
+
+    def record(
+        self, buffer: MetricBuffer, prefix: str, outputs: Any, targets: Any, loss: torch.Tensor, count: int
+    ) -> None:
+        """Add a batch's loss (and correct predictions) to `buffer` on the device: no copy to the host here."""
+        buffer.add({f"{prefix}_loss": loss}, count)
+        if self.task == "classification":
+            buffer.add_sums({f"{prefix}_accuracy": (outputs.argmax(dim=-1) == targets).sum()}, 0)
+
+    def drop_pending(self) -> None:
+        """Forget the rows since the last log (live mode: a reduction that completed on some members only
+        took theirs, so the interval cannot be had again on every member; the log skips it)."""
+        self.pending = type(self.pending)()
+        self.unlogged = []
+
+    def state_dict(self) -> dict[str, Any]:
+        rows = self.pending.num_rows if isinstance(self.pending, OrderedMetrics) else 0
+        return {"rows": rows, "unlogged": self.unlogged}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if isinstance(self.pending, OrderedMetrics):
+            self.pending.num_rows = int(state["rows"])
+        self.unlogged = [(int(step), int(generation)) for step, generation in state["unlogged"]]

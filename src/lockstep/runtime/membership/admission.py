@@ -1,0 +1,115 @@
+"""Replacements grow the group back: they queue on the store and are admitted at a step boundary.
+
+A replacement (`lockstep run --max-restarts R` beside `--min-world`) queues (`join/count`, `join/<n>`)
+instead of forming generation 0, and waits for `admit/<member>`: the generation it joins. After each
+completed step every member asks `joiners_due(step)`: rank 0 reads the queue and plans a growth for the
+next step boundary (`gen<g>/grow`, compare_set); the other members read that plan by then, because that
+next step's collectives cannot complete before rank 0 wrote it. At that boundary every member re-forms
+with the joiners appended (formation.py; nothing failed, so no change is counted), writes their
+`admit/<member>`, and the joiners form the same generation; the state then comes from rank 0 over the new
+group (runtime/state_transfer.py). A replacement that the job ended before admitting is told so through
+`closed` and exits 0; one that loses its peer before it has the state gives up (marked dead) and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, NoReturn
+
+from lockstep.errors import InternalError
+from lockstep.runtime.membership import keys
+from lockstep.runtime.membership.core import GroupState
+from lockstep.runtime.membership.formation import EVICTED_EXIT_CODE
+from lockstep.runtime.membership.records import Membership, first_line
+
+
+class Admission:
+    """Both sides of admitting replacements: the queue read by the members, the wait of a replacement."""
+
+    def __init__(self, state: GroupState) -> None:
+        self.state = state
+        self._queue: list[int] = []  # rank 0: the join queue's entries read so far (member ids)
+        self._plan: tuple[int, dict[str, Any]] | None = None  # (generation, its planned growth)
+
+    # ---- the replacement's side -----------------------------------------------------------------------
+
+    def wait_for_admission(self) -> Membership:
+        """Queue, and wait until the members admit this process; the generation it joins."""
+        state = self.state
+        member = state.membership.member_id
+        position = int(state.store.add(keys.JOIN_COUNT, 1))
+        state.store.set(keys.join_entry(position), str(member))
+        admit = keys.admit(member)
+        while not state.store.check([admit]):
+            if state.store.check([keys.CLOSED]):
+                sys.stderr.write(
+                    f"lockstep: replacement {member} was not needed: the job ended before it joined\n"
+                )
+                sys.exit(0)
+            time.sleep(0.01)
+        g = int(bytes(state.store.get(admit)).decode())
+        members = tuple(json.loads(bytes(state.store.get(keys.members(g))).decode()))
+        state.known.update(members)
+        return Membership(g, members, member)
+
+    def give_up(self, cause: BaseException) -> NoReturn:
+        """A replacement that lost its peer before it had the state: leave (marked dead, so the members
+        do not wait for it); the launcher may start another replacement."""
+        state = self.state
+        member = state.membership.member_id
+        state.count_change()
+        state.store.compare_set(
+            keys.dead(member), "", f"gave up: lost its peer while healing ({first_line(cause)})"
+        )
+        sys.stderr.write(
+            f"lockstep: replacement {member} lost its peer before it received the state; it exits\n"
+        )
+        sys.stderr.flush()
+        os._exit(EVICTED_EXIT_CODE)
+
+    # ---- the members' side ----------------------------------------------------------------------------
+
+    def joiners_due(self, step: int) -> list[int]:
+        """Called by every member after each completed `step`: the replacements to admit now, else [].
+
+        Rank 0 reads the queue and plans the growth for the next boundary; every other member sees that
+        plan by then (see the module doc). One store round trip per step.
+        """
+        state = self.state
+        m = state.membership
+        plan = self._plan[1] if self._plan is not None and self._plan[0] == m.generation else None
+        key = keys.growth(m.generation)
+        if plan is None and m.rank != 0 and state.store.check([key]):
+            plan = json.loads(bytes(state.store.get(key)).decode())
+        if plan is None and m.rank == 0:
+            queued = self._queued()
+            if queued:
+                proposal = json.dumps({"step": step + 1, "joiners": queued})
+                plan = json.loads(bytes(state.store.compare_set(key, "", proposal)).decode())
+        if plan is not None:
+            self._plan = (m.generation, plan)
+        if plan is None or plan["step"] > step:
+            return []
+        if plan["step"] < step:
+            raise InternalError(
+                f"{state.tag}the growth planned for step {plan['step']} was read at step {step}: the members "
+                "would form different groups"
+            )
+        return [int(member) for member in plan["joiners"]]
+
+    def _queued(self) -> list[int]:
+        """Replacements waiting in the queue (not members, not dead), in the order they queued."""
+        state = self.state
+        count = int(state.store.add(keys.JOIN_COUNT, 0))
+        while len(self._queue) < count:  # store.get waits for an entry whose writer is between its two calls
+            entry = state.store.get(keys.join_entry(len(self._queue) + 1))
+            self._queue.append(int(bytes(entry).decode()))
+        waiting = [m for m in self._queue if m not in state.membership.members]
+        if not waiting:
+            return []
+        state.known.update(waiting)
+        dead = state.dead()
+        return [m for m in waiting if m not in dead]

@@ -1,0 +1,64 @@
+"""A step counts on every member or on none: each member counts itself done on the store before its
+optimizer step, and the step counts once all have.
+
+A collective can complete on some ranks and fail on others (the dead rank sent its last bytes to some
+peers only), so completion alone would let the members disagree on whether the step happened. A member
+writes its key (`gen<g>/done/<step>/<member>`, answered by the store) before it can die, so when a
+death is seen the keys are final and every member decides the same. One store write and a read or two
+per step. A member's metric rows of the step travel with its key (`.../rows`), so that after the step
+counted they stay readable when the member is lost before the next log (rank 0 takes them over).
+"""
+
+from __future__ import annotations
+
+import time
+
+from lockstep.errors import MembershipChanged
+from lockstep.runtime import waits
+from lockstep.runtime.membership import keys
+from lockstep.runtime.membership.core import GroupState
+from lockstep.runtime.membership.phases import GenerationPhase
+
+
+class StepCommit:
+    """This member's side of committing steps."""
+
+    def __init__(self, state: GroupState) -> None:
+        self.state = state
+
+    def commit(self, step: int, rows: bytes | None = None) -> None:
+        """After this rank's collectives of `step` completed: return once every member's did (the step
+        counts everywhere), or raise MembershipChanged on every member when one's did not (all redo it).
+        `rows`: this member's metric rows of the step (packed), kept on the store with its key."""
+        state = self.state
+        m = state.membership
+        state.phase.enter(GenerationPhase.COMMITTING)
+        if rows is not None:
+            state.store.set(keys.done_rows(m.generation, step, m.member_id), rows)  # before the add below
+        state.store.add(keys.done(m.generation, step, m.member_id), 1)  # written before this rank can die
+        done = [keys.done(m.generation, step, member) for member in m.members]
+        # Waited on like a collective: a member stopped between its collectives and its key is judged by
+        # the hang watchdog (its heartbeat), and evicted after the hang timeout like in any collective.
+        with waits.tracked(f"commit (step {step})", ()):
+            while not state.store.check(done):
+                if state.changed():
+                    if state.store.check(done):
+                        break
+                    raise MembershipChanged(
+                        f"{state.tag}a member left before step {step} completed on every rank (generation "
+                        f"{m.generation}): the step is redone"
+                    )
+                time.sleep(0.0005)
+        state.phase.enter(GenerationPhase.TRAINING)
+
+    def committed_rows(self, generation: int, step: int, member: int) -> bytes | None:
+        """The metric rows that `member` committed with `step` in `generation`, if it did."""
+        key = keys.done_rows(generation, step, member)
+        store = self.state.store
+        return bytes(store.get(key)) if store.check([key]) else None
+
+    def forget_rows(self, committed: list[tuple[int, int]]) -> None:
+        """Drop this member's rows of (step, generation) pairs once they are logged: the store stays small."""
+        member = self.state.membership.member_id
+        for step, generation in committed:
+            self.state.store.delete_key(keys.done_rows(generation, step, member))

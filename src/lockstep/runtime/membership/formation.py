@@ -1,0 +1,161 @@
+"""Forming a generation: check in, agree on its members, form its process group; leave a broken one.
+
+1. Each member of generation g checks in to g+1 (`gen<g+1>/in/<member>`) and waits until every member
+   of g has checked in or is known dead (`dead/<member>`); a member silent past the check-in timeout is
+   left out.
+2. The first to write `gen<g+1>/members` (compare_set: first writer wins) decides the members, in
+   member-id order, replacements appended. A worker left out exits at once (EVICTED_EXIT_CODE); below
+   --min-world every member raises WorldTooSmallError.
+3. Each forms g+1's default process group under its own store prefix (reusing a prefix reads the old
+   addresses), bounded by form_timeout(): a member that dies meanwhile leaves the others waiting for its
+   address, so they give up (MembershipChanged) and form the next generation without it.
+
+Leaving a broken group never waits for it: gloo cannot abort a collective and its destructor waits for
+the abandoned work, so the group object is kept referenced (`abandoned`) and the process ends with os._exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lockstep.errors import MembershipChanged, WorldTooSmallError, rank_tag
+from lockstep.runtime import watchdog
+from lockstep.runtime.membership import keys
+from lockstep.runtime.membership.core import GroupState
+from lockstep.runtime.membership.records import Fault, Membership, first_line
+
+EVICTED_EXIT_CODE = 75  # a worker the survivors left out (it was too late to check in): EX_TEMPFAIL
+FORM_TIMEOUT_S = 30.0  # longest wait for a new group to form (below the 60 s check-in timeout)
+CHECKIN_TIMEOUT_S = 60.0
+
+
+def form_timeout() -> timedelta:
+    """How long a new generation may take to form: 30 s, or the hang timeout when that is shorter."""
+    hang = watchdog.hang_timeout_setting()
+    return timedelta(seconds=min(FORM_TIMEOUT_S, hang) if hang > 0 else FORM_TIMEOUT_S)
+
+
+class Formation:
+    """Agreeing on and forming this worker's next generation."""
+
+    def __init__(self, state: GroupState, backend: str, timeout: timedelta, min_world: int) -> None:
+        self.state, self.backend, self.timeout, self.min_world = state, backend, timeout, min_world
+        self.checkin_timeout = CHECKIN_TIMEOUT_S
+        self.graveyard: list[Any] = []  # abandoned groups (see leave_group); the process ends with os._exit
+
+    def next_generation(
+        self,
+        first: Membership,
+        cause: BaseException | str,
+        joiners: list[int] | tuple[int, ...],
+        checkin_s: float | None = None,
+    ) -> Fault:
+        """Check in to the generation after the current one and agree on its members; the Fault counts
+        who left and joined since `first` (the members before the change). `checkin_s`: at start-up,
+        how long to wait for the others (else checkin_timeout); nobody waits in a collective yet then."""
+        state = self.state
+        old = state.membership
+        g = old.generation + 1
+        if not joiners and checkin_s is None:
+            # A growth bumps nothing: a peer finishing its last collective must not abandon it. Else,
+            # before checking in: whoever waits on this rank stops waiting.
+            state.count_change()
+        members = self._check_in(old, g, joiners, checkin_s or self.checkin_timeout)
+        lost = [m for m in first.members if m not in members]
+        joined = [m for m in members if m not in first.members]
+        for member in joined:
+            state.store.set(keys.admit(member), str(g))  # every member writes it: the same value
+        state.membership = Membership(g, members, old.member_id)
+        how = state.dead()
+        fault = Fault(
+            generation=g,
+            lost=lost,
+            how={str(m): how.get(m, "did not check in") for m in lost},
+            world_size=len(members),
+            cause=first_line(cause),
+            kind="lost" if lost else "joined",
+            joined=joined,
+        )
+        if len(members) < self.min_world:
+            raise WorldTooSmallError(
+                f"{rank_tag(state.membership.rank, len(members))}launch ranks {lost} left the job "
+                f"({_describe(fault.how)}); {len(members)} remain, fewer than --min-world {self.min_world}: "
+                "the job ends. Its last checkpoint is intact; resume from it, or lower --min-world"
+            )
+        return fault
+
+    def form_group(self) -> None:
+        """init_process_group for the current generation, bounded: a member that dies while the group
+        forms leaves the others waiting for its address, so they give up after form_timeout() and
+        re-form without it."""
+        m = self.state.membership
+        prefix = dist.PrefixStore(keys.generation_prefix(m.generation), self.state.store)
+        bounded = min(self.timeout, form_timeout())
+        try:
+            dist.init_process_group(
+                self.backend, store=prefix, rank=m.rank, world_size=m.world_size, timeout=bounded
+            )
+        except (RuntimeError, dist.DistError) as exc:
+            raise MembershipChanged(
+                f"{rank_tag(m.rank, m.world_size)}forming generation {m.generation} of the group failed "
+                f"({first_line(exc)}): a member died while it formed"
+            ) from exc
+        if bounded < self.timeout:
+            dist.distributed_c10d._set_pg_timeout(self.timeout)  # collectives keep the job's own timeout
+
+    def leave_group(self) -> None:
+        """Leave the broken group without waiting for it: work abandoned in it may never finish (gloo has
+        no abort, and its destructor waits for pending work), so the group object is kept referenced."""
+        if dist.is_initialized():
+            self.graveyard.append(dist.group.WORLD)
+            dist.destroy_process_group()
+
+    def _check_in(
+        self, old: Membership, g: int, joiners: list[int] | tuple[int, ...], wait_s: float
+    ) -> tuple[int, ...]:
+        """Check in to generation g, agree on its members; leave the job if left out of them."""
+        state = self.state
+        state.store.set(keys.checkin(g, old.member_id), "1")
+        members = self._agree(old, g, joiners, wait_s)
+        # Every change behind this generation is counted by now (the launcher counts a death before it
+        # marks the rank dead, a survivor before it checks in): a later change is a new fault.
+        state.see_changes()
+        if old.member_id not in members:
+            sys.stderr.write(
+                f"lockstep: rank {old.member_id} (launch rank) was left out of the group by the survivors "
+                f"(generation {g}: {list(members)}); it exits\n"
+            )
+            sys.stderr.flush()
+            os._exit(EVICTED_EXIT_CODE)
+        return members
+
+    def _agree(
+        self, old: Membership, g: int, joiners: list[int] | tuple[int, ...], wait_s: float
+    ) -> tuple[int, ...]:
+        state = self.state
+        deadline = time.monotonic() + wait_s
+        checked: set[int] = {old.member_id}
+        while True:
+            dead = state.dead()
+            for member in old.members:
+                if member not in checked and state.store.check([keys.checkin(g, member)]):
+                    checked.add(member)
+            waiting = [m for m in old.members if m not in checked and m not in dead]
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        state.known.update(joiners)
+        proposal = json.dumps(sorted(checked) + [m for m in joiners if m not in state.dead()])
+        agreed = state.store.compare_set(keys.members(g), "", proposal)
+        return tuple(json.loads(bytes(agreed).decode()))
+
+
+def _describe(how: dict[str, str]) -> str:
+    return "; ".join(f"rank {m} {what}" for m, what in how.items())

@@ -1,0 +1,254 @@
+"""This worker's side of live mode: the group's generations, formed, re-formed and grown over one store.
+
+Under `lockstep run -n N --min-world M` the launcher hosts the c10d store, starts the N workers and keeps
+the others running when one dies; it writes `dead/<member>` (keys.py) within its poll interval. Each
+worker forms generation 0 of the default group over all N members (formation.py). When a collective fails
+on a survivor (its peer's sockets closed), the training loop's recovery (recovery.py) calls `reform()`:
+
+1. it leaves the broken group without waiting for it. Every rank learns of the change within 10 ms even
+   when its own collective does not fail (it waits on a survivor, not on the dead rank): while a
+   collective is waited on, runtime/waits.py polls `check()`, which reads the change counter that the
+   launcher bumps when a rank dies and each survivor bumps as it checks in, and raises MembershipChanged;
+2. it checks in to generation g+1, agrees on its members and forms its group (formation.py);
+3. it restarts the hang watchdog over the new world; ranks are renumbered over the survivors in
+   member-id order, while each worker keeps its member id.
+
+A rank that stops answering (SIGSTOP, a hard hang) is evicted: when a survivor has waited on it past the
+hang timeout and its heartbeat stopped, that survivor's watchdog calls `evict`, which marks it dead on the
+store: a membership change like any other; the launcher then kills it. Steps are committed on every member
+or none (commit.py); replacements are admitted at step boundaries (admission.py). The phases of a
+generation are an enum with asserted transitions (phases.py); docs/live.md draws the whole protocol.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import torch.distributed as dist
+
+from lockstep.errors import MembershipChanged
+from lockstep.runtime import waits, watchdog
+from lockstep.runtime.membership import keys
+from lockstep.runtime.membership.admission import Admission
+from lockstep.runtime.membership.commit import StepCommit
+from lockstep.runtime.membership.core import GroupState
+from lockstep.runtime.membership.formation import Formation
+from lockstep.runtime.membership.phases import GenerationPhase
+from lockstep.runtime.membership.records import Fault, Membership
+from lockstep.runtime.progress import PROGRESS
+from lockstep.runtime.topology import Topology
+
+P = GenerationPhase
+
+
+class LiveGroup:
+    """This worker's live membership: the store, the current generation, the faults seen."""
+
+    def __init__(
+        self,
+        store: Any,
+        topo: Topology,
+        min_world: int,
+        backend: str,
+        timeout: timedelta,
+        *,
+        member_id: int | None = None,
+        joining: bool = False,
+        report_dir: str | None = None,
+    ) -> None:
+        self.topo, self.min_world, self.report_dir = topo, min_world, report_dir
+        member_id = topo.rank if member_id is None else member_id
+        launched = Membership(0, tuple(range(topo.world_size)), member_id)
+        self.state = GroupState(store, launched, P.JOINING if joining else P.FORMING)
+        self.formation = Formation(self.state, backend, timeout, min_world)
+        self.commits = StepCommit(self.state)
+        self.admission = Admission(self.state)
+        self.joining = joining  # a replacement: it queues, and its state comes from a peer
+        self.needs_state = joining  # until the trainer received it (state_received)
+        # The watchdog thread evicts through a connection of its own (a store client is not shared).
+        self._evict_store = store.clone() if hasattr(store, "clone") else store
+        self.faults: list[Fault] = []
+
+    @property
+    def membership(self) -> Membership:
+        return self.state.membership
+
+    @property
+    def phase(self) -> GenerationPhase:
+        return self.state.phase.phase
+
+    @property
+    def launch_world_size(self) -> int:
+        """The world the job was launched with (-n times the nodes), whoever is a member now."""
+        return self.topo.world_size
+
+    @property
+    def abandoned(self) -> int:
+        """Groups left with work possibly stuck in them: the process must end with os._exit."""
+        return len(self.formation.graveyard)
+
+    def topology(self) -> Topology:
+        m = self.membership
+        return replace(self.topo, rank=m.rank, world_size=m.world_size)
+
+    # ---- forming the first generation -------------------------------------------------------------------
+
+    def form_first(self) -> None:
+        """Generation 0 (or, for a replacement, the generation it is admitted to), then the watchdog."""
+        waits.watch_membership(self)
+        if self.joining:
+            self._join()
+        else:
+            self._form_generation_zero()
+        self.state.phase.enter(P.TRAINING)
+
+    def _form_generation_zero(self) -> None:
+        # Generation 0 is agreed like any other: a rank that died before it checked in is left out, and
+        # one that dies while the group forms makes the others form generation 1 without it.
+        state = self.state
+        state.see_changes()
+        launched = state.membership
+        state.membership = Membership(-1, launched.members, launched.member_id)
+        started = time.monotonic()
+        cause: BaseException | str = "lost at start-up, before it checked in"
+        checkin_s = self.formation.timeout.total_seconds()
+        while True:  # launches can be slow: wait for check-ins as long as the group's own timeout
+            fault = self.formation.next_generation(launched, cause, (), checkin_s=checkin_s)
+            try:
+                self.formation.form_group()
+                break
+            except MembershipChanged as exc:
+                cause = exc
+        if fault.lost:
+            fault.recover_s = time.monotonic() - started
+            self.faults.append(fault)
+
+    def _join(self) -> None:
+        """A replacement: queue, wait for the members to admit this process, form their generation."""
+        self.state.membership = self.admission.wait_for_admission()
+        self.state.phase.enter(P.FORMING)
+        self.state.see_changes()  # the members' check-ins are counted
+        try:
+            self.formation.form_group()
+        except MembershipChanged as exc:  # a member died as the group formed: the members go on without
+            self.give_up(exc)  # this process, which has no state yet; the launcher may start another
+
+    # ---- what the waits and the watchdog ask (watchdog.MembershipWatch) ---------------------------------
+
+    def check(self) -> None:
+        """Raise MembershipChanged when a member died or a survivor is re-forming (polled while waiting)."""
+        self.state.check()
+
+    def evict(self, rank: int, why: str) -> None:
+        """From the watchdog thread: `rank` of the current group stopped answering; name it dead (once)."""
+        key = keys.dead(self.membership.members[rank])
+        if self._evict_store.check([key]):
+            return
+        self._evict_store.add(keys.CHANGES, 1)  # counted before marked, as the launcher does
+        self._evict_store.compare_set(key, "", f"evicted by the survivors ({why})")
+
+    def dead(self) -> dict[int, str]:
+        return self.state.dead()
+
+    # ---- steps ------------------------------------------------------------------------------------------
+
+    def commit(self, step: int, rows: bytes | None = None) -> None:
+        """The step counts on every member or on none (commit.py)."""
+        self.commits.commit(step, rows)
+
+    def committed_rows(self, generation: int, step: int, member: int) -> bytes | None:
+        return self.commits.committed_rows(generation, step, member)
+
+    def forget_rows(self, committed: list[tuple[int, int]]) -> None:
+        self.commits.forget_rows(committed)
+
+    def joiners_due(self, step: int) -> list[int]:
+        """The replacements to admit after `step` (admission.py), else []."""
+        return self.admission.joiners_due(step)
+
+    def state_received(self) -> None:
+        self.needs_state = False
+
+    def give_up(self, cause: BaseException) -> NoReturn:
+        """A replacement without its state lost its peer: it leaves (admission.py)."""
+        self.admission.give_up(cause)
+
+    # ---- re-forming -------------------------------------------------------------------------------------
+
+    def reform(self, cause: BaseException | str, joiners: list[int] | tuple[int, ...] = ()) -> Fault:
+        """Leave the group, agree on the members, form the next generation (see the module doc).
+        `joiners`: a planned growth at a step boundary (nothing failed); else a member was lost.
+        A member lost while the new group forms makes it try once more without that member."""
+        machine = self.state.phase
+        machine.enter(P.ADMITTING if joiners else P.LOST)
+        if not joiners:
+            machine.enter(P.REFORMING)
+        started = time.monotonic()
+        first = self.membership
+        waited = time.time() - PROGRESS.wait_since if PROGRESS.waiting is not None else 0.0
+        watchdog.stop()
+        if isinstance(cause, BaseException):
+            # The failed call's frames hold its Work, and the Work holds the group: let them go.
+            traceback.clear_frames(cause.__traceback__)
+        self.formation.leave_group()
+        left_at = time.monotonic()
+        while True:
+            fault = self.formation.next_generation(first, cause, joiners)
+            agreed_at = time.monotonic()
+            try:
+                self.formation.form_group()
+                break
+            except MembershipChanged as exc:  # a member died while the group formed: again without it
+                cause, joiners = exc, ()
+                machine.enter(P.LOST)
+                machine.enter(P.REFORMING)
+        self._formed()
+        formed_at = time.monotonic()
+        fault.recover_s = formed_at - started
+        fault.detail = {
+            "waited_s": round(waited, 4),
+            "leave_s": round(left_at - started, 4),
+            "agree_s": round(agreed_at - left_at, 4),
+            "new_group_s": round(formed_at - agreed_at, 4),
+        }
+        self.faults.append(fault)
+        return fault
+
+    def _formed(self) -> None:
+        """The new generation's group exists: its phase, and the watchdog over it."""
+        self.state.phase.enter(P.TRAINING)
+        PROGRESS.failed = None
+        PROGRESS.waiting = None
+        watchdog.start(watchdog.hang_timeout_setting(), self.report_dir, membership=self)
+
+
+def form_live_group(
+    topo: Topology,
+    backend: str,
+    timeout: timedelta,
+    *,
+    min_world: int,
+    member_id: int | None,
+    joining: bool,
+    report_dir: str | None,
+) -> LiveGroup:
+    """Form generation 0 over every launched member, on the launcher's store (called by init())."""
+    client = dist.TCPStore(
+        topo.master_addr, topo.master_port, topo.world_size, False, timeout, wait_for_workers=False
+    )
+    group = LiveGroup(
+        client,
+        topo,
+        min_world,
+        backend,
+        timeout,
+        member_id=member_id,
+        joining=joining,
+        report_dir=report_dir,
+    )
+    group.form_first()
+    return group

@@ -1,0 +1,186 @@
+"""Live recovery for a training loop: one implementation, used by `lockstep.fit` and by `LiveLoop`.
+
+The loop hands its run over as a `Recoverable` (a small Protocol: the replica, the state, the shards)
+and calls, from its own places:
+
+- `recover(exc)` when a collective failed: re-form over the survivors, rebuild the replica on the new
+  group, make every member stand at the same step, re-cut the shards. The loop then redoes the step it
+  was in, or the work after a step it was doing. False when nobody left: the error is the program's own.
+- `admit_joiners(step)` after each completed step: a growth that rank 0 planned one step ago happens, the
+  replacements receive the state from rank 0.
+- `receive_state()`: a replacement's first act: the state of the run it joins, from rank 0.
+- `retry(work)`: work between steps that issues collectives (evaluation, a checkpoint), done again over
+  the survivors when a member is lost in it.
+
+After every change the members compare their progress marks (the step first: a step counts on every
+member or on none, membership/commit.py, so a difference is an InternalError on every rank); marks that
+may differ legitimately (a save or an evaluation that completed on some members only) are reconciled by
+the run, which then redoes that work on every member.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import torch.distributed as dist
+
+from lockstep.errors import InternalError, MembershipChanged
+from lockstep.runtime.collectives import all_gather_object
+from lockstep.runtime.membership.group import LiveGroup
+from lockstep.runtime.membership.records import Fault
+from lockstep.runtime.state_transfer import broadcast_state
+from lockstep.runtime.topology import Topology
+
+T = TypeVar("T")
+NO_STATE = -1  # the step a replacement reports before it received its state
+FAILURES = (RuntimeError, dist.DistError)  # how a lost member surfaces in a collective
+
+
+class Recoverable(Protocol):
+    """What live recovery needs of a training loop's run."""
+
+    @property
+    def faults(self) -> list[dict[str, Any]]:
+        """The run's record of membership changes (summary.json's `faults`): recovery appends to it."""
+
+    def release_replica(self) -> None:
+        """Drop the replica: nothing may keep the old group alive (destroying it closes its sockets,
+        which is how survivors still waiting in it learn of the death at once)."""
+
+    def rebuild_replica(self, topology: Topology) -> None:
+        """Replicate the model over the group just formed (`topology`: this rank's place in it)."""
+
+    def discard_step(self) -> None:
+        """Forget the abandoned step's partial gradients."""
+
+    def marks(self) -> dict[str, Any]:
+        """Where this member stands: {"step": optimizer steps done, ...}; JSON values."""
+
+    def reconcile(self, mark: str) -> None:
+        """`mark` (not the step) differs between members: make every member redo the work behind it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a replacement needs to continue exactly where the members stand."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def reshard(self, topology: Topology) -> None:
+        """Cut this rank's shard of the data (and of the evaluation) for the group's new world."""
+
+    def regrouped(self, fault: Fault) -> None:
+        """The group changed and every member stands at the same step: take over what a lost member
+        did (rank 0's duties), tell the user."""
+
+
+class LiveRecovery:
+    """The loop's side of live mode for one run (see the module doc)."""
+
+    def __init__(self, group: LiveGroup, run: Recoverable) -> None:
+        self.group, self.run = group, run
+        self.changes = 0  # membership changes this run went through (lost or grown)
+
+    def startup_faults(self) -> list[dict[str, Any]]:
+        """Members lost at start-up, before the loop began: faults of this run too."""
+        return [fault.record(0) for fault in self.group.faults]
+
+    def recover(self, exc: BaseException) -> bool:
+        """A collective failed: re-form over the survivors and re-cut the work. False when no member left
+        (the error is the program's own): the caller re-raises it."""
+        group = self.group
+        before = group.membership.members
+        self.run.release_replica()
+        fault = group.reform(exc)
+        if group.membership.members == before and not isinstance(exc, MembershipChanged):
+            return False
+        self.run.discard_step()
+        self._rejoin(fault)
+        return True
+
+    def admit_joiners(self, step: int) -> bool:
+        """At a step boundary: let in the replacements that rank 0 planned for this step. True when the
+        group changed (the loop re-cuts its iteration), also when a member was lost while doing so."""
+        joiners = self.group.joiners_due(step)
+        if not joiners:
+            return False
+        try:
+            self.run.release_replica()
+            self._rejoin(self.group.reform(f"replacements {joiners} join after step {step}", joiners))
+        except FAILURES as exc:  # a member or the replacement died in the growth
+            if not self.recover(exc):
+                raise
+        return True
+
+    def receive_state(self) -> None:
+        """A replacement, at the start of its loop: the state of the run it joins, from rank 0 (a
+        collective that the members enter from admit_joiners)."""
+        group = self.group
+        if not group.needs_state:
+            raise InternalError("receive_state is for a live-mode replacement that has no state yet")
+        try:
+            self._converge()
+        except FAILURES as exc:
+            group.give_up(exc)  # no state to go on with: leave, so that the members need not wait for it
+        self.run.reshard(group.topology())
+
+    def retry(self, work: Callable[[], T]) -> T:
+        """work() (collectives between steps), done again over the survivors if a member is lost in it."""
+        while True:
+            try:
+                return work()
+            except FAILURES as exc:
+                if not self.recover(exc):
+                    raise
+
+    def _rejoin(self, fault: Fault) -> None:
+        """After a new generation formed: the replica on it, the replacements' state, the shards re-cut."""
+        self.changes += 1
+        topology = self.group.topology()
+        self.run.rebuild_replica(topology)
+        record = fault.record(int(self.run.marks()["step"]))
+        self.run.faults.append(record)  # before _converge: a replacement receives the list with this record
+        started = time.monotonic()
+        self._converge()
+        record["detail"]["converge_s"] = round(time.monotonic() - started, 4)  # with the state sent, if any
+        self.run.reshard(topology)
+        self.run.regrouped(fault)
+
+    def _converge(self) -> None:
+        """Every member stands at the same step; a replacement receives the state from rank 0."""
+        group, run = self.group, self.run
+        gathered = all_gather_object({"step": NO_STATE} if group.needs_state else run.marks())
+        members = [marks for marks in gathered if marks["step"] != NO_STATE]
+        # A collective can complete on some ranks and fail on others: work that one member finished and
+        # another did not (a save, an evaluation) is redone by all, so that they issue the same collectives.
+        for mark in sorted({name for marks in members for name in marks} - {"step"}):
+            if len({repr(marks.get(mark)) for marks in members}) > 1:
+                run.reconcile(mark)
+        steps = {int(marks["step"]) for marks in members}
+        if len(steps) > 1:
+            raise InternalError(
+                f"{group.state.tag}after a change of members the ranks stand at different steps "
+                f"({min(steps)} to {max(steps)}), although a step counts on every member or on none "
+                "(membership/commit.py); resume from the last checkpoint"
+            )
+        if len(members) == len(gathered):
+            return
+        tree = broadcast_state(run.state_dict() if group.membership.rank == 0 else None, src=0)
+        if group.needs_state:
+            run.load_state_dict(tree)
+            group.state_received()
+
+
+def retry_at_start(group: LiveGroup | None, work: Callable[[], T]) -> T:
+    """work() with collectives at start-up (replicating a model, loading a checkpoint), done again over
+    the survivors when a member is lost in it. Outside live mode (`group` None): work() once."""
+    while True:
+        try:
+            return work()
+        except FAILURES as exc:
+            if group is None:
+                raise
+            before = group.membership.members
+            group.reform(exc)
+            if group.membership.members == before and not isinstance(exc, MembershipChanged):
+                raise  # nobody left: the error is the program's own

@@ -1,0 +1,64 @@
+"""Look at a process without asking it: Python stacks of this one, and whether a peer on this host still runs.
+
+The hang watchdog (runtime/watchdog.py) publishes the main thread's stack every tick and every thread's in
+its final state, and tells a peer that stopped answering apart from one that is stopped (SIGSTOP, a
+debugger) or gone, by reading /proc when the peer runs on this host. Nothing here reads source files or
+talks to a peer: it is cheap enough for every tick.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+
+def format_stack(frame: Any, limit: int = 24) -> list[str]:
+    """The innermost `limit` frames, outermost first, without reading source files (cheap every tick)."""
+    out: list[str] = []
+    while frame is not None and len(out) < limit:
+        out.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        frame = frame.f_back
+    return out[::-1]
+
+
+def all_stacks() -> dict[str, list[str]]:
+    """Every thread's stack, keyed by its name and ident."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return {
+        f"{names.get(ident, 'thread')} ({ident})": format_stack(frame)
+        for ident, frame in sys._current_frames().items()
+    }
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of a process on this host (R, S, D, T, Z...), None when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def gone(state: dict[str, Any], my_host: str) -> str | None:
+    """Why a rank on this host cannot answer (stopped or dead), None when it can or is elsewhere.
+    `state` is the rank's last heartbeat (its host and pid)."""
+    pid = state.get("pid")
+    if not pid or state.get("host") != my_host or state.get("exited"):
+        return None
+    status = process_state(int(pid))
+    if status is None:
+        return f"dead: its process (pid {pid}) no longer exists"
+    if status in ("Z", "X"):
+        return f"dead: its process (pid {pid}) has exited"
+    if status in ("T", "t"):
+        return f"stopped: its process (pid {pid}) is stopped (SIGSTOP or a debugger)"
+    return None
+
+
+def liveness(state: dict[str, Any], unchanged: float) -> str:
+    """How a rank whose heartbeat has not changed for `unchanged` seconds is described."""
+    pid, host = state.get("pid"), state.get("host", "?")
+    if state.get("beat", -1) < 0:
+        return f"not responding: it never published a heartbeat in {unchanged:.1f} s"
+    return f"not responding: no heartbeat for {unchanged:.1f} s (host {host}, pid {pid})"

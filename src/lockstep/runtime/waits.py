@@ -1,0 +1,117 @@
+"""How the main thread waits on lockstep's collectives: tracked for the hang watchdog, given up on a lost member.
+
+Every collective lockstep issues is waited on through here:
+- `tracked(op, tensors, group)`: a synchronous collective of lockstep's own (the small collectives,
+  SyncBatchNorm, join, broadcasts): numbered (runtime/progress.py), marked as waited on for the block,
+  reported by the watchdog if it raises;
+- `wait_tracked(record, work)`: an asynchronous one issued earlier (an engine bucket);
+- `wait_watching_membership(work)`: the wait itself. Outside live mode it is `work.wait()`. In live mode
+  gloo cannot abort a collective, and one that waits on a dead rank's peers would block for the group's
+  timeout; so the wait polls, and every few milliseconds asks the membership it watches whether a member
+  was lost, which raises MembershipChanged (runtime/membership/).
+
+While a collective is waited on, SIGTERM is held back (runtime/sigterm_guard.py) so that the watchdog's
+report of a failure gets out first.
+
+Which membership the waits watch is set by the one place that forms a live group
+(runtime/process_group.init, through `watch_membership`) and cleared when it is left: an object with a
+`check()` method (watchdog.MembershipWatch), not a callable planted in another module.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lockstep.runtime import watchdog
+from lockstep.runtime.progress import PROGRESS, CollectiveRecord
+
+CHECK_EVERY_S = 0.01  # how often a live-mode wait asks whether a member was lost
+_POLL_S = 0.0002
+
+
+class _Watched:
+    """The membership that this process's waits watch (live mode), or None."""
+
+    membership: watchdog.MembershipWatch | None = None
+
+
+_watched = _Watched()
+
+
+def watch_membership(membership: watchdog.MembershipWatch | None) -> None:
+    """From now on, waits give up when `membership.check()` raises (None: plain waits again)."""
+    _watched.membership = membership
+
+
+@contextmanager
+def tracked(
+    op: str, tensors: Sequence[torch.Tensor], group: Any = None, *, publish: bool = False
+) -> Iterator[CollectiveRecord]:
+    """A synchronous collective of lockstep's (the small collectives, SyncBatchNorm, join, broadcasts):
+    numbered, marked as waited on for the block, reported if it raises. `publish`: also written to the
+    store at once, for collectives whose shapes the caller's data decides (runtime/collectives.py): a rank
+    whose collective mismatches its peers' can be killed by gloo within milliseconds, before its next
+    heartbeat. Not for the engine's per-step collectives, whose shapes the model fixes (a store round
+    trip per step would cost more than all the rest of the tracking)."""
+    rec = PROGRESS.issue(op, tensors, group)
+    dog = watchdog.current()
+    if publish and dog is not None:
+        dog.publish_issued(rec)
+    with _waiting(dog, rec):
+        yield rec
+
+
+def wait_tracked(rec: CollectiveRecord, work: Any) -> Any:
+    """Wait on an asynchronous collective issued earlier (an engine bucket): marked, reported if it raises."""
+    with _waiting(watchdog.current(), rec):
+        return wait_watching_membership(work)
+
+
+def wait_watching_membership(work: Any) -> Any:
+    """work.wait(); in live mode the wait polls and raises MembershipChanged when a member is lost (gloo
+    cannot abort a collective, and one that waits on a dead rank's peers would block for its timeout)."""
+    membership = _watched.membership
+    if membership is None or work is None:
+        return work.wait() if work is not None else None
+    next_check = 0.0
+    # A c10d Work (is_completed) or a torch Future (done): the engine's buckets wait on the latter.
+    completed = work.is_completed if hasattr(work, "is_completed") else work.done
+    while not completed():
+        now = time.monotonic()
+        if now >= next_check:
+            membership.check()
+            next_check = now + CHECK_EVERY_S
+        time.sleep(_POLL_S)
+    return work.wait()
+
+
+@contextmanager
+def _waiting(dog: watchdog.Watchdog | None, rec: CollectiveRecord) -> Iterator[None]:
+    """The main thread waits on `rec`: marked for the watchdog, SIGTERM held meanwhile, reported if it raises."""
+    guard = dog.guard if dog is not None else None
+    if guard is not None:
+        guard.enter()
+    PROGRESS.begin_wait(rec)
+    try:
+        yield
+        PROGRESS.end_wait()
+    except (RuntimeError, dist.DistError) as exc:
+        collective_failed(rec, exc)
+        raise
+    finally:
+        if guard is not None:
+            guard.leave()
+
+
+def collective_failed(rec: CollectiveRecord, exc: BaseException) -> None:
+    """A collective raised on the main thread: record it and let the watchdog report before it propagates."""
+    PROGRESS.fail(rec, exc)
+    dog = watchdog.current()
+    if dog is not None:
+        dog.collective_failed()

@@ -1,0 +1,42 @@
+"""Live mode inside fit: a new rank 0 takes over what the lost members did (their metric rows, the log).
+
+When members are lost, rank 0 of the new generation (the same process, or another one when the old rank 0
+was lost) reads from the store the metric rows that the lost members committed since the last log
+(runtime/membership/commit.py), so that the interval's logged means cover every sample, as in a run
+without the fault. A process that became rank 0 also takes over the metric log and the progress bar.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lockstep.runtime.membership.group import LiveGroup
+from lockstep.trainer.config import FitConfig
+from lockstep.trainer.metrics import OrderedMetrics, TrainMetrics
+from lockstep.trainer.progress import ProgressBar
+from lockstep.trainer.run_log import RunLog
+
+
+def take_over_rows(group: LiveGroup, metrics: TrainMetrics, lost: list[int]) -> None:
+    """Rank 0 holds from now on the metric rows that the `lost` members committed since the last log."""
+    pending = metrics.pending
+    if not lost or not isinstance(pending, OrderedMetrics):
+        return
+    names = metrics.names("train")
+    for step, generation in metrics.unlogged:
+        for member in lost:
+            rows = group.committed_rows(generation, step, member)
+            if rows is not None:
+                pending.add_packed(rows, names)
+
+
+def take_over_log(
+    run_dir: Path, total_steps: int, config: FitConfig, step: int
+) -> tuple[RunLog, ProgressBar]:
+    """This process became rank 0 (the old one was lost): the metric log, rewound to what the lost rank 0
+    wrote up to `step` (where the group stands), and the progress bar, from now on."""
+    runlog = RunLog(run_dir, enabled=True)
+    runlog.rewind(step)
+    bar = ProgressBar(total_steps, enabled=True, mode=config.progress)
+    bar.advance(step)
+    return runlog, bar

@@ -1,0 +1,115 @@
+"""One optimizer step of fit: its forwards and backwards, the metrics they give, then the optimizer.
+
+Two ways to run a step, chosen once per run (trainer/loop.py):
+- `ddp_step`: the default. This rank's micro-batches through torch's drop-in face (DistributedDataParallel),
+  gradients accumulated locally (no_sync) and reduced on the last backward;
+- `micro_batched_step`: deterministic and live mode. The step's K micro-batches are spread over the ranks
+  and run through the engine's accumulate(): an exact sum in deterministic mode,
+  the bucketed float all-reduce otherwise. In live mode the step counts on every member or on none
+  (membership.commit), and its metric rows go to the store with it, where the survivors find them if
+  this rank is lost before the next log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from lockstep.runtime.membership.group import LiveGroup
+from lockstep.runtime.progress import OPTIMIZER, PROGRESS
+from lockstep.trainer.batches import BatchPlan, batch_len, split_batch, to_device
+from lockstep.trainer.config import FitConfig
+from lockstep.trainer.device import autocast
+from lockstep.trainer.metrics import MetricBuffer, OrderedMetrics
+from lockstep.trainer.run_state import RunState
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class Stepper:
+    """Runs fit's steps on a run's state."""
+
+    def __init__(
+        self,
+        state: RunState,
+        config: FitConfig,
+        plan: BatchPlan,
+        loss_fn: LossFn,
+        device: torch.device,
+        live: LiveGroup | None,
+    ) -> None:
+        self.state, self.config, self.plan, self.loss_fn, self.device = state, config, plan, loss_fn, device
+        self.live = live
+
+    def ddp_step(self, model: nn.Module, world_size: int, batches: list[Any]) -> None:
+        """This rank's micro-batches of the step through the DDP wrapper `model`, then the optimizer."""
+        state = self.state
+        counts = []
+        for index, batch in enumerate(batches):
+            inputs, targets = to_device(split_batch(batch), self.device)
+            counts.append(batch_len(targets))
+            last = index == len(batches) - 1
+            # Accumulate locally; the engine reduces the summed gradients only on the group's last backward.
+            with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+                with autocast(self.config.precision, self.device):
+                    outputs = model(inputs)
+                    loss = self.loss_fn(outputs, targets)
+                state.scaler.scale(loss / len(batches)).backward()
+            pending = cast(MetricBuffer, state.metrics.pending)
+            state.metrics.record(pending, "train", outputs, targets, loss, counts[-1])
+        self._update(sum(counts) * world_size)
+
+    def micro_batched_step(self, handle: Any, model: nn.Module, batches: list[Any]) -> None:
+        """One step of K micro-batches (deterministic or live mode): this rank's through the engine's
+        accumulate(), exact in deterministic mode, the bucketed float all-reduce otherwise."""
+        state = self.state
+        num = self.plan.num_micro_batches
+        owned = handle.owned_micro_batches(num)
+        results = handle.accumulate(
+            lambda batch: self._micro_step(model, batch),
+            dict(zip(owned, batches)),
+            num_micro_batches=num,
+            step=state.counters.step,
+            seed=self.config.seed,
+        )
+        metrics = cast(OrderedMetrics, state.metrics.pending)
+        names = state.metrics.names("train")
+        rows = OrderedMetrics() if self.live is not None else metrics
+        for ordinal, (sums, count) in results.items():
+            rows.add(metrics.num_rows + ordinal, sums, count, names)  # rows since the last reduce
+        if self.live is not None:
+            # The step counts on every member or on none; its rows go with it to the store, where the
+            # survivors find them if this rank is lost before the next log.
+            packed = rows.packed()
+            self.live.commit(state.counters.step, packed)
+            state.metrics.unlogged.append((state.counters.step, self.live.membership.generation))
+            metrics.add_packed(packed, names)
+        metrics.num_rows += num
+        self._update(self.plan.global_batch_size)
+
+    def _micro_step(self, model: nn.Module, batch: Any) -> tuple[dict[str, torch.Tensor], int]:
+        """Forward and backward of one micro-batch (through accumulate()); its metric sums and sample count."""
+        inputs, targets = to_device(split_batch(batch), self.device)
+        with autocast(self.config.precision, self.device):
+            outputs = model(inputs)
+            loss = self.loss_fn(outputs, targets)
+        self.state.scaler.scale(loss).backward()
+        return self.state.metrics.sums("train", outputs, targets, loss, batch_len(targets))
+
+    def _update(self, samples: int) -> None:
+        """The optimizer's part of a step, after the gradients are averaged; `samples` over all ranks."""
+        state = self.state
+        PROGRESS.set_phase(OPTIMIZER)
+        if self.config.clip_grad_norm is not None:
+            state.scaler.unscale_(state.optimizer)
+            torch.nn.utils.clip_grad_norm_(state.module.parameters(), self.config.clip_grad_norm)
+        state.scaler.step(state.optimizer)
+        state.scaler.update()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.scheduler.step()
+        state.counters.samples += samples
+        state.sampler.advance(samples)

@@ -1,0 +1,73 @@
+"""The summary of a fit() run: what summary.json holds, and rank 0's last words (log, plot, one line)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lockstep.checkpoint.compare import state_sha256
+from lockstep.runtime import get_logger
+from lockstep.trainer.batches import BatchPlan
+from lockstep.trainer.config import FitConfig, config_to_dict
+from lockstep.trainer.progress import ProgressBar
+from lockstep.trainer.run_log import RunLog
+from lockstep.trainer.run_state import RunState
+
+
+def build_summary(
+    state: RunState,
+    config: FitConfig,
+    *,
+    world_size: int,
+    plan: BatchPlan,
+    live: bool,
+    run: tuple[float, int, int],
+) -> dict[str, Any]:
+    """The summary of a run whose state is `state`; `run`: (wall seconds, samples, steps) of this call."""
+    wall, samples, steps = run
+    counters, record = state.counters, state.record
+    summary = {
+        "world_size": world_size,
+        "steps": counters.step,
+        "epochs_completed": counters.epoch,
+        "steps_this_run": steps,
+        "samples_this_run": samples,
+        "wall_time_s": round(wall, 3),
+        "samples_per_second": round(samples / wall, 2) if samples and wall > 0 else None,
+        "global_batch_size": plan.global_batch_size,
+        "micro_batch_size": plan.micro_batch_size,
+        "deterministic": config.deterministic,
+        "faults": record.faults,
+        "restarts": 0 if live else None,
+        "params_sha256": state_sha256(state.module.state_dict()),
+        "optimizer_sha256": state_sha256(state.optimizer.state_dict()),
+        "final_train": record.last_train or None,
+        **record.last_eval,
+        "config": config_to_dict(config),
+    }
+    if "eval_accuracy" in record.last_eval:
+        summary["test_accuracy"] = record.last_eval["eval_accuracy"]
+    return summary
+
+
+def publish_summary(summary: dict[str, Any], run_dir: Path, runlog: RunLog, bar: ProgressBar) -> None:
+    """Rank 0: close the metric log, write summary.json and the plot, say how the run went."""
+    runlog.close()
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot = runlog.plot(run_dir / "curves.png")
+    bar.close()
+    get_logger("lockstep.fit").info("run finished: %s", _headline(summary, plot))
+
+
+def _headline(summary: dict[str, Any], plot: Path | None) -> str:
+    parts = [
+        f"{summary['steps']} steps",
+        f"{summary['wall_time_s']:.1f} s",
+        f"{summary['samples_per_second']} samples/s",
+    ]
+    if "test_accuracy" in summary:
+        parts.append(f"test_accuracy={summary['test_accuracy']:.4f}")
+    if plot:
+        parts.append(f"plot {plot}")
+    return ", ".join(parts)
