@@ -19,7 +19,15 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what static tools see; the same table as _EXPORTS (a test checks that they agree)
     from lockstep import checkpoint, data, engine, errors, hooks, nn, runtime, testing, trainer
-    from lockstep.engine import DistributedDataParallel, ReplicaHandle, SyncPolicy, replicate
+    from lockstep.engine import (
+        DistributedDataParallel,
+        EngineStats,
+        GradBucket,
+        ReplicaHandle,
+        StepStats,
+        SyncPolicy,
+        replicate,
+    )
     from lockstep.runtime import (
         Topology,
         all_reduce_mean,
@@ -47,7 +55,10 @@ _EXPORTS: dict[str, str] = {
     "get_logger": "lockstep.runtime",
     "phase": "lockstep.runtime",
     "DistributedDataParallel": "lockstep.engine",
+    "EngineStats": "lockstep.engine",
+    "GradBucket": "lockstep.engine",
     "ReplicaHandle": "lockstep.engine",
+    "StepStats": "lockstep.engine",
     "SyncPolicy": "lockstep.engine",
     "replicate": "lockstep.engine",
     "FitConfig": "lockstep.trainer",
@@ -60,10 +71,13 @@ _SUBMODULES = ("checkpoint", "data", "engine", "errors", "hooks", "nn", "runtime
 # A literal list: static tools read __all__ only when it is written out.
 __all__ = [
     "DistributedDataParallel",
+    "EngineStats",
     "FitConfig",
     "FitResult",
+    "GradBucket",
     "LiveLoop",
     "ReplicaHandle",
+    "StepStats",
     "SyncPolicy",
     "Topology",
     "__version__",

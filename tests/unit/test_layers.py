@@ -188,3 +188,116 @@ def test_a_whole_launch_never_loads_the_engine(tmp_path: Path) -> None:
     """
     assert _loaded_after(body, tmp_path) == "LOADED []"
     assert (tmp_path / "run" / "rank0" / "stdout.log").read_text() == "hello from the worker\n"
+
+
+# ---- structure limits (issue 26): no import circle, small modules and classes -------------------------
+
+MAX_MODULE_LINES = 400
+MAX_CLASS_LINES = 300
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_of(path): path for path in sorted(SRC.rglob("*.py"))}
+
+
+def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the lockstep modules it imports, at any depth of the file (inside functions, under
+    TYPE_CHECKING: a type-only import is an edge too). `from package import name` points at the submodule
+    `package.name` when there is one, else at the package; `from lockstep import fit` at the subpackage
+    that defines `fit`."""
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    name = alias.name
+                    while name and name not in modules:
+                        name = name.rpartition(".")[0]
+                    if name.startswith("lockstep"):
+                        edges.add(name)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join([*base, node.module] if node.module else base)
+                else:
+                    target = node.module or ""
+                if target.split(".")[0] != "lockstep":
+                    continue
+                for alias in node.names:
+                    if target == "lockstep" and alias.name in _LAZY_ROOT_NAMES:
+                        edges.add(_LAZY_ROOT_NAMES[alias.name])
+                    elif f"{target}.{alias.name}" in modules:
+                        edges.add(f"{target}.{alias.name}")
+                    elif target in modules:
+                        edges.add(target)
+        edges.discard(module)
+        graph[module] = edges
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_of_src_has_no_circle() -> None:
+    circles = _circles(_import_graph(_modules()))
+    assert not circles, "import circles in src/lockstep (type-only imports count):\n" + "\n".join(
+        " <-> ".join(c) for c in circles
+    )
+
+
+def test_the_circle_finder_sees_a_circle_through_a_type_only_import() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_over_400_lines_and_no_class_over_300() -> None:
+    problems = []
+    for path in _modules().values():
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            problems.append(f"{path.relative_to(SRC.parent)}: {lines} lines (at most {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    problems.append(
+                        f"{path.relative_to(SRC.parent)}:{node.lineno} class {node.name}: {size} lines "
+                        f"(at most {MAX_CLASS_LINES})"
+                    )
+    assert not problems, "split these along their seams:\n" + "\n".join(problems)

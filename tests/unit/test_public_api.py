@@ -50,10 +50,13 @@ REGENERATE = "PYTHONPATH=src python tests/unit/test_public_api.py --write"
 SURFACE: dict[str, dict[str, str]] = {
     "lockstep": {
         "DistributedDataParallel": "class(module: 'nn.Module', device_ids: 'Sequence[int | torch.device] | None' = None, output_device: 'int | torch.device | None' = None, dim: 'int' = 0, broadcast_buffers: 'bool | None' = None, init_sync: 'bool' = True, process_group: 'dist.ProcessGroup | None' = None, bucket_cap_mb: 'float | None' = None, find_unused_parameters: 'bool' = False, check_reduction: 'bool' = False, gradient_as_bucket_view: 'bool' = False, static_graph: 'bool' = False, delay_all_reduce_named_params: 'Any' = None, param_to_hook_all_reduce: 'Any' = None, mixed_precision: 'Any' = None, device_mesh: 'Any' = None, skip_all_reduce_unused_params: 'bool' = False, bucket_cap_mb_list: 'list[int] | None' = None, batched_grad_copy: 'bool' = False, forward_sync_buffers: 'bool | None' = None) -> 'None'",
+        "EngineStats": "class(world_size: 'int', num_parameters: 'int', num_buckets: 'int', bucket_sizes_bytes: 'list[int]', bucket_num_params: 'list[int]', buckets_rebuilt: 'bool', synced_steps: 'int', last: 'StepStats | None', mean: 'StepStats | None', extras: 'dict[str, Any]' = <factory>) -> None",
         "FitConfig": "class(run_dir: 'str' = 'runs/default', epochs: 'int' = 1, max_steps: 'int | None' = None, batch_size: 'int' = 32, grad_accum_steps: 'int' = 1, optimizer: 'str' = 'adamw', lr: 'float' = 0.001, weight_decay: 'float' = 0.0, momentum: 'float' = 0.9, lr_schedule: 'str' = 'constant', warmup_steps: 'int' = 0, clip_grad_norm: 'float | None' = None, precision: 'str' = 'fp32', sync_batchnorm: 'bool' = False, task: 'str' = 'classification', eval_every: 'int' = 0, log_every: 'int' = 10, checkpoint_every: 'int' = 0, keep_checkpoints: 'int' = 3, resume: 'str' = 'auto', seed: 'int' = 0, num_workers: 'int' = 0, device: 'str' = 'auto', progress: 'str' = 'auto', global_batch_size: 'int | None' = None, micro_batch_size: 'int | None' = None, deterministic: 'bool' = False) -> None",
         "FitResult": "class(summary: 'dict[str, Any]', history: 'list[dict[str, Any]]' = <factory>) -> None",
+        "GradBucket": "class(bucket: 'Bucket', num_buckets: 'int') -> 'None'",
         "LiveLoop": "class(model: 'nn.Module', optimizer: 'torch.optim.Optimizer', sampler: 'MicroBatchSampler', *, state: 'Mapping[str, Stateful] | None' = None, seed: 'int' = 0, deterministic: 'bool' = True) -> 'None'",
         "ReplicaHandle": "class(replica: 'ReplicaState', hooks: 'list[Any]') -> 'None'",
+        "StepStats": "class(step: 'int', forward_ms: 'float', backward_ms: 'float', comm_ms: 'float', comm_hidden_ms: 'float', finalize_ms: 'float', bytes_communicated: 'int') -> None",
         "SyncPolicy": "class(bucket_cap_mb: 'float' = 25.0, first_bucket_mb: 'float' = 1.0, find_unused_parameters: 'bool' = False, static_graph: 'bool' = False, gradient_as_bucket_view: 'bool' = False, broadcast_buffers: 'bool' = True, reduce_dtype: 'torch.dtype | None' = None, upcast_half_precision: 'bool' = True, torch_bucket_layout: 'bool' = False, deterministic: 'bool' = False) -> None",
         "Topology": "class(rank: 'int' = 0, local_rank: 'int' = 0, world_size: 'int' = 1, local_world_size: 'int' = 1, node_rank: 'int' = 0, num_nodes: 'int' = 1, master_addr: 'str' = '127.0.0.1', master_port: 'int' = 0, launcher: 'str' = 'none', agent_store_attempt: 'int | None' = None) -> None",
         "__version__": "str",
@@ -187,10 +190,13 @@ SURFACE: dict[str, dict[str, str]] = {
 
 PUBLIC_NAMES = [
     "DistributedDataParallel",
+    "EngineStats",
     "FitConfig",
     "FitResult",
+    "GradBucket",
     "LiveLoop",
     "ReplicaHandle",
+    "StepStats",
     "SyncPolicy",
     "Topology",
     "__version__",

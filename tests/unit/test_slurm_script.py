@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from lockstep.errors import ConfigError
-from lockstep.launch.slurm import SlurmSpec, parse_args, time_limit_seconds
+from lockstep.launch.slurm import parse_args
 from lockstep.launch.slurm_script import port_expression, render_script
+from lockstep.launch.slurm_spec import SlurmSpec, time_limit_seconds
 from lockstep.runtime.topology import slurm_port
 
 NODE = (

@@ -16,7 +16,8 @@ from lockstep.errors import ConfigError
 from lockstep.jobs import datasets
 from lockstep.jobs.catalog import DigitsConfig, GptConfig
 from lockstep.jobs.cli import resolve_config
-from lockstep.trainer.config import FitConfig, Source, config_from_mapping, read_overrides
+from lockstep.trainer.config import FitConfig, Source
+from lockstep.trainer.config_sources import config_from_mapping, read_overrides
 from lockstep.trainer.optim import lr_factor
 
 

@@ -15,12 +15,10 @@ from typing import Any
 
 from lockstep.errors import ConfigError
 from lockstep.jobs.catalog import JOBS, job
-from lockstep.trainer.config import (
-    FitConfig,
-    Source,
+from lockstep.trainer.config import FitConfig, Source, config_to_dict
+from lockstep.trainer.config_sources import (
     bool_settings,
     config_from_mapping,
-    config_to_dict,
     load_config_file,
     read_overrides,
 )

@@ -6,8 +6,9 @@ import sys
 
 from lockstep.jobs.catalog import build, job
 from lockstep.runtime import init, shutdown
-from lockstep.trainer.config import Source, config_from_mapping, load_config_file
-from lockstep.trainer.loop import fit
+from lockstep.trainer.api import fit
+from lockstep.trainer.config import Source
+from lockstep.trainer.config_sources import config_from_mapping, load_config_file
 
 
 def run_job(name: str, config_path: str) -> dict:

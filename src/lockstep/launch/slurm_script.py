@@ -1,22 +1,15 @@
 """The text of the sbatch script `lockstep slurm` submits: #SBATCH lines, one `lockstep run` per node, requeue.
 
-Pure: `render_script(spec)` builds the script from a SlurmSpec (launch/slurm.py, which validates it and
+Pure: `render_script(spec)` builds the script from a SlurmSpec (launch/slurm_spec.py; launch/slurm.py
 submits the script); launch/slurm.py's module doc explains what the script does and why.
 """
 
 from __future__ import annotations
 
 import shlex
-from typing import TYPE_CHECKING
 
+from lockstep.launch.slurm_spec import REQUEUE_FALLBACK_MARGIN, SlurmSpec
 from lockstep.runtime.slurm_notation import SLURM_BASE_PORT, SLURM_PORT_SPAN
-
-if TYPE_CHECKING:
-    from lockstep.launch.slurm import SlurmSpec
-
-REQUEUE_FALLBACK_MARGIN = (
-    10  # seconds before the limit at which a step that ignored SIGUSR1 is requeued anyway
-)
 
 
 def port_expression() -> str:

@@ -216,11 +216,29 @@ def init(
 
     Reads torchrun's or SLURM's variables (or the explicit `rank`/`world_size` of the tutorials'
     `setup(rank, world_size)`), or runs a world of 1 when there are none, so that `python train.py` works.
-    `hang_timeout` (seconds; default LOCKSTEP_HANG_TIMEOUT or 300, 0 = off): how long a rank may wait in a
-    collective for a peer before the hang watchdog ends the job with a report naming the culprit.
+    Under `lockstep run --min-world M` it forms live mode's first generation instead (runtime/membership/).
     Idempotent: once the group exists, every call returns the same facts (the same object, when init()
     formed the group). `with lockstep.init() as topo:` leaves the group on exit if this call formed it,
     and leaves a group that existed before alone.
+
+    Args:
+        backend: "gloo", "nccl" or "mpi"; None: nccl when this process drives a CUDA device, else gloo.
+        timeout: how long collectives and the rendezvous may wait (a timedelta or seconds; 10 minutes).
+        rank, world_size: this process's place when no launcher set the environment (the tutorials'
+            `mp.spawn(setup, args=(world_size,))`).
+        hang_timeout: seconds a rank may wait in a collective for a peer before the hang watchdog ends the
+            job with a report naming the culprit (default LOCKSTEP_HANG_TIMEOUT or 300; 0: off).
+
+    Returns:
+        A JoinedTopology: rank, local_rank, world_size, nodes and the rendezvous address; a context
+        manager that leaves the group on exit if this call formed it.
+
+    Raises:
+        ConfigError: inconsistent or missing rank/world variables, a bad hang_timeout, more processes per
+            node than CUDA devices with nccl.
+        BackendUnavailableError: the backend is not built into this torch, or nccl without CUDA.
+        InitTimeoutError: the group could not be formed in time (names the address, port and what to check).
+        WorldTooSmallError: live mode lost members at start-up until fewer than --min-world remain.
     """
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)

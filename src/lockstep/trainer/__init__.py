@@ -12,8 +12,8 @@ rows and the log) and live_loop (LiveLoop). Live recovery itself is runtime/memb
 
 from __future__ import annotations
 
+from lockstep.trainer.api import FitResult, fit
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.live_loop import LiveLoop
-from lockstep.trainer.loop import FitResult, fit
 
 __all__ = ["FitConfig", "FitResult", "LiveLoop", "fit"]

@@ -1,4 +1,4 @@
-"""`lockstep.fit`: the training loop that puts engine, sampler, checkpoints, metrics and progress together.
+"""fit's loop: the phases of one run (resume, epochs, steps, logs, evaluation, checkpoints, the end).
 
 Every collective in here runs on every rank at the same point: the metric reduction on log steps, the
 evaluation reduction, and the checkpoint save. Progress and logging only print on rank 0 and never
@@ -11,24 +11,21 @@ The run's parts: its state with one state_dict (run_state.py), the steps (steps.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator, Sized
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import Dataset
 
 from lockstep.checkpoint import CheckpointManager
-from lockstep.data import DistributedSampler, MicroBatchSampler
 from lockstep.engine.api import DistributedDataParallel, ReplicaHandle, replicate
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError, InternalError
-from lockstep.runtime import barrier, broadcast_object, init
+from lockstep.runtime import barrier, broadcast_object
 from lockstep.runtime.membership.records import Fault
 from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery, retry_at_start
 from lockstep.runtime.process_group import live_group
@@ -46,75 +43,10 @@ from lockstep.trainer.run_log import RunLog
 from lockstep.trainer.run_state import RunState
 from lockstep.trainer.steps import LossFn, Stepper
 from lockstep.trainer.summary import build_summary, publish_summary
+from lockstep.trainer.train_data import TrainData
 
 
-@dataclass
-class FitResult:
-    """What a run produced; the same numbers are in run_dir/summary.json."""
-
-    summary: dict[str, Any]
-    history: list[dict[str, Any]] = field(default_factory=list)
-
-
-def fit(
-    model: nn.Module,
-    train_data: Dataset,
-    *,
-    loss_fn: LossFn,
-    config: FitConfig | None = None,
-    eval_data: Dataset | None = None,
-    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
-) -> FitResult:
-    """Train `model` data-parallel on every rank of the job (a world of 1 under plain `python`).
-
-    Args:
-        model: the model, on the CPU or already on this rank's device; fit moves it to
-            `config.device` and replicates it (BatchNorm becomes SyncBatchNorm if `config.sync_batchnorm`).
-        train_data: a map-style dataset (with `__len__`); fit shards it over the ranks by index.
-        loss_fn: `loss_fn(outputs, targets) -> scalar tensor`, the mean loss of a batch.
-        config: the run's settings (`FitConfig()` when None): epochs, batch sizes, optimizer, precision,
-            run_dir, checkpoints, deterministic and live mode.
-        eval_data: a map-style dataset evaluated at `config.eval_every` (each sample on exactly one rank).
-        optimizer: builds the optimizer from the parameters (default: from `config.optimizer`).
-
-    Returns:
-        A FitResult on every rank: the summary (also written to `run_dir/summary.json` by rank 0, with
-        the logs and the plot) and the logged history.
-
-    Raises:
-        ConfigError: bad settings, an iterable dataset, or a run_dir with checkpoints under resume="never".
-        CheckpointError: a checkpoint could not be written, or none of the existing ones could be loaded.
-        WorldTooSmallError: live mode lost members until fewer than --min-world remain.
-    """
-    config = FitConfig() if config is None else config
-    if not isinstance(config, FitConfig):
-        raise ConfigError(
-            f"fit(config={config!r}): expected a FitConfig (or None for the defaults), "
-            f"got a {type(config).__name__}; build one with FitConfig(**settings)"
-        )
-    config.validate()  # again: fields may have been assigned since the config was built
-    _require_map_style(train_data, "train_data")
-    if eval_data is not None:
-        _require_map_style(eval_data, "eval_data")
-    topo = init()
-    run = _Run(model, train_data, eval_data, loss_fn, config, topo, optimizer)
-    try:
-        return run.train()
-    finally:
-        run.bar.close()
-
-
-def _require_map_style(data: Any, what: str) -> None:
-    """fit shards by index (its samplers need len()): an IterableDataset has neither."""
-    if isinstance(data, IterableDataset) or not isinstance(data, Sized):
-        raise ConfigError(
-            f"fit() needs a map-style dataset (with __len__ and __getitem__) for {what}, got "
-            f"{type(data).__name__}: its samplers shard by index and resume mid-epoch by position. "
-            "Wrap the data in a map-style Dataset, or write your own loop with lockstep.DistributedDataParallel"
-        )
-
-
-class _Run:
+class FitRun:
     """One call of fit(): the objects it builds and the phases of the loop."""
 
     def __init__(
@@ -139,25 +71,20 @@ class _Run:
             config, topo.world_size, live_world=self.live.launch_world_size if self.live else None
         )
         self.micro_batched = self.plan.num_micro_batches > 0  # a step: K micro-batches through accumulate()
-        # Its own generator, reseeded each epoch: otherwise iter(loader) draws worker seeds from the global
-        # stream, and a resumed run (which calls iter() at another step) would shift every later draw.
-        self.loader_generator = torch.Generator()
         self.handle: ReplicaHandle | None = None
-        self.sampler, self.loader = self._replicate_and_load(train_data)
-        # The loop tells the sampler what it consumed: with DataLoader workers, what the sampler yielded
-        # runs ahead of what was trained on, and resume must continue after the last trained sample.
-        self.sampler.advance(0)
+        self.model = self._replicate()
+        self.data = TrainData(train_data, config, self.plan, self.topo, pin=self.device.type == "cuda")
+        self.sampler = self.data.sampler
         metrics = TrainMetrics(config.task, ordered=self.micro_batched)
         self.evaluation = Evaluation(eval_data, config, metrics, loss_fn, self.device)
         self.evaluation.reshard(self.topo)
-        self.steps_per_epoch = self._steps_in_epoch()
-        if self.steps_per_epoch == 0:
+        if self.data.steps_in_epoch() == 0:
             raise ConfigError(
                 f"the training set of {len(cast(Sized, train_data))} samples gives no full step of "
                 f"{self.plan.global_batch_size} samples on {topo.world_size} ranks; lower batch_size (or "
                 "global_batch_size) or use fewer processes"
             )
-        self.total_steps = config.epochs * self.steps_per_epoch
+        self.total_steps = config.epochs * self.data.steps_in_epoch()
         if config.max_steps is not None:
             self.total_steps = min(self.total_steps, config.max_steps)
         optimizer = (make_optimizer or (lambda p: build_optimizer(p, config)))(self.module.parameters())
@@ -179,47 +106,18 @@ class _Run:
         if self.recovery is not None:
             self.record.faults = self.recovery.startup_faults()
 
-    def _replicate_and_load(self, train_data: Dataset) -> tuple[Any, DataLoader]:
-        """The replica (lockstep's accumulate() or the drop-in DDP), the sampler and the loader of the run."""
-        config, pin = self.config, self.device.type == "cuda"  # pinned memory: asynchronous batch copies
+    def _replicate(self) -> nn.Module:
+        """The model the steps run: the module itself under accumulate() (deterministic and live mode),
+        else torch's drop-in face."""
         if self.micro_batched:
             # Live mode: a member lost in the replica's start-up collectives is survived like any other.
             self.handle = retry_at_start(self.live, lambda: replicate(self.module, policy=self._policy()))
             if self.live is not None:  # the members may have changed meanwhile
                 self.topo = self.live.topology()
-            self.model: nn.Module = self.module
-            sampler: Any = MicroBatchSampler(
-                cast(Sized, train_data),
-                self.plan.micro_batch_size,
-                self.plan.num_micro_batches,
-                shuffle=True,
-                seed=config.seed,
-            )
-            loader = DataLoader(
-                train_data,
-                batch_sampler=sampler,
-                num_workers=config.num_workers,
-                generator=self.loader_generator,
-                pin_memory=pin,
-            )
-            self.micro_per_step = len(self.handle.owned_micro_batches(self.plan.num_micro_batches))
-            return sampler, loader
-        self.model = DistributedDataParallel(
+            return self.module
+        return DistributedDataParallel(
             self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
-        # fit() checked that the datasets are map-style (_require_map_style).
-        sampler = DistributedSampler(cast(Sized, train_data), shuffle=True, seed=config.seed, drop_last=True)
-        loader = DataLoader(
-            train_data,
-            batch_size=self.plan.micro_batch_size,
-            sampler=sampler,
-            num_workers=config.num_workers,
-            drop_last=True,
-            generator=self.loader_generator,
-            pin_memory=pin,
-        )
-        self.micro_per_step = self.plan.micro_batches_per_rank
-        return sampler, loader
 
     def _policy(self) -> SyncPolicy:
         """The engine's policy for accumulate(): exact in deterministic mode, float sums otherwise."""
@@ -227,7 +125,8 @@ class _Run:
 
     # ---- phases -------------------------------------------------------------------------------------------
 
-    def train(self) -> FitResult:
+    def train(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Train to the end; (the summary, the logged history)."""
         if self.recovery is not None and self.live is not None and self.live.needs_state:
             self.recovery.receive_state()  # a replacement: the state comes from a peer, not a checkpoint
             self.bar.advance(self.counters.step)
@@ -249,7 +148,7 @@ class _Run:
         if self.topo.is_main:
             publish_summary(summary, self.run_dir, self.runlog, self.bar)
         self._retry(barrier)
-        return FitResult(summary=summary, history=list(self.runlog.records))
+        return summary, list(self.runlog.records)
 
     def _end_of_run(self) -> None:
         self._log_train(force=True)
@@ -288,22 +187,13 @@ class _Run:
         if not broadcast_object(logged):  # only rank 0 keeps the log; every rank must agree to evaluate
             self._evaluate()
 
-    def _steps_in_epoch(self) -> int:
-        """Optimizer steps of the epoch the sampler is set to (fewer after a mid-epoch resume)."""
-        if isinstance(self.sampler, MicroBatchSampler):
-            return self.sampler.num_steps()
-        return math.ceil(len(self.loader) / self.micro_per_step)
-
     def _train_epoch(self) -> None:
         self.module.train()
-        self.sampler.set_epoch(self.counters.epoch)  # resumes mid-epoch when the loaded state stopped there
-        self.loader_generator.manual_seed(self.config.seed * 1_000_003 + self.counters.epoch)
-        steps_left = self._steps_in_epoch()
-        micro_left = len(self.loader)  # this rank's micro-batches left in the epoch
-        micro_batches = iter(self.loader)
+        self.data.start_epoch(self.counters.epoch)
+        micro_batches, steps_left, micro_left = self.data.iterate()  # micro_left: this rank's, in the epoch
         while steps_left > 0 and self.counters.step < self.total_steps:
             PROGRESS.set_phase(DATA)  # the hang watchdog names the phase a stuck rank is in
-            wanted = min(self.micro_per_step, micro_left)
+            wanted = min(self.data.micro_per_step, micro_left)
             group = _take(micro_batches, wanted)
             if len(group) < wanted or not (group or self.micro_batched):
                 steps_left = 0  # the loader ended early (the dataset shrank under it): the epoch is done
@@ -314,8 +204,7 @@ class _Run:
                 if self.recovery is None or not self.recovery.recover(exc):  # live mode: the survivors go on
                     raise
                 del group
-                micro_batches = iter(self.loader)  # the same step again, cut for the survivors
-                steps_left, micro_left = self._steps_in_epoch(), len(self.loader)
+                micro_batches, steps_left, micro_left = self.data.iterate()  # the same step, re-cut
                 continue
             micro_left -= len(group)
             steps_left -= 1
@@ -325,8 +214,7 @@ class _Run:
             if self.recovery is not None:
                 changed = self.recovery.admit_joiners(self.counters.step) or changed
             if changed and steps_left > 0:  # the shards were cut again: iterate the rest of the epoch anew
-                micro_batches = iter(self.loader)
-                steps_left, micro_left = self._steps_in_epoch(), len(self.loader)
+                micro_batches, steps_left, micro_left = self.data.iterate()
         if steps_left > 0:
             return  # stopped by the step budget in the middle of an epoch: stay in it (resumable)
         self.counters.epoch += 1
@@ -418,7 +306,6 @@ class _Run:
     def rebuild_replica(self, topology: Topology) -> None:
         self.topo = topology
         self.handle = replicate(self.module, policy=self._policy())
-        self.micro_per_step = len(self.handle.owned_micro_batches(self.plan.num_micro_batches))
 
     def discard_step(self) -> None:
         self.state.optimizer.zero_grad(set_to_none=True)
@@ -446,9 +333,7 @@ class _Run:
         self.state.load_state_dict(state)
 
     def reshard(self, topology: Topology) -> None:
-        sampler_state = self.sampler.state_dict()
-        self.sampler.num_replicas, self.sampler.rank = topology.world_size, topology.rank
-        self.sampler.load_state_dict(sampler_state)
+        self.data.reshard(topology)
         self.evaluation.reshard(topology)
 
     def regrouped(self, fault: Fault) -> None:
