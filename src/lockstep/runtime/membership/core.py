@@ -9,7 +9,6 @@ the count it agreed on knows that any later count is a new change.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from lockstep.errors import MembershipChanged, rank_tag
@@ -62,7 +61,3 @@ class GroupState:
             if self.store.check([key]):
                 out[member] = bytes(self.store.get(key)).decode()
         return out
-
-    def wait_for(self, key: str, poll_s: float = 0.01) -> None:
-        while not self.store.check([key]):
-            time.sleep(poll_s)
