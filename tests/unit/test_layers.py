@@ -63,6 +63,14 @@ def _module_of(path: Path) -> str:
     return ".".join(parts)
 
 
+def _from_target(package: str, node: ast.ImportFrom) -> str:
+    """The absolute module of `from X import ...` written in `package` (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join([*base, node.module] if node.module else base)
+
+
 def _imported(path: Path, source: str | None = None) -> list[tuple[int, str]]:
     """(line, absolute lockstep module) for every import of lockstep code in `path` (or in `source`)."""
     module = _module_of(path)
@@ -74,11 +82,7 @@ def _imported(path: Path, source: str | None = None) -> list[tuple[int, str]]:
                 (node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "lockstep"
             ]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join([*base, node.module] if node.module else base)
-            else:
-                target = node.module or ""
+            target = _from_target(package, node)
             if target.split(".")[0] != "lockstep":
                 continue
             if target == "lockstep":
@@ -236,11 +240,7 @@ def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
                     if name.startswith("lockstep"):
                         edges.add(name)
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    target = ".".join([*base, node.module] if node.module else base)
-                else:
-                    target = node.module or ""
+                target = _from_target(package, node)
                 if target.split(".")[0] != "lockstep":
                     continue
                 for alias in node.names:
