@@ -17,9 +17,10 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from lockstep.engine.bucket_launch import CommHook
 from lockstep.engine.join import EngineJoin
 from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, SyncPolicy
-from lockstep.engine.reducer import CommHook, Reducer
+from lockstep.engine.reducer import Reducer
 from lockstep.engine.state import ReplicaState
 from lockstep.engine.stats import EngineStats
 from lockstep.errors import (

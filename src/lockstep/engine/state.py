@@ -13,13 +13,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import _JoinConfig
 
+from lockstep.engine.bucket_launch import CommHook
 from lockstep.engine.deterministic import DeterministicStep
 from lockstep.engine.exact import ExactReducer
 from lockstep.engine.float_step import FloatStep
 from lockstep.engine.init_sync import RepeatedBroadcast, broadcast_coalesced, check_same_model, layout_key
 from lockstep.engine.join import EngineJoinHook, JoinSession, join_pre_forward
 from lockstep.engine.policy import SyncPolicy
-from lockstep.engine.reducer import CommHook, Reducer
+from lockstep.engine.reducer import Reducer
 from lockstep.engine.stats import EngineStats
 from lockstep.errors import (
     NoProcessGroupError,
