@@ -436,13 +436,13 @@ class ReplicaHandle(_JoinableReplica):
         same result up to rounding, at the default mode's speed; then every rank needs a micro-batch
         (K >= W).
         """
-        return self._replica.micro_batched().run(
+        return self._replica.accumulate(
             fn, micro_batches, num_micro_batches=num_micro_batches, step=step, seed=seed
         )
 
     def owned_micro_batches(self, num_micro_batches: int) -> list[int]:
         """The ordinals of a step's K micro-batches that this rank computes in accumulate()."""
-        return self._replica.micro_batched().owned(num_micro_batches)
+        return self._replica.owned_micro_batches(num_micro_batches)
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self._replica.register_comm_hook(state, hook)
