@@ -47,7 +47,7 @@ torch.backends.cuda.matmul.allow_tf32 = False
 def _engine_class() -> type:
     if ENGINE == "torch":
         return TORCH_DDP
-    from lockstep.engine.api import DistributedDataParallel  # imported before the swap below
+    from lockstep.engine.ddp import DistributedDataParallel  # imported before the swap below
 
     return DistributedDataParallel
 

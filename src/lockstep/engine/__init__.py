@@ -1,20 +1,22 @@
 """lockstep's own data-parallel engine: replicas kept identical by averaging gradients during backward.
 
-Public: `DistributedDataParallel` (drop-in for torch's class), `replicate` (native, in place) and the
+Public: `DistributedDataParallel` (drop-in for torch's class) and `replicate` (native, in place) with the
 `ReplicaHandle` it returns, `SyncPolicy` (the engine's frozen settings), `EngineStats`/`StepStats` (what
-`stats()` returns) and `GradBucket` (what a communication hook receives). The modules behind them:
-policy (settings), bucket_layout (pure bucket assignment), bucket_memory (flat buffers, GradBucket),
-init_sync (cross-rank model check and broadcast), state (per-model state, hook registration), step (one
-backward's bookkeeping), reducer (per-bucket launch/wait/scale), unused (unused-parameter agreement),
-join (uneven inputs), stats (timings), api (the two entry points); compression and powersgd (comm hooks)
-are public in lockstep.hooks, syncbn in lockstep.nn.
+`stats()` returns) and `GradBucket` (what a communication hook receives). Behind them (docs/engine.md
+has the map): the faces (ddp, replicate, joinable, wrap_checks), the per-model state and its mode
+(state, mode), the bucketed reducer and its phases (reducer, phase, bucket_launch, bucket_plan,
+bucket_layout, bucket_memory, fast_hooks, step, unused, shadow, stats), accumulate() and deterministic
+mode (micro_step, exact, exact_buckets, fixed_point, small_grads, running_stats), wrap-time sync
+(init_sync), uneven inputs (join), the settings (policy) and the old class path for pickles (api);
+compression and powersgd (comm hooks) are public in lockstep.hooks, syncbn in lockstep.nn.
 """
 
 from __future__ import annotations
 
-from lockstep.engine.api import DistributedDataParallel, ReplicaHandle, replicate
 from lockstep.engine.bucket_memory import GradBucket
+from lockstep.engine.ddp import DistributedDataParallel
 from lockstep.engine.policy import SyncPolicy
+from lockstep.engine.replicate import ReplicaHandle, replicate
 from lockstep.engine.stats import EngineStats, StepStats
 
 __all__ = [

@@ -100,3 +100,22 @@ class GradBucket:
 def sum_hook(group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[Any]:
     """The built-in hook: an async all-reduce (sum) of a bucket already scaled by 1/world on copy-in."""
     return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()  # type: ignore[union-attr]
+
+
+def build_buckets(
+    layout: Sequence[BucketSpec],
+    params: Sequence[torch.nn.Parameter],
+    dtypes: Sequence[torch.dtype],
+    *,
+    status: bool,
+) -> tuple[list[Bucket], list[tuple[Bucket, int]]]:
+    """The buckets of `layout` (`dtypes`: each parameter's bucket dtype) and, per parameter, its bucket and
+    its position there. `status`: the last bucket carries the status element (lockstep's layout only)."""
+    buckets = [
+        Bucket(s, params, dtypes[s.param_indices[0]], status and s.index == len(layout) - 1) for s in layout
+    ]
+    where: list[tuple[Bucket, int]] = [None] * len(params)  # type: ignore[list-item]
+    for b in buckets:
+        for pos, i in enumerate(b.indices):
+            where[i] = (b, pos)
+    return buckets, where

@@ -36,11 +36,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lockstep.engine.exact_buckets import ExactBucket, ExactBuckets, known
 from lockstep.engine.fixed_point import (
     HEADROOM_BITS,
     Quantizer,
@@ -49,34 +50,11 @@ from lockstep.engine.fixed_point import (
     powers_of_two,
     scale_exponents,
 )
-from lockstep.engine.small_grads import SmallGradients
-from lockstep.errors import InternalError
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.waits import tracked, wait_tracked, wait_watching_membership
 
-T = TypeVar("T")
-
 LARGE_ELEMENTS = 65536  # a gradient this large is taken in its hook; smaller ones at the micro-batch's end
 BUCKET_ELEMENTS = 4 * 1024 * 1024  # float64 elements per all-reduce of large accumulators (32 MiB)
-
-
-def _known(value: T | None, what: str) -> T:
-    """`value`, which the step's order of phases guarantees is set; an InternalError if a phase was skipped."""
-    if value is None:
-        raise InternalError(f"exact reduction: {what} used before the scale was agreed (a phase was skipped)")
-    return value
-
-
-@dataclass
-class _Bucket:
-    """Large parameters whose float64 accumulators share one buffer and one all-reduce."""
-
-    indices: list[int]
-    offsets: list[int]  # where each parameter's accumulator starts in the buffer
-    numel: int
-    buffer: torch.Tensor | None = None  # allocated on first use, kept for the replica's life
-    taken: int = 0  # parameters taken during the rank's last micro-batch of the step
-    record: Any = None  # the all-reduce in flight (its progress record carries the work)
 
 
 @dataclass
@@ -89,8 +67,9 @@ class _Pending:
     small: torch.Tensor | None
 
 
-class ExactReducer:
-    """Fixed-point accumulators for one replica's trainable parameters (see the module's design note)."""
+class ExactReducer(ExactBuckets):
+    """Fixed-point sums for one replica's trainable parameters: the phases of the module's design note over
+    the accumulators of ExactBuckets (exact_buckets.py)."""
 
     def __init__(
         self,
@@ -102,60 +81,23 @@ class ExactReducer:
         world_size: int,
         device: torch.device,
     ) -> None:
-        self.params, self.names, self.group = list(params), list(names), group
-        self.rank, self.world, self.device = rank, world_size, device
-        self._n = len(self.params)
+        super().__init__(
+            params,
+            group,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            large_elements=LARGE_ELEMENTS,
+            bucket_elements=BUCKET_ELEMENTS,
+        )
+        self.names = list(names)
         self._quantizer = Quantizer()
-        self._plan_small()
-        self._plan_buckets()
         # one all-reduce carries the small parameters' sums, then the flags
         self._flag_buffer = torch.zeros(self.small.size + 3 * self._n, dtype=torch.float64, device=device)
         self._small_sums = self._flag_buffer[: self.small.size]
         self.active = False
         self.num_micro_batches = 1
-        self.launched_in_backward = 0  # buckets whose all-reduce started inside a backward (overlapped)
         self._reset()
-
-    # ---- layout ------------------------------------------------------------------------------------------
-
-    def _plan_small(self) -> None:
-        """Small parameters (sharing the first one's device and dtype) get views of one flat grad buffer."""
-        first = next((p for p in self.params if p.numel() < LARGE_ELEMENTS), None)
-        self.large = [
-            p.numel() >= LARGE_ELEMENTS or first is None or (p.device, p.dtype) != (first.device, first.dtype)
-            for p in self.params
-        ]
-        self.small = SmallGradients(
-            self.params, [i for i in range(self._n) if not self.large[i]], self.device
-        )
-        self._large_index = torch.tensor(
-            [i for i in range(self._n) if self.large[i]], dtype=torch.long, device=self.device
-        )
-
-    def _plan_buckets(self) -> None:
-        """Large parameters in reverse order (the order a backward usually produces them), ~BUCKET_ELEMENTS each."""
-        self.buckets: list[_Bucket] = []
-        self._bucket_of = [-1] * self._n
-        self._offset = [0] * self._n
-        for i in reversed(range(self._n)):
-            if not self.large[i]:
-                continue
-            numel = self.params[i].numel()
-            if not self.buckets or (
-                self.buckets[-1].numel and self.buckets[-1].numel + numel > BUCKET_ELEMENTS
-            ):
-                self.buckets.append(_Bucket([], [], 0))
-            b = self.buckets[-1]
-            self._bucket_of[i], self._offset[i] = len(self.buckets) - 1, b.numel
-            b.indices.append(i)
-            b.offsets.append(b.numel)
-            b.numel += numel
-
-    def _accumulator(self, i: int) -> torch.Tensor:
-        b = self.buckets[self._bucket_of[i]]
-        if b.buffer is None:
-            b.buffer = torch.empty(b.numel, dtype=torch.float64, device=self.device)
-        return b.buffer[self._offset[i] : self._offset[i] + self.params[i].numel()]
 
     # ---- begin -------------------------------------------------------------------------------------------
 
@@ -217,7 +159,7 @@ class ExactReducer:
         first micro-batch left pending."""
         if self._agreement is None:
             self._start_agreement()
-        maxima, record = _known(self._agreement, "the scale broadcast")
+        maxima, record = known(self._agreement, "the scale broadcast")
         if record is not None:
             wait_tracked(record, record.work)
         self._agreement = None
@@ -254,7 +196,7 @@ class ExactReducer:
         if grad is None:
             return
         p.grad = None
-        mult = _known(self._mult, "the multipliers")[i]
+        mult = known(self._mult, "the multipliers")[i]
         earlier = self._waiting.pop(i, None)  # the first micro-batch's, rounded in the same pass
         grads = [grad] if earlier is None else [earlier, grad]
         largest = self._quantizer.add(self._accumulator(i), grads, mult, first=not self._written[i])
@@ -265,30 +207,6 @@ class ExactReducer:
             b = self.buckets[self._bucket_of[i]]
             b.taken += 1
             self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        """Launch, in bucket order, every bucket whose gradients were all taken in the last micro-batch."""
-        while self._next_bucket < len(self.buckets):
-            b = self.buckets[self._next_bucket]
-            if b.taken < len(b.indices):
-                return
-            self._launch(b)
-            self.launched_in_backward += 1
-
-    def _launch_all(self) -> None:
-        while self._next_bucket < len(self.buckets):
-            self._launch(self.buckets[self._next_bucket])
-
-    def _launch(self, b: _Bucket) -> None:
-        for i in b.indices:
-            if not self._written[i]:  # no local micro-batch used it: the rank adds zeros
-                self._accumulator(i).zero_()
-                self._written[i] = 1
-        self._next_bucket += 1
-        if self.world > 1:
-            buffer = _known(b.buffer, "a bucket's buffer")
-            b.record = PROGRESS.issue("allreduce (exact gradient bucket)", (buffer,), self.group)
-            b.record.work = dist.all_reduce(buffer, group=self.group, async_op=True)
 
     @torch.no_grad()
     def end_micro_batch(self) -> None:
@@ -307,7 +225,7 @@ class ExactReducer:
                 if self.large[i]:
                     self._take_large(i)
         if small_used:
-            multipliers = _known(self._small_mult, "the small multipliers")
+            multipliers = known(self._small_mult, "the small multipliers")
             self.small.add_on_grid(self._small_sums, multipliers)
         self._fold_flags(self._mb_max, self._mb_used)
         self._take_waiting()
@@ -340,7 +258,7 @@ class ExactReducer:
             return
         self._waiting = pending.large  # taken with the same parameter's next gradient (or at the end)
         if pending.small is not None:
-            multipliers = _known(self._small_mult, "the small multipliers")
+            multipliers = known(self._small_mult, "the small multipliers")
             self.small.add_on_grid(self._small_sums, multipliers, source=pending.small)
         self._fold_flags(pending.maxima, pending.used)
 
@@ -355,7 +273,7 @@ class ExactReducer:
         return True
 
     def _fold_flags(self, largest: torch.Tensor, used_bytes: bytearray) -> None:
-        limit = _known(self._limit, "the overflow limits")
+        limit = known(self._limit, "the overflow limits")
         used = torch.frombuffer(used_bytes, dtype=torch.uint8).to(self.device, torch.float64)
         self._flags[0] += used
         self._flags[1] += (largest >= limit).double() * used
@@ -386,7 +304,7 @@ class ExactReducer:
         used = (flags[0] > 0).tolist()
         nonfinite = (~finite).tolist()
         if self.small.params:
-            factors = _known(self._small_factor, "the small parameters' factors")
+            factors = known(self._small_factor, "the small parameters' factors")
             keep = [used[i] for i in self.small.indices]
             nan = [used[i] and nonfinite[i] for i in self.small.indices]
             self.small.write(self._small_sums, factors, keep, nan)
@@ -404,7 +322,7 @@ class ExactReducer:
 
     def _take_waiting(self) -> None:
         """The first micro-batch's large gradients whose parameters the next one did not use."""
-        mult = _known(self._mult, "the multipliers")
+        mult = known(self._mult, "the multipliers")
         for i, grad in self._waiting.items():
             self._quantizer.add(self._accumulator(i), [grad], mult[i], first=not self._written[i])
             self._written[i] = 1
@@ -413,11 +331,6 @@ class ExactReducer:
     def _finish(self) -> None:
         self.active = False
         self._spare, self._held, self._waiting = [None] * self._n, [None] * self._n, {}
-
-    def _wait(self, b: _Bucket) -> None:
-        if b.record is not None:
-            wait_tracked(b.record, b.record.work)
-            b.record = None
 
     def _agreed_maxima(self) -> torch.Tensor:
         for b in self.buckets:  # every rank waits for what it launched before the next collective
@@ -435,7 +348,7 @@ class ExactReducer:
         self._finish()
         return maxima
 
-    def _write_bucket(self, b: _Bucket, used: list[bool]) -> None:
+    def _write_bucket(self, b: ExactBucket, used: list[bool]) -> None:
         self._wait(b)
         for i in b.indices:
             p = self.params[i]

@@ -1,10 +1,9 @@
-"""Per-model engine state: wrap-time sync, the reducer, per-parameter hooks and their removal."""
+"""Per-model engine state: wrap-time sync, the engine's mode, the buffer sync, torch's switches and join()."""
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -13,21 +12,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import _JoinConfig
 
-from lockstep.engine.deterministic import DeterministicStep
-from lockstep.engine.exact import ExactReducer
-from lockstep.engine.float_step import FloatStep
+from lockstep.engine.bucket_launch import CommHook
 from lockstep.engine.init_sync import RepeatedBroadcast, broadcast_coalesced, check_same_model, layout_key
-from lockstep.engine.join import EngineJoinHook, JoinSession, join_pre_forward
+from lockstep.engine.join import EngineJoinHook, JoinSession
+from lockstep.engine.mode import EngineMode, choose_mode
 from lockstep.engine.policy import SyncPolicy
-from lockstep.engine.reducer import CommHook, Reducer
+from lockstep.engine.reducer import Reducer
 from lockstep.engine.stats import EngineStats
-from lockstep.errors import (
-    NoProcessGroupError,
-    NoTrainableParametersError,
-    NotSupportedError,
-    UsageError,
-    rank_tag,
-)
+from lockstep.errors import NoProcessGroupError, NoTrainableParametersError, rank_tag
 from lockstep.runtime import watchdog
 from lockstep.runtime.collectives import comm_device
 from lockstep.runtime.progress import PROGRESS
@@ -48,7 +40,8 @@ class SyncFlags:
 
 
 class ReplicaState:
-    """Everything the engine keeps for one replicated module; driven by api.py's forward wrappers.
+    """Everything the engine keeps for one replicated module; driven by the faces' forward wrappers
+    (ddp.py, replicate.py). What depends on the policy's mode is one object, `mode` (mode.py).
 
     Nothing is stored on the user's module: it pickles, deep-copies and re-wraps like a plain module.
     """
@@ -97,40 +90,11 @@ class ReplicaState:
         params = [p for _, p in trainable]
         names = [n for n, _ in trainable]
         sparse = _sparse_flags(module, list(params))
-        self._reducer: Reducer | None = None
-        self.deterministic: DeterministicStep | None = None
-        self._float_step: FloatStep | None = None  # accumulate() under the default policy, made on first use
-        self._handles: list[Any] = []  # deterministic mode's hooks (the reducer keeps its own)
-        if policy.deterministic:
-            if any(sparse):
-                raise NotSupportedError(
-                    f"{self.tag}SyncPolicy(deterministic=True) sums dense gradients exactly; "
-                    f"{names[sparse.index(True)]!r} gets sparse ones (nn.Embedding(sparse=True)): make it dense"
-                )
-            exact = ExactReducer(
-                params, names, group, rank=self.rank, world_size=self.world, device=self.comm_device
-            )
-            self.deterministic = DeterministicStep(module, exact, group)
-            self._handles = [
-                p.register_post_accumulate_grad_hook(functools.partial(exact.post_accumulate_grad, i))
-                for i, p in enumerate(params)
-            ]
-        else:
-            self._reducer = Reducer(
-                params,
-                names,
-                policy,
-                group,
-                rank=self.rank,
-                world_size=self.world,
-                sparse=sparse,
-                device=self.comm_device,
-            )
-            self._reducer.attach_hooks()
+        self.t_forward = 0.0  # when the forward under way began
+        self.mode: EngineMode = choose_mode(self, params, names, sparse)  # once: it never changes
         # join(): torch's Join sets the config (read by its notify_join_context); join.py does the rest.
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self.join_session: JoinSession | None = None
-        self._t_forward = 0.0
         # The buffer sync's message layout, made at the first forward that syncs buffers; and torch's
         # modules_buffers: the buffers of the last sync (or of construction), whose number decides whether
         # a forward syncs. They are looked up again only then: a module without buffers never looks.
@@ -140,38 +104,21 @@ class ReplicaState:
     @property
     def reducer(self) -> Reducer:
         """The bucketed reducer (every mode but deterministic, which sums exactly without buckets)."""
-        if self._reducer is None:
-            raise NotSupportedError(
-                f"{self.tag}this replica runs SyncPolicy(deterministic=True): buckets, communication hooks and "
-                "join() do not apply to its exact reduction; replicate with SyncPolicy() to use them"
-            )
-        return self._reducer
+        return self.mode.reducer
 
     @property
     def buffers(self) -> list[torch.Tensor]:
         """The module's buffers now (looked up each time: a program may reassign one, like torch allows)."""
         return [b for n, b in _unique_named(self.module.named_buffers()) if n not in self._ignored_buffers]
 
-    # pre_forward: the engine's work before the user's forward
+    # pre_forward: the engine's work before the user's forward (the rest is the mode's)
     def pre_forward(self) -> None:
-        self._t_forward = time.perf_counter()
+        self.t_forward = time.perf_counter()
         if torch.is_grad_enabled():
             PROGRESS.begin_step()
-        if self.deterministic is not None:
-            self._check_deterministic_forward(self.deterministic)
-            return
-        syncing = torch.is_grad_enabled() and self.flags.require_backward_grad_sync
-        if self._reducer is not None:
-            self._reducer.drain()  # a local backward's (no_sync) fast-hook reports: before anything else
-        if self._join_config.enable:
-            join_pre_forward(self, syncing)
-            return
-        if syncing:
-            self.reducer.maybe_rebuild()
-        if self.will_broadcast_buffers():
-            self._broadcast_buffers()
+        self.mode.pre_forward(self)
 
-    def _broadcast_buffers(self) -> None:
+    def broadcast_buffers(self) -> None:
         """Every rank takes the source rank's buffers (torch's forward buffer sync), with a message layout
         kept from one forward to the next while the buffers stay the same tensors."""
         buffers = self._synced_buffers = self.buffers
@@ -189,17 +136,8 @@ class ReplicaState:
         it on others, a collective mismatch.
         """
         if self.will_broadcast_buffers():
-            self._broadcast_buffers()
+            self.broadcast_buffers()
         self.flags.require_forward_param_sync = False
-
-    def _check_deterministic_forward(self, step: DeterministicStep) -> None:
-        if torch.is_grad_enabled() and self.module.training and not step.reducer.active:
-            raise UsageError(
-                f"{self.tag}{type(self.module).__name__} is replicated with SyncPolicy(deterministic=True), so a "
-                "training forward must run inside handle.accumulate(fn, micro_batches, num_micro_batches=K, "
-                "step=i); outside it nothing would average the gradients and the replicas would drift apart. "
-                "Evaluate under torch.no_grad() or model.eval()"
-            )
 
     def will_broadcast_buffers(self) -> bool:
         """pre_forward broadcasts buffers (torch's will_sync_module_buffers, in a world above 1)."""
@@ -212,12 +150,7 @@ class ReplicaState:
         )
 
     def post_forward(self, output: Any) -> Any:
-        if self.deterministic is not None:
-            return output
-        syncing = torch.is_grad_enabled() and self.flags.require_backward_grad_sync
-        self.flags.require_forward_param_sync = syncing
-        if syncing:
-            self.reducer.prepare_for_backward(list(_find_tensors(output)), self._t_forward)
+        self.mode.post_forward(self, output)
         return output
 
     @contextmanager
@@ -284,57 +217,29 @@ class ReplicaState:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
     def stats(self) -> EngineStats:
-        if self.deterministic is not None:
-            step = self.deterministic
-            return EngineStats(
-                world_size=self.world,
-                num_parameters=len(step.reducer.params),
-                num_buckets=len(step.reducer.buckets),
-                bucket_sizes_bytes=[8 * b.numel for b in step.reducer.buckets],
-                bucket_num_params=[len(b.indices) for b in step.reducer.buckets],
-                buckets_rebuilt=False,
-                synced_steps=step.steps,
-                last=None,
-                mean=None,
-                extras={
-                    "deterministic": True,
-                    "redone_steps": step.redos,
-                    "buckets_launched_in_backward": step.reducer.launched_in_backward,
-                },
-            )
-        r = self.reducer
-        return EngineStats(
-            world_size=self.world,
-            num_parameters=len(r.params),
-            num_buckets=len(r.buckets),
-            bucket_sizes_bytes=[b.nbytes for b in r.buckets],
-            bucket_num_params=[len(b.params) for b in r.buckets],
-            buckets_rebuilt=r.rebuilt,
-            synced_steps=r.stats.steps,
-            last=r.stats.last,
-            mean=r.stats.mean(),
-            extras={"bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets]},
-        )
+        return self.mode.stats(self.world)
 
     def remove(self) -> None:
         """Detach the engine: hooks removed, the module is a plain module again."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if self._reducer is not None:
-            self._reducer.detach_hooks()
-        if self.deterministic is not None:
-            self.deterministic.running.remove()
-        if self._float_step is not None:
-            self._float_step.remove()
+        self.mode.remove()
 
-    def micro_batched(self) -> DeterministicStep | FloatStep:
-        """The runner of accumulate(): deterministic mode's exact step, or the default policy's float one."""
-        if self.deterministic is not None:
-            return self.deterministic
-        if self._float_step is None:
-            self._float_step = FloatStep(self)
-        return self._float_step
+    def accumulate(
+        self,
+        fn: Callable[[Any], Any],
+        micro_batches: Mapping[int, Any],
+        *,
+        num_micro_batches: int,
+        step: int,
+        seed: int,
+    ) -> dict[int, Any]:
+        """One step of K micro-batches with the mode's reduction (micro_step.py; ReplicaHandle.accumulate)."""
+        return self.mode.accumulate(
+            self, fn, micro_batches, num_micro_batches=num_micro_batches, step=step, seed=seed
+        )
+
+    def owned_micro_batches(self, num_micro_batches: int) -> list[int]:
+        """This rank's ordinals of a step of K micro-batches."""
+        return self.mode.micro_steps(self).owned(num_micro_batches)
 
 
 def _sparse_flags(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
@@ -360,18 +265,3 @@ def _unique_named(items: Iterator[tuple[str, T]]) -> list[tuple[str, T]]:
             seen.add(id(t))
             out.append((name, t))
     return out
-
-
-def _find_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a forward's output (tensors, lists, tuples, dicts, dataclass-like objects)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _find_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _find_tensors(item)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from _find_tensors(getattr(obj, name))

@@ -8,7 +8,10 @@ filled in and reduced like the others; what differs is what happens afterwards:
 - otherwise a missing gradient is an error, raised on every rank: each rank's count of missing
   parameters is summed (in the last bucket's status element; with torch's bucket layout, a NaN flag in
   the last bucket calls for the count; with a user's comm hook, by a small all-reduce), and if the sum
-  is not zero every rank gathers the names and raises the same message (Reducer._missing_signal).
+  is not zero every rank gathers the names and raises the same message (`UnusedAgreement.signal`).
+
+`UnusedAgreement` is the reducer's side of it, run in finalize (and in join()'s shadow step); the
+functions below are its collectives and messages.
 """
 
 from __future__ import annotations
@@ -19,8 +22,83 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.engine.bucket_memory import Bucket
 from lockstep.runtime.collectives import all_gather_object
 from lockstep.runtime.waits import tracked, wait_watching_membership
+
+
+class UnusedAgreement:
+    """How one reducer's ranks agree, after each synced backward, on the parameters without gradient."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        tag: str,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        world_size: int,
+    ) -> None:
+        self.names, self.tag, self.group = list(names), tag, group
+        self.device, self.world = device, world_size
+        # parameters that no rank used since the last synced step: their .grad stays as it is (write-back)
+        self.globally_unused: set[int] = set()
+
+    def signal(self, *, tolerant: bool, summed: bool, last: Bucket) -> str:
+        """How parameters without gradient reach the other ranks when they are an error (no
+        find_unused_parameters, no static graph), without a collective of its own in the common case:
+
+        - "status": lockstep's layout gives the last bucket an extra element, each rank's count, summed;
+        - "nan": torch's layout has no room for it (an extra element would move gloo's ring chunks and
+          change the sums' bits at world >= 3), so a rank with missing gradients writes NaN over the last
+          bucket's last element. A sum that comes back NaN (a real NaN gradient, or a flag) is settled by
+          a count all-reduce on every rank: the sum is the same everywhere, so all ranks take that path;
+        - "count": a comm hook of the user's owns the bucket (it may not sum): an 8-byte all-reduce;
+        - "tolerated": find_unused_parameters or a static graph: missing gradients are no error.
+
+        `tolerant`: find_unused_parameters or a static graph; `summed`: the built-in hook reduces the
+        buckets; `last`: the last bucket.
+        """
+        if tolerant:
+            return "tolerated"
+        if not summed:
+            return "count"
+        if last.status is not None:
+            return "status"
+        return "nan" if not last.sparse and last.nbytes and last.dtype.is_floating_point else "count"
+
+    def agree(
+        self, missing: list[int], used: bytearray, *, tolerant: bool, learned_static: bool, signal: str
+    ) -> str | None:
+        """An error message (the same on every rank), '' when all is well, None: read the last bucket.
+
+        `used`: the parameters this rank used since the last synced step; `learned_static`: a static
+        graph's first step is over (its pattern, and `globally_unused`, are known); `signal`: `signal()`.
+        """
+        if self.world == 1:
+            # Used since the last synced step, as the bitmap all-reduce gives at any other world size.
+            self.globally_unused = {i for i in range(len(used)) if not used[i]} if tolerant else set()
+            if tolerant or not missing:
+                return ""
+            return missing_message(self.tag, {0: [self.names[i] for i in missing]})
+        if learned_static:
+            return ""  # learned in the first step: the graph does not change
+        if tolerant:
+            self.globally_unused = globally_unused(used, self.group, self.device)
+            return ""
+        if signal in ("status", "nan"):
+            return None
+        total = total_missing(len(missing), self.group, self.device)
+        return name_missing(self.names, missing, self.tag, self.group) if total else ""
+
+    def read(self, reduced: torch.Tensor, count: int, missing: list[int], signal: str) -> str:
+        """The error message (or '') from the last bucket's reduced buffer, as `signal` says it was put."""
+        if signal == "status":
+            total = int(reduced.reshape(-1)[-1].item())
+        elif bool(torch.isnan(reduced.reshape(-1)[-1])):
+            total = total_missing(count, self.group, self.device)
+        else:
+            total = 0
+        return name_missing(self.names, missing, self.tag, self.group) if total else ""
 
 
 def unreached(outputs: Sequence[torch.Tensor], index_of: dict[int, int]) -> list[int]:

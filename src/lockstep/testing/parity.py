@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from lockstep.engine.api import DistributedDataParallel, replicate
+from lockstep.engine import DistributedDataParallel, replicate
 from lockstep.engine.policy import SyncPolicy
 from lockstep.errors import ConfigError, ParityError, rank_tag
 from lockstep.testing.spawn import run_distributed

@@ -28,7 +28,7 @@ from torch import nn
 
 from lockstep.checkpoint.stateful import Stateful
 from lockstep.data.micro_batch_sampler import MicroBatchSampler
-from lockstep.engine.api import ReplicaHandle, replicate
+from lockstep.engine import ReplicaHandle, replicate
 from lockstep.engine.policy import SyncPolicy
 from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime.membership.records import Fault

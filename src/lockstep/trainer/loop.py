@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from lockstep.checkpoint import CheckpointManager
-from lockstep.engine.api import DistributedDataParallel, ReplicaHandle, replicate
+from lockstep.engine import DistributedDataParallel, ReplicaHandle, replicate
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError, InternalError

@@ -1,0 +1,141 @@
+"""Deterministic mode's accumulators: which gradients are large, their float64 buckets, their all-reduces.
+
+Small gradients (below LARGE_ELEMENTS in exact.py, and sharing the first small parameter's device and
+dtype) are views of one flat buffer that autograd accumulates into (small_grads.py), taken a few whole-
+vector operations at a time. Every other parameter is large: its fixed-point sum lives in a float64
+accumulator, a view of a bucket of about BUCKET_ELEMENTS elements (exact.py) that is allocated at first
+use and kept for the replica's life (allocating 100 MB afresh each step costs more in page faults than
+the arithmetic). The buckets hold the large parameters in reverse order, the order a backward usually
+produces their gradients, and their all-reduces launch strictly in bucket order, the same on every rank.
+
+`ExactBuckets` is the base class of exact.py's ExactReducer, which adds the step's phases. A base
+class rather than a member: the per-parameter hook reads `large`, and a large gradient's hook calls
+`_accumulator` and `_launch_ready`, where a member object would cost one more lookup each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from lockstep.engine.small_grads import SmallGradients
+from lockstep.errors import InternalError
+from lockstep.runtime.progress import PROGRESS
+from lockstep.runtime.waits import wait_tracked
+
+T = TypeVar("T")
+
+
+def known(value: T | None, what: str) -> T:
+    """`value`, which the step's order of phases guarantees is set; an InternalError if a phase was skipped."""
+    if value is None:
+        raise InternalError(f"exact reduction: {what} used before the scale was agreed (a phase was skipped)")
+    return value
+
+
+@dataclass
+class ExactBucket:
+    """Large parameters whose float64 accumulators share one buffer and one all-reduce."""
+
+    indices: list[int]
+    offsets: list[int]  # where each parameter's accumulator starts in the buffer
+    numel: int
+    buffer: torch.Tensor | None = None  # allocated on first use, kept for the replica's life
+    taken: int = 0  # parameters taken during the rank's last micro-batch of the step
+    record: Any = None  # the all-reduce in flight (its progress record carries the work)
+
+
+class ExactBuckets:
+    """The accumulators of one replica's trainable parameters and the all-reduces of their buckets."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        group: dist.ProcessGroup | None,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        large_elements: int,
+        bucket_elements: int,
+    ) -> None:
+        self.params, self.group = list(params), group
+        self.rank, self.world, self.device = rank, world_size, device
+        self._n = len(self.params)
+        self._plan_small(large_elements)
+        self._plan_buckets(bucket_elements)
+        self.launched_in_backward = 0  # buckets whose all-reduce started inside a backward (overlapped)
+        self._written = bytearray(self._n)  # a large parameter's accumulator holds this step's value
+        self._next_bucket = 0  # the next bucket to launch in this step
+
+    def _plan_small(self, large_elements: int) -> None:
+        """Small parameters (sharing the first one's device and dtype) get views of one flat grad buffer."""
+        first = next((p for p in self.params if p.numel() < large_elements), None)
+        self.large = [
+            p.numel() >= large_elements or first is None or (p.device, p.dtype) != (first.device, first.dtype)
+            for p in self.params
+        ]
+        self.small = SmallGradients(
+            self.params, [i for i in range(self._n) if not self.large[i]], self.device
+        )
+        self._large_index = torch.tensor(
+            [i for i in range(self._n) if self.large[i]], dtype=torch.long, device=self.device
+        )
+
+    def _plan_buckets(self, bucket_elements: int) -> None:
+        """Large parameters in reverse order (the order a backward usually produces them), ~bucket_elements each."""
+        self.buckets: list[ExactBucket] = []
+        self._bucket_of = [-1] * self._n
+        self._offset = [0] * self._n
+        for i in reversed(range(self._n)):
+            if not self.large[i]:
+                continue
+            numel = self.params[i].numel()
+            if not self.buckets or (
+                self.buckets[-1].numel and self.buckets[-1].numel + numel > bucket_elements
+            ):
+                self.buckets.append(ExactBucket([], [], 0))
+            b = self.buckets[-1]
+            self._bucket_of[i], self._offset[i] = len(self.buckets) - 1, b.numel
+            b.indices.append(i)
+            b.offsets.append(b.numel)
+            b.numel += numel
+
+    def _accumulator(self, i: int) -> torch.Tensor:
+        b = self.buckets[self._bucket_of[i]]
+        if b.buffer is None:
+            b.buffer = torch.empty(b.numel, dtype=torch.float64, device=self.device)
+        return b.buffer[self._offset[i] : self._offset[i] + self.params[i].numel()]
+
+    def _launch_ready(self) -> None:
+        """Launch, in bucket order, every bucket whose gradients were all taken in the last micro-batch."""
+        while self._next_bucket < len(self.buckets):
+            b = self.buckets[self._next_bucket]
+            if b.taken < len(b.indices):
+                return
+            self._launch(b)
+            self.launched_in_backward += 1
+
+    def _launch_all(self) -> None:
+        while self._next_bucket < len(self.buckets):
+            self._launch(self.buckets[self._next_bucket])
+
+    def _launch(self, b: ExactBucket) -> None:
+        for i in b.indices:
+            if not self._written[i]:  # no local micro-batch used it: the rank adds zeros
+                self._accumulator(i).zero_()
+                self._written[i] = 1
+        self._next_bucket += 1
+        if self.world > 1:
+            buffer = known(b.buffer, "a bucket's buffer")
+            b.record = PROGRESS.issue("allreduce (exact gradient bucket)", (buffer,), self.group)
+            b.record.work = dist.all_reduce(buffer, group=self.group, async_op=True)
+
+    def _wait(self, b: ExactBucket) -> None:
+        if b.record is not None:
+            wait_tracked(b.record, b.record.work)
+            b.record = None

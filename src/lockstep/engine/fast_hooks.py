@@ -1,0 +1,142 @@
+"""The reducer's per-parameter hooks: Python ones, and C ones that report small gradients into a list.
+
+A Python hook costs about 2 us a call (measured: 1.75 us for an empty one against 0.5 us for a C
+function), which is 3% of a step on a model of 800 small parameters. So after a synced step, when the
+buckets are settled (no ready order left to record), every parameter of a bucket of small gradients
+(copied in at launch, not by its hook) gets a C hook that appends it to a list (`arrivals`), except the
+one that completed its bucket in that step: the bucket's trigger keeps the Python hook, which processes
+the list in arrival order (`drain`) and so launches the bucket at the same moment as before. If the
+order changes, a bucket launches at a later trigger or at finalize (which drains first), and the next
+step learns the new trigger: later, never wrong. Not with find_unused_parameters, a static graph or a
+model on several devices (hooks on two threads); without find_unused_parameters every parameter gets a
+gradient in a synced backward, so every trigger fires and finalize is always queued.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from lockstep.engine.bucket_memory import Bucket
+from lockstep.engine.step import ArmedForward, StepState
+
+
+class Arrivals(Protocol):
+    """What draining needs of the reducer (reducer.py): its step state and how it marks a gradient ready."""
+
+    armed: ArmedForward | None
+    step: StepState | None
+    order: list[int] | None
+    index_of: dict[int, int]
+    where: list[tuple[Bucket, int]]
+    used: bytearray
+
+    def post_accumulate_grad(self, i: int, _param: torch.Tensor | None = None) -> None:
+        """The Python hook of parameter i."""
+        ...
+
+    def arrived(self, i: int) -> None:
+        """Parameter i's gradient is complete (the general path)."""
+        ...
+
+    def start_step(self) -> StepState:
+        """The first gradient of an armed forward: the step begins."""
+        ...
+
+    def launch_completed(self, step: StepState) -> None:
+        """Launch the completed buckets that are next in order."""
+        ...
+
+
+class FastHooks:
+    """One reducer's hook per parameter, Python or C, and the list the C ones append to."""
+
+    def __init__(self, reducer: Arrivals, params: Sequence[torch.Tensor]) -> None:
+        self.reducer, self.params = reducer, list(params)
+        self._n = len(self.params)
+        self.handles: list[Any] = []  # one hook handle per parameter (attach)
+        self.fast = bytearray(self._n)  # 1: parameter i's hook is the fast one
+        self.arrivals: list[torch.Tensor] = []  # what fast hooks reported, not yet drained
+        self._record_arrival = functools.partial(list.append, self.arrivals)  # a C call: no Python frame
+        self._single_device = len({p.device for p in self.params}) <= 1
+
+    def attach(self) -> None:
+        """Register a hook per parameter (the Python one: fast hooks are chosen after a synced step)."""
+        self.handles = [self._register(i, fast=False) for i in range(self._n)]
+        self.fast = bytearray(self._n)
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.fast = bytearray(self._n)
+        self.arrivals.clear()
+
+    def _register(self, i: int, *, fast: bool) -> Any:
+        hook = self._record_arrival if fast else functools.partial(self.reducer.post_accumulate_grad, i)
+        return self.params[i].register_post_accumulate_grad_hook(hook)
+
+    def drain(self) -> None:
+        """Process the parameters that fast hooks reported since the last drain, in arrival order."""
+        arrivals = self.arrivals
+        n = len(arrivals)
+        if not n:
+            return
+        batch = arrivals[:n]
+        del arrivals[:n]
+        r = self.reducer
+        index_of = r.index_of
+        with torch.no_grad():
+            if r.armed is not None and r.order is None:
+                self._drain_ready(batch)
+                return
+            for p in batch:
+                r.arrived(index_of[id(p)])
+
+    def _drain_ready(self, batch: list[torch.Tensor]) -> None:
+        """drain() for a synced step whose bucket order is settled: the reducer's `arrived` inlined for
+        parameters of copy-at-launch buckets ready for the first time (0.4 us each instead of 1; the fast
+        hooks are on such parameters only). Any other arrival takes the general path, in its turn."""
+        r = self.reducer
+        step = r.step or r.start_step()
+        if step.hits is not None:
+            for p in batch:
+                r.arrived(r.index_of[id(p)])
+            return
+        index_of, where, used, ready = r.index_of, r.where, r.used, step.ready
+        for p in batch:
+            i = index_of[id(p)]
+            b = where[i][0]
+            if ready[i] or b.eager:
+                r.arrived(i)
+                continue
+            used[i] = ready[i] = 1
+            b.pending -= 1
+            if b.pending == 0:
+                b.last_ready = i
+                if not step.defer:
+                    r.launch_completed(step)
+
+    def choose(self, buckets: Sequence[Bucket], *, allowed: bool) -> None:
+        """After a synced step: fast hooks where they are safe (`allowed`: the reducer's settings permit
+        them), Python hooks elsewhere (see the module docstring)."""
+        if not self.handles:
+            return
+        want = bytearray(self._n)
+        if allowed and self._single_device:
+            for b in buckets:
+                if b.eager or b.solo or b.sparse or b.last_ready < 0:
+                    continue
+                for i in b.indices:
+                    want[i] = 1
+                want[b.last_ready] = 0  # the bucket's trigger: its Python hook drains and launches it
+        if want == self.fast:
+            return
+        for i in range(self._n):
+            if want[i] != self.fast[i]:
+                self.handles[i].remove()
+                self.handles[i] = self._register(i, fast=bool(want[i]))
+        self.fast = want

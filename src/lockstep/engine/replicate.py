@@ -1,0 +1,124 @@
+"""`replicate`: lockstep's native face, a module made a replica in place, and the `ReplicaHandle` it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.engine.bucket_launch import CommHook
+from lockstep.engine.joinable import JoinableReplica
+from lockstep.engine.policy import SyncPolicy
+from lockstep.engine.state import ReplicaState
+from lockstep.engine.stats import EngineStats
+from lockstep.errors import ConfigError
+
+
+class ReplicaHandle(JoinableReplica):
+    """What `replicate` returns: control over a module replicated in place."""
+
+    def __init__(self, replica: ReplicaState, hooks: list[Any]) -> None:
+        self._replica, self._hooks = replica, hooks
+
+    @property
+    def _engine(self) -> ReplicaState:
+        return self._replica
+
+    @property
+    def module(self) -> nn.Module:
+        return self._replica.module
+
+    @property
+    def policy(self) -> SyncPolicy:
+        return self._replica.policy
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forwards inside accumulate gradients locally; the next synced backward reduces the sum."""
+        with self._replica.no_sync():
+            yield
+
+    def stats(self) -> EngineStats:
+        """Bucket layout, last step's and mean timings (forward, backward, comm, overlap), bytes sent."""
+        return self._replica.stats()
+
+    def accumulate(
+        self,
+        fn: Callable[[Any], Any],
+        micro_batches: Mapping[int, Any],
+        *,
+        num_micro_batches: int,
+        step: int,
+        seed: int = 0,
+    ) -> dict[int, Any]:
+        """One training step of K micro-batches over the ranks; afterwards `.grad` holds their mean.
+
+        The step's global batch is `num_micro_batches` (K) micro-batches of a fixed size; `micro_batches`
+        maps this rank's ordinals (`owned_micro_batches(K)`: rank r of W owns r, r + W, ...) to their
+        batches. `fn(batch)` runs forward and backward of one micro-batch (`loss.backward()`, its loss the
+        micro-batch's mean) and may return anything (the loss, say). `step` and `seed` seed each micro-
+        batch's random numbers (dropout); BatchNorm uses each micro-batch's statistics and its running
+        buffers are updated as if one process had run the micro-batches in order. Returns
+        {ordinal: fn's result} for this rank's micro-batches.
+
+        With SyncPolicy(deterministic=True) the mean is exact: bit for bit the same at every world size
+        (`fn` may be called twice for a micro-batch in the rare step that is redone). Under the default
+        policy the engine sums in float with its usual buckets, overlapped with the last backward: the
+        same result up to rounding, at the default mode's speed; then every rank needs a micro-batch
+        (K >= W).
+        """
+        return self._replica.accumulate(
+            fn, micro_batches, num_micro_batches=num_micro_batches, step=step, seed=seed
+        )
+
+    def owned_micro_batches(self, num_micro_batches: int) -> list[int]:
+        """The ordinals of a step's K micro-batches that this rank computes in accumulate()."""
+        return self._replica.owned_micro_batches(num_micro_batches)
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        self._replica.register_comm_hook(state, hook)
+
+    def remove(self) -> None:
+        """Undo replicate: the module trains locally again (no hooks, no communication)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._replica.remove()
+
+
+def replicate(
+    module: nn.Module, *, policy: SyncPolicy | None = None, process_group: dist.ProcessGroup | None = None
+) -> ReplicaHandle:
+    """Make `module` a data-parallel replica in place: same object, same state_dict keys.
+
+    Parameters and buffers are checked and broadcast from rank 0 now; from then on every forward
+    with grad enabled is followed by a backward that averages gradients across ranks.
+    """
+    if any(
+        isinstance(getattr(h, "__self__", None), _ForwardHooks) for h in module._forward_pre_hooks.values()
+    ):
+        raise ConfigError(
+            f"module {type(module).__name__} is already replicated; call remove() on its handle "
+            "before replicating it again"
+        )
+    replica = ReplicaState(module, policy or SyncPolicy(), process_group)
+    hooks = _ForwardHooks(replica)
+    return ReplicaHandle(
+        replica, [module.register_forward_pre_hook(hooks.before), module.register_forward_hook(hooks.after)]
+    )
+
+
+class _ForwardHooks:
+    """replicate's forward hooks on the user's module (their owner marks the module as replicated)."""
+
+    def __init__(self, replica: ReplicaState) -> None:
+        self.replica = replica
+
+    def before(self, _module: nn.Module, _args: Any) -> None:
+        self.replica.pre_forward()
+
+    def after(self, _module: nn.Module, _args: Any, output: Any) -> Any:
+        return self.replica.post_forward(output)
