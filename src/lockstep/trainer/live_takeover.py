@@ -1,4 +1,5 @@
-"""Live mode inside fit: a new rank 0 takes over what the lost members did (their metric rows, the log).
+"""Live mode inside fit: a new rank 0 takes over what the lost members did (their metric rows, the log),
+and the progress line that tells of a change.
 
 When members are lost, rank 0 of the new generation (the same process, or another one when the old rank 0
 was lost) reads from the store the metric rows that the lost members committed since the last log
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lockstep.runtime.membership.group import LiveGroup
+from lockstep.runtime.membership.records import Fault
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.metrics import OrderedMetrics, TrainMetrics
 from lockstep.trainer.progress import ProgressBar
@@ -40,3 +42,15 @@ def take_over_log(
     bar = ProgressBar(total_steps, enabled=True, mode=config.progress)
     bar.advance(step)
     return runlog, bar
+
+
+def describe_change(fault: Fault, step: int) -> str:
+    """The progress line that says what changed and how the run goes on."""
+    if fault.kind == "joined":
+        text = f"replacements {fault.joined} joined"
+    else:
+        text = f"launch ranks {fault.lost} left ({'; '.join(fault.how.values())})"
+    return (
+        f"live: {text}; going on with {fault.world_size} ranks from step {step} "
+        f"({fault.recover_s:.2f} s to re-form)"
+    )

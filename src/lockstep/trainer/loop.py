@@ -35,7 +35,7 @@ from lockstep.trainer.batches import plan_batches
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.device import choose_device
 from lockstep.trainer.evaluation import Evaluation
-from lockstep.trainer.live_takeover import take_over_log, take_over_rows
+from lockstep.trainer.live_takeover import describe_change, take_over_log, take_over_rows
 from lockstep.trainer.metrics import TrainMetrics
 from lockstep.trainer.optim import build_optimizer, build_scheduler
 from lockstep.trainer.progress import ProgressBar
@@ -343,14 +343,7 @@ class FitRun:
                 self.runlog, self.bar = take_over_log(
                     self.run_dir, self.total_steps, self.config, self.counters.step
                 )
-        if fault.kind == "joined":
-            text = f"replacements {fault.joined} joined"
-        else:
-            text = f"launch ranks {fault.lost} left ({'; '.join(fault.how.values())})"
-        self.bar.message(
-            f"live: {text}; going on with {fault.world_size} ranks from step {self.counters.step} "
-            f"({fault.recover_s:.2f} s to re-form)"
-        )
+        self.bar.message(describe_change(fault, self.counters.step))
 
 
 def _take(iterator: Iterator[Any], count: int) -> list[Any]:
