@@ -16,8 +16,11 @@ The legal oddities, all kept from before the phases were explicit (torch's DDP b
 - ARMED -> ARMED: a second synced forward before the backward re-arms; the last one wins.
 - A pass that accumulates nothing (`torch.autograd.grad`) ends without a step: the reducer stays ARMED for
   the real backward. A backward while IDLE (no_sync, eval) accumulates locally: no transition at all.
-- REDUCING, FINALIZING or SHADOWING -> ARMED: a backward, finalize or shadow step that raised left its
-  step unfinished; the next synced forward starts afresh.
+- SHADOWING -> ARMED: a shadow step that raised (join()); the next synced forward starts afresh.
+- A backward or finalize that raised leaves its step REDUCING or FINALIZING: its collectives may have been
+  issued on some ranks and not on others. The next synced forward raises UsageError instead of arming,
+  and so does every later one (torch's "Expected to have finished reduction in the prior iteration"):
+  the replicas may differ, and an engine that went on would hide it.
 - Any phase -> SHADOWING -> that phase: a rank may join with an armed forward whose backward never ran.
 
 Everything else (a step without an armed forward, a finalize without a step, nested shadow steps) is a
@@ -47,8 +50,8 @@ IDLE, ARMED, REDUCING, FINALIZING, SHADOWING = Phase
 LEGAL: dict[Phase, frozenset[Phase]] = {
     IDLE: frozenset({ARMED, SHADOWING}),
     ARMED: frozenset({ARMED, REDUCING, SHADOWING}),
-    REDUCING: frozenset({FINALIZING, ARMED, SHADOWING}),
-    FINALIZING: frozenset({IDLE, ARMED, SHADOWING}),
+    REDUCING: frozenset({FINALIZING, SHADOWING}),
+    FINALIZING: frozenset({IDLE, SHADOWING}),
     SHADOWING: frozenset({IDLE, ARMED, REDUCING, FINALIZING}),
 }
 

@@ -53,7 +53,7 @@ from lockstep.engine.phase import ARMED, FINALIZING, IDLE, LEGAL, REDUCING, SHAD
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.shadow import mirror_backward
 from lockstep.engine.step import ArmedForward, StepState
-from lockstep.errors import InternalError, UnusedParameterError
+from lockstep.errors import InternalError, UnusedParameterError, UsageError
 from lockstep.runtime.progress import BACKWARD, PROGRESS
 
 # A gradient this large is reduced in place in its own bucket: no copy into a flat buffer and back
@@ -150,7 +150,10 @@ class Reducer(BucketLauncher):
             forward_unused = unused.unreached(outputs, self.index_of)
         else:
             forward_unused = []
+        if self.phase in (REDUCING, FINALIZING):
+            raise UsageError(_abandoned_step_message(self._tag, self.phase))
         self._enter(ARMED)
+        self._queued = False  # no backward of this model runs now: one that raised dropped its callback
         self.armed, self.step = ArmedForward(forward_unused, t_forward_start), None
         self._t_output_grad = 0.0
         for t in outputs:
@@ -347,3 +350,14 @@ class Reducer(BucketLauncher):
         self._enter(came_from)
         if verdict:
             raise UnusedParameterError(verdict)
+
+
+def _abandoned_step_message(tag: str, phase: Phase) -> str:
+    """A synced forward after a backward that raised once its reduction had begun (torch's error)."""
+    return (
+        f"{tag}Expected to have finished reduction in the prior iteration before starting a new one. The "
+        f"previous backward raised while its gradients were being averaged (phase {phase.name}), so its "
+        "collectives may have been issued on some ranks and not on others, and the replicas may differ. "
+        "This model cannot go on: wrap it again from a checkpoint (lockstep.replicate or "
+        "DistributedDataParallel), as with torch's DDP, which raises the same error"
+    )
