@@ -10,7 +10,6 @@ seconds.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.cli.launch_util import child_env, run_cli
+from tests.helpers import alive, child_env, free_port, run_cli
 
 PROGRAM = Path(__file__).with_name("hang_program.py")
 TIMEOUT = 4.0
@@ -59,17 +58,9 @@ def _assert_no_process_left(tmp_path: Path) -> None:
     pids = _pids(tmp_path)
     assert len(pids) == 2, pids
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
         time.sleep(0.1)
-    assert not [pid for pid in pids if _alive(pid)], "a rank outlived the job"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not [pid for pid in pids if alive(pid)], "a rank outlived the job"
 
 
 def _check_failed_job(
@@ -205,7 +196,7 @@ def test_no_false_alarm(tmp_path: Path, case: str, timeout: float) -> None:
 
 def test_without_the_launcher_every_rank_prints_the_report(tmp_path: Path) -> None:
     """Plain env:// (what srun or a hand-written launcher gives): the ranks judge and report themselves."""
-    port = str(29000 + os.getpid() % 2000)
+    port = str(free_port())  # rank 0 binds it: asked of the kernel, not guessed
     procs = [
         subprocess.Popen(
             [sys.executable, str(PROGRAM), "user_sleep", str(tmp_path)],

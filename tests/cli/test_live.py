@@ -23,8 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.cli.launch_util import child_env, run_cli
-from tests.cli.test_train import lockstep_cli
+from tests.helpers import child_env, lockstep_cli, run_cli
 
 PROGRAM = Path(__file__).with_name("live_program.py")
 SAMPLES, EPOCHS, GLOBAL_BATCH = 192, 2, 24
@@ -427,6 +426,7 @@ def test_two_hosts_one_loses_its_link_and_the_other_goes_on(
     out = tmp_path / "two-hosts"
     out.mkdir()
     with netns_hosts(2) as hosts:
+        port = hosts[0].free_port()  # host 0's launcher hosts the rendezvous there
         commands = [
             [
                 sys.executable,
@@ -438,7 +438,7 @@ def test_two_hosts_one_loses_its_link_and_the_other_goes_on(
                 "--node-rank",
                 str(i),
                 "--rdzv-endpoint",
-                f"{hosts[0].addr}:29400",
+                f"{hosts[0].addr}:{port}",
                 "--local-addr",
                 host.addr,
                 "--network-interface",

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.cli.launch_util import RUN_TIMEOUT, child_env, lockstep_cmd, run_cli, write
+from tests.helpers import RUN_TIMEOUT, child_env, lockstep_cmd, run_cli, write
 
 REPORT = """
 import os, sys, warnings

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.launch_util import RUN_TIMEOUT, child_env, lockstep_cmd, run_cli, write
+from tests.helpers import RUN_TIMEOUT, alive, child_env, lockstep_cmd, run_cli, write
 
 CRASH = """
 import sys, time
@@ -98,14 +98,6 @@ for step, batch in enumerate(loader):
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, only not yet reaped
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize(("sig", "stubborn"), [(signal.SIGINT, False), (signal.SIGTERM, True)])
 def test_signal_to_launcher_leaves_no_process(tmp_path: Path, sig: signal.Signals, stubborn: bool) -> None:
     write(tmp_path / "loader.py", DATALOADER)
@@ -138,7 +130,7 @@ def test_signal_to_launcher_leaves_no_process(tmp_path: Path, sig: signal.Signal
         pids = [int(p.name.rsplit("-", 1)[1]) for p in pids_dir.glob("pid-*")]
         # 2 ranks x (itself + 2 loader workers [+ 1 stubborn child])
         assert len(pids) == (8 if stubborn else 6), sorted(p.name for p in pids_dir.iterdir())
-        assert all(_alive(pid) for pid in pids)
+        assert all(alive(pid) for pid in pids)
         launcher.send_signal(sig)
         _, stderr = launcher.communicate(timeout=30)
     finally:
@@ -146,9 +138,9 @@ def test_signal_to_launcher_leaves_no_process(tmp_path: Path, sig: signal.Signal
     assert launcher.returncode == 128 + sig, stderr
     assert f"interrupted by {sig.name}" in stderr
     deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    survivors = [pid for pid in pids if _alive(pid)]
+    survivors = [pid for pid in pids if alive(pid)]
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
     assert not survivors, f"processes left behind after {sig.name}: {survivors}"

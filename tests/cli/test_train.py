@@ -3,29 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cli.launch_util import child_env
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def lockstep_cli(
-    *args: str, timeout: float = 240, cwd: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    env = child_env()
-    return subprocess.run(
-        [sys.executable, "-m", "lockstep", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=cwd or ROOT,
-    )
+from tests.helpers import lockstep_cli
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.cli.test_train import lockstep_cli
+from tests.helpers import lockstep_cli
 
 # A constant learning rate: each leg's --max-steps (where it stops) does not shape the schedule.
 SETTINGS = ("--deterministic", "--global-batch-size", "48", "--micro-batch-size", "8", "--epochs", "2")

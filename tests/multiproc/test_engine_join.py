@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
 
 from lockstep.testing import run_distributed
-from tests.multiproc.engine_util import batch, build, params_of, wrap
+from tests.helpers import batch, build, params_of, wrap
 
 TIMEOUT = 60
 

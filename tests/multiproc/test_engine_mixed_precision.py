@@ -20,7 +20,7 @@ from torch import nn
 import lockstep
 from lockstep.testing import run_distributed
 from lockstep.testing.parity import run_parity
-from tests.multiproc.engine_util import assert_close_lists, batch, build, case, params_of, wrap
+from tests.helpers import assert_close_lists, batch, build, case, params_of, wrap
 
 TIMEOUT = 60
 

@@ -6,7 +6,7 @@ import pytest
 
 import lockstep.engine.reducer as reducer
 from lockstep.testing.parity import run_parity
-from tests.multiproc.engine_util import case
+from tests.helpers import case
 
 STEPS = 4
 

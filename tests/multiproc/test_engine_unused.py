@@ -9,7 +9,7 @@ import torch.distributed as dist
 from lockstep.errors import UnusedParameterError
 from lockstep.testing import run_distributed
 from lockstep.testing.parity import run_parity, train_replica
-from tests.multiproc.engine_util import case
+from tests.helpers import case
 
 STEPS = 3
 
