@@ -93,6 +93,7 @@ def _raise_on_rank1() -> None:
         raise ValueError("boom from the test")
 
 
+@pytest.mark.fresh_ranks  # run_distributed's own processes: the harness is what is tested
 def test_harness_names_the_failing_rank() -> None:
     with pytest.raises(
         DistributedTestError, match=r"\[rank 1/2\] raised:(.|\n)*ValueError: boom from the test"
@@ -107,6 +108,7 @@ def _hang_on_rank0(pid_file: str) -> None:
         time.sleep(600)
 
 
+@pytest.mark.fresh_ranks
 def test_harness_kills_a_hung_rank_within_the_timeout(tmp_path) -> None:
     started = time.monotonic()
     with pytest.raises(DistributedTestError, match=r"\[rank 0/2\] did not finish within 15 s"):
@@ -122,11 +124,13 @@ def _exit_hard() -> None:
         os._exit(7)
 
 
+@pytest.mark.fresh_ranks
 def test_harness_reports_a_rank_that_dies() -> None:
     with pytest.raises(DistributedTestError, match=r"\[rank 1/2\] exited with code 7"):
         run_distributed(_exit_hard, 2, timeout=60)
 
 
+@pytest.mark.fresh_ranks
 def test_concurrent_harness_runs_do_not_collide() -> None:
     import concurrent.futures
 

@@ -3,6 +3,8 @@
 The parent hosts the rendezvous store on a port the kernel picks (port 0), so concurrent runs never
 collide; each rank runs in its own session so that a timeout kills it together with anything it started
 (DataLoader workers included). A hang fails in `timeout` seconds with every hung rank's Python stack.
+While a RankPool is in use (lockstep.testing.pool.use_pool), calls it can serve run on its processes
+instead, with the same contract.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ def run_distributed(
     rank with its traceback, or the ranks still running when `timeout` seconds have passed.
     """
     import torch.distributed as dist
+
+    from lockstep.testing.pool import current_pool
+
+    pool = current_pool()
+    if pool is not None and not env:
+        pooled = pool.try_run(fn, world_size, args=args, timeout=timeout, backend=backend)
+        if pooled is not None:
+            return pooled
 
     store = dist.TCPStore(
         "127.0.0.1", 0, world_size, True, timedelta(seconds=timeout), wait_for_workers=False

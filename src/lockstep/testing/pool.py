@@ -1,0 +1,450 @@
+"""A pool of gloo rank processes kept alive across calls: torch is imported once, each call forms a fresh group.
+
+`run_distributed` starts N interpreters per call: spawn, `import torch`, the caller's module, then the
+group. On 2 cores that is ~1.5-2 s per call, most of a small multi-process test. A `RankPool` keeps its
+worker processes alive between calls. Each call, like `run_distributed`:
+
+- hosts a fresh rendezvous store in the calling process, on a port the kernel picks (port 0), so no two
+  calls (nor two pools) ever share a store or a key;
+- runs `lockstep.init(backend)` then `fn(*args)` on ranks 0..N-1 (worker i is always rank i), returns the
+  results by rank, and raises DistributedTestError naming each rank that raised, died or did not finish
+  within `timeout` seconds (printing a hung rank's Python stack first);
+- leaves the group (`lockstep.shutdown()`) and checks that the worker is back in the state it started in:
+  no process group, no hang watchdog, no live-mode group, no extra thread, the same signal handlers,
+  torch's global modes (default dtype, grad mode, deterministic algorithms, threads), environment and
+  working directory. torch's random state and the warning filters are reset before every call, as in a
+  fresh interpreter.
+
+Whatever goes wrong ends the whole pool: a rank that raised, died or hung, or a worker that is not back in
+its starting state. Its processes (and anything they started) are killed at once and the next call starts
+fresh ones. So a failure or a hang costs what it costs with `run_distributed`, and no call sees what an
+earlier one left behind.
+
+    with RankPool() as pool:
+        pool.run(fn, 2)                  # as run_distributed(fn, 2)
+        with use_pool(pool):             # or: route every run_distributed call (gloo, no env) through it
+            run_parity(cases, world=2)
+
+Module state of the caller's own code (a global list a rank function appends to) is the one thing a pool
+cannot reset: such a function needs fresh processes (`run_distributed` with no pool in use).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, cast
+
+from lockstep.errors import ConfigError
+from lockstep.runtime import env_contract as ec
+from lockstep.testing import spawn
+
+DEFAULT_SIZE = 4
+# Threads that may stay in a worker: multiprocessing's queue feeder (the results), tqdm's monitor (started by
+# the first progress bar, it only watches for stuck bars).
+_HOUSEKEEPING = ("QueueFeederThread", "tqdm_monitor")
+_READY_TIMEOUT = 30.0  # leaving the group after a call: bounded, or the pool is replaced
+_SIGNALS = tuple(
+    s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP) if s is not None
+)
+
+
+class RankPool:
+    """Up to `size` gloo rank processes reused across calls; `run` has run_distributed's contract.
+
+    Not thread-safe by design: a call made while another is in progress (another thread) is refused by
+    `try_run` and served by fresh processes in `run_distributed`. `stats` counts calls, started
+    processes and why a pool was replaced.
+    """
+
+    def __init__(self, size: int = DEFAULT_SIZE) -> None:
+        if size < 1:
+            raise ConfigError(f"RankPool(size={size}): expected at least one process")
+        self.size = size
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+        self._results: Any = None
+        self._ready: dict[int, str | None] = {}  # this call's ranks back in their starting state (or why not)
+        self._task = 0
+        self._lock = threading.Lock()
+        self.stats: dict[str, Any] = {"calls": 0, "started": 0, "replaced": []}
+        atexit.register(self._replace, "exit")  # before multiprocessing would wait for the workers forever
+
+    # ------------------------------------------------------------------ public
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int = 2,
+        *,
+        args: Sequence[Any] = (),
+        timeout: float = spawn.DEFAULT_TIMEOUT,
+        backend: str = "gloo",
+        env: Mapping[str, str] | None = None,
+    ) -> list[Any]:
+        """Call `fn(*args)` on ranks 0..world_size-1 of a fresh group; return results by rank (as
+        run_distributed). Blocks while another thread uses the pool."""
+        with self._lock:
+            return self._run(fn, world_size, tuple(args), timeout, backend, env)
+
+    def try_run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *,
+        args: Sequence[Any],
+        timeout: float,
+        backend: str,
+    ) -> list[Any] | None:
+        """The results by rank if the pool could take the call now, else None (the caller starts fresh
+        processes): a backend other than gloo, more ranks than `size`, or the pool busy in another thread."""
+        if backend != "gloo" or world_size > self.size:
+            return None
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._run(fn, world_size, tuple(args), timeout, backend, None)
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Stop every process of the pool (a later call starts fresh ones)."""
+        with self._lock:
+            self._replace("closed")
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ one call
+
+    def _run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        args: tuple[Any, ...],
+        timeout: float,
+        backend: str,
+        env: Mapping[str, str] | None,
+    ) -> list[Any]:
+        import torch.distributed as dist
+
+        if world_size < 1 or world_size > self.size:
+            raise ConfigError(f"a pool of {self.size} processes cannot run a world of {world_size}")
+        self.stats["calls"] += 1
+        self._grow(world_size)
+        self._task += 1
+        task = self._task
+        self._ready = {}
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, True, timedelta(seconds=timeout), wait_for_workers=False
+        )
+        rank_env = {
+            ec.MASTER_ADDR_VAR: "127.0.0.1",
+            ec.MASTER_PORT_VAR: str(store.port),
+            ec.WORLD_SIZE_VAR: str(world_size),
+            ec.LOCAL_WORLD_SIZE_VAR: str(world_size),
+            ec.AGENT_STORE_VAR: ec.AGENT_STORE_ON,
+            ec.RESTART_COUNT_VAR: "0",
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
+        workers = self._workers[:world_size]
+        try:
+            for rank, worker in enumerate(workers):
+                worker.conn.send((task, fn, rank, rank_env, backend, args, timeout))
+            outcomes = self._collect(task, workers, timeout)
+            if any(status != "ok" for status, _ in outcomes.values()) or len(outcomes) < world_size:
+                self._replace("a rank raised, died or hung")
+            else:
+                problem = self._await_ready(task, workers)
+                if problem:
+                    self._replace(problem)
+        except BaseException:
+            # Not handed over (unpicklable), or interrupted (pytest-timeout, Ctrl-C): the workers may still
+            # be inside this call, so none of them can serve the next one.
+            self._replace("a call could not be handed over or was interrupted")
+            raise
+        finally:
+            del store
+        return spawn._unpack(outcomes, world_size, timeout)
+
+    def _collect(self, task: int, workers: list[_Worker], timeout: float) -> dict[int, tuple[str, Any]]:
+        """Each rank's ("ok", payload) or ("error", traceback), or ("died", how); missing: hung."""
+        outcomes: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < len(workers) and time.monotonic() < deadline:
+            message = self._next(task, 0.1)
+            if message is not None and message[2] in ("ok", "error"):
+                _, rank, status, payload = message
+                outcomes.setdefault(rank, (status, payload))
+                if status == "error":
+                    deadline = min(deadline, time.monotonic() + spawn._GRACE_AFTER_FAILURE)
+            for rank, worker in enumerate(workers):
+                if rank not in outcomes and not worker.proc.is_alive():
+                    self._drain_into(task, outcomes, wait=0.5)
+                    if rank not in outcomes:
+                        outcomes[rank] = ("died", spawn._describe_exit(worker.proc.exitcode))
+                        deadline = min(deadline, time.monotonic() + spawn._GRACE_AFTER_FAILURE)
+        self._drain_into(task, outcomes, wait=0.0)
+        return outcomes
+
+    def _await_ready(self, task: int, workers: list[_Worker]) -> str | None:
+        """None once every worker left the group and is back in its starting state, else why not."""
+        deadline = time.monotonic() + _READY_TIMEOUT
+        while len(self._ready) < len(workers):
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(workers))) - set(self._ready))
+                return f"ranks {missing} did not leave the group within {_READY_TIMEOUT:.0f} s"
+            self._next(task, 0.1)
+            if any(not w.proc.is_alive() for w in workers):
+                return "a worker exited after its call"
+        problems = [f"rank {rank}: {why}" for rank, why in sorted(self._ready.items()) if why]
+        return "; ".join(problems) or None
+
+    def _next(self, task: int, wait: float) -> tuple[Any, ...] | None:
+        """The next message of this call (None: none within `wait` s); "ready" ones are noted, whenever
+        they come (a rank may be back before another has even finished)."""
+        try:
+            message = tuple(self._results.get(timeout=wait) if wait else self._results.get_nowait())
+        except queue.Empty:
+            return None
+        if message[0] != task:
+            return None  # an earlier call's: cannot happen (a pool that failed is replaced), ignored
+        if message[2] == "ready":
+            self._ready[message[1]] = message[3]
+        return message
+
+    def _drain_into(self, task: int, outcomes: dict[int, tuple[str, Any]], wait: float) -> None:
+        while True:
+            try:
+                message = self._results.get(timeout=wait) if wait else self._results.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == task and message[2] in ("ok", "error"):
+                outcomes.setdefault(message[1], (message[2], message[3]))
+            elif message[0] == task and message[2] == "ready":
+                self._ready[message[1]] = message[3]
+            wait = 0.0
+
+    # ------------------------------------------------------------------ processes
+
+    def _grow(self, world_size: int) -> None:
+        if any(not w.proc.is_alive() for w in self._workers):
+            self._replace("a worker had exited")
+        if self._results is None:
+            self._results = self._ctx.Queue()
+        while len(self._workers) < world_size:
+            parent, child = self._ctx.Pipe()
+            # Not a daemon: a rank may start processes of its own (DataLoader workers). The pool stops its
+            # workers at exit itself (close(), registered with atexit).
+            proc = self._ctx.Process(
+                target=_worker_main,
+                args=(child, self._results),
+                name=f"lockstep-pool-rank-{len(self._workers)}",
+            )
+            proc.start()
+            child.close()
+            self._workers.append(_Worker(proc, parent))
+            self.stats["started"] += 1
+
+    def _replace(self, why: str) -> None:
+        """Kill every worker (and what each started: its own session) and forget them and their queue."""
+        if self._workers:
+            self.stats["replaced"].append(why)
+        spawn._kill_all([w.proc for w in self._workers])
+        for worker in self._workers:
+            worker.conn.close()
+        self._workers = []
+        if self._results is not None:
+            self._results.close()
+            self._results.cancel_join_thread()
+            self._results = None
+
+
+class _Worker:
+    def __init__(self, proc: Any, conn: Any) -> None:
+        self.proc, self.conn = proc, conn
+
+
+_POOL: list[RankPool] = []
+
+
+def use_pool(pool: RankPool | None) -> RankPool | None:
+    """Route run_distributed's calls through `pool` from now on (None: fresh processes again, the default);
+    returns the pool in use before. Only gloo calls without `env` that fit the pool, made while no other
+    thread uses it, go to the pool; every other call starts fresh processes as always."""
+    previous = _POOL[0] if _POOL else None
+    _POOL[:] = [pool] if pool is not None else []
+    return previous
+
+
+def current_pool() -> RankPool | None:
+    return _POOL[0] if _POOL else None
+
+
+# ---------------------------------------------------------------------- the worker process
+
+
+def _worker_main(conn: Any, results: Any) -> None:
+    os.setsid()  # own session: the pool kills this rank and everything it started at once
+    import torch
+
+    _import_lockstep()  # once, here (the point of the pool), and all of it: see _module_globals
+    torch.set_num_threads(1)
+    rng = torch.get_rng_state()
+    filters = list(warnings.filters)
+    baseline = _process_state()
+    while True:
+        try:
+            message = conn.recv()  # unpickling `fn` imports its module (a test module) here
+        except (EOFError, OSError):
+            return
+        task, fn, rank, env, backend, args, timeout = message
+        saved_env, saved_cwd = dict(os.environ), os.getcwd()
+        modules = _module_globals()
+        torch.set_rng_state(rng)
+        warnings.resetwarnings()  # also forgets which warnings were shown: each call sees them afresh
+        cast("list[Any]", warnings.filters)[:] = filters  # typeshed says Sequence; it is a list
+        os.environ.update(env)
+        os.environ[ec.RANK_VAR] = str(rank)
+        os.environ[ec.LOCAL_RANK_VAR] = str(rank)
+        faulthandler.dump_traceback_later(max(1.0, timeout - 2.0), exit=False, file=sys.stderr)
+        try:
+            from lockstep.runtime.process_group import init, shutdown
+
+            init(backend, timeout=timeout)
+            value = fn(*args)
+            results.put((task, rank, "ok", pickle.dumps(value)))
+            faulthandler.cancel_dump_traceback_later()
+            # A worker stuck leaving the group prints its stack before the pool gives up on it.
+            faulthandler.dump_traceback_later(_READY_TIMEOUT - 5.0, exit=False, file=sys.stderr)
+            shutdown()
+        except BaseException:
+            results.put((task, rank, "error", traceback.format_exc()))
+            faulthandler.cancel_dump_traceback_later()
+            results.close()
+            results.join_thread()
+            os._exit(1)  # the pool replaces every worker after a failure: no state to keep
+        faulthandler.cancel_dump_traceback_later()
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        changed = [_differences(baseline, _process_state()), _rebound(modules, _module_globals())]
+        results.put((task, rank, "ready", "; ".join(c for c in changed if c) or None))
+
+
+def _process_state() -> dict[str, Any]:
+    """What a call must leave as it found it (compared after each call; a difference replaces the pool)."""
+    import torch
+    import torch.distributed as dist
+
+    from lockstep.runtime import live, process_group, watchdog
+
+    return {
+        "process group": dist.is_initialized(),
+        "lockstep.init view": getattr(getattr(process_group, "_formed", None), "view", None) is not None,
+        "init(hang_timeout=...)": list(getattr(process_group, "_hang_timeout", [])),
+        "hang watchdog": watchdog.current() is not None,
+        "live-mode hooks": getattr(watchdog, "_live_check", None) is not None,
+        "live-mode group": live.current() is not None,
+        "threads": sorted(t.name for t in threading.enumerate() if not t.name.startswith(_HOUSEKEEPING)),
+        "signal handlers": {int(s): repr(signal.getsignal(s)) for s in _SIGNALS},
+        "default dtype": str(torch.get_default_dtype()),
+        "grad mode": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "anomaly detection": torch.is_anomaly_enabled(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "torch threads": torch.get_num_threads(),
+    }
+
+
+def _import_lockstep() -> None:
+    """Import every lockstep module, so that each one's globals are in the snapshot before any call (a call
+    that imports `lockstep.engine.exact` and sets its BUCKET_ELEMENTS must be seen doing so)."""
+    import pkgutil
+
+    import lockstep
+
+    for info in pkgutil.walk_packages(lockstep.__path__, "lockstep."):
+        if not info.name.endswith("__main__"):
+            with contextlib.suppress(ImportError):
+                importlib.import_module(info.name)
+
+
+# Every global of lockstep's modules and the caller's (tests, benchmarks); of _WATCHED_MODULES only the
+# functions (a test may replace os.rename): their other globals change with every group (c10d's _backend).
+_OWN_MODULES = ("lockstep", "tests", "benchmarks")
+_WATCHED_MODULES = (
+    "os",
+    "time",
+    "shutil",
+    "socket",
+    "torch.distributed",
+    "torch.distributed.distributed_c10d",
+)
+_VALUES = (int, float, complex, str, bytes, bool, type(None), tuple, frozenset)
+
+
+def _module_globals() -> dict[str, dict[str, Any]]:
+    """The global names of lockstep's and the caller's modules, and _WATCHED_MODULES' functions, with values."""
+    snapshot = {}
+    for name, module in list(sys.modules.items()):
+        if module is None:
+            continue
+        if name.split(".")[0] in _OWN_MODULES:
+            snapshot[name] = {k: v for k, v in vars(module).items() if not k.startswith("__")}
+        elif name in _WATCHED_MODULES:
+            snapshot[name] = {
+                k: v for k, v in vars(module).items() if callable(v) and not isinstance(v, type)
+            }
+    return snapshot
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same object, or an equal plain value (a constant set back to what it was is no change)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or not isinstance(a, _VALUES):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001  a tuple of tensors, say: not comparable, so not the same
+        return False
+
+
+def _rebound(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> str | None:
+    """Global names a call rebound or deleted (e.g. a module constant set for a test); names that a first
+    import added are no change. Changes inside a mutable value (a dict's entries) are not seen."""
+    changed = []
+    for module, names in before.items():
+        now = after.get(module, {})
+        changed += [
+            f"{module}.{name} {'rebound' if name in now else 'deleted'}"
+            for name, value in names.items()
+            if name not in now or not _same(value, now[name])
+        ]
+    if not changed:
+        return None
+    return "module globals: " + ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
+
+
+def _differences(before: dict[str, Any], after: dict[str, Any]) -> str | None:
+    changed = [f"{key}: {before[key]!r} -> {after[key]!r}" for key in before if before[key] != after[key]]
+    return "; ".join(changed) or None
