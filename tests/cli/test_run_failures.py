@@ -33,13 +33,11 @@ time.sleep(600)  # rank 0 would wait forever: the launcher must stop it
 
 
 def test_crashing_rank_gives_one_summary_and_stops_the_others(tmp_path: Path) -> None:
+    """(How soon the summary comes is a claim of benchmarks/failure_latency.py, case crash.)"""
     write(tmp_path / "crash.py", CRASH)
-    start = time.monotonic()
     result = run_cli("run", "-n", "2", "--run-dir", "out", "crash.py", "raise", cwd=tmp_path)
-    elapsed = time.monotonic() - start
     err = result.stderr
     assert result.returncode == 1, err
-    assert elapsed < 60, f"a crash took {elapsed:.0f} s to report"
     assert err.count("lockstep run: FAILED") == 1
     summary = err[err.index("lockstep run: FAILED") :]
     assert "FAILED: rank 1/2" in summary and "exited with code 1" in summary

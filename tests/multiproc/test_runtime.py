@@ -110,10 +110,9 @@ def _hang_on_rank0(pid_file: str) -> None:
 
 @pytest.mark.fresh_ranks
 def test_harness_kills_a_hung_rank_within_the_timeout(tmp_path) -> None:
-    started = time.monotonic()
+    # (How soon after the 15 s the call fails: benchmarks/failure_latency.py, case harness-hang.)
     with pytest.raises(DistributedTestError, match=r"\[rank 0/2\] did not finish within 15 s"):
         run_distributed(_hang_on_rank0, 2, args=(str(tmp_path / "pid"),), timeout=15)
-    assert time.monotonic() - started < 30
     pid = int((tmp_path / "pid.0").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -31,13 +30,11 @@ def _run_python(code: str, env: dict[str, str], timeout: float = 60) -> subproce
 def test_init_timeout_names_address_port_and_what_to_check() -> None:
     port = free_port()  # nobody listens there
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    started = time.monotonic()
-    proc = _run_python("import lockstep; lockstep.init(timeout=3)", env)
+    proc = _run_python("import lockstep; lockstep.init(timeout=3)", env)  # how soon: failure_latency.py
     assert proc.returncode != 0
     assert "InitTimeoutError" in proc.stderr
     assert f"[rank 1/2] could not form the process group at 127.0.0.1:{port} within 3 s" in proc.stderr
     assert "Check that all 2 processes were started" in proc.stderr
-    assert time.monotonic() - started < 45
 
 
 def test_partial_environment_fails_before_any_network_call() -> None:
