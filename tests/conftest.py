@@ -1,4 +1,15 @@
-"""Shared test setup: single-threaded ranks, and the pool of rank processes.
+"""Shared test setup: single-threaded ranks, the two tiers, and the pool of rank processes.
+
+Tiers (`make test` runs `pytest -m "not slow"`; `make test-all` runs everything, as CI does):
+
+- tests/unit and tests/multiproc are in the fast tier unless marked `slow`. Mark `slow` a multi-process
+  test on 3 or more ranks (its 2-rank variant stays fast) and anything that trains for long.
+- tests/cli (end to end) and tests/gpu are `slow` unless marked `smoke`: the fast tier keeps one smoke per
+  CLI feature (run, failure summary, hang, live kill, deterministic resize, train). A new end-to-end test
+  goes to `make test-all` unless it is made the smoke of a new feature.
+
+So a test added without a marker lands where its directory's cost says. `smoke` outside tests/cli and
+tests/gpu, and `smoke` together with `slow`, are errors.
 
 Pool: run_distributed calls that a `lockstep.testing.RankPool` can serve (gloo, no `env`, up to 4 ranks)
 run on rank processes kept alive across tests instead of fresh interpreters (a fresh group on a fresh
@@ -10,6 +21,7 @@ to the file descriptors they started with), gets fresh processes. LOCKSTEP_TEST_
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -17,8 +29,23 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from lockstep.testing import RankPool, use_pool  # noqa: E402  (after OMP_NUM_THREADS: it imports torch)
 
+TESTS = Path(__file__).resolve().parent
+SLOW_UNLESS_SMOKE = (TESTS / "cli", TESTS / "gpu")
 _CAPTURING = {"capfd", "capfdbinary", "capsys", "capsysbinary"}
 _POOL = RankPool(size=4) if os.environ.get("LOCKSTEP_TEST_POOL", "1") != "0" else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(item.path).resolve()
+        end_to_end = any(path.is_relative_to(d) for d in SLOW_UNLESS_SMOKE)
+        smoke, slow = item.get_closest_marker("smoke"), item.get_closest_marker("slow")
+        if smoke and not end_to_end:
+            raise pytest.UsageError(f"{item.nodeid}: `smoke` is for tests/cli and tests/gpu only")
+        if smoke and slow:
+            raise pytest.UsageError(f"{item.nodeid}: marked both `smoke` and `slow`")
+        if end_to_end and not smoke:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(tryfirst=True)

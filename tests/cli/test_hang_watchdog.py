@@ -85,7 +85,7 @@ def _waiter(report: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("case", "frame"),
     [
-        ("user_sleep", "in stuck_in_user_code"),
+        pytest.param("user_sleep", "in stuck_in_user_code", marks=pytest.mark.smoke),  # the fast tier's hang
         ("deadlock", "in deadlocked"),
         ("busy_loop", "in spin_forever"),
     ],

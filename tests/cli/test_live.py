@@ -111,7 +111,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("fault", "victim", "at"),
     [
-        ("forward", 2, 5),  # in the forward of its 2nd step (it owns 2 of 6 micro-batches a step)
+        # in the forward of its 2nd step (it owns 2 of 6 micro-batches a step): the fast tier's live kill
+        pytest.param("forward", 2, 5, marks=pytest.mark.smoke),
         ("backward", 2, 9),  # in backward: its peers are inside the step's all-reduces
         ("optimizer", 1, 3),  # after the gradients were averaged, in optimizer.step
         ("commit", 1, 2),  # its all-reduces of step 1 done, not yet counted: the others redo step 1

@@ -32,6 +32,7 @@ time.sleep(600)  # rank 0 would wait forever: the launcher must stop it
 """
 
 
+@pytest.mark.smoke  # the fast tier's failure summary
 def test_crashing_rank_gives_one_summary_and_stops_the_others(tmp_path: Path) -> None:
     """(How soon the summary comes is a claim of benchmarks/failure_latency.py, case crash.)"""
     write(tmp_path / "crash.py", CRASH)

@@ -30,6 +30,7 @@ def test_digits_job_reaches_its_accuracy_and_writes_everything(tmp_path: Path) -
     assert json.loads((run_dir / "summary.json").read_text())["steps_this_run"] == 0
 
 
+@pytest.mark.smoke  # the fast tier's `lockstep train`
 def test_toy_job_with_overrides_and_config_file(tmp_path: Path) -> None:
     config = tmp_path / "toy.yaml"
     config.write_text("epochs: 1\nnum_samples: 256\n")

@@ -15,7 +15,7 @@ STEPS = 4
     ("name", "kwargs", "world"),
     [
         ("mlp", {}, 2),
-        ("mlp", {"gradient_as_bucket_view": True}, 3),
+        pytest.param("mlp", {"gradient_as_bucket_view": True}, 3, marks=pytest.mark.slow),  # make test-all
         # a tiny cap: many buckets, bulk copy-in buckets, the rebuild after the first step
         ("many_small", {"bucket_cap_mb": 0.0005}, 2),
     ],

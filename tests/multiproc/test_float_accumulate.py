@@ -76,9 +76,11 @@ def _train_single_process_reference() -> dict[str, Any]:
     return {"state": model.state_dict(), "losses": losses}
 
 
-@pytest.fixture(scope="module")
-def float_runs() -> dict[int, list[dict[str, Any]]]:
-    return {world: run_distributed(_train_float, world, timeout=TIMEOUT) for world in (2, 4)}
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["world2", "world4"])
+def float_runs(request: pytest.FixtureRequest) -> dict[int, list[dict[str, Any]]]:
+    """One world size's runs (each test checks every world it is given): 2, and 4 in make test-all."""
+    world = request.param
+    return {world: run_distributed(_train_float, world, timeout=TIMEOUT)}
 
 
 def test_the_replicas_are_identical_buffers_included(float_runs: dict[int, list[dict[str, Any]]]) -> None:

@@ -18,7 +18,9 @@ import lockstep
 from lockstep.errors import DistributedTestError
 from lockstep.testing import RankPool, run_distributed, use_pool
 
-pytestmark = pytest.mark.fresh_ranks  # each test makes its own pool; run_distributed here is the real one
+# Each test makes its own pools (run_distributed here is the real one); replacing a pool starts fresh
+# processes, so these are costly: make test-all. Every pooled test of the fast tier exercises the pool too.
+pytestmark = [pytest.mark.fresh_ranks, pytest.mark.slow]
 
 
 @pytest.fixture
