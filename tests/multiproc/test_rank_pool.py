@@ -4,8 +4,10 @@ whenever a call fails, hangs or leaves a worker in another state than it found i
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,6 +102,18 @@ def test_a_failure_is_reported_like_run_distributeds_and_the_next_call_gets_fres
             os.kill(int((tmp_path / f"pid.{rank}").read_text()), 0)
     assert pool.run(_facts, 2, args=("c",), timeout=60)[1]["sum"] == 3.0
     assert pool.stats["replaced"] == ["a rank raised, died or hung"] * 3
+
+
+def test_a_function_the_ranks_cannot_import_is_an_error_of_each_rank(pool: RankPool) -> None:
+    module = types.ModuleType("lockstep_pool_test_only_in_this_process")
+    exec("def here_only():\n    return 1\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        with pytest.raises(DistributedTestError, match=r"(?s)\[rank 0/2\] raised:.*ModuleNotFoundError"):
+            pool.run(module.here_only, 2, timeout=60)
+    finally:
+        del sys.modules[module.__name__]
+    assert pool.run(_facts, 2, args=("after",), timeout=60)[0]["sum"] == 3.0
 
 
 def _leave_a_mark(what: str) -> None:

@@ -10,10 +10,12 @@ worker processes alive between calls. Each call, like `run_distributed`:
   results by rank, and raises DistributedTestError naming each rank that raised, died or did not finish
   within `timeout` seconds (printing a hung rank's Python stack first);
 - leaves the group (`lockstep.shutdown()`) and checks that the worker is back in the state it started in:
-  no process group, no hang watchdog, no live-mode group, no extra thread, the same signal handlers,
-  torch's global modes (default dtype, grad mode, deterministic algorithms, threads), environment and
-  working directory. torch's random state and the warning filters are reset before every call, as in a
-  fresh interpreter.
+  no process group, no hang watchdog, no live-mode group, init(hang_timeout=...) unset, no extra thread,
+  the same signal handlers, torch's global modes (default dtype, grad mode, deterministic algorithms,
+  threads), and no global name of a lockstep, tests or benchmarks module rebound (a test that sets
+  `lockstep.engine.exact.BUCKET_ELEMENTS` in its ranks), nor a function of os, time, shutil, socket or
+  torch.distributed replaced. torch's random state, the warning filters, the environment and the working
+  directory are reset for every call.
 
 Whatever goes wrong ends the whole pool: a rank that raised, died or hung, or a worker that is not back in
 its starting state. Its processes (and anything they started) are killed at once and the next call starts
@@ -22,11 +24,13 @@ earlier one left behind.
 
     with RankPool() as pool:
         pool.run(fn, 2)                  # as run_distributed(fn, 2)
-        with use_pool(pool):             # or: route every run_distributed call (gloo, no env) through it
-            run_parity(cases, world=2)
+        use_pool(pool)                   # or: route run_distributed's calls (gloo, no env) through it
+        run_parity(cases, world=2)
+        use_pool(None)
 
-Module state of the caller's own code (a global list a rank function appends to) is the one thing a pool
-cannot reset: such a function needs fresh processes (`run_distributed` with no pool in use).
+What a pool cannot see is a change inside a mutable value (entries appended to a module's list, a class
+attribute mutated in place): a rank function that keeps such state needs fresh processes (a test marked
+`fresh_ranks` in this repository, or `run_distributed` with no pool in use).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from lockstep.errors import ConfigError
 from lockstep.runtime import env_contract as ec
@@ -66,9 +70,9 @@ _SIGNALS = tuple(
 class RankPool:
     """Up to `size` gloo rank processes reused across calls; `run` has run_distributed's contract.
 
-    Not thread-safe by design: a call made while another is in progress (another thread) is refused by
-    `try_run` and served by fresh processes in `run_distributed`. `stats` counts calls, started
-    processes and why a pool was replaced.
+    One call at a time: `run` waits for a call in progress in another thread, `try_run` (what
+    run_distributed uses) declines and the caller starts fresh processes. `stats` counts calls, started
+    processes and why the pool was replaced.
     """
 
     def __init__(self, size: int = DEFAULT_SIZE) -> None:
@@ -167,8 +171,9 @@ class RankPool:
         }
         workers = self._workers[:world_size]
         try:
+            call = pickle.dumps((fn, rank_env, backend, args, timeout))  # fn by reference, as spawn does
             for rank, worker in enumerate(workers):
-                worker.conn.send((task, fn, rank, rank_env, backend, args, timeout))
+                worker.conn.send((task, rank, call))
             outcomes = self._collect(task, workers, timeout)
             if any(status != "ok" for status, _ in outcomes.values()) or len(outcomes) < world_size:
                 self._replace("a rank raised, died or hung")
@@ -313,10 +318,13 @@ def _worker_main(conn: Any, results: Any) -> None:
     baseline = _process_state()
     while True:
         try:
-            message = conn.recv()  # unpickling `fn` imports its module (a test module) here
+            task, rank, call = conn.recv()
         except (EOFError, OSError):
             return
-        task, fn, rank, env, backend, args, timeout = message
+        try:
+            fn, env, backend, args, timeout = pickle.loads(call)  # imports fn's module (a test module)
+        except BaseException:
+            _fail(results, task, rank)
         saved_env, saved_cwd = dict(os.environ), os.getcwd()
         modules = _module_globals()
         torch.set_rng_state(rng)
@@ -337,17 +345,23 @@ def _worker_main(conn: Any, results: Any) -> None:
             faulthandler.dump_traceback_later(_READY_TIMEOUT - 5.0, exit=False, file=sys.stderr)
             shutdown()
         except BaseException:
-            results.put((task, rank, "error", traceback.format_exc()))
             faulthandler.cancel_dump_traceback_later()
-            results.close()
-            results.join_thread()
-            os._exit(1)  # the pool replaces every worker after a failure: no state to keep
+            _fail(results, task, rank)
         faulthandler.cancel_dump_traceback_later()
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
         changed = [_differences(baseline, _process_state()), _rebound(modules, _module_globals())]
         results.put((task, rank, "ready", "; ".join(c for c in changed if c) or None))
+
+
+def _fail(results: Any, task: int, rank: int) -> NoReturn:
+    """Report the exception being handled as this rank's error and exit: the pool replaces every worker
+    after a failure, so there is no state to keep."""
+    results.put((task, rank, "error", traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(1)
 
 
 def _process_state() -> dict[str, Any]:
