@@ -134,7 +134,7 @@ def _leave_a_mark(what: str) -> None:
     [
         ("dtype", "default dtype"),
         ("thread", "left-behind"),
-        ("hang timeout", "init(hang_timeout=...)"),
+        ("hang timeout", "_hang_timeout changed"),
         ("module constant", "lockstep.engine.exact.BUCKET_ELEMENTS rebound"),
     ],
 )

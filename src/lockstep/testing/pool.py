@@ -9,13 +9,11 @@ worker processes alive between calls. Each call, like `run_distributed`:
 - runs `lockstep.init(backend)` then `fn(*args)` on ranks 0..N-1 (worker i is always rank i), returns the
   results by rank, and raises DistributedTestError naming each rank that raised, died or did not finish
   within `timeout` seconds (printing a hung rank's Python stack first);
-- leaves the group (`lockstep.shutdown()`) and checks that the worker is back in the state it started in:
-  no process group, no hang watchdog, no live-mode group, init(hang_timeout=...) unset, no extra thread,
-  the same signal handlers, torch's global modes (default dtype, grad mode, deterministic algorithms,
-  threads), and no global name of a lockstep, tests or benchmarks module rebound (a test that sets
-  `lockstep.engine.exact.BUCKET_ELEMENTS` in its ranks), nor a function of os, time, shutil, socket or
-  torch.distributed replaced. torch's random state, the warning filters, the environment and the working
-  directory are reset for every call.
+- leaves the group (`lockstep.shutdown()`) and checks that the worker is back in the state it started in
+  (lockstep.testing.pool_worker says what is compared: no group, no watchdog, no extra thread, the same
+  signal handlers and torch modes, no global of a lockstep or tests module rebound or, for a list, dict
+  or set, changed). torch's random state, the warning filters, the environment and the working directory
+  are reset for every call.
 
 Whatever goes wrong ends the whole pool: a rank that raised, died or hung, or a worker that is not back in
 its starting state. Its processes (and anything they started) are killed at once and the next call starts
@@ -28,43 +26,29 @@ earlier one left behind.
         run_parity(cases, world=2)
         use_pool(None)
 
-What a pool cannot see is a change inside a mutable value (entries appended to a module's list, a class
-attribute mutated in place): a rank function that keeps such state needs fresh processes (a test marked
-`fresh_ranks` in this repository, or `run_distributed` with no pool in use).
+What a pool cannot see is a change inside another kind of object (an instance's or a class's attribute):
+a rank function that keeps such state needs fresh processes (a test marked `fresh_ranks` in this
+repository, or `run_distributed` with no pool in use).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import faulthandler
-import importlib
 import multiprocessing as mp
-import os
 import pickle
 import queue
-import signal
-import sys
 import threading
 import time
-import traceback
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, NoReturn, cast
+from typing import Any
 
 from lockstep.errors import ConfigError
 from lockstep.runtime import env_contract as ec
 from lockstep.testing import spawn
+from lockstep.testing.pool_worker import READY_TIMEOUT, worker_main
 
 DEFAULT_SIZE = 4
-# Threads that may stay in a worker: multiprocessing's queue feeder (the results), tqdm's monitor (started by
-# the first progress bar, it only watches for stuck bars).
-_HOUSEKEEPING = ("QueueFeederThread", "tqdm_monitor")
-_READY_TIMEOUT = 30.0  # leaving the group after a call: bounded, or the pool is replaced
-_SIGNALS = tuple(
-    s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP) if s is not None
-)
 
 
 class RankPool:
@@ -212,11 +196,11 @@ class RankPool:
 
     def _await_ready(self, task: int, workers: list[_Worker]) -> str | None:
         """None once every worker left the group and is back in its starting state, else why not."""
-        deadline = time.monotonic() + _READY_TIMEOUT
+        deadline = time.monotonic() + READY_TIMEOUT
         while len(self._ready) < len(workers):
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(workers))) - set(self._ready))
-                return f"ranks {missing} did not leave the group within {_READY_TIMEOUT:.0f} s"
+                return f"ranks {missing} did not leave the group within {READY_TIMEOUT:.0f} s"
             self._next(task, 0.1)
             if any(not w.proc.is_alive() for w in workers):
                 return "a worker exited after its call"
@@ -260,7 +244,7 @@ class RankPool:
             # Not a daemon: a rank may start processes of its own (DataLoader workers). The pool stops its
             # workers at exit itself (close(), registered with atexit).
             proc = self._ctx.Process(
-                target=_worker_main,
+                target=worker_main,
                 args=(child, self._results),
                 name=f"lockstep-pool-rank-{len(self._workers)}",
             )
@@ -288,177 +272,14 @@ class _Worker:
         self.proc, self.conn = proc, conn
 
 
-_POOL: list[RankPool] = []
-
-
 def use_pool(pool: RankPool | None) -> RankPool | None:
     """Route run_distributed's calls through `pool` from now on (None: fresh processes again, the default);
     returns the pool in use before. Only gloo calls without `env` that fit the pool, made while no other
     thread uses it, go to the pool; every other call starts fresh processes as always."""
-    previous = _POOL[0] if _POOL else None
-    _POOL[:] = [pool] if pool is not None else []
+    previous = current_pool()
+    spawn.ROUTED[:] = [pool] if pool is not None else []
     return previous
 
 
 def current_pool() -> RankPool | None:
-    return _POOL[0] if _POOL else None
-
-
-# ---------------------------------------------------------------------- the worker process
-
-
-def _worker_main(conn: Any, results: Any) -> None:
-    os.setsid()  # own session: the pool kills this rank and everything it started at once
-    import torch
-
-    _import_lockstep()  # once, here (the point of the pool), and all of it: see _module_globals
-    torch.set_num_threads(1)
-    rng = torch.get_rng_state()
-    filters = list(warnings.filters)
-    baseline = _process_state()
-    while True:
-        try:
-            task, rank, call = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            fn, env, backend, args, timeout = pickle.loads(call)  # imports fn's module (a test module)
-        except BaseException:
-            _fail(results, task, rank)
-        saved_env, saved_cwd = dict(os.environ), os.getcwd()
-        modules = _module_globals()
-        torch.set_rng_state(rng)
-        warnings.resetwarnings()  # also forgets which warnings were shown: each call sees them afresh
-        cast("list[Any]", warnings.filters)[:] = filters  # typeshed says Sequence; it is a list
-        os.environ.update(env)
-        os.environ[ec.RANK_VAR] = str(rank)
-        os.environ[ec.LOCAL_RANK_VAR] = str(rank)
-        faulthandler.dump_traceback_later(max(1.0, timeout - 2.0), exit=False, file=sys.stderr)
-        try:
-            from lockstep.runtime.process_group import init, shutdown
-
-            init(backend, timeout=timeout)
-            value = fn(*args)
-            results.put((task, rank, "ok", pickle.dumps(value)))
-            faulthandler.cancel_dump_traceback_later()
-            # A worker stuck leaving the group prints its stack before the pool gives up on it.
-            faulthandler.dump_traceback_later(_READY_TIMEOUT - 5.0, exit=False, file=sys.stderr)
-            shutdown()
-        except BaseException:
-            faulthandler.cancel_dump_traceback_later()
-            _fail(results, task, rank)
-        faulthandler.cancel_dump_traceback_later()
-        os.chdir(saved_cwd)
-        os.environ.clear()
-        os.environ.update(saved_env)
-        changed = [_differences(baseline, _process_state()), _rebound(modules, _module_globals())]
-        results.put((task, rank, "ready", "; ".join(c for c in changed if c) or None))
-
-
-def _fail(results: Any, task: int, rank: int) -> NoReturn:
-    """Report the exception being handled as this rank's error and exit: the pool replaces every worker
-    after a failure, so there is no state to keep."""
-    results.put((task, rank, "error", traceback.format_exc()))
-    results.close()
-    results.join_thread()
-    os._exit(1)
-
-
-def _process_state() -> dict[str, Any]:
-    """What a call must leave as it found it (compared after each call; a difference replaces the pool)."""
-    import torch
-    import torch.distributed as dist
-
-    from lockstep.runtime import live, process_group, watchdog
-
-    return {
-        "process group": dist.is_initialized(),
-        "lockstep.init view": getattr(getattr(process_group, "_formed", None), "view", None) is not None,
-        "init(hang_timeout=...)": list(getattr(process_group, "_hang_timeout", [])),
-        "hang watchdog": watchdog.current() is not None,
-        "live-mode hooks": getattr(watchdog, "_live_check", None) is not None,
-        "live-mode group": live.current() is not None,
-        "threads": sorted(t.name for t in threading.enumerate() if not t.name.startswith(_HOUSEKEEPING)),
-        "signal handlers": {int(s): repr(signal.getsignal(s)) for s in _SIGNALS},
-        "default dtype": str(torch.get_default_dtype()),
-        "grad mode": torch.is_grad_enabled(),
-        "inference mode": torch.is_inference_mode_enabled(),
-        "anomaly detection": torch.is_anomaly_enabled(),
-        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
-        "torch threads": torch.get_num_threads(),
-    }
-
-
-def _import_lockstep() -> None:
-    """Import every lockstep module, so that each one's globals are in the snapshot before any call (a call
-    that imports `lockstep.engine.exact` and sets its BUCKET_ELEMENTS must be seen doing so)."""
-    import pkgutil
-
-    import lockstep
-
-    for info in pkgutil.walk_packages(lockstep.__path__, "lockstep."):
-        if not info.name.endswith("__main__"):
-            with contextlib.suppress(ImportError):
-                importlib.import_module(info.name)
-
-
-# Every global of lockstep's modules and the caller's (tests, benchmarks); of _WATCHED_MODULES only the
-# functions (a test may replace os.rename): their other globals change with every group (c10d's _backend).
-_OWN_MODULES = ("lockstep", "tests", "benchmarks")
-_WATCHED_MODULES = (
-    "os",
-    "time",
-    "shutil",
-    "socket",
-    "torch.distributed",
-    "torch.distributed.distributed_c10d",
-)
-_VALUES = (int, float, complex, str, bytes, bool, type(None), tuple, frozenset)
-
-
-def _module_globals() -> dict[str, dict[str, Any]]:
-    """The global names of lockstep's and the caller's modules, and _WATCHED_MODULES' functions, with values."""
-    snapshot = {}
-    for name, module in list(sys.modules.items()):
-        if module is None:
-            continue
-        if name.split(".")[0] in _OWN_MODULES:
-            snapshot[name] = {k: v for k, v in vars(module).items() if not k.startswith("__")}
-        elif name in _WATCHED_MODULES:
-            snapshot[name] = {
-                k: v for k, v in vars(module).items() if callable(v) and not isinstance(v, type)
-            }
-    return snapshot
-
-
-def _same(a: Any, b: Any) -> bool:
-    """The same object, or an equal plain value (a constant set back to what it was is no change)."""
-    if a is b:
-        return True
-    if type(a) is not type(b) or not isinstance(a, _VALUES):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001  a tuple of tensors, say: not comparable, so not the same
-        return False
-
-
-def _rebound(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> str | None:
-    """Global names a call rebound or deleted (e.g. a module constant set for a test); names that a first
-    import added are no change. Changes inside a mutable value (a dict's entries) are not seen."""
-    changed = []
-    for module, names in before.items():
-        now = after.get(module, {})
-        changed += [
-            f"{module}.{name} {'rebound' if name in now else 'deleted'}"
-            for name, value in names.items()
-            if name not in now or not _same(value, now[name])
-        ]
-    if not changed:
-        return None
-    return "module globals: " + ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
-
-
-def _differences(before: dict[str, Any], after: dict[str, Any]) -> str | None:
-    changed = [f"{key}: {before[key]!r} -> {after[key]!r}" for key in before if before[key] != after[key]]
-    return "; ".join(changed) or None
+    return spawn.ROUTED[0] if spawn.ROUTED else None
