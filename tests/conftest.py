@@ -21,6 +21,7 @@ to the file descriptors they started with), gets fresh processes. LOCKSTEP_TEST_
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         return
     stats = _POOL.stats
     why: dict[str, int] = {}
-    for reason in stats["replaced"]:
-        why[reason] = why.get(reason, 0) + 1
+    for reason in stats["replaced"]:  # one reason per call, whichever ranks gave it
+        key = "; ".join(sorted({re.sub(r"^rank \d+: ", "", part) for part in reason.split("; ")}))
+        why[key] = why.get(key, 0) + 1
     replaced = "; ".join(f"{n} x {reason}" for reason, n in sorted(why.items())) or "never"
     terminalreporter.write_line(
         f"rank pool: {stats['calls']} calls on {stats['started']} started processes; replaced: {replaced}"
