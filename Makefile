@@ -1,12 +1,13 @@
-# The two commands of the README: `make train` (the main job) and `make test` (the whole suite).
-# Each creates or reuses a virtual environment in .venv and installs what it needs.
+# The commands of the README: `make train` (the main job), `make test` (the fast tier a developer runs between
+# commits) and `make test-all` (everything: what CI runs). Each creates or reuses a virtual environment in
+# .venv and installs what it needs. The tiers are pytest markers; tests/conftest.py states the rule.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # These machines keep a CPU build of torch 2.13.0 on disk; elsewhere pip picks a release from PyPI.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test lint compat clean testbed
+.PHONY: install train test test-all lint compat clean testbed
 
 install: $(VENV)/.installed
 
@@ -19,11 +20,14 @@ $(VENV)/.installed: pyproject.toml
 train: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/lockstep train digits -n 2 --run-dir runs/digits
 
-test: install
-	$(PY) -m ruff check src tests benchmarks examples tools
-	$(PY) -m ruff format --check src tests benchmarks examples tools
-	$(PY) -m mypy
-	$(PY) -m pytest -q
+# Fast tier (<= 6 minutes on 2 cores): lint, types, unit, multi-process at world 2, one end-to-end smoke per
+# CLI feature. Slowest 10 shown, to keep it fast.
+test: lint
+	$(PY) -m pytest -q -m "not slow" --durations=10
+
+# Everything (under 25 minutes on 2 cores): what .ci/run runs. The 25 slowest tests are printed.
+test-all: lint
+	$(PY) -m pytest -q --durations=25
 
 lint: install
 	$(PY) -m ruff check src tests benchmarks examples tools
@@ -36,7 +40,7 @@ compat: install
 	$(PY) -c "import expecttest" 2>/dev/null || $(PY) -m pip install -q -r tools/compat/requirements.txt
 	OMP_NUM_THREADS=1 $(PY) tools/compat/run_torch_ddp_tests.py $(COMPAT_ARGS)
 
-# The SLURM and multi-host test tiers (tests/cli/test_slurm*.py, test_multinode.py) run real daemons and
+# The SLURM and multi-host tests (tests/cli/test_slurm*.py, test_multinode.py; in make test-all) run real daemons and
 # network namespaces: as root, `make testbed` installs what they need once (.ci/run does it). The tests never
 # install anything; without these packages they skip, naming this command. Keep in step with the PACKAGES
 # of tests/testbed/slurm_cluster.py and tests/testbed/netns.py.

@@ -1,7 +1,80 @@
-"""Shared test setup: keep every rank single-threaded on this 2-core machine."""
+"""Shared test setup: single-threaded ranks, the two tiers, and the pool of rank processes.
+
+Tiers (`make test` runs `pytest -m "not slow"`; `make test-all` runs everything, as CI does):
+
+- tests/unit and tests/multiproc are in the fast tier unless marked `slow`. Mark `slow` a multi-process
+  test on 3 or more ranks (its 2-rank variant stays fast) and anything that trains for long.
+- tests/cli (end to end) and tests/gpu are `slow` unless marked `smoke`: the fast tier keeps one smoke per
+  CLI feature (run, failure summary, hang, live kill, deterministic resize, train). A new end-to-end test
+  goes to `make test-all` unless it is made the smoke of a new feature.
+
+So a test added without a marker lands where its directory's cost says. `smoke` outside tests/cli and
+tests/gpu, and `smoke` together with `slow`, are errors.
+
+Pool: run_distributed calls that a `lockstep.testing.RankPool` can serve (gloo, no `env`, up to 4 ranks)
+run on rank processes kept alive across tests instead of fresh interpreters (a fresh group on a fresh
+store each call; a failure, a hang or a worker not back in its starting state replaces the pool). A test
+marked `fresh_ranks`, or one that reads the ranks' output with capfd/capsys (the pool's processes write
+to the file descriptors they started with), gets fresh processes. LOCKSTEP_TEST_POOL=0 turns the pool off.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from lockstep.testing import RankPool, use_pool  # noqa: E402  (after OMP_NUM_THREADS: it imports torch)
+
+TESTS = Path(__file__).resolve().parent
+SLOW_UNLESS_SMOKE = (TESTS / "cli", TESTS / "gpu")
+_CAPTURING = {"capfd", "capfdbinary", "capsys", "capsysbinary"}
+_POOL = RankPool(size=4) if os.environ.get("LOCKSTEP_TEST_POOL", "1") != "0" else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(item.path).resolve()
+        end_to_end = any(path.is_relative_to(d) for d in SLOW_UNLESS_SMOKE)
+        smoke, slow = item.get_closest_marker("smoke"), item.get_closest_marker("slow")
+        if smoke and not end_to_end:
+            raise pytest.UsageError(f"{item.nodeid}: `smoke` is for tests/cli and tests/gpu only")
+        if smoke and slow:
+            raise pytest.UsageError(f"{item.nodeid}: marked both `smoke` and `slow`")
+        if end_to_end and not smoke:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the test's fixtures (module-scoped ones included) are set up: pool or fresh processes."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    pooled = (
+        _POOL is not None and item.get_closest_marker("fresh_ranks") is None and not fixtures & _CAPTURING
+    )
+    use_pool(_POOL if pooled else None)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line on the pool: how many calls it served, how many processes it started, why it was replaced."""
+    if _POOL is None or not _POOL.stats["calls"]:
+        return
+    stats = _POOL.stats
+    why: dict[str, int] = {}
+    for reason in stats["replaced"]:  # one reason per call, whichever ranks gave it
+        key = "; ".join(sorted({re.sub(r"^rank \d+: ", "", part) for part in reason.split("; ")}))
+        why[key] = why.get(key, 0) + 1
+    replaced = "; ".join(f"{n} x {reason}" for reason, n in sorted(why.items())) or "never"
+    terminalreporter.write_line(
+        f"rank pool: {stats['calls']} calls on {stats['started']} started processes; replaced: {replaced}"
+    )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    use_pool(None)
+    if _POOL is not None:
+        _POOL.close()

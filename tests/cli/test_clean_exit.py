@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.cli.launch_util import RUN_TIMEOUT, child_env, write
+from tests.helpers import RUN_TIMEOUT, child_env, write
 
 PROGRAM = """
     import torch

@@ -10,7 +10,7 @@ import torch
 
 import lockstep
 from lockstep.launch.envinfo import collect, render
-from tests.cli.launch_util import child_env, run_cli
+from tests.helpers import child_env, free_port, run_cli
 
 
 def test_env_command_prints_every_field(tmp_path: Path) -> None:
@@ -30,20 +30,21 @@ def test_env_command_prints_every_field(tmp_path: Path) -> None:
 
 
 def test_env_json_under_torchrun_variables(tmp_path: Path) -> None:
+    port = str(free_port())  # nothing binds it here; any port the kernel hands out will do
     env = child_env(
         RANK="1",
         WORLD_SIZE="2",
         LOCAL_RANK="1",
         LOCAL_WORLD_SIZE="2",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29511",
+        MASTER_PORT=port,
     )
     result = run_cli("env", "--json", cwd=tmp_path, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     assert info["launcher"] == "torchrun"
     assert info["topology"].startswith("rank 1/2 (local 1/2")
-    assert info["env"]["MASTER_PORT"] == "29511"
+    assert info["env"]["MASTER_PORT"] == port
     assert info["backends"]["gloo"] is True
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.launch_util import child_env
+from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 

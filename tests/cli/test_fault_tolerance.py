@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.launch_util import child_env
+from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 HOLD_AT = 11  # the forward (= training step, 1-based) in which rank 1 holds in the first attempt

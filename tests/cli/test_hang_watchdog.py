@@ -3,14 +3,13 @@ with one report naming it (console and hang_report.json), and no process is left
 
 Each case runs tests/cli/hang_program.py on 2 gloo ranks with a 4 s hang timeout (10 s for the
 straggler). The report must name the culprit rank, what the others wait in (op and sequence number),
-the culprit's phase or a frame of the function it is stuck in, and come within the timeout plus a few
-seconds.
+and the culprit's phase or a frame of the function it is stuck in, and never come before the timeout.
+How soon after it the report comes, and the job ends, is a claim of benchmarks/failure_latency.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,18 +18,15 @@ from typing import Any
 
 import pytest
 
-from tests.cli.launch_util import child_env, run_cli
+from tests.helpers import alive, child_env, free_port, run_cli
 
 PROGRAM = Path(__file__).with_name("hang_program.py")
 TIMEOUT = 4.0
 STALL_EXIT_CODE = 124
 
 
-def _run(
-    tmp_path: Path, case: str, timeout: float = TIMEOUT
-) -> tuple[subprocess.CompletedProcess[str], float]:
-    start = time.monotonic()
-    result = run_cli(
+def _run(tmp_path: Path, case: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return run_cli(
         "run",
         "-n",
         "2",
@@ -44,7 +40,6 @@ def _run(
         cwd=tmp_path,
         timeout=90,
     )
-    return result, time.monotonic() - start
 
 
 def _report(tmp_path: Path) -> dict[str, Any]:
@@ -59,23 +54,14 @@ def _assert_no_process_left(tmp_path: Path) -> None:
     pids = _pids(tmp_path)
     assert len(pids) == 2, pids
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
         time.sleep(0.1)
-    assert not [pid for pid in pids if _alive(pid)], "a rank outlived the job"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not [pid for pid in pids if alive(pid)], "a rank outlived the job"
 
 
 def _check_failed_job(
     tmp_path: Path,
     result: subprocess.CompletedProcess[str],
-    elapsed: float,
     culprits: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     err = result.stderr
@@ -86,8 +72,6 @@ def _check_failed_job(
     # A desync has no single culprit: whichever rank judges first names the other.
     assert report["culprits"] in (culprits or [[1]]), report
     assert report["summary"] in err
-    # Startup (~3-5 s on 2 loaded cores) + the steps before the failure + the timeout + a few seconds.
-    assert elapsed < 35, f"the hang took {elapsed:.0f} s to end"
     _assert_no_process_left(tmp_path)
     return report
 
@@ -101,18 +85,18 @@ def _waiter(report: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("case", "frame"),
     [
-        ("user_sleep", "in stuck_in_user_code"),
+        pytest.param("user_sleep", "in stuck_in_user_code", marks=pytest.mark.smoke),  # the fast tier's hang
         ("deadlock", "in deadlocked"),
         ("busy_loop", "in spin_forever"),
     ],
 )
 def test_rank_stuck_in_user_code_is_named_with_its_stack(tmp_path: Path, case: str, frame: str) -> None:
-    result, elapsed = _run(tmp_path, case)
-    report = _check_failed_job(tmp_path, result, elapsed)
+    result = _run(tmp_path, case)
+    report = _check_failed_job(tmp_path, result)
     assert report["kind"] == "stall"
     waiter = _waiter(report)
     assert waiter["waiting"]["op"].startswith("allreduce") and waiter["waiting"]["seq"] > 0
-    assert TIMEOUT <= waiter["waiting_for"] < TIMEOUT + 3, waiter["waiting_for"]  # detected on time
+    assert TIMEOUT <= waiter["waiting_for"], waiter["waiting_for"]  # not before the timeout
     culprit = report["ranks"]["1"]
     assert culprit["waiting"] is None and culprit["phase"] == "between steps" and culprit["step"] == 4
     assert any(frame in f for f in culprit["stack"]), culprit["stack"]
@@ -125,8 +109,8 @@ def test_rank_stuck_in_user_code_is_named_with_its_stack(tmp_path: Path, case: s
 def test_wait_in_a_collective_of_the_users_own_is_seen_in_the_stack(tmp_path: Path) -> None:
     """dist.all_reduce called by the program itself: no sequence number, but the watchdog sees the main
     thread inside torch.distributed and the site that called it."""
-    result, elapsed = _run(tmp_path, "untracked")
-    report = _check_failed_job(tmp_path, result, elapsed)
+    result = _run(tmp_path, "untracked")
+    report = _check_failed_job(tmp_path, result)
     waiter = report["ranks"]["0"]
     assert waiter["waiting"] is None, waiter
     assert waiter["untracked"].startswith("torch.distributed.all_reduce called at "), waiter["untracked"]
@@ -135,8 +119,8 @@ def test_wait_in_a_collective_of_the_users_own_is_seen_in_the_stack(tmp_path: Pa
 
 
 def test_rank_stuck_in_data_loading_under_the_trainer(tmp_path: Path) -> None:
-    result, elapsed = _run(tmp_path, "data_loading")
-    report = _check_failed_job(tmp_path, result, elapsed)
+    result = _run(tmp_path, "data_loading")
+    report = _check_failed_job(tmp_path, result)
     culprit = report["ranks"]["1"]
     assert culprit["phase"] == "data loading", culprit
     assert any("in __getitem__" in f for f in culprit["stack"]) and any(
@@ -146,20 +130,20 @@ def test_rank_stuck_in_data_loading_under_the_trainer(tmp_path: Path) -> None:
 
 
 def test_stopped_rank_is_named_from_its_last_heartbeat(tmp_path: Path) -> None:
-    result, elapsed = _run(tmp_path, "sigstop")
-    report = _check_failed_job(tmp_path, result, elapsed)
+    result = _run(tmp_path, "sigstop")
+    report = _check_failed_job(tmp_path, result)
     assert report["kind"] == "rank lost"
     assert "stopped" in report["why"]["1"] and "SIGSTOP" in report["why"]["1"]
     waiter = _waiter(report)
-    assert TIMEOUT <= waiter["waiting_for"] < TIMEOUT + 3
+    assert TIMEOUT <= waiter["waiting_for"]
     culprit = report["ranks"]["1"]
     assert culprit["silent"] and culprit["step"] == 4  # its last heartbeat shows where it was
     assert any("in misbehave" in f for f in culprit["stack"]), culprit["stack"]
 
 
 def test_dead_rank_is_named_while_the_other_waits_in_an_allreduce(tmp_path: Path) -> None:
-    result, elapsed = _run(tmp_path, "die")
-    report = _check_failed_job(tmp_path, result, elapsed)
+    result = _run(tmp_path, "die")
+    report = _check_failed_job(tmp_path, result)
     assert report["kind"] == "rank lost" and "dead" in report["why"]["1"]
     waiter = _waiter(report)
     assert waiter["waiting"]["op"].startswith("allreduce")
@@ -168,8 +152,8 @@ def test_dead_rank_is_named_while_the_other_waits_in_an_allreduce(tmp_path: Path
 
 
 def test_skipped_backward_shows_where_the_collective_sequences_part(tmp_path: Path) -> None:
-    result, elapsed = _run(tmp_path, "skip_backward")
-    report = _check_failed_job(tmp_path, result, elapsed)
+    result = _run(tmp_path, "skip_backward")
+    report = _check_failed_job(tmp_path, result)
     div = report["divergence"]
     assert div is not None, report
     steps = {rank: rec["step"] for rank, rec in div["ranks"].items()}
@@ -180,8 +164,8 @@ def test_skipped_backward_shows_where_the_collective_sequences_part(tmp_path: Pa
 
 @pytest.mark.parametrize("case", ["shape_mismatch", "op_mismatch"])
 def test_desync_names_both_call_sites(tmp_path: Path, case: str) -> None:
-    result, elapsed = _run(tmp_path, case)
-    report = _check_failed_job(tmp_path, result, elapsed, culprits=[[0], [1]])
+    result = _run(tmp_path, case)
+    report = _check_failed_job(tmp_path, result, culprits=[[0], [1]])
     assert report["kind"] == "desync", report
     div = report["divergence"]
     assert div["differs_in"] == "op", div
@@ -196,7 +180,7 @@ def test_desync_names_both_call_sites(tmp_path: Path, case: str) -> None:
 )
 def test_no_false_alarm(tmp_path: Path, case: str, timeout: float) -> None:
     """A 3 s straggler under a 10 s timeout, a 9 s rank-0 checkpoint and a 9 s first step under 4 s."""
-    result, _ = _run(tmp_path, case, timeout)
+    result = _run(tmp_path, case, timeout)
     assert result.returncode == 0, result.stderr
     assert "HANG" not in result.stderr
     assert not (tmp_path / "out" / "hang_report.json").exists()
@@ -205,7 +189,7 @@ def test_no_false_alarm(tmp_path: Path, case: str, timeout: float) -> None:
 
 def test_without_the_launcher_every_rank_prints_the_report(tmp_path: Path) -> None:
     """Plain env:// (what srun or a hand-written launcher gives): the ranks judge and report themselves."""
-    port = str(29000 + os.getpid() % 2000)
+    port = str(free_port())  # rank 0 binds it: asked of the kernel, not guessed
     procs = [
         subprocess.Popen(
             [sys.executable, str(PROGRAM), "user_sleep", str(tmp_path)],

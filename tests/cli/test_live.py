@@ -23,8 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.cli.launch_util import child_env, run_cli
-from tests.cli.test_train import lockstep_cli
+from tests.helpers import child_env, lockstep_cli, run_cli
 
 PROGRAM = Path(__file__).with_name("live_program.py")
 SAMPLES, EPOCHS, GLOBAL_BATCH = 192, 2, 24
@@ -112,7 +111,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("fault", "victim", "at"),
     [
-        ("forward", 2, 5),  # in the forward of its 2nd step (it owns 2 of 6 micro-batches a step)
+        # in the forward of its 2nd step (it owns 2 of 6 micro-batches a step): the fast tier's live kill
+        pytest.param("forward", 2, 5, marks=pytest.mark.smoke),
         ("backward", 2, 9),  # in backward: its peers are inside the step's all-reduces
         ("optimizer", 1, 3),  # after the gradients were averaged, in optimizer.step
         ("commit", 1, 2),  # its all-reduces of step 1 done, not yet counted: the others redo step 1
@@ -134,7 +134,8 @@ def test_survivors_finish_without_restart_and_match_a_fault_free_run_bit_for_bit
     assert summary["world_size"] == 3 and summary["restarts"] == 0
     [record] = summary["faults"]
     assert record["lost"] == [victim] and record["how"] == {str(victim): "killed by SIGKILL"}
-    assert record["world_size"] == 3 and 0 < record["recover_s"] < 2.0, record
+    # How soon it recovered (< 2 s) is a claim of benchmarks/failure_latency.py, case live-kill.
+    assert record["world_size"] == 3 and 0 < record["recover_s"], record
     if fault == "checkpoint":  # lost at the first epoch's end; the new rank 0 wrote that checkpoint
         steps_per_epoch = SAMPLES // GLOBAL_BATCH
         assert record["step"] == steps_per_epoch
@@ -206,9 +207,9 @@ def test_a_stopped_rank_is_evicted_after_the_hang_timeout_and_the_others_go_on(
     summary = _same_bits_as(reference, out)
     [record] = summary["faults"]
     assert record["lost"] == [2] and "SIGSTOP" in record["how"]["2"], record
-    # Detected after the hang timeout (plus a watchdog tick), then re-formed within the 2 s budget.
-    assert hang_timeout <= record["detail"]["waited_s"] < hang_timeout + 2.0, record
-    assert 0 < record["recover_s"] < 2.0, record
+    # Detected after the hang timeout, then re-formed (how soon: benchmarks/failure_latency.py, live-stop).
+    assert hang_timeout <= record["detail"]["waited_s"], record
+    assert 0 < record["recover_s"], record
     _survivors_kept_their_processes(out, 2)
     _every_sample_once_but_the_abandoned_step(out)
     stopped = Path("/proc", (out / "pid-2").read_text())  # the launcher killed it: it cannot wake up later
@@ -326,7 +327,7 @@ def test_without_deterministic_mode_the_survivors_go_on_and_train_every_sample_o
     assert summary["deterministic"] is False and summary["world_size"] == 3 and summary["restarts"] == 0
     assert summary["steps"] == EPOCHS * SAMPLES // GLOBAL_BATCH
     [record] = summary["faults"]
-    assert record["lost"] == [victim] and 0 < record["recover_s"] < 2.0, record
+    assert record["lost"] == [victim] and 0 < record["recover_s"], record
     _close_to(float_reference, out, 0 if victim else 1)
     _survivors_kept_their_processes(out, victim)
     _every_sample_once_but_the_abandoned_step(out)
@@ -398,7 +399,7 @@ def test_a_loop_of_your_own_survives_a_kill_and_admits_a_replacement(tmp_path: P
     assert summary["steps"] == expected["steps"] == 4 * 4096 // 64 and summary["world_size"] == 4
     assert [f["kind"] for f in summary["faults"]] == ["lost", "joined"], summary["faults"]
     lost, joined = summary["faults"]
-    assert lost["lost"] == [2] and lost["step"] >= 20 and 0 < lost["recover_s"] < 2.0
+    assert lost["lost"] == [2] and lost["step"] >= 20 and 0 < lost["recover_s"]
     assert joined["joined"] == [4] and joined["world_size"] == 4
     assert {r: (logs / f"rank{r}" / "pid").read_text() for r in (0, 1, 3)} == {r: pids[r] for r in (0, 1, 3)}
 
@@ -427,6 +428,7 @@ def test_two_hosts_one_loses_its_link_and_the_other_goes_on(
     out = tmp_path / "two-hosts"
     out.mkdir()
     with netns_hosts(2) as hosts:
+        port = hosts[0].free_port()  # host 0's launcher hosts the rendezvous there
         commands = [
             [
                 sys.executable,
@@ -438,7 +440,7 @@ def test_two_hosts_one_loses_its_link_and_the_other_goes_on(
                 "--node-rank",
                 str(i),
                 "--rdzv-endpoint",
-                f"{hosts[0].addr}:29400",
+                f"{hosts[0].addr}:{port}",
                 "--local-addr",
                 host.addr,
                 "--network-interface",

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.launch_util import child_env
+from tests.helpers import TINY, child_env, result_line
+from tests.helpers import TINY_STEPS as STEPS
 from tests.testbed.netns import Host, netns_hosts, unavailable_reason
 
-TINY = Path(__file__).resolve().parents[1] / "testbed" / "tiny_train.py"
-STEPS = "30"
 RUN_TIMEOUT = 90.0
 
 pytestmark = pytest.mark.timeout(200)
@@ -30,27 +29,6 @@ def namespaces_possible() -> None:
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"no network-namespace hosts on this machine: {reason}")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    cwd = tmp_path_factory.mktemp("reference")
-    out = subprocess.run(
-        [sys.executable, "-m", "lockstep", "run", "-n", "2", "--run-dir", "run", str(TINY), "--steps", STEPS],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        env=child_env(),
-    )
-    assert out.returncode == 0, out.stderr
-    return result_line(out.stdout)
-
-
-def result_line(text: str) -> dict[str, str]:
-    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, f"expected one RESULT line, got {lines!r} in:\n{text}"
-    return dict(item.split("=", 1) for item in lines[0].split()[1:])
 
 
 def run_on_both(
@@ -85,12 +63,13 @@ def tbf_bytes_sent(host: Host) -> int:
     return int(out.split("Sent ", 1)[1].split()[0])
 
 
-def test_two_hosts_explicit_env_match_single_node(tmp_path: Path, reference: dict[str, str]) -> None:
+def test_two_hosts_explicit_env_match_single_node(tmp_path: Path, tiny_reference: dict[str, str]) -> None:
     """lockstep.init(rank=..., world_size=...) with MASTER_ADDR on host 0 and gloo bound to the veth."""
     with netns_hosts(2) as hosts:
+        port = hosts[0].free_port()  # rank 0 binds it on host 0
         base = {
             "MASTER_ADDR": hosts[0].addr,
-            "MASTER_PORT": "29500",
+            "MASTER_PORT": str(port),
             "WORLD_SIZE": "2",
             "OMP_NUM_THREADS": "1",
         }
@@ -98,12 +77,12 @@ def test_two_hosts_explicit_env_match_single_node(tmp_path: Path, reference: dic
         cmd = [sys.executable, str(TINY), "--explicit", "--steps", STEPS]
         results = run_on_both(hosts, [cmd, cmd], envs, tmp_path)
     assert [rc for rc, _, _ in results] == [0, 0], results
-    assert f"rank 1/2 local 1/2 node 0/1 via explicit endpoint {hosts[0].addr}:29500" in results[1][1]
-    assert result_line(results[0][1]) == reference
+    assert f"rank 1/2 local 1/2 node 0/1 via explicit endpoint {hosts[0].addr}:{port}" in results[1][1]
+    assert result_line(results[0][1]) == tiny_reference
 
 
 def launcher_commands(hosts: Sequence[Host], run_dir: Path, *, interface: bool = True) -> list[list[str]]:
-    endpoint = f"{hosts[0].addr}:29400"
+    endpoint = f"{hosts[0].addr}:{hosts[0].free_port()}"  # host 0's launcher hosts the rendezvous
     return [
         [
             sys.executable,
@@ -135,7 +114,7 @@ def launcher_commands(hosts: Sequence[Host], run_dir: Path, *, interface: bool =
 
 @pytest.mark.parametrize("rate", [None, "1gbit"], ids=["unshaped", "1gbit"])
 def test_lockstep_run_two_nodes_matches_single_node(
-    tmp_path: Path, reference: dict[str, str], rate: str | None
+    tmp_path: Path, tiny_reference: dict[str, str], rate: str | None
 ) -> None:
     """`lockstep run --nnodes 2 --node-rank i --rdzv-endpoint HOST0:PORT --local-addr ... --network-interface ...`."""
     with netns_hosts(2, rate=rate) as hosts:
@@ -147,14 +126,14 @@ def test_lockstep_run_two_nodes_matches_single_node(
         assert f"rank {i}/2 local 0/1 node {i}/2 via torchrun" in (
             out if i == 0 else (tmp_path / "node1" / "rank1" / "stdout.log").read_text()
         )
-    assert result_line(results[0][1]) == reference
+    assert result_line(results[0][1]) == tiny_reference
     if rate:
         # The job's traffic went through the rate-limited link, both ways.
         assert all(count > 20_000 for count in sent), sent
 
 
 def test_local_addr_alone_picks_the_interface_that_holds_it(
-    tmp_path: Path, reference: dict[str, str]
+    tmp_path: Path, tiny_reference: dict[str, str]
 ) -> None:
     """Without --network-interface, gloo would bind to what the host name resolves to (127.0.0.1 here) and
     tell the other node to connect there: a hang until the init timeout. --local-addr names the address;
@@ -167,10 +146,10 @@ def test_local_addr_alone_picks_the_interface_that_holds_it(
     assert [rc for rc, _, _ in results] == [0, 0], results
     for host, (_, _, err) in zip(hosts, results):
         assert f"network interface {host.ifname} (it holds --local-addr {host.addr})" in err, err
-    assert result_line(results[0][1]) == reference
+    assert result_line(results[0][1]) == tiny_reference
 
 
-def test_node_failure_restarts_both_nodes_and_resumes(tmp_path: Path, reference: dict[str, str]) -> None:
+def test_node_failure_restarts_both_nodes_and_resumes(tmp_path: Path, tiny_reference: dict[str, str]) -> None:
     """SIGKILL the worker on node 1 mid-training under --max-restarts 1: both nodes restart their workers,
     which resume from the last checkpoint (on the shared filesystem) and end with the single-node parameters."""
     import os
@@ -209,4 +188,4 @@ def test_node_failure_restarts_both_nodes_and_resumes(tmp_path: Path, reference:
         assert (tmp_path / f"node{node}" / "restart1" / f"rank{node}" / "stdout.log").exists()
     result = result_line(outputs[0][0])
     assert int(result.pop("resumed_from")) >= 5
-    assert result == {k: v for k, v in reference.items() if k != "resumed_from"}
+    assert result == {k: v for k, v in tiny_reference.items() if k != "resumed_from"}

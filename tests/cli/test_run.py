@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.cli.launch_util import RUN_TIMEOUT, child_env, lockstep_cmd, run_cli, write
+import pytest
+
+from tests.helpers import RUN_TIMEOUT, child_env, lockstep_cmd, run_cli, write
 
 REPORT = """
 import os, sys, warnings
@@ -25,6 +27,7 @@ lockstep.shutdown()
 """
 
 
+@pytest.mark.smoke  # the fast tier's `lockstep run`
 def test_two_ranks_args_threads_logs_and_relay(tmp_path: Path) -> None:
     script = write(tmp_path / "report.py", REPORT)
     result = run_cli(

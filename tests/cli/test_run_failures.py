@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.launch_util import RUN_TIMEOUT, child_env, lockstep_cmd, run_cli, write
+from tests.helpers import RUN_TIMEOUT, alive, child_env, lockstep_cmd, run_cli, write
 
 CRASH = """
 import sys, time
@@ -32,14 +32,13 @@ time.sleep(600)  # rank 0 would wait forever: the launcher must stop it
 """
 
 
+@pytest.mark.smoke  # the fast tier's failure summary
 def test_crashing_rank_gives_one_summary_and_stops_the_others(tmp_path: Path) -> None:
+    """(How soon the summary comes is a claim of benchmarks/failure_latency.py, case crash.)"""
     write(tmp_path / "crash.py", CRASH)
-    start = time.monotonic()
     result = run_cli("run", "-n", "2", "--run-dir", "out", "crash.py", "raise", cwd=tmp_path)
-    elapsed = time.monotonic() - start
     err = result.stderr
     assert result.returncode == 1, err
-    assert elapsed < 60, f"a crash took {elapsed:.0f} s to report"
     assert err.count("lockstep run: FAILED") == 1
     summary = err[err.index("lockstep run: FAILED") :]
     assert "FAILED: rank 1/2" in summary and "exited with code 1" in summary
@@ -98,14 +97,6 @@ for step, batch in enumerate(loader):
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, only not yet reaped
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize(("sig", "stubborn"), [(signal.SIGINT, False), (signal.SIGTERM, True)])
 def test_signal_to_launcher_leaves_no_process(tmp_path: Path, sig: signal.Signals, stubborn: bool) -> None:
     write(tmp_path / "loader.py", DATALOADER)
@@ -138,7 +129,7 @@ def test_signal_to_launcher_leaves_no_process(tmp_path: Path, sig: signal.Signal
         pids = [int(p.name.rsplit("-", 1)[1]) for p in pids_dir.glob("pid-*")]
         # 2 ranks x (itself + 2 loader workers [+ 1 stubborn child])
         assert len(pids) == (8 if stubborn else 6), sorted(p.name for p in pids_dir.iterdir())
-        assert all(_alive(pid) for pid in pids)
+        assert all(alive(pid) for pid in pids)
         launcher.send_signal(sig)
         _, stderr = launcher.communicate(timeout=30)
     finally:
@@ -146,9 +137,9 @@ def test_signal_to_launcher_leaves_no_process(tmp_path: Path, sig: signal.Signal
     assert launcher.returncode == 128 + sig, stderr
     assert f"interrupted by {sig.name}" in stderr
     deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    survivors = [pid for pid in pids if _alive(pid)]
+    survivors = [pid for pid in pids if alive(pid)]
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
     assert not survivors, f"processes left behind after {sig.name}: {survivors}"

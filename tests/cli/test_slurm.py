@@ -16,12 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.launch_util import child_env
+from tests.helpers import JOB_TIMEOUT, TINY, child_env, result_line, slurm_cli
+from tests.helpers import TINY_STEPS as STEPS
 from tests.testbed.slurm_cluster import SlurmCluster, slurm_cluster, unavailable_reason
-
-TINY = Path(__file__).resolve().parents[1] / "testbed" / "tiny_train.py"
-STEPS = "30"
-JOB_TIMEOUT = 120.0
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,39 +32,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         yield running
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The tiny training run on this machine with `lockstep run -n 2` (no SLURM): what every job must match."""
-    import subprocess
-
-    cwd = tmp_path_factory.mktemp("reference")
-    out = subprocess.run(
-        [sys.executable, "-m", "lockstep", "run", "-n", "2", "--run-dir", "run", str(TINY), "--steps", STEPS],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=JOB_TIMEOUT,
-        env=child_env(),
-    )
-    assert out.returncode == 0, out.stderr
-    return result_line(out.stdout)
-
-
-def result_line(text: str) -> dict[str, str]:
-    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, f"expected one RESULT line, got {lines!r} in:\n{text}"
-    return dict(item.split("=", 1) for item in lines[0].split()[1:])
-
-
-def slurm_cli(cluster: SlurmCluster, *args: str, cwd: Path):  # type: ignore[no-untyped-def]
-    """`lockstep slurm ...` through the CLI dispatcher, on the cluster's login side (sbatch on PATH)."""
-    return cluster.run(
-        [sys.executable, "-m", "lockstep", "slurm", *args], cwd=cwd, env={"OMP_NUM_THREADS": "1"}
-    )
-
-
 def test_srun_tasks_init_all_reduce_and_match_local_run(
-    cluster: SlurmCluster, tmp_path: Path, reference: dict[str, str]
+    cluster: SlurmCluster, tmp_path: Path, tiny_reference: dict[str, str]
 ) -> None:
     """`srun -N1 -n2 python tiny_train.py`: lockstep.init() maps SLURM's variables; gradients all-reduce."""
     out = cluster.run(
@@ -85,7 +51,7 @@ def test_srun_tasks_init_all_reduce_and_match_local_run(
         f"rank 0/2 local 0/2 node 0/1 via slurm endpoint {cluster.node}:{port}",
         f"rank 1/2 local 1/2 node 0/1 via slurm endpoint {cluster.node}:{port}",
     ]
-    assert result_line(out.stdout) == reference
+    assert result_line(out.stdout) == tiny_reference
 
 
 def test_slurm_dry_run_prints_and_saves_script(cluster: SlurmCluster, tmp_path: Path) -> None:
@@ -120,7 +86,7 @@ def test_slurm_dry_run_prints_and_saves_script(cluster: SlurmCluster, tmp_path: 
 
 
 def test_slurm_job_completes_and_matches_local_run(
-    cluster: SlurmCluster, tmp_path: Path, reference: dict[str, str]
+    cluster: SlurmCluster, tmp_path: Path, tiny_reference: dict[str, str]
 ) -> None:
     out = slurm_cli(cluster, "-n", "2", "--run-dir", "r", str(TINY), "--steps", STEPS, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -130,13 +96,13 @@ def test_slurm_job_completes_and_matches_local_run(
     info = cluster.wait(job, timeout=JOB_TIMEOUT)
     text = log.read_text()
     assert info["JobState"] == "COMPLETED", text
-    assert result_line(text) == reference
+    assert result_line(text) == tiny_reference
     assert f"rendezvous {cluster.node}:{15000 + job % 20000}" in text
     assert (tmp_path / "r" / "logs" / f"{job}.0" / "rank1" / "stdout.log").exists()
 
 
 def test_slurm_requeue_checkpoints_and_resumes(
-    cluster: SlurmCluster, tmp_path: Path, reference: dict[str, str]
+    cluster: SlurmCluster, tmp_path: Path, tiny_reference: dict[str, str]
 ) -> None:
     progress = tmp_path / "progress"
     out = slurm_cli(
@@ -188,7 +154,7 @@ def test_slurm_requeue_checkpoints_and_resumes(
     assert "requeueing job" in text and f"job {job} (restart 1)" in text
     result = result_line(text)
     assert 0 < int(result.pop("resumed_from")) == int(checkpointed.group(1)) < int(STEPS)
-    assert result == {k: v for k, v in reference.items() if k != "resumed_from"}
+    assert result == {k: v for k, v in tiny_reference.items() if k != "resumed_from"}
 
 
 def test_batch_script_without_srun_is_a_world_of_one(cluster: SlurmCluster, tmp_path: Path) -> None:

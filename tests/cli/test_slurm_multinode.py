@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.test_slurm import JOB_TIMEOUT, STEPS, TINY, result_line, slurm_cli
-from tests.cli.test_slurm import reference as reference  # noqa: F401  (the module-scoped fixture)
+from tests.helpers import JOB_TIMEOUT, TINY, result_line, slurm_cli
+from tests.helpers import TINY_STEPS as STEPS
 from tests.testbed import netns
 from tests.testbed.slurm_cluster import SlurmCluster, slurm_cluster
 from tests.testbed.slurm_cluster import unavailable_reason as slurm_unavailable
@@ -37,7 +37,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         yield running
 
 
-def test_srun_across_two_nodes(cluster: SlurmCluster, tmp_path: Path, reference: dict[str, str]) -> None:  # noqa: F811
+def test_srun_across_two_nodes(cluster: SlurmCluster, tmp_path: Path, tiny_reference: dict[str, str]) -> None:
     out = cluster.run(
         ["srun", "-N2", "-n2", sys.executable, str(TINY), "--steps", STEPS],
         cwd=tmp_path,
@@ -51,12 +51,12 @@ def test_srun_across_two_nodes(cluster: SlurmCluster, tmp_path: Path, reference:
         f"rank 0/2 local 0/1 node 0/2 via slurm endpoint node0:{port}",
         f"rank 1/2 local 0/1 node 1/2 via slurm endpoint node0:{port}",
     ]
-    assert result_line(out.stdout) == reference
+    assert result_line(out.stdout) == tiny_reference
 
 
 def test_lockstep_slurm_two_nodes_matches_local_run(
-    cluster: SlurmCluster, tmp_path: Path, reference: dict[str, str]
-) -> None:  # noqa: F811
+    cluster: SlurmCluster, tmp_path: Path, tiny_reference: dict[str, str]
+) -> None:
     out = slurm_cli(
         cluster, "--nodes", "2", "-n", "1", "--run-dir", "r", str(TINY), "--steps", STEPS, cwd=tmp_path
     )
@@ -69,4 +69,4 @@ def test_lockstep_slurm_two_nodes_matches_local_run(
     assert text.count("1 process x 2 nodes (world 2)") == 2, text  # one lockstep run per node
     rank1 = (tmp_path / "r" / "logs" / f"{job}.0" / "rank1" / "stdout.log").read_text()
     assert "rank 1/2 local 0/1 node 1/2 via torchrun" in rank1
-    assert result_line(text) == reference
+    assert result_line(text) == tiny_reference

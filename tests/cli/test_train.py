@@ -3,29 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cli.launch_util import child_env
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def lockstep_cli(
-    *args: str, timeout: float = 240, cwd: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    env = child_env()
-    return subprocess.run(
-        [sys.executable, "-m", "lockstep", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=cwd or ROOT,
-    )
+from tests.helpers import lockstep_cli
 
 
 @pytest.mark.slow
@@ -48,6 +30,7 @@ def test_digits_job_reaches_its_accuracy_and_writes_everything(tmp_path: Path) -
     assert json.loads((run_dir / "summary.json").read_text())["steps_this_run"] == 0
 
 
+@pytest.mark.smoke  # the fast tier's `lockstep train`
 def test_toy_job_with_overrides_and_config_file(tmp_path: Path) -> None:
     config = tmp_path / "toy.yaml"
     config.write_text("epochs: 1\nnum_samples: 256\n")

@@ -1,11 +1,14 @@
-"""`lockstep train --deterministic` end to end: a run resized 4 -> 2 -> 3 equals a world of 1, by `lockstep compare`."""
+"""`lockstep train --deterministic` end to end: a run resized 4 -> 2 -> 3 equals a world of 1, by `lockstep compare`;
+the toy job stopped on 2 ranks and resumed on 1 equals its uninterrupted run (the fast tier's smoke)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from tests.cli.test_train import lockstep_cli
+import pytest
+
+from tests.helpers import lockstep_cli
 
 # A constant learning rate: each leg's --max-steps (where it stops) does not shape the schedule.
 SETTINGS = ("--deterministic", "--global-batch-size", "48", "--micro-batch-size", "8", "--epochs", "2")
@@ -33,6 +36,29 @@ def test_a_run_resized_4_2_3_mid_epoch_is_bitwise_the_single_process_run(tmp_pat
     same = lockstep_cli("compare", str(tmp_path / "whole"), str(resized))
     assert same.returncode == 0, same.stdout + same.stderr
     assert "bitwise equal" in same.stdout
+
+
+TOY = ("--deterministic", "--global-batch-size", "48", "--micro-batch-size", "8", "--num-samples", "960")
+TOY += ("--epochs", "2", "--progress", "none")  # 20 steps per epoch
+
+
+def _toy(run_dir: Path, nproc: int, *extra: str) -> dict:
+    proc = lockstep_cli("train", "toy", "-n", str(nproc), "--run-dir", str(run_dir), *TOY, *extra)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.smoke  # the fast tier's deterministic resize (the test above resizes 4 -> 2 -> 3: make test-all)
+def test_a_toy_run_stopped_on_2_ranks_and_resumed_on_1_is_bitwise_the_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    whole = _toy(tmp_path / "whole", 1)
+    resized = tmp_path / "resized"
+    _toy(resized, 2, "--max-steps", "25")  # stops mid-epoch 2
+    last = _toy(resized, 1)
+    assert last["world_size"] == 1 and last["steps"] == whole["steps"] == 40 and last["steps_this_run"] == 15
+    assert last["params_sha256"] == whole["params_sha256"]
+    assert last["optimizer_sha256"] == whole["optimizer_sha256"]
 
 
 def test_compare_names_the_first_tensor_that_differs(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ the same micro-batches in order with float accumulation.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import pytest
@@ -22,68 +21,23 @@ import lockstep
 from lockstep.errors import ConfigError, NotSupportedError, UsageError
 from lockstep.runtime.micro_batches import micro_batch_seed
 from lockstep.testing import run_distributed
+from tests.helpers import DET_K as K
+from tests.helpers import DET_STEPS as STEPS
+from tests.helpers import DetNet, det_data, det_micro, state_digest
 
-STEPS, K, MICRO = 5, 6, 4
 TIMEOUT = 120
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(
-            3, 8, 3, padding=1, bias=False
-        )  # a bias before BatchNorm gets noise for a gradient
-        self.bn = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
-        self.sync = lockstep.nn.SyncBatchNorm(8)
-        self.drop = nn.Dropout(0.3)
-        self.big = nn.Linear(8 * 8 * 8, 160)  # 81,920 weights: taken in its hook
-        self.shared = nn.Linear(160, 160)  # used twice
-        self.head = nn.Linear(160, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.bn(self.conv(x)))
-        h = torch.relu(self.sync(self.conv2(h)))
-        h = self.drop(torch.relu(self.big(h.flatten(1))))
-        h = torch.relu(self.shared(torch.relu(self.shared(h))))
-        return self.head(h)
-
-
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(STEPS * K * MICRO, 3, 8, 8, generator=g) * 3 + 1
-    y = torch.randint(0, 5, (STEPS * K * MICRO,), generator=g)
-    return x, y
-
-
-def _model() -> tuple[Net, torch.optim.Optimizer]:
+def _model() -> tuple[DetNet, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = Net()
+    model = DetNet()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def _micro(data: tuple[torch.Tensor, torch.Tensor], step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    start = (step * K + k) * MICRO
-    return data[0][start : start + MICRO], data[1][start : start + MICRO]
-
-
-def _digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        h.update(name.encode() + t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    for index, state in sorted(optimizer.state_dict()["state"].items()):
-        for key, t in sorted(state.items()):
-            h.update(
-                f"{index}.{key}".encode()
-                + torch.as_tensor(t).reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-            )
-    return h.hexdigest()
 
 
 def _train_deterministic(steps: int = STEPS) -> dict[str, Any]:
     model, optimizer = _model()
     handle = lockstep.replicate(model, policy=lockstep.SyncPolicy(deterministic=True))
-    data = _data()
+    data = det_data()
     losses = []
 
     def micro_step(batch: tuple[torch.Tensor, torch.Tensor]) -> float:
@@ -92,13 +46,13 @@ def _train_deterministic(steps: int = STEPS) -> dict[str, Any]:
         return float(loss.detach())
 
     for step in range(steps):
-        mine = {k: _micro(data, step, k) for k in handle.owned_micro_batches(K)}
+        mine = {k: det_micro(data, step, k) for k in handle.owned_micro_batches(K)}
         results = handle.accumulate(micro_step, mine, num_micro_batches=K, step=step, seed=3)
         losses.append(results)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {
-        "digest": _digest(model, optimizer),
+        "digest": state_digest(model, optimizer),
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "losses": losses,
         "stats": handle.stats().extras,
@@ -109,17 +63,17 @@ def _train_default() -> str:
     """The default engine with the same global batch: K/W micro-batches per rank, no_sync accumulation."""
     model, optimizer = _model()
     model = lockstep.DistributedDataParallel(model)
-    data = _data()
+    data = det_data()
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(STEPS):
         mine = list(range(rank, K, world))
         for index, k in enumerate(mine):
-            x, y = _micro(data, step, k)
+            x, y = det_micro(data, step, k)
             with model.no_sync() if index < len(mine) - 1 else torch.enable_grad():
                 (nn.functional.cross_entropy(model(x), y) * world / K).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return _digest(model.module, optimizer)
+    return state_digest(model.module, optimizer)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +81,7 @@ def deterministic_runs() -> dict[int, list[dict[str, Any]]]:
     return {world: run_distributed(_train_deterministic, world, timeout=TIMEOUT) for world in (1, 2, 3, 4)}
 
 
+@pytest.mark.slow  # worlds 1-4: make test-all
 def test_parameters_buffers_and_optimizer_state_are_bitwise_equal_at_world_sizes_1_to_4(
     deterministic_runs: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -135,6 +90,7 @@ def test_parameters_buffers_and_optimizer_state_are_bitwise_equal_at_world_sizes
     assert len(set.union(*digests.values())) == 1, digests  # and across world sizes
 
 
+@pytest.mark.slow  # worlds 1-4: make test-all
 def test_each_micro_batch_loss_is_the_same_whichever_rank_computed_it(
     deterministic_runs: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -154,13 +110,13 @@ def test_each_micro_batch_loss_is_the_same_whichever_rank_computed_it(
 def _train_single_process_reference() -> dict[str, torch.Tensor]:
     """One process, plain modules: micro-batches in order, float mean of their gradients, same seeds."""
     model, optimizer = _model()
-    data = _data()
+    data = det_data()
     for step in range(STEPS):
         grads: list[list[torch.Tensor | None]] = []
         for k in range(K):
             with torch.random.fork_rng():
                 torch.manual_seed(micro_batch_seed(3, step, k))
-                x, y = _micro(data, step, k)
+                x, y = det_micro(data, step, k)
                 nn.functional.cross_entropy(model(x), y).backward()
             grads.append([p.grad for p in model.parameters()])
             optimizer.zero_grad(set_to_none=True)
@@ -171,6 +127,7 @@ def _train_single_process_reference() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+@pytest.mark.slow  # worlds 1-4: make test-all
 def test_the_numbers_match_one_process_running_the_micro_batches_in_order(
     deterministic_runs: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -242,6 +199,7 @@ def _overflowing() -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow  # 3 ranks: make test-all
 def test_a_step_that_overflows_its_scale_is_redone_with_the_same_bits_everywhere() -> None:
     one = run_distributed(_overflowing, 1, timeout=TIMEOUT)[0]
     three = run_distributed(_overflowing, 3, timeout=TIMEOUT)
@@ -319,6 +277,7 @@ def _branchy_grads() -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow  # worlds 1-4: make test-all
 def test_buckets_launched_during_the_last_backward_give_the_same_bits_and_keep_grads_left_in() -> None:
     outcomes = {world: run_distributed(_branchy_grads, world, timeout=TIMEOUT) for world in (1, 2, 3, 4)}
     # the first bucket starts inside every rank's last backward of each of the 4 steps

@@ -12,7 +12,7 @@ import lockstep
 from lockstep.errors import ConfigError
 from lockstep.testing import run_distributed
 from lockstep.testing.parity import run_parity
-from tests.multiproc.engine_util import MLP, assert_close_lists, batch, build, case
+from tests.helpers import MLP, assert_close_lists, batch, build, case
 
 
 def _surface() -> dict:

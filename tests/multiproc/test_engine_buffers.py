@@ -10,7 +10,7 @@ from torch import nn
 import lockstep
 from lockstep.testing import run_distributed
 from lockstep.testing.parity import run_parity
-from tests.multiproc.engine_util import case
+from tests.helpers import case
 
 STEPS = 3
 

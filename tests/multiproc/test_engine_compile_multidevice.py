@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import lockstep
 from lockstep.testing import run_distributed
 from lockstep.testing.parity import assert_tensors_close, run_parity, train_single
-from tests.multiproc.engine_util import batch, build, case
+from tests.helpers import batch, build, case
 
 STEPS = 2
 

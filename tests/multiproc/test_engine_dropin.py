@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import lockstep
 from lockstep.testing import run_distributed, watch_collectives
-from tests.multiproc.engine_util import (
+from tests.helpers import (
     BATCH,
     IN,
     MLP,

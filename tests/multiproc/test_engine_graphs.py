@@ -7,7 +7,7 @@ import pytest
 from lockstep.errors import DistributedTestError
 from lockstep.testing import run_distributed
 from lockstep.testing.parity import assert_parity, run_parity, train_cases, train_single
-from tests.multiproc.engine_util import case
+from tests.helpers import case
 
 STEPS = 3
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from torch import nn
 import lockstep
 from lockstep.testing import run_distributed
 from lockstep.testing.parity import run_parity
-from tests.multiproc.engine_util import assert_close_lists, batch, build, case, params_of, wrap
+from tests.helpers import assert_close_lists, batch, build, case, params_of, wrap
 
 TIMEOUT = 60
 
@@ -114,6 +115,7 @@ def _matches_one_of(got: torch.Tensor, candidates: list[torch.Tensor]) -> torch.
     return ok
 
 
+@pytest.mark.slow  # 3 ranks: make test-all
 def test_bf16_parameters_reduce_in_fp32_by_default_and_in_bf16_when_asked() -> None:
     world = 3
     out = run_distributed(_reduce_dtype_run, world, timeout=TIMEOUT)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import lockstep
 from lockstep.testing import run_distributed
 from lockstep.testing.parity import run_parity
-from tests.multiproc.engine_util import batch, build, case
+from tests.helpers import batch, build, case
 
 STEPS = 6  # 3 synced steps of 2 micro-batches
 

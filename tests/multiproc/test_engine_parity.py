@@ -6,7 +6,7 @@ import pytest
 
 import lockstep.engine.reducer as reducer
 from lockstep.testing.parity import run_parity
-from tests.multiproc.engine_util import case
+from tests.helpers import case
 
 STEPS = 4
 
@@ -15,7 +15,7 @@ STEPS = 4
     ("name", "kwargs", "world"),
     [
         ("mlp", {}, 2),
-        ("mlp", {"gradient_as_bucket_view": True}, 3),
+        pytest.param("mlp", {"gradient_as_bucket_view": True}, 3, marks=pytest.mark.slow),  # make test-all
         # a tiny cap: many buckets, bulk copy-in buckets, the rebuild after the first step
         ("many_small", {"bucket_cap_mb": 0.0005}, 2),
     ],

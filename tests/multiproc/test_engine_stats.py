@@ -9,7 +9,7 @@ from torch import nn
 
 import lockstep
 from lockstep.testing import run_distributed
-from tests.multiproc.engine_util import batch, build
+from tests.helpers import batch, build
 
 
 def _stats() -> dict:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from lockstep.errors import UnusedParameterError
 from lockstep.testing import run_distributed
 from lockstep.testing.parity import run_parity, train_replica
-from tests.multiproc.engine_util import case
+from tests.helpers import case
 
 STEPS = 3
 
@@ -71,6 +71,7 @@ def test_a_parameter_unused_on_one_rank_only_raises_everywhere_instead_of_hangin
         assert "rank 0:" not in message, message
 
 
+@pytest.mark.slow  # 3 ranks: make test-all
 def test_a_parameter_unused_on_one_rank_of_three_raises_everywhere() -> None:
     # torch's bucket layout (the drop-in class) carries the flag as a NaN in its last bucket: world 3
     # checks that every rank reads the same reduced flag and that the ranks without missing gradients

@@ -16,7 +16,7 @@ import lockstep
 from lockstep.jobs.models import ToyModel
 from lockstep.testing import run_distributed
 from lockstep.trainer.config import FitConfig
-from tests.unit.test_trainer_batches import HostCopyCounter
+from tests.helpers import HostCopyCounter
 
 
 def _data() -> tuple[TensorDataset, TensorDataset]:

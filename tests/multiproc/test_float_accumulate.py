@@ -19,22 +19,24 @@ import lockstep
 from lockstep.errors import ConfigError
 from lockstep.runtime.micro_batches import micro_batch_seed
 from lockstep.testing import run_distributed
-from tests.multiproc.test_deterministic import STEPS, K, Net, _data, _digest, _micro
+from tests.helpers import DET_K as K
+from tests.helpers import DET_STEPS as STEPS
+from tests.helpers import DetNet, det_data, det_micro, state_digest
 
 TIMEOUT = 120
 SEED = 3
 
 
-def _model() -> tuple[Net, torch.optim.Optimizer]:
+def _model() -> tuple[DetNet, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = Net()
+    model = DetNet()
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
 def _train_float() -> dict[str, Any]:
     model, optimizer = _model()
     handle = lockstep.replicate(model)  # the default policy
-    data = _data()
+    data = det_data()
     losses: dict[int, dict[int, float]] = {}
 
     def micro_step(batch: tuple[torch.Tensor, torch.Tensor]) -> float:
@@ -43,12 +45,12 @@ def _train_float() -> dict[str, Any]:
         return float(loss.detach())
 
     for step in range(STEPS):
-        mine = {k: _micro(data, step, k) for k in handle.owned_micro_batches(K)}
+        mine = {k: det_micro(data, step, k) for k in handle.owned_micro_batches(K)}
         losses[step] = handle.accumulate(micro_step, mine, num_micro_batches=K, step=step, seed=SEED)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {
-        "digest": _digest(model, optimizer),
+        "digest": state_digest(model, optimizer),
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "losses": losses,
         "synced_steps": handle.stats().synced_steps,
@@ -58,14 +60,14 @@ def _train_float() -> dict[str, Any]:
 def _train_single_process_reference() -> dict[str, Any]:
     """One process, plain modules: the micro-batches in order with their seeds, the mean of their gradients."""
     model, optimizer = _model()
-    data = _data()
+    data = det_data()
     losses: dict[int, dict[int, float]] = {}
     for step in range(STEPS):
         losses[step] = {}
         for k in range(K):
             with torch.random.fork_rng():
                 torch.manual_seed(micro_batch_seed(SEED, step, k))
-                x, y = _micro(data, step, k)
+                x, y = det_micro(data, step, k)
                 loss = nn.functional.cross_entropy(model(x), y)
                 (loss / K).backward()
             losses[step][k] = float(loss.detach())
@@ -74,9 +76,11 @@ def _train_single_process_reference() -> dict[str, Any]:
     return {"state": model.state_dict(), "losses": losses}
 
 
-@pytest.fixture(scope="module")
-def float_runs() -> dict[int, list[dict[str, Any]]]:
-    return {world: run_distributed(_train_float, world, timeout=TIMEOUT) for world in (2, 4)}
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["world2", "world4"])
+def float_runs(request: pytest.FixtureRequest) -> dict[int, list[dict[str, Any]]]:
+    """One world size's runs (each test checks every world it is given): 2, and 4 in make test-all."""
+    world = request.param
+    return {world: run_distributed(_train_float, world, timeout=TIMEOUT)}
 
 
 def test_the_replicas_are_identical_buffers_included(float_runs: dict[int, list[dict[str, Any]]]) -> None:
@@ -113,8 +117,8 @@ def test_each_step_is_one_synced_backward_of_the_bucketed_engine(
 def _fewer_micro_batches_than_ranks() -> str:
     model, _ = _model()
     handle = lockstep.replicate(model)
-    data = _data()
-    mine = {k: _micro(data, 0, k) for k in handle.owned_micro_batches(1)}
+    data = det_data()
+    mine = {k: det_micro(data, 0, k) for k in handle.owned_micro_batches(1)}
     try:
         handle.accumulate(lambda b: model(b[0]).sum().backward(), mine, num_micro_batches=1, step=0)
     except ConfigError as error:

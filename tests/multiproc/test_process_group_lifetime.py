@@ -8,7 +8,6 @@ at its exit; a handle from a group since left and formed again does not touch th
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import lockstep
 from lockstep.runtime import all_reduce_sum
 from lockstep.testing import run_distributed
+from tests.helpers import free_port
 
 _LAUNCHER_VARS = (
     "RANK",
@@ -30,12 +30,6 @@ _LAUNCHER_VARS = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _clean_env() -> dict[str, str]:
     return {
         k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")
@@ -46,7 +40,7 @@ def _run_ranks(code: str, world_size: int = 2, timeout: float = 90) -> list[list
     """Run `code` as `python -c` on `world_size` ranks (torchrun's variables, no agent); each rank's stdout
     lines, by rank. Every rank must exit 0."""
     clean = _clean_env()
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world_size):
         env = {

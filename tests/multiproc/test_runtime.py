@@ -20,6 +20,7 @@ def _whoami() -> tuple[int, int, bool, str]:
     return topo.rank, topo.world_size, lockstep.is_main(), torch.distributed.get_backend()
 
 
+@pytest.mark.slow  # 3 ranks: make test-all
 def test_init_gives_each_rank_its_place() -> None:
     assert run_distributed(_whoami, 3, timeout=60) == [
         (0, 3, True, "gloo"),
@@ -37,6 +38,7 @@ def _collectives() -> tuple[float, list[float], object, list[object]]:
     return mean, packed, obj, gathered
 
 
+@pytest.mark.slow  # 3 ranks: make test-all
 def test_collectives_agree() -> None:
     out = run_distributed(_collectives, 3, timeout=60)
     for mean, packed, obj, gathered in out:
@@ -79,6 +81,7 @@ def _ordered_entries(directory: str) -> dict[str, object]:
     }
 
 
+@pytest.mark.slow  # 3 ranks: make test-all
 def test_main_process_first_runs_rank0_before_the_others(tmp_path: Path) -> None:
     out = run_distributed(_ordered_entries, 3, args=(str(tmp_path),), timeout=60)
     for rank, result in enumerate(out):
@@ -93,6 +96,7 @@ def _raise_on_rank1() -> None:
         raise ValueError("boom from the test")
 
 
+@pytest.mark.fresh_ranks  # run_distributed's own processes: the harness is what is tested
 def test_harness_names_the_failing_rank() -> None:
     with pytest.raises(
         DistributedTestError, match=r"\[rank 1/2\] raised:(.|\n)*ValueError: boom from the test"
@@ -107,11 +111,11 @@ def _hang_on_rank0(pid_file: str) -> None:
         time.sleep(600)
 
 
+@pytest.mark.fresh_ranks
 def test_harness_kills_a_hung_rank_within_the_timeout(tmp_path) -> None:
-    started = time.monotonic()
+    # (How soon after the 15 s the call fails: benchmarks/failure_latency.py, case harness-hang.)
     with pytest.raises(DistributedTestError, match=r"\[rank 0/2\] did not finish within 15 s"):
         run_distributed(_hang_on_rank0, 2, args=(str(tmp_path / "pid"),), timeout=15)
-    assert time.monotonic() - started < 30
     pid = int((tmp_path / "pid.0").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -122,11 +126,13 @@ def _exit_hard() -> None:
         os._exit(7)
 
 
+@pytest.mark.fresh_ranks
 def test_harness_reports_a_rank_that_dies() -> None:
     with pytest.raises(DistributedTestError, match=r"\[rank 1/2\] exited with code 7"):
         run_distributed(_exit_hard, 2, timeout=60)
 
 
+@pytest.mark.fresh_ranks
 def test_concurrent_harness_runs_do_not_collide() -> None:
     import concurrent.futures
 
@@ -152,6 +158,7 @@ def _send_state() -> dict[str, object]:
     }
 
 
+@pytest.mark.slow  # 3 ranks: make test-all
 def test_broadcast_state_sends_the_source_rank_state_to_all() -> None:
     out = run_distributed(_send_state, 3, timeout=60)
     source = out[1]["mine"]

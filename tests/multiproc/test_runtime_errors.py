@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ import lockstep
 from lockstep.errors import BackendUnavailableError, ConfigError
 from lockstep.runtime.process_group import check_backend
 from lockstep.testing import run_distributed
+from tests.helpers import free_port
 
 
 def _run_python(code: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -28,22 +27,14 @@ def _run_python(code: str, env: dict[str, str], timeout: float = 60) -> subproce
     )
 
 
-def _unused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_init_timeout_names_address_port_and_what_to_check() -> None:
-    port = _unused_port()
+    port = free_port()  # nobody listens there
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    started = time.monotonic()
-    proc = _run_python("import lockstep; lockstep.init(timeout=3)", env)
+    proc = _run_python("import lockstep; lockstep.init(timeout=3)", env)  # how soon: failure_latency.py
     assert proc.returncode != 0
     assert "InitTimeoutError" in proc.stderr
     assert f"[rank 1/2] could not form the process group at 127.0.0.1:{port} within 3 s" in proc.stderr
     assert "Check that all 2 processes were started" in proc.stderr
-    assert time.monotonic() - started < 45
 
 
 def test_partial_environment_fails_before_any_network_call() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, namedtuple
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ import torch
 from lockstep.errors import ConfigError
 from lockstep.trainer.batches import batch_len, split_batch, to_device
 from lockstep.trainer.metrics import MetricBuffer
+from tests.helpers import HostCopyCounter
 
 Pair = namedtuple("Pair", ["image", "label"])
 META = torch.device("meta")  # a real device move that runs without a GPU: every moved tensor reports it
@@ -63,27 +64,6 @@ def test_batches_split_into_inputs_and_targets_and_count_their_samples() -> None
         split_batch({"x": torch.zeros(2), "y": torch.zeros(2), "z": torch.zeros(2)})
     with pytest.raises(ConfigError, match=r"got a Tensor"):
         split_batch(torch.zeros(2, 2))
-
-
-class HostCopyCounter(torch.Tensor):
-    """A tensor that records every call that copies its value to the host (on a GPU, each waits for the GPU)."""
-
-    calls: ClassVar[list[str]] = []
-    HOST_COPIES: ClassVar[tuple[str, ...]] = (
-        "item",
-        "tolist",
-        "cpu",
-        "numpy",
-        "__float__",
-        "__int__",
-        "__bool__",
-    )
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__name__", "") in cls.HOST_COPIES:
-            cls.calls.append(func.__name__)
-        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def test_metric_sums_stay_on_the_device_until_reduce_copies_them_once() -> None:

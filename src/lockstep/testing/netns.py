@@ -27,6 +27,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -62,6 +63,15 @@ class Host:
 
     def command(self, argv: Sequence[str]) -> list[str]:
         return ["nsenter", f"--net=/run/netns/{self.netns}", *argv]
+
+    def free_port(self) -> int:
+        """A TCP port free on this host's address, chosen by its kernel (a socket bound to port 0 inside
+        the namespace): for a rendezvous endpoint that a test or benchmark must name before it starts."""
+        code = f"import socket; s = socket.socket(); s.bind(({self.addr!r}, 0)); print(s.getsockname()[1])"
+        out = self.run([sys.executable, "-c", code], timeout=60)
+        if out.returncode != 0:
+            raise NetnsError(f"no free port on {self.netns} ({self.addr}): {out.stderr.strip()}")
+        return int(out.stdout)
 
     def popen(
         self,

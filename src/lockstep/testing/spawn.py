@@ -3,6 +3,8 @@
 The parent hosts the rendezvous store on a port the kernel picks (port 0), so concurrent runs never
 collide; each rank runs in its own session so that a timeout kills it together with anything it started
 (DataLoader workers included). A hang fails in `timeout` seconds with every hung rank's Python stack.
+While a RankPool is in use (lockstep.testing.pool.use_pool), calls it can serve run on its processes
+instead, with the same contract.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from lockstep.errors import DistributedTestError
 from lockstep.runtime import env_contract as ec
 
 DEFAULT_TIMEOUT = 90.0
+# The lockstep.testing.pool.RankPool that run_distributed offers its calls to (set by pool.use_pool).
+ROUTED: list[Any] = []
 _GRACE_AFTER_FAILURE = 5.0
 
 
@@ -42,6 +46,11 @@ def run_distributed(
     rank with its traceback, or the ranks still running when `timeout` seconds have passed.
     """
     import torch.distributed as dist
+
+    if ROUTED and not env:
+        pooled = ROUTED[0].try_run(fn, world_size, args=args, timeout=timeout, backend=backend)
+        if pooled is not None:
+            return pooled
 
     store = dist.TCPStore(
         "127.0.0.1", 0, world_size, True, timedelta(seconds=timeout), wait_for_workers=False
