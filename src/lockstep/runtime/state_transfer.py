@@ -1,6 +1,6 @@
 """Send a training state (nested state dicts) from one rank to the others over the process group.
 
-Live mode's replacements heal from a peer this way (runtime/live.py, trainer/live_fit.py): no checkpoint
+Live mode's replacements heal from a peer this way (runtime/membership/recovery.py): no checkpoint
 file, and no pickle. The structure travels as JSON (every dict, list, tuple, str, number, bool and None
 is tagged so that it comes back as the same type, int dict keys included: optimizer state is keyed by
 parameter index) and the tensors as one byte buffer, cut apart by the dtypes and shapes the JSON lists.
