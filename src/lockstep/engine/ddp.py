@@ -246,6 +246,13 @@ class DistributedDataParallel(JoinableReplica, TorchDDP):
         return bool(self.require_forward_param_sync and self.forward_sync_buffers and self._engine.buffers)
 
     def stats(self) -> EngineStats:
+        """lockstep's addition: what torch keeps in its private logging data, public.
+
+        Returns:
+            An EngineStats: the buckets (sizes, dtypes, parameters, whether rebuilt), the number of
+            synced steps, and the last step's and the mean step's forward, backward, communication and
+            hidden (overlapped) communication times and bytes sent.
+        """
         return self._engine.stats()
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
@@ -271,7 +278,19 @@ class DistributedDataParallel(JoinableReplica, TorchDDP):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Accepts keys with the `module.` prefix (torch's DDP checkpoints) and without (plain ones)."""
+        """torch's load_state_dict, and lockstep's addition: keys without the `module.` prefix load too.
+
+        Args:
+            state_dict: a state dict of the wrapper (`module.`-prefixed keys, torch's DDP checkpoints) or
+                of the bare module (plain keys).
+            strict, assign: as in torch.
+
+        Returns:
+            torch's result (missing and unexpected keys).
+
+        Raises:
+            RuntimeError: as torch's, when keys or shapes do not match under `strict`.
+        """
         if state_dict and not any(k.startswith("module.") for k in state_dict):
             state_dict = {f"module.{k}": v for k, v in state_dict.items()}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)

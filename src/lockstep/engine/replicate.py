@@ -42,7 +42,11 @@ class ReplicaHandle(JoinableReplica):
             yield
 
     def stats(self) -> EngineStats:
-        """Bucket layout, last step's and mean timings (forward, backward, comm, overlap), bytes sent."""
+        """Bucket layout, last step's and mean timings (forward, backward, comm, overlap), bytes sent.
+
+        Returns:
+            An EngineStats (in deterministic mode: the exact buckets and the steps redone).
+        """
         return self._replica.stats()
 
     def accumulate(
@@ -69,6 +73,20 @@ class ReplicaHandle(JoinableReplica):
         policy the engine sums in float with its usual buckets, overlapped with the last backward: the
         same result up to rounding, at the default mode's speed; then every rank needs a micro-batch
         (K >= W).
+
+        Args:
+            fn: forward and backward of one micro-batch; its result is returned by ordinal.
+            micro_batches: {ordinal: batch} for exactly this rank's ordinals of the step.
+            num_micro_batches: K, the step's micro-batches over all ranks (not the world size).
+            step: the step's index, which seeds its micro-batches' random numbers.
+            seed: the run's seed, mixed into the same.
+
+        Returns:
+            {ordinal: fn(batch)} for this rank's micro-batches.
+
+        Raises:
+            ConfigError: K, step or the ordinals are wrong for this rank (every rank raises), or K < W
+                under the default policy.
         """
         return self._replica.accumulate(
             fn, micro_batches, num_micro_batches=num_micro_batches, step=step, seed=seed
@@ -96,6 +114,24 @@ def replicate(
 
     Parameters and buffers are checked and broadcast from rank 0 now; from then on every forward
     with grad enabled is followed by a backward that averages gradients across ranks.
+
+    Args:
+        module: the model, with the same structure on every rank (names, shapes, dtypes).
+        policy: the engine's settings (`SyncPolicy()` when None): bucket sizes, unused parameters, static
+            graph, reduce dtype, deterministic mode.
+        process_group: the group to replicate over (the default group when None).
+
+    Returns:
+        A ReplicaHandle: `no_sync()`, `join()`, `accumulate()`, `owned_micro_batches()`,
+        `register_comm_hook()`, `stats()`, and `remove()` to make the module plain again.
+
+    Raises:
+        NoProcessGroupError: no process group exists yet (call lockstep.init() first).
+        NoTrainableParametersError: the module has no parameter that requires grad.
+        CollectiveMismatchError: the ranks built different models (the message names the rank and the
+            parameter that differ).
+        NotSupportedError: deterministic mode with sparse gradients.
+        ConfigError: the module is already replicated.
     """
     if any(
         isinstance(getattr(h, "__self__", None), _ForwardHooks) for h in module._forward_pre_hooks.values()
