@@ -6,12 +6,14 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from lockstep.engine.bucket_launch import CommHook
 from lockstep.engine.joinable import JoinableReplica
 from lockstep.engine.policy import SyncPolicy
+from lockstep.engine.shard_optimizer import ShardedOptimizer
 from lockstep.engine.state import ReplicaState
 from lockstep.engine.stats import EngineStats
 from lockstep.errors import ConfigError
@@ -98,6 +100,28 @@ class ReplicaHandle(JoinableReplica):
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self._replica.register_comm_hook(state, hook)
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        """Shard `optimizer`'s state over the replica's ranks (ZeRO-1): each rank steps its share.
+
+        Step the returned object instead of `optimizer` (`sharded.step()`, `sharded.zero_grad()`); build LR
+        schedulers on `optimizer` itself. Parameters and optimizer state stay bitwise equal to an
+        unsharded run for optimizers that update each parameter from its own gradient and state (SGD,
+        Adam, AdamW); each rank holds the state of its share only. For a checkpoint,
+        `consolidate_state_dict()` on every rank, then `state_dict()` is the full state (lockstep's
+        CheckpointManager does both); `load_state_dict(full)` keeps this rank's share.
+
+        Args:
+            optimizer: a torch optimizer over the module's parameters, with no state yet or the same
+                state on every rank.
+
+        Returns:
+            A ShardedOptimizer (see lockstep.engine.shard_optimizer).
+
+        Raises:
+            ConfigError: not a torch optimizer, or a parameter listed twice.
+        """
+        return ShardedOptimizer(optimizer, process_group=self._replica.group)
 
     def remove(self) -> None:
         """Undo replicate: the module trains locally again (no hooks, no communication)."""

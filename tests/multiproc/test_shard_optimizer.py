@@ -1,0 +1,194 @@
+"""Sharded optimizer state (ZeRO-1) through `replicate`: the unsharded run's bits, 1/world of the state.
+
+Each call trains two replicas of the same model on the same per-rank data, one stepping the optimizer
+itself and one stepping `handle.shard_optimizer(optimizer)`, with SGD (momentum, weight decay), Adam and
+AdamW under an LR schedule. The parameters and the consolidated optimizer state must equal the unsharded
+run's bit for bit, on every rank; each rank must hold state for the parameters it owns only, and the
+shares must add up to the unsharded state. The full state must load into an unsharded optimizer, and
+back into a sharded one at another world size, with the same bits.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lockstep
+from lockstep.engine import ShardedOptimizer
+from lockstep.errors import NotSupportedError, UsageError
+from lockstep.testing import run_distributed
+
+STEPS = 6
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # the same weights on every rank and in both runs
+    return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 24), nn.Tanh(), nn.Linear(24, 3))
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.05)
+
+
+def _train(name: str, sharded: bool) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+    rank = dist.get_rank()
+    model = _model()
+    handle = lockstep.replicate(model)
+    optimizer = _optimizer(name, model.parameters())
+    stepped: Any = handle.shard_optimizer(optimizer) if sharded else optimizer
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    data = torch.Generator().manual_seed(100 + rank)
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 12, generator=data), torch.randn(8, 3, generator=data)
+        stepped.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        stepped.step()
+        schedule.step()
+    handle.remove()
+    return model, stepped, optimizer
+
+
+def _state_numel(optimizer: torch.optim.Optimizer) -> int:
+    return sum(t.numel() for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+
+
+def _flat(state: dict[str, Any]) -> list[tuple[str, Any]]:
+    out = []
+    for index, entry in sorted(state["state"].items()):
+        for key, value in sorted(entry.items()):
+            out.append((f"{index}.{key}", value.clone() if isinstance(value, torch.Tensor) else value))
+    return out
+
+
+def _sharded_against_plain(name: str) -> dict[str, Any]:
+    plain_model, _, plain = _train(name, sharded=False)
+    model, sharded, optimizer = _train(name, sharded=True)
+    sharded.consolidate_state_dict(to=None)
+    full = sharded.state_dict()
+    params = list(model.parameters())
+    return {
+        "plain": [p.detach().clone() for p in plain_model.parameters()],
+        "sharded": [p.detach().clone() for p in params],
+        "plain_state": _flat(plain.state_dict()),
+        "full_state": _flat(full),
+        "groups_equal": full["param_groups"] == plain.state_dict()["param_groups"],
+        "local_numel": _state_numel(optimizer),
+        "plain_numel": _state_numel(plain),
+        "owned_with_state": sorted(i for i, p in enumerate(params) if p in optimizer.state),
+        "owned": sorted(i for i, p in enumerate(params) if sharded.owner(p) == dist.get_rank()),
+    }
+
+
+def _check(results: list[dict[str, Any]], name: str) -> None:
+    world = len(results)
+    for rank, out in enumerate(results):
+        where = f"{name} rank {rank}/{world}"
+        for i, (mine, theirs) in enumerate(zip(out["sharded"], out["plain"])):
+            assert torch.equal(mine, theirs), f"{where}: parameter {i} differs from the unsharded run"
+            assert torch.equal(mine, results[0]["sharded"][i]), f"{where}: parameter {i} differs from rank 0"
+        assert [k for k, _ in out["full_state"]] == [k for k, _ in out["plain_state"]], where
+        for (key, mine), (_, theirs) in zip(out["full_state"], out["plain_state"]):
+            assert torch.equal(torch.as_tensor(mine), torch.as_tensor(theirs)), (
+                f"{where}: state {key} differs"
+            )
+        assert out["groups_equal"], where
+        assert out["owned_with_state"] == out["owned"], f"{where}: state outside this rank's share"
+        assert 0 < out["local_numel"] < out["plain_numel"], where
+    assert sum(out["local_numel"] for out in results) == results[0]["plain_numel"]
+    owned = sorted(i for out in results for i in out["owned"])
+    assert owned == list(range(len(results[0]["plain"]))), "every parameter has exactly one owner"
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_sharded_steps_give_the_unsharded_bits_with_a_share_of_the_state_on_2_ranks(name: str) -> None:
+    _check(run_distributed(_sharded_against_plain, 2, args=(name,), timeout=120), name)
+
+
+@pytest.mark.slow  # 3 ranks: make test-all
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_sharded_steps_give_the_unsharded_bits_on_3_ranks(name: str) -> None:
+    _check(run_distributed(_sharded_against_plain, 3, args=(name,), timeout=180), name)
+
+
+def _full_state_moves_between_sharded_and_plain(saved: dict[str, Any] | None) -> dict[str, Any]:
+    """First call (saved None): train sharded, return the full state. Second call, at another world size:
+    load it into a sharded and a plain optimizer, take one more step each, compare."""
+    if saved is None:
+        _, sharded, _ = _train("adamw", sharded=True)
+        sharded.consolidate_state_dict(to=0)
+        state = sharded.state_dict() if dist.get_rank() == 0 else None
+        return {"state": state, "params": _model().state_dict()}
+    out: dict[str, Any] = {}
+    for kind in ("plain", "sharded"):
+        model = _model()
+        handle = lockstep.replicate(model)
+        optimizer = _optimizer("adamw", model.parameters())
+        stepped: Any = handle.shard_optimizer(optimizer) if kind == "sharded" else optimizer
+        stepped.load_state_dict(copy.deepcopy(saved))  # the optimizer takes the tensors it is given
+        x = torch.ones(4, 12)
+        nn.functional.mse_loss(model(x), torch.zeros(4, 3)).backward()
+        stepped.step()
+        if kind == "sharded":
+            stepped.consolidate_state_dict(to=None)
+            out["local_entries"] = len(optimizer.state)
+        out[kind] = (_flat(stepped.state_dict()), [p.detach().clone() for p in model.parameters()])
+        handle.remove()
+    return out
+
+
+def test_the_full_state_loads_into_a_plain_optimizer_and_into_another_world_size() -> None:
+    saved = run_distributed(_full_state_moves_between_sharded_and_plain, 2, args=(None,), timeout=120)
+    state = saved[0]["state"]
+    assert len(state["state"]) == 6, "the consolidated state holds every parameter's entry"
+    for world in (1, 3):
+        results = run_distributed(
+            _full_state_moves_between_sharded_and_plain, world, args=(state,), timeout=180
+        )
+        for rank, out in enumerate(results):
+            plain_state, plain_params = out["plain"]
+            sharded_state, sharded_params = out["sharded"]
+            assert [k for k, _ in plain_state] == [k for k, _ in sharded_state]
+            for (key, a), (_, b) in zip(plain_state, sharded_state):
+                assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), (
+                    f"world {world} rank {rank}: {key}"
+                )
+            for a, b in zip(plain_params, sharded_params):
+                assert torch.equal(a, b), f"world {world} rank {rank}"
+            assert out["local_entries"] < 6 or world == 1
+
+
+def _misuse() -> list[str]:
+    model = _model()
+    handle = lockstep.replicate(model)
+    sharded = handle.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    errors = []
+    try:
+        sharded.state_dict()
+    except UsageError as exc:
+        errors.append(str(exc))
+    try:
+        sharded.step(lambda: 0.0)
+    except NotSupportedError as exc:
+        errors.append(str(exc))
+    handle.remove()
+    return errors
+
+
+def test_state_dict_before_consolidating_and_a_closure_raise() -> None:
+    for rank, errors in enumerate(run_distributed(_misuse, 2, timeout=60)):
+        assert len(errors) == 2, errors
+        assert errors[0].startswith(f"[rank {rank}/2] ") and "consolidate_state_dict" in errors[0]
+        assert "closure" in errors[1]
+
+
+def test_sharded_optimizer_is_public() -> None:
+    assert lockstep.engine.ShardedOptimizer is ShardedOptimizer
