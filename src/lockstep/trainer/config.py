@@ -104,6 +104,8 @@ class FitConfig:
     in micro-batches of micro_batch_size (default: all at once). deterministic=True (needs
     global_batch_size) gives the same bits at any world size: the step is cut into micro-batches of
     micro_batch_size (default: batch_size) over all ranks and reduced exactly (SyncPolicy(deterministic)).
+    shard_optimizer=True shards the optimizer's state over the ranks (ZeRO-1, engine/shard_optimizer.py):
+    the same bits as without it for SGD and AdamW; checkpoints hold the full state. Not in live mode.
     """
 
     run_dir: str = "runs/default"
@@ -133,6 +135,9 @@ class FitConfig:
     global_batch_size: int | None = None  # samples per optimizer step over all ranks; fixed at any world size
     micro_batch_size: int | None = None  # samples per forward/backward when global_batch_size is set
     deterministic: bool = False  # the same bits at any world size (needs global_batch_size)
+    shard_optimizer: bool = (
+        False  # ZeRO-1: each rank steps, and keeps the state of, 1/world of the parameters
+    )
 
     # Allowed values beyond the annotation, by field. A subclass adds its own: the MRO is searched.
     BOUNDS: ClassVar[Mapping[str, Bound]] = {

@@ -37,7 +37,7 @@ from lockstep.trainer.device import choose_device
 from lockstep.trainer.evaluation import Evaluation
 from lockstep.trainer.live_takeover import describe_change, take_over_log, take_over_rows
 from lockstep.trainer.metrics import TrainMetrics
-from lockstep.trainer.optim import build_optimizer, build_scheduler
+from lockstep.trainer.optim import build_optimizer, build_scheduler, maybe_sharded
 from lockstep.trainer.progress import ProgressBar
 from lockstep.trainer.run_log import RunLog
 from lockstep.trainer.run_state import RunState
@@ -90,7 +90,7 @@ class FitRun:
         optimizer = (make_optimizer or (lambda p: build_optimizer(p, config)))(self.module.parameters())
         self.state = RunState(
             self.module,
-            optimizer,
+            maybe_sharded(optimizer, config, live=self.live is not None),
             build_scheduler(optimizer, config, self.total_steps),
             torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16"),
             self.sampler,

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule from a FitConfig."""
+"""Optimizer and learning-rate schedule from a FitConfig, and the optimizer sharded over the ranks (ZeRO-1)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 import torch
 
+from lockstep.engine.shard_optimizer import ShardedOptimizer
+from lockstep.errors import ConfigError
 from lockstep.trainer.config import FitConfig
 
 
@@ -41,3 +43,18 @@ def build_scheduler(
         )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def maybe_sharded(
+    optimizer: torch.optim.Optimizer, config: FitConfig, *, live: bool
+) -> torch.optim.Optimizer | ShardedOptimizer:
+    """The optimizer fit's steps run: sharded over the ranks (ZeRO-1) with config.shard_optimizer."""
+    if not config.shard_optimizer:
+        return optimizer
+    if live:
+        raise ConfigError(
+            "shard_optimizer=True is not supported in live mode (lockstep run --min-world): a lost rank's "
+            "share of the optimizer state has no copy on the survivors. Run without --min-world, or "
+            "without --shard-optimizer"
+        )
+    return ShardedOptimizer(optimizer)

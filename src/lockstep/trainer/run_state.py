@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep.engine.shard_optimizer import ShardedOptimizer
 from lockstep.trainer.metrics import TrainMetrics
 
 
@@ -72,7 +73,7 @@ class RunState:
     def __init__(
         self,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | ShardedOptimizer,
         scheduler: Any,
         scaler: torch.amp.GradScaler,
         sampler: Any,
@@ -93,6 +94,13 @@ class RunState:
             "sampler": self.sampler,
             "progress": self.counters,  # the checkpoint's key for the counters: older checkpoints use it too
         }
+
+    def full_optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's whole state on every rank: a collective when it is sharded (shard_optimizer)."""
+        gather = getattr(self.optimizer, "consolidate_state_dict", None)
+        if gather is not None:
+            gather(to=None)
+        return self.optimizer.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         state = {name: obj.state_dict() for name, obj in self.checkpoint_entries().items()}

@@ -104,10 +104,13 @@ class Stepper:
         """The optimizer's part of a step, after the gradients are averaged; `samples` over all ranks."""
         state = self.state
         PROGRESS.set_phase(OPTIMIZER)
+        # A ShardedOptimizer offers what GradScaler reads (param_groups, step); every rank holds every
+        # averaged gradient, so found_inf and the gradient norm agree across ranks.
+        optimizer = cast(torch.optim.Optimizer, state.optimizer)
         if self.config.clip_grad_norm is not None:
-            state.scaler.unscale_(state.optimizer)
+            state.scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(state.module.parameters(), self.config.clip_grad_norm)
-        state.scaler.step(state.optimizer)
+        state.scaler.step(optimizer)
         state.scaler.update()
         state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
