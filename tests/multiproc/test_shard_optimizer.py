@@ -192,3 +192,63 @@ def test_state_dict_before_consolidating_and_a_closure_raise() -> None:
 
 def test_sharded_optimizer_is_public() -> None:
     assert lockstep.engine.ShardedOptimizer is ShardedOptimizer
+
+
+def _a_lost_share_is_rebuilt_from_its_copy(lost: list[int]) -> dict[str, Any]:
+    """Live mode's sharding (two copies of each share, the all-gather deferred) on the ranks of the world;
+    after the steps, the ranks in `lost` drop out (as if killed after the last step counted, before its
+    all-gather) and the others regroup over a new group without them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    everyone = dist.new_group(list(range(world)))
+    survivors = [r for r in range(world) if r not in lost]
+    model = _model()
+    handle = lockstep.replicate(model, process_group=everyone)
+    optimizer = _optimizer("adamw", model.parameters())
+    sharded = ShardedOptimizer(optimizer, process_group=everyone, copies=2, defer_gather=True)
+    plain_model = _model()
+    plain_handle = lockstep.replicate(plain_model, process_group=everyone)
+    plain = _optimizer("adamw", plain_model.parameters())
+    data = torch.Generator().manual_seed(7 + rank)
+    for step in range(STEPS):
+        x, y = torch.randn(8, 12, generator=data), torch.randn(8, 3, generator=data)
+        for m, o in ((model, sharded), (plain_model, plain)):
+            o.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+        if step < STEPS - 1:
+            sharded.gather()
+    kept_entries = len(optimizer.state)
+    handle.remove()
+    plain_handle.remove()
+    rest = dist.new_group(survivors)  # every rank takes part in making it
+    out: dict[str, Any] = {"kept_entries": kept_entries}
+    if rank in lost:
+        return out
+    sharded.group = rest
+    try:
+        sharded.regroup()
+    except lockstep.errors.StateLostError as exc:
+        out["error"] = str(exc)
+        return out
+    sharded.consolidate_state_dict(to=None)
+    out["params_equal"] = all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
+    full, expected = _flat(sharded.state_dict()), _flat(plain.state_dict())
+    out["state_equal"] = [k for k, _ in full] == [k for k, _ in expected] and all(
+        torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for (_, a), (_, b) in zip(full, expected)
+    )
+    out["entries_after"] = len(optimizer.state)
+    return out
+
+
+@pytest.mark.slow  # 3 and 4 ranks: make test-all
+def test_live_mode_rebuilds_a_lost_share_from_its_copy_and_refuses_when_both_copies_are_lost() -> None:
+    results = run_distributed(_a_lost_share_is_rebuilt_from_its_copy, 3, args=([1],), timeout=180)
+    assert all(0 < out["kept_entries"] < 6 for out in results), results  # two of three shares each
+    for rank in (0, 2):
+        assert results[rank]["params_equal"] and results[rank]["state_equal"], results[rank]
+        assert results[rank]["entries_after"] == 6  # two survivors, two copies: every share on both
+    # ranks 1 and 2 of 4 hold the only two copies of share 2 (rank 1 keeps shares 1 and 2, rank 2 keeps 2, 3)
+    results = run_distributed(_a_lost_share_is_rebuilt_from_its_copy, 4, args=([1, 2],), timeout=180)
+    for rank in (0, 3):
+        assert "were all lost together" in results[rank]["error"], results[rank]
+        assert results[rank]["error"].startswith(f"[rank {rank // 3}/2] "), results[rank]

@@ -167,3 +167,12 @@ def test_a_bool_setting_may_stand_alone_as_a_switch() -> None:
     assert config.deterministic is True
     with pytest.raises(ConfigError, match="--lr needs a value"):
         read_overrides(["--lr", "--deterministic"], switches={"deterministic"})
+
+
+def test_shard_optimizer_is_a_flag_of_lockstep_train() -> None:
+    assert resolve_config("toy", None, [], None).shard_optimizer is False
+    assert resolve_config("toy", None, ["--shard-optimizer", "true"], None).shard_optimizer is True
+    assert resolve_config("toy", None, ["--shard-optimizer"], None).shard_optimizer is True
+    assert resolve_config("digits", None, ["--shard_optimizer=false"], None).shard_optimizer is False
+    with pytest.raises(ConfigError, match="shard_optimizer='maybe' from --shard-optimizer"):
+        resolve_config("toy", None, ["--shard-optimizer", "maybe"], None)

@@ -21,6 +21,14 @@ structure as JSON, never pickle: runtime/state_transfer.py) and `state_dict()` r
 `load_state_dict(full)` keeps this rank's share of a full state. A checkpoint therefore holds the full
 state, which loads into a sharded run at any world size and into an unsharded optimizer alike.
 
+Live mode (`copies=2, defer_gather=True`, what fit uses under `lockstep run --min-world`): each share is
+also stepped and kept by the rank before its owner, so the state takes 2/world of the memory, and a lost
+rank's share is rebuilt from the survivor that holds its copy (`regroup()`), exactly. The all-gather
+waits for `gather()`, which fit calls after the step counted (runtime/membership/commit.py): no
+collective runs between a step's commit and the end of its optimizer step, as without sharding. Two
+members that hold the same share lost together take that share with them (StateLostError: resume from
+the last checkpoint).
+
 Why an all-reduce and not a reduce-scatter of the gradients: the engine's buckets are laid out by the
 backward's order, not by owner, and the point of its bucketed all-reduce is the same bits as every
 other lockstep run. On gloo (torch 2.13) `reduce_scatter_tensor` gives the bits of the all-reduce of the
@@ -32,12 +40,14 @@ all-reduce, where a reduce-scatter would need 1.0 times.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from lockstep.errors import ConfigError, NotSupportedError, UsageError, rank_tag
+from lockstep.engine.init_sync import broadcast_coalesced
+from lockstep.errors import ConfigError, NotSupportedError, StateLostError, UsageError, rank_tag
+from lockstep.runtime.collectives import all_gather_object
 from lockstep.runtime.state_transfer import broadcast_state
 from lockstep.runtime.waits import tracked, wait_watching_membership
 
@@ -86,11 +96,17 @@ class ShardedOptimizer:
 
     `param_groups`, `state` (this rank's share), `defaults`, `zero_grad()` and `step()` behave as the
     optimizer's own, so GradScaler and clip_grad_norm_ take it as they take the optimizer; LR schedulers
-    are built on the optimizer itself (`sharded.optimizer`).
+    are built on the optimizer itself (`sharded.optimizer`). `copies`: how many ranks step and keep each
+    share (2 in live mode); `defer_gather`: step() leaves the all-gather of the parameters to `gather()`.
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, *, process_group: dist.ProcessGroup | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        copies: int = 1,
+        defer_gather: bool = False,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
@@ -99,28 +115,38 @@ class ShardedOptimizer:
             )
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("ShardedOptimizer needs a process group: call lockstep.init() first")
-        self.optimizer, self.group = optimizer, process_group
-        self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
+        if copies not in (1, 2):
+            raise ConfigError(f"ShardedOptimizer(copies={copies!r}): expected 1 or 2 (live mode)")
+        self.optimizer, self.group, self.copies, self.defer_gather = (
+            optimizer,
+            process_group,
+            copies,
+            defer_gather,
+        )
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         if len({id(p) for p in self.params}) != len(self.params):
             raise ConfigError(
-                f"{rank_tag(self.rank, self.world)}the optimizer lists a parameter twice; give each "
-                "parameter to one param group once"
+                "ShardedOptimizer: the optimizer lists a parameter twice; give each parameter to one "
+                "param group once"
             )
-        self.owners = partition([p.numel() * p.element_size() for p in self.params], self.world)
-        self.owned = [p for p, owner in zip(self.params, self.owners) if owner == self.rank]
-        for p, owner in zip(self.params, self.owners):
-            if owner != self.rank:
+        self._layout()
+        for i, p in enumerate(self.params):
+            if i not in self.kept:
                 optimizer.state.pop(p, None)  # a state built before sharding: keep this rank's share only
-        self._gathers = self._plan_gathers()
         self._full: dict[str, Any] | None = None  # the last consolidated full state (until the next step)
+        self._pending = False  # stepped, not yet gathered (defer_gather)
+        self._state_known = True  # False after a live-mode transfer, until regroup() brings the state
 
-    def _plan_gathers(self) -> list[_Gather]:
+    def _layout(self) -> None:
+        """The shares over the group as it is now: owners, what this rank keeps, the all-gathers."""
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.owners = partition([p.numel() * p.element_size() for p in self.params], self.world)
+        copies = min(self.copies, self.world)
+        self.kept = {i for i, owner in enumerate(self.owners) if (owner - self.rank) % self.world < copies}
         by_kind: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
         for p, owner in zip(self.params, self.owners):
-            shares = by_kind.setdefault((p.device, p.dtype), [[] for _ in range(self.world)])
-            shares[owner].append(p)
-        return [_Gather(shares, self.rank) for shares in by_kind.values()]
+            by_kind.setdefault((p.device, p.dtype), [[] for _ in range(self.world)])[owner].append(p)
+        self._gathers = [_Gather(shares, self.rank) for shares in by_kind.values()]
 
     # ---- what the optimizer's users read ------------------------------------------------------------------
 
@@ -138,7 +164,7 @@ class ShardedOptimizer:
         return self.optimizer.defaults
 
     def owner(self, param: torch.Tensor) -> int:
-        """The rank that steps `param` and holds its state."""
+        """The rank that steps `param`, holds its state and sends its value in the all-gather."""
         for p, owner in zip(self.params, self.owners):
             if p is param:
                 return owner
@@ -152,14 +178,15 @@ class ShardedOptimizer:
     # ---- the step -----------------------------------------------------------------------------------------
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:
-        """Step this rank's parameters with the optimizer, then all-gather every parameter (a collective)."""
+        """Step this rank's parameters with the optimizer, then all-gather every parameter (a collective;
+        with defer_gather, in `gather()`)."""
         if closure is not None:
             raise NotSupportedError(
                 "ShardedOptimizer.step(closure): an optimizer that re-evaluates the loss (LBFGS) needs every "
                 "parameter's state on one rank; compute the loss before step(), or do not shard"
             )
         self._full = None
-        hidden = [(p, p.grad) for p, owner in zip(self.params, self.owners) if owner != self.rank]
+        hidden = [(p, p.grad) for i, p in enumerate(self.params) if i not in self.kept]
         for p, _ in hidden:
             p.grad = None
         try:
@@ -167,28 +194,39 @@ class ShardedOptimizer:
         finally:
             for p, grad in hidden:
                 p.grad = grad
-        if self.world > 1:
+        self._pending = True
+        if not self.defer_gather:
+            self.gather()
+
+    def gather(self) -> None:
+        """Every rank takes each parameter's updated value from its owner (nothing when none is pending)."""
+        if self._pending and self.world > 1:
             with torch.no_grad():
                 for gather in self._gathers:
                     gather(self.group)
+        self._pending = False
 
     # ---- the full state: consolidated for a checkpoint, a share kept on load ------------------------------
 
     def consolidate_state_dict(self, to: int | None = 0) -> None:
         """Collect the full optimizer state on group rank `to` (every rank: None); a collective.
 
-        Each rank broadcasts its parameters' state in turn; `state_dict()` on `to` then returns it.
+        Each owner broadcasts its parameters' state in turn; `state_dict()` on `to` then returns it.
         """
         local = self.optimizer.state_dict()
+        mine = {i: s for i, s in local["state"].items() if self.owners[i] == self.rank}
         merged: dict[int, Any] = {}
         for owner in range(self.world):
-            src = dist.get_global_rank(self.group, owner) if self.group is not None else owner
-            share = broadcast_state(local["state"] if owner == self.rank else None, src=src, group=self.group)
+            share = broadcast_state(
+                mine if owner == self.rank else None, src=self._global(owner), group=self.group
+            )
             if to is None or to == self.rank:
                 merged.update(share)
         if to is None or to == self.rank:
-            full = {"state": {i: merged[i] for i in sorted(merged)}, "param_groups": local["param_groups"]}
-            self._full = full
+            self._full = {
+                "state": {i: merged[i] for i in sorted(merged)},
+                "param_groups": local["param_groups"],
+            }
 
     def state_dict(self) -> dict[str, Any]:
         """The full state in the optimizer's own format, as `consolidate_state_dict()` collected it here."""
@@ -202,14 +240,62 @@ class ShardedOptimizer:
         return self._full
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full optimizer state (sharded or not when saved, at any world size): keep this rank's share."""
+        """Load a full optimizer state (sharded or not when saved, at any world size): keep this rank's share.
+        A live-mode transfer (`transfer_state_dict()`) loads the param groups; regroup() brings the state."""
         saved = state_dict.get("state", {})
         if not isinstance(saved, dict):
             raise ConfigError(f"an optimizer state_dict's 'state' is a dict, got {type(saved).__name__}")
-        mine = {
-            i: s
-            for i, s in saved.items()
-            if 0 <= int(i) < len(self.owners) and self.owners[int(i)] == self.rank
-        }
-        self.optimizer.load_state_dict({**state_dict, "state": mine})
+        mine = {i: s for i, s in saved.items() if int(i) in self.kept}
+        self.optimizer.load_state_dict({"state": mine, "param_groups": state_dict["param_groups"]})
+        self._state_known = not state_dict.get(_FOLLOWS, False)
         self._full = None
+
+    # ---- live mode: a replacement's transfer, and the shares re-cut after a change of members -------------
+
+    def transfer_state_dict(self) -> dict[str, Any]:
+        """What live mode sends a replacement (no collective): the param groups; the state follows in
+        regroup(), from the ranks that hold it."""
+        return {"state": {}, "param_groups": self.optimizer.state_dict()["param_groups"], _FOLLOWS: True}
+
+    def regroup(self) -> None:
+        """After the group changed (a member lost, or replacements admitted; every member calls it on the
+        new group): the shares re-cut over the new members, each parameter's value and state taken from a
+        survivor that holds it (its owner or its copy). Raises StateLostError, on every rank, when the
+        members that held a share were all lost."""
+        fresh = [self._state_known and (not self._pending or i in self.kept) for i in range(len(self.params))]
+        known = [self._state_known and i in self.kept for i in range(len(self.params))]
+        self._layout()  # the new group's shares
+        reports = all_gather_object({"fresh": fresh, "known": known}, group=self.group)
+        values, states = _sources(reports, "fresh"), _sources(reports, "known")
+        lost = [i for i in range(len(self.params)) if values[i] is None or states[i] is None]
+        if lost:
+            raise StateLostError(
+                f"{rank_tag(self.rank, self.world)}the members that held the optimizer state (and updated "
+                f"values) of {len(lost)} parameters were all lost together: those parameters cannot be "
+                "rebuilt from the survivors; resume from the last checkpoint"
+            )
+        stale = [i for i in range(len(self.params)) if not all(r["fresh"][i] for r in reports)]
+        for src in sorted({cast(int, values[i]) for i in stale}):  # values the step left on their holders
+            broadcast_coalesced(
+                [self.params[i] for i in stale if values[i] == src], self._global(src), self.group
+            )
+        local = self.optimizer.state_dict()
+        kept: dict[int, Any] = {}
+        for src in sorted({cast(int, src) for src in states}):
+            sent = {i: s for i, s in local["state"].items() if states[i] == src} if src == self.rank else None
+            received = broadcast_state(sent, src=self._global(src), group=self.group)
+            kept.update({i: s for i, s in received.items() if i in self.kept})
+        self.optimizer.load_state_dict({"state": kept, "param_groups": local["param_groups"]})
+        self._pending, self._state_known, self._full = False, True, None
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+
+_FOLLOWS = "lockstep_state_follows"  # a live-mode transfer: the state comes from regroup()
+
+
+def _sources(reports: list[dict[str, list[bool]]], key: str) -> list[int | None]:
+    """For each parameter, the lowest rank whose report says `key`, or None when no rank does."""
+    count = len(reports[0][key])
+    return [next((rank for rank, r in enumerate(reports) if r[key][i]), None) for i in range(count)]

@@ -111,17 +111,15 @@ class FitRun:
         else torch's drop-in face."""
         if self.micro_batched:
             # Live mode: a member lost in the replica's start-up collectives is survived like any other.
-            self.handle = retry_at_start(self.live, lambda: replicate(self.module, policy=self._policy()))
+            self.handle = retry_at_start(
+                self.live, lambda: replicate(self.module, policy=_policy(self.config))
+            )
             if self.live is not None:  # the members may have changed meanwhile
                 self.topo = self.live.topology()
             return self.module
         return DistributedDataParallel(
             self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
-
-    def _policy(self) -> SyncPolicy:
-        """The engine's policy for accumulate(): exact in deterministic mode, float sums otherwise."""
-        return SyncPolicy(deterministic=self.config.deterministic)
 
     # ---- phases -------------------------------------------------------------------------------------------
 
@@ -155,6 +153,7 @@ class FitRun:
         if self.evaluation.enabled and self.record.eval_step != self.counters.step:
             self._evaluate()
         self._save_checkpoint()
+        self.state.consolidate_optimizer()  # a sharded optimizer's full state on every rank, for the summary
 
     def _maybe_resume(self) -> None:
         if self.config.resume == "never" and self.checkpoints.steps():
@@ -249,6 +248,7 @@ class FitRun:
         return self.recovery.changes != before
 
     def _after_step(self) -> None:
+        self.state.gather_parameters()  # live mode, sharded optimizer: the step counted, now its all-gather
         step = self.counters.step
         if step % self.config.log_every == 0:
             self._log_train()
@@ -305,7 +305,7 @@ class FitRun:
 
     def rebuild_replica(self, topology: Topology) -> None:
         self.topo = topology
-        self.handle = replicate(self.module, policy=self._policy())
+        self.handle = replicate(self.module, policy=_policy(self.config))
 
     def discard_step(self) -> None:
         self.state.optimizer.zero_grad(set_to_none=True)
@@ -333,6 +333,7 @@ class FitRun:
         self.state.load_state_dict(state)
 
     def reshard(self, topology: Topology) -> None:
+        self.state.regroup()
         self.data.reshard(topology)
         self.evaluation.reshard(topology)
 
@@ -344,6 +345,11 @@ class FitRun:
                     self.run_dir, self.total_steps, self.config, self.counters.step
                 )
         self.bar.message(describe_change(fault, self.counters.step))
+
+
+def _policy(config: FitConfig) -> SyncPolicy:
+    """The engine's policy for accumulate(): exact in deterministic mode, float sums otherwise."""
+    return SyncPolicy(deterministic=config.deterministic)
 
 
 def _take(iterator: Iterator[Any], count: int) -> list[Any]:

@@ -8,7 +8,6 @@ from collections.abc import Iterable
 import torch
 
 from lockstep.engine.shard_optimizer import ShardedOptimizer
-from lockstep.errors import ConfigError
 from lockstep.trainer.config import FitConfig
 
 
@@ -48,13 +47,9 @@ def build_scheduler(
 def maybe_sharded(
     optimizer: torch.optim.Optimizer, config: FitConfig, *, live: bool
 ) -> torch.optim.Optimizer | ShardedOptimizer:
-    """The optimizer fit's steps run: sharded over the ranks (ZeRO-1) with config.shard_optimizer."""
+    """The optimizer fit's steps run: sharded over the ranks (ZeRO-1) with config.shard_optimizer. In live
+    mode each share is kept by two ranks, and the all-gather waits until the step counted (fit's loop
+    calls `gather()` after the step, `regroup()` after a change of members)."""
     if not config.shard_optimizer:
         return optimizer
-    if live:
-        raise ConfigError(
-            "shard_optimizer=True is not supported in live mode (lockstep run --min-world): a lost rank's "
-            "share of the optimizer state has no copy on the survivors. Run without --min-world, or "
-            "without --shard-optimizer"
-        )
-    return ShardedOptimizer(optimizer)
+    return ShardedOptimizer(optimizer, copies=2 if live else 1, defer_gather=live)

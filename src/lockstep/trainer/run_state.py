@@ -95,15 +95,30 @@ class RunState:
             "progress": self.counters,  # the checkpoint's key for the counters: older checkpoints use it too
         }
 
-    def full_optimizer_state(self) -> dict[str, Any]:
-        """The optimizer's whole state on every rank: a collective when it is sharded (shard_optimizer)."""
-        gather = getattr(self.optimizer, "consolidate_state_dict", None)
-        if gather is not None:
-            gather(to=None)
-        return self.optimizer.state_dict()
+    # A sharded optimizer (FitConfig.shard_optimizer) is a collective's worth more work at a few points.
+    def gather_parameters(self) -> None:
+        """After a step counted: the parameters' updated values from their owners (live mode's deferred
+        all-gather of a sharded optimizer; nothing otherwise)."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.gather()
+
+    def regroup(self) -> None:
+        """After a change of members (live mode): a sharded optimizer's shares re-cut over the new group."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.regroup()
+
+    def consolidate_optimizer(self) -> None:
+        """A sharded optimizer's full state collected on every rank (for the summary's hash)."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.consolidate_state_dict(to=None)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {name: obj.state_dict() for name, obj in self.checkpoint_entries().items()}
+        entries = self.checkpoint_entries()
+        optimizer = entries.pop("optimizer")
+        state = {name: obj.state_dict() for name, obj in entries.items()}
+        # A sharded optimizer's state reaches a replacement through regroup(), from the ranks that hold it.
+        sharded = isinstance(optimizer, ShardedOptimizer)
+        state["optimizer"] = optimizer.transfer_state_dict() if sharded else optimizer.state_dict()
         state["record"] = self.record.state_dict()
         state["metrics"] = self.metrics.state_dict()
         return state

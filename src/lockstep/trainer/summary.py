@@ -41,7 +41,7 @@ def build_summary(
         "faults": record.faults,
         "restarts": 0 if live else None,
         "params_sha256": state_sha256(state.module.state_dict()),
-        "optimizer_sha256": state_sha256(state.full_optimizer_state()),
+        "optimizer_sha256": state_sha256(state.optimizer.state_dict()),  # consolidated if sharded
         "final_train": record.last_train or None,
         **record.last_eval,
         "config": config_to_dict(config),
