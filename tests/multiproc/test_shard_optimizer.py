@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lockstep
+from lockstep.data import MicroBatchSampler
 from lockstep.engine import ShardedOptimizer
 from lockstep.errors import NotSupportedError, UsageError
 from lockstep.testing import run_distributed
@@ -180,14 +181,20 @@ def _misuse() -> list[str]:
     except NotSupportedError as exc:
         errors.append(str(exc))
     handle.remove()
+    sampler = MicroBatchSampler(list(range(32)), 4, 4)
+    try:
+        lockstep.LiveLoop(model, sharded, sampler)  # type: ignore[arg-type]
+    except NotSupportedError as exc:
+        errors.append(str(exc))
     return errors
 
 
-def test_state_dict_before_consolidating_and_a_closure_raise() -> None:
+def test_state_dict_before_consolidating_a_closure_and_live_loop_raise() -> None:
     for rank, errors in enumerate(run_distributed(_misuse, 2, timeout=60)):
-        assert len(errors) == 2, errors
+        assert len(errors) == 3, errors
         assert errors[0].startswith(f"[rank {rank}/2] ") and "consolidate_state_dict" in errors[0]
         assert "closure" in errors[1]
+        assert "LiveLoop does not re-cut a ShardedOptimizer's shares" in errors[2]
 
 
 def test_sharded_optimizer_is_public() -> None:
