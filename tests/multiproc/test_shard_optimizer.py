@@ -11,6 +11,7 @@ back into a sharded one at another world size, with the same bits.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -259,3 +260,42 @@ def test_live_mode_rebuilds_a_lost_share_from_its_copy_and_refuses_when_both_cop
     for rank in (0, 3):
         assert "were all lost together" in results[rank]["error"], results[rank]
         assert results[rank]["error"].startswith(f"[rank {rank // 3}/2] "), results[rank]
+
+
+def _checkpoint_round_trip(run_dir: str, kind: str, phase: str) -> list[tuple[str, Any]]:
+    """phase "save": train 3 steps (sharded by lockstep or by torch's ZeroRedundancyOptimizer) and save with
+    CheckpointManager; phase "load": load that checkpoint into a plain AdamW; its full state, flattened."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from lockstep.checkpoint import CheckpointManager
+
+    model = _model()
+    manager = CheckpointManager(run_dir)
+    if phase == "load":
+        plain = _optimizer("adamw", model.parameters())
+        manager.load({"model": model, "optimizer": plain}, required=True)
+        return _flat(plain.state_dict())
+    handle = lockstep.replicate(model)
+    if kind == "torch":
+        stepped: Any = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+    else:
+        stepped = handle.shard_optimizer(_optimizer("adamw", model.parameters()))
+    data = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        stepped.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(torch.randn(4, 12, generator=data)), torch.zeros(4, 3)).backward()
+        stepped.step()
+    manager.save(3, {"model": model, "optimizer": stepped})
+    stepped.consolidate_state_dict(to=0)  # what rank 0 saved, to compare with what loads
+    handle.remove()
+    return _flat(stepped.state_dict()) if dist.get_rank() == 0 else []
+
+
+@pytest.mark.parametrize("kind", ["lockstep", "torch"])
+def test_checkpoint_manager_saves_the_full_state_of_a_sharded_optimizer(tmp_path: Path, kind: str) -> None:
+    saved = run_distributed(_checkpoint_round_trip, 2, args=(str(tmp_path), kind, "save"), timeout=120)[0]
+    loaded = run_distributed(_checkpoint_round_trip, 1, args=(str(tmp_path), kind, "load"), timeout=120)[0]
+    assert len({key.split(".")[0] for key, _ in saved}) == 6  # every parameter's state
+    assert [k for k, _ in loaded] == [k for k, _ in saved]
+    for (key, a), (_, b) in zip(loaded, saved):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), key
