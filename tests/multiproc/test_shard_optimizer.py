@@ -205,7 +205,8 @@ def test_sharded_optimizer_is_public() -> None:
 def _a_lost_share_is_rebuilt_from_its_copy(lost: list[int]) -> dict[str, Any]:
     """Live mode's sharding (two copies of each share, the all-gather deferred) on the ranks of the world;
     after the steps, the ranks in `lost` drop out (as if killed after the last step counted, before its
-    all-gather) and the others regroup over a new group without them."""
+    all-gather) and the others replicate the model again and regroup over a new group without them, as
+    fit's live recovery does."""
     rank, world = dist.get_rank(), dist.get_world_size()
     everyone = dist.new_group(list(range(world)))
     survivors = [r for r in range(world) if r not in lost]
@@ -232,6 +233,8 @@ def _a_lost_share_is_rebuilt_from_its_copy(lost: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {"kept_entries": kept_entries}
     if rank in lost:
         return out
+    sharded.set_aside()  # as fit's live recovery does before the group changes...
+    rebuilt = lockstep.replicate(model, process_group=rest)  # ...which then broadcasts rank 0's values
     sharded.group = rest
     try:
         sharded.regroup()
@@ -245,6 +248,7 @@ def _a_lost_share_is_rebuilt_from_its_copy(lost: list[int]) -> dict[str, Any]:
         torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for (_, a), (_, b) in zip(full, expected)
     )
     out["entries_after"] = len(optimizer.state)
+    rebuilt.remove()
     return out
 
 

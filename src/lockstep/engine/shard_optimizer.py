@@ -136,6 +136,9 @@ class ShardedOptimizer:
         self._full: dict[str, Any] | None = None  # the last consolidated full state (until the next step)
         self._pending = False  # stepped, not yet gathered (defer_gather)
         self._state_known = True  # False after a live-mode transfer, until regroup() brings the state
+        self._aside: dict[int, torch.Tensor] | None = (
+            None  # kept parameters' values, set aside by set_aside()
+        )
 
     def _layout(self) -> None:
         """The shares over the group as it is now: owners, what this rank keeps, the all-gathers."""
@@ -257,11 +260,22 @@ class ShardedOptimizer:
         regroup(), from the ranks that hold it."""
         return {"state": {}, "param_groups": self.optimizer.state_dict()["param_groups"], _FOLLOWS: True}
 
+    def set_aside(self) -> None:
+        """Live mode, before the group changes: when a step's values have not been all-gathered yet, keep
+        this rank's kept parameters aside (the replica rebuilt on the new group takes rank 0's values, which
+        are stale for parameters rank 0 did not step); regroup() puts them back."""
+        if self._pending and self._aside is None:
+            self._aside = {i: self.params[i].detach().clone() for i in self.kept}
+
     def regroup(self) -> None:
         """After the group changed (a member lost, or replacements admitted; every member calls it on the
         new group): the shares re-cut over the new members, each parameter's value and state taken from a
         survivor that holds it (its owner or its copy). Raises StateLostError, on every rank, when the
         members that held a share were all lost."""
+        if self._aside is not None:
+            with torch.no_grad():
+                for i, value in self._aside.items():
+                    self.params[i].copy_(value)
         fresh = [self._state_known and (not self._pending or i in self.kept) for i in range(len(self.params))]
         known = [self._state_known and i in self.kept for i in range(len(self.params))]
         self._layout()  # the new group's shares
@@ -286,7 +300,7 @@ class ShardedOptimizer:
             received = broadcast_state(sent, src=self._global(src), group=self.group)
             kept.update({i: s for i, s in received.items() if i in self.kept})
         self.optimizer.load_state_dict({"state": kept, "param_groups": local["param_groups"]})
-        self._pending, self._state_known, self._full = False, True, None
+        self._pending, self._state_known, self._full, self._aside = False, True, None, None
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank

@@ -299,6 +299,7 @@ class FitRun:
         return self.record.faults
 
     def release_replica(self) -> None:
+        self.state.set_aside()  # the rebuilt replica takes rank 0's parameters; a sharded step's stay aside
         if self.handle is not None:
             self.handle.remove()
             self.handle = None

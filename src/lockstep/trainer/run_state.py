@@ -102,6 +102,11 @@ class RunState:
         if isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer.gather()
 
+    def set_aside(self) -> None:
+        """Before a change of members (live mode): a sharded optimizer's values not yet all-gathered."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.set_aside()
+
     def regroup(self) -> None:
         """After a change of members (live mode): a sharded optimizer's shares re-cut over the new group."""
         if isinstance(self.optimizer, ShardedOptimizer):
