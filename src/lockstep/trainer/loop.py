@@ -128,6 +128,9 @@ class FitRun:
         if self.recovery is not None and self.live is not None and self.live.needs_state:
             self.recovery.receive_state()  # a replacement: the state comes from a peer, not a checkpoint
             self.bar.advance(self.counters.step)
+            if self.sampler.epoch > self.counters.epoch:  # admitted after an epoch's last step: the members
+                self.counters.epoch += 1  # close that epoch now (checkpoint, evaluation), and so does it
+                self._retry(self._end_of_epoch)
         else:
             self._retry(self._maybe_resume)
         started, start_samples, start_step = time.monotonic(), self.counters.samples, self.counters.step
@@ -181,8 +184,7 @@ class FitRun:
         self.counters.epoch = self.sampler.epoch
         if not self.evaluation.enabled or self.config.eval_every != 0:
             return
-        step = self.counters.step
-        logged = any(r.get("step") == step and "eval_loss" in r for r in self.runlog.records)
+        logged = any(r.get("step") == self.counters.step and "eval_loss" in r for r in self.runlog.records)
         if not broadcast_object(logged):  # only rank 0 keeps the log; every rank must agree to evaluate
             self._evaluate()
 
@@ -299,7 +301,7 @@ class FitRun:
         return self.record.faults
 
     def release_replica(self) -> None:
-        self.state.set_aside()  # the rebuilt replica takes rank 0's parameters; a sharded step's stay aside
+        self.state.set_aside()
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
@@ -320,10 +322,8 @@ class FitRun:
         }
 
     def reconcile(self, mark: str) -> None:
-        if mark == "saved_step":
-            self.record.saved_step = None
-        elif mark == "eval_step":
-            self.record.eval_step = None
+        if mark in ("saved_step", "eval_step"):
+            setattr(self.record, mark, None)
         elif mark == "pending_metrics":
             self.state.metrics.drop_pending()
 
