@@ -30,7 +30,8 @@ STEPS = 6
 
 def _model() -> nn.Module:
     torch.manual_seed(0)  # the same weights on every rank and in both runs
-    return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 24), nn.Tanh(), nn.Linear(24, 3))
+    # The middle weight (1 MiB) travels in place after a step, the others packed into one message per owner.
+    return nn.Sequential(nn.Linear(12, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 3))
 
 
 def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:

@@ -10,8 +10,9 @@ partitioned over the ranks once, balanced by size and decided by the parameter o
 2. each rank hides the gradients of the parameters it does not keep (`.grad = None`) and steps the user's
    optimizer, which skips a parameter without a gradient and creates no state for it: each rank updates,
    and holds optimizer state for, its own parameters only (1/world of the state);
-3. the updated parameters are all-gathered (one all-gather per dtype and device, each rank's share
-   packed into one flat buffer), and the hidden gradients are put back.
+3. the hidden gradients are put back, and every rank takes each updated parameter from its owner (a
+   broadcast per large parameter, in place; the small ones packed, one message per owner): an all-gather
+   without a padded buffer, so no memory beyond the parameters themselves.
 
 Each parameter is updated by the same optimizer code from the same gradient and state as in an unsharded
 run, so the parameters and the state are bitwise equal to it. The optimizer object stays the user's, so
@@ -48,8 +49,9 @@ import torch.distributed as dist
 from lockstep.engine.init_sync import broadcast_coalesced
 from lockstep.errors import ConfigError, NotSupportedError, StateLostError, UsageError, rank_tag
 from lockstep.runtime.collectives import all_gather_object
+from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.state_transfer import broadcast_state
-from lockstep.runtime.waits import tracked, wait_watching_membership
+from lockstep.runtime.waits import wait_tracked
 
 
 def partition(sizes: Sequence[int], world: int) -> list[int]:
@@ -64,31 +66,42 @@ def partition(sizes: Sequence[int], world: int) -> list[int]:
     return owners
 
 
+SMALL_BYTES = 1024 * 1024  # smaller parameters travel packed, one flat message per owner, dtype, device
+
+
 class _Gather:
-    """The all-gather of one (device, dtype)'s parameters: each rank's share packed into one flat row."""
+    """Every parameter from its owner, all messages in flight at once: a large parameter broadcast in place
+    (no copy, no extra memory), the small ones packed per (owner, device, dtype) into one flat message kept
+    from step to step (a few hundred tiny layers would otherwise cost a collective each)."""
 
-    def __init__(self, shares: list[list[torch.Tensor]], rank: int) -> None:
-        self.shares, self.rank = shares, rank
-        self.width = max(sum(p.numel() for p in share) for share in shares)
-        first = next(p for share in shares for p in share)
-        self.rows = torch.empty(len(shares), self.width, dtype=first.dtype, device=first.device)
+    def __init__(self, params: Sequence[torch.Tensor], owners: Sequence[int], rank: int) -> None:
+        self.rank = rank
+        self.messages: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []  # owner, message, packed
+        small: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p, owner in zip(params, owners):
+            if p.numel() * p.element_size() >= SMALL_BYTES and p.is_contiguous():
+                self.messages.append((owner, p.detach(), []))
+            else:
+                small.setdefault((owner, p.device, p.dtype), []).append(p)
+        for (owner, device, dtype), packed in small.items():
+            self.messages.append(
+                (owner, torch.empty(sum(p.numel() for p in packed), dtype=dtype, device=device), packed)
+            )
 
-    def __call__(self, group: dist.ProcessGroup | None) -> None:
-        rows, mine = self.rows, self.shares[self.rank]
-        if mine:
-            torch.cat([p.detach().reshape(-1) for p in mine], out=rows[self.rank, : _numel(mine)])
-        with tracked("all_gather (sharded optimizer: parameters)", (rows[self.rank],), group):
-            work = dist.all_gather(list(rows), rows[self.rank].clone(), group=group, async_op=True)
-            wait_watching_membership(work)
-        for owner, share in enumerate(self.shares):
-            if owner == self.rank or not share:
-                continue
-            views = rows[owner, : _numel(share)].split([p.numel() for p in share])
-            torch._foreach_copy_([p.detach() for p in share], [v.view_as(p) for v, p in zip(views, share)])
-
-
-def _numel(params: Sequence[torch.Tensor]) -> int:
-    return sum(p.numel() for p in params)
+    def __call__(self, group: dist.ProcessGroup | None, src: Callable[[int], int]) -> None:
+        launched = []
+        for owner, message, packed in self.messages:
+            if packed and owner == self.rank:
+                torch.cat([p.detach().reshape(-1) for p in packed], out=message)
+            record = PROGRESS.issue("broadcast (sharded optimizer: parameters)", (message,), group)
+            launched.append((record, dist.broadcast(message, src=src(owner), group=group, async_op=True)))
+        for (owner, message, packed), (record, work) in zip(self.messages, launched):
+            wait_tracked(record, work)
+            if packed and owner != self.rank:
+                views = message.split([p.numel() for p in packed])
+                torch._foreach_copy_(
+                    [p.detach() for p in packed], [v.view_as(p) for v, p in zip(views, packed)]
+                )
 
 
 class ShardedOptimizer:
@@ -141,15 +154,12 @@ class ShardedOptimizer:
         )
 
     def _layout(self) -> None:
-        """The shares over the group as it is now: owners, what this rank keeps, the all-gathers."""
+        """The shares over the group as it is now: owners, what this rank keeps, the gather of parameters."""
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.owners = partition([p.numel() * p.element_size() for p in self.params], self.world)
         copies = min(self.copies, self.world)
         self.kept = {i for i, owner in enumerate(self.owners) if (owner - self.rank) % self.world < copies}
-        by_kind: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
-        for p, owner in zip(self.params, self.owners):
-            by_kind.setdefault((p.device, p.dtype), [[] for _ in range(self.world)])[owner].append(p)
-        self._gathers = [_Gather(shares, self.rank) for shares in by_kind.values()]
+        self._gather = _Gather(self.params, self.owners, self.rank)
 
     # ---- what the optimizer's users read ------------------------------------------------------------------
 
@@ -205,8 +215,7 @@ class ShardedOptimizer:
         """Every rank takes each parameter's updated value from its owner (nothing when none is pending)."""
         if self._pending and self.world > 1:
             with torch.no_grad():
-                for gather in self._gathers:
-                    gather(self.group)
+                self._gather(self.group, self._global)
         self._pending = False
 
     # ---- the full state: consolidated for a checkpoint, a share kept on load ------------------------------
