@@ -105,9 +105,10 @@ class ReplicaHandle(JoinableReplica):
         """Shard `optimizer`'s state over the replica's ranks (ZeRO-1): each rank steps its share.
 
         Step the returned object instead of `optimizer` (`sharded.step()`, `sharded.zero_grad()`); build LR
-        schedulers on `optimizer` itself. Every rank must step it at every step (not inside join()). Parameters and optimizer state stay bitwise equal to an
-        unsharded run for optimizers that update each parameter from its own gradient and state (SGD,
-        Adam, AdamW); each rank holds the state of its share only. For a checkpoint,
+        schedulers on `optimizer` itself. Every rank must step it at every step (not inside join()).
+        Parameters and optimizer state stay bitwise equal to an unsharded run for optimizers that update
+        each parameter from its own gradient and state (SGD, Adam, AdamW); each rank holds the state of
+        its share only. For a checkpoint,
         `consolidate_state_dict()` on every rank, then `state_dict()` is the full state (lockstep's
         CheckpointManager does both); `load_state_dict(full)` keeps this rank's share.
 
