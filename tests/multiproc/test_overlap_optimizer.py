@@ -1,5 +1,5 @@
 """The optimizer overlapped with communication, on real gloo ranks: the plain step's bits, really during
-backward, every fallback with its reason said once, and misuse raised.
+backward, every fallback with its reason said once, misuse raised, and fit with overlap_optimizer=True.
 
 Each rank trains two replicas of the same model on the same data in one process, one stepped plainly
 after backward and one through `handle.overlap_optimizer`, and compares parameters and optimizer state
@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import TensorDataset
 
 import lockstep
 from lockstep.testing import run_distributed
+from lockstep.trainer.config import FitConfig
 
 TINY_BUCKETS = {"bucket_cap_mb": 1e-4, "first_bucket_mb": 1e-4}  # about one parameter per bucket
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -294,3 +296,86 @@ MISUSES = {
 def test_what_would_silently_differ_raises_usage_error(kind: str) -> None:
     for rank, said in enumerate(run_distributed(_misuse, 2, args=(kind,), timeout=60)):
         assert said.startswith(f"[rank {rank}/2] ") and MISUSES[kind] in said, f"rank {rank}: {said}"
+
+
+# ---------------------------------------------------------------- fit
+
+
+def _fit_both(run_dir: str, name: str, clip: bool, deterministic: bool) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=gen)
+    data = TensorDataset(x, torch.randint(0, 3, (64,), generator=gen))
+    out: dict[str, Any] = {}
+    for overlap in (False, True):
+        net = _Net()
+        made: list[torch.optim.Optimizer] = []
+        in_backward: list[bool] = []
+        # 8 samples a micro-batch, 2 per rank and step (no_sync, then the synced backward); deterministic
+        # mode cuts the same global batch of 32 into micro-batches over the ranks (accumulate())
+        batches = (
+            {"global_batch_size": 32, "micro_batch_size": 8} if deterministic else {"grad_accum_steps": 2}
+        )
+        config = FitConfig(
+            run_dir=f"{run_dir}/{name}-{clip}-{deterministic}-{overlap}",
+            batch_size=8,
+            epochs=2,
+            lr_schedule="cosine",
+            warmup_steps=2,
+            clip_grad_norm=0.05 if clip else None,
+            deterministic=deterministic,
+            progress="none",
+            overlap_optimizer=overlap,
+            **batches,  # type: ignore[arg-type]
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lockstep.fit(
+                net,
+                data,
+                loss_fn=F.cross_entropy,
+                config=config,
+                optimizer=_making(name, made, in_backward),
+            )
+        out[f"overlap={overlap}"] = _snapshot(net, made[0])
+        out[f"warnings overlap={overlap}"] = _overlap_warnings(caught)
+        out[f"steps in backward overlap={overlap}"] = sum(in_backward)
+    return out
+
+
+def _making(name: str, made: list[torch.optim.Optimizer], in_backward: list[bool]) -> Any:
+    """fit's optimizer factory: `name`'s optimizer, kept in `made`; each of its steps notes in
+    `in_backward` whether the autograd engine was running (the engine's steps during a backward)."""
+
+    def make(params: Any) -> torch.optim.Optimizer:
+        optimizer = OPTIMIZERS[name](params)
+        optimizer.register_step_pre_hook(
+            lambda *_: in_backward.append(torch._C._current_graph_task_id() != -1)
+        )
+        made.append(optimizer)
+        return optimizer
+
+    return make
+
+
+FIT_CASES = {
+    "sgd_momentum": ("sgd_momentum", False, False, None),
+    "adamw": ("adamw", False, False, None),
+    "clip": ("adamw", True, False, "gradient clipping by global norm needs every gradient"),
+    "deterministic": ("sgd_momentum", False, True, "fit's steps in deterministic and live mode run through"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIT_CASES))
+def test_fit_with_overlap_optimizer_gives_the_same_bits(case: str, tmp_path: Any) -> None:
+    name, clip, deterministic, reason = FIT_CASES[case]
+    results = run_distributed(_fit_both, 2, args=(str(tmp_path), name, clip, deterministic), timeout=180)
+    for rank, out in enumerate(results):
+        _assert_same_bits(out["overlap=False"], out["overlap=True"], f"fit {case} rank {rank}")
+        assert out["warnings overlap=False"] == [], out["warnings overlap=False"]
+        assert out["steps in backward overlap=False"] == 0
+        said, early = out["warnings overlap=True"], out["steps in backward overlap=True"]
+        if reason is None:  # overlapped: the engine stepped the buckets inside the backward
+            assert said == [] and early > 0, f"fit {case} rank {rank}: {said}, {early} steps in backward"
+        else:
+            assert len(said) == 1 and reason in said[0], f"fit {case} rank {rank}: {said}"
+            assert early == 0, f"fit {case} rank {rank}: fell back, yet {early} steps in backward"

@@ -1,5 +1,6 @@
 """The overlapped optimizer without a process group: a step taken in parts equals the whole step, bit for
-bit; which optimizers and settings fall back and why; the wrapper refuses what would silently differ."""
+bit; which optimizers and settings fall back and why; the wrapper refuses what would silently differ;
+the fit setting and its `lockstep train` flag."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from torch import nn
 from lockstep.engine.optimizer_steps import fallback_reason
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
 from lockstep.errors import UsageError
+from lockstep.trainer.config import FitConfig
+from lockstep.trainer.config_sources import config_from_mapping, read_overrides
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-2),
@@ -157,3 +160,11 @@ def test_the_wrapped_optimizer_stepped_directly_raises_while_buckets_are_stepped
         opt.check_no_pending()
     opt.step()
     opt.check_no_pending()
+
+
+def test_fit_setting_and_its_flag() -> None:
+    assert FitConfig().overlap_optimizer is False
+    values, sources = read_overrides(["--overlap-optimizer", "true"], switches={"overlap_optimizer"})
+    assert config_from_mapping(FitConfig, values, sources).overlap_optimizer is True
+    values, sources = read_overrides(["--overlap-optimizer"], switches={"overlap_optimizer"})
+    assert config_from_mapping(FitConfig, values, sources).overlap_optimizer is True
