@@ -147,6 +147,24 @@ def test_a_gradient_changed_after_its_step_raises() -> None:
         opt.step()
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+def test_a_setting_changed_after_some_buckets_stepped_raises() -> None:
+    # a scheduler stepped between backward() and step(): the plain step would use the new lr everywhere
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = OverlappedOptimizer(inner, fallback=None)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _grads(model, 0)
+    opt.step_params(list(model.parameters())[4:])
+    schedule.step()
+    with pytest.raises(UsageError, match=r"lr of param_groups\[0\] changed between backward\(\)"):
+        opt.step()
+    _grads(model, 1)
+    opt.step_params(list(model.parameters())[4:])
+    opt.step()  # unchanged: fine
+    schedule.step()
+
+
 def test_the_wrapped_optimizer_stepped_directly_raises_while_buckets_are_stepped() -> None:
     model = _model()
     inner = torch.optim.Adam(model.parameters())

@@ -17,8 +17,9 @@ separate optimizer per parameter or a functional copy in the all-reduce's callba
 that is not the user's optimizer's; this one keeps the user's optimizer, on the thread that runs backward.
 
 What could make the result silently different is refused: a gradient changed after its parameter
-stepped (clipping or unscaling that was not declared: the `.grad`'s version counter moved), a second
-synced backward before `step()`, or the wrapped optimizer stepped directly: each raises UsageError.
+stepped (clipping or unscaling that was not declared: the `.grad`'s version counter moved), a group's
+setting changed after some buckets stepped with the old one (a scheduler stepped before `step()`), a
+second synced backward before `step()`, or the wrapped optimizer stepped directly: each raises UsageError.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class OverlappedOptimizer(torch.optim.Optimizer):
         self._positions: dict[int, tuple[int, int]] | None = None  # id -> (group, position), this step
         self._inside = False  # a restricted step of ours runs now
         self._state_len = len(optimizer.state)  # entries in the state when this step began
+        self._settings: list[dict[str, Any]] = []  # the groups' lr etc. when the engine first stepped
         self._broken = ""  # why the next step() must raise (a backward raised after some buckets stepped)
         if fallback is not None:
             self._say(fallback)
@@ -98,6 +100,8 @@ class OverlappedOptimizer(torch.optim.Optimizer):
         chosen = sorted(positions[id(p)] for p in params if id(p) in positions and id(p) not in self._stepped)
         if not chosen:
             return
+        if not self._stepped:  # the engine's first steps of this step: the settings they step with
+            self._settings = _settings(self.param_groups)
         groups: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
         for g, k in chosen:
             groups[g].append(self.param_groups[g]["params"][k])
@@ -136,6 +140,7 @@ class OverlappedOptimizer(torch.optim.Optimizer):
         if not self._stepped:
             return self._plain(closure)
         self._check_gradients_unchanged()
+        self._check_settings_unchanged()
         if closure is not None:
             self._reset()
             raise UsageError(
@@ -210,6 +215,24 @@ class OverlappedOptimizer(torch.optim.Optimizer):
                 "the step then waits for every gradient"
             )
 
+    def _check_settings_unchanged(self) -> None:
+        changed = sorted(
+            {
+                f"{key} of param_groups[{g}]"
+                for g, (before, group) in enumerate(zip(self._settings, self.param_groups))
+                for key, value in before.items()
+                if not _same(value, group.get(key))
+            }
+        )
+        if changed:
+            self._reset()
+            raise UsageError(
+                f"{self._tag}{', '.join(changed)} changed between backward() and optimizer.step(), after the "
+                "engine had already stepped some buckets with the old value (overlap_optimizer steps each "
+                "bucket as soon as it is reduced). Change the settings after step() (a scheduler's step() "
+                "comes after optimizer.step())"
+            )
+
     def _order_new_state(self) -> None:
         """The state entries made in this step, in the order the whole step would have made them (the
         groups' order, after the older ones): state_dict() then lists them as the plain step does."""
@@ -242,6 +265,28 @@ class OverlappedOptimizer(torch.optim.Optimizer):
             UserWarning,
             stacklevel=3,
         )
+
+
+def _settings(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each group's settings but its parameters (tensors copied: a scheduler may change them in place)."""
+    return [
+        {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+        for g in groups
+    ]
+
+
+def _same(before: Any, now: Any) -> bool:
+    if isinstance(before, torch.Tensor) or isinstance(now, torch.Tensor):
+        return (
+            isinstance(before, torch.Tensor)
+            and isinstance(now, torch.Tensor)
+            and before.shape == now.shape
+            and bool(torch.equal(before, now.detach().to(before.device)))
+        )
+    try:
+        return bool(before is now or before == now)
+    except (TypeError, ValueError, RuntimeError):  # a value without a plain equality: count it as changed
+        return False
 
 
 def _guard(ref: weakref.ReferenceType[OverlappedOptimizer], optimizer: torch.optim.Optimizer) -> None:
