@@ -322,14 +322,19 @@ def test_a_step_that_needs_every_gradient_falls_back_and_says_why_once(kind: str
 
 def _misuse(kind: str) -> str:
     rank = dist.get_rank()
-    net = _Net()
+    net = _Net(spare=kind == "unused_without_flag")  # spare, never used, without find_unused_parameters
     handle = lockstep.replicate(net, policy=lockstep.SyncPolicy(**TINY_BUCKETS))
     inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
     overlapped = handle.overlap_optimizer(inner)
     x, y = _batch(rank, 0)
-    F.cross_entropy(net(x), y).backward()  # the engine steps every bucket by the end of it
     try:
-        if kind == "undeclared_clip":
+        F.cross_entropy(net(x), y).backward()  # the engine steps every bucket by the end of it
+    except lockstep.errors.UnusedParameterError:  # on every rank, after out's bucket stepped in finalize
+        pass
+    try:
+        if kind == "unused_without_flag":
+            overlapped.step()
+        elif kind == "undeclared_clip":
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
             overlapped.step()
         elif kind == "second_backward":
@@ -348,6 +353,7 @@ MISUSES = {
     "second_backward": "a synced backward began before optimizer.step() finished the previous one",
     "inner_step": "AdamW.step() was called on the optimizer given to overlap_optimizer",
     "twice": "overlap_optimizer was already called on this replica",
+    "unused_without_flag": "the previous backward raised after the engine had stepped some buckets' parameters",
 }
 
 

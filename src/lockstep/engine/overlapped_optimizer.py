@@ -33,6 +33,8 @@ import torch
 
 from lockstep.errors import UsageError
 
+_Stepped = tuple[torch.Tensor, "torch.Tensor | None", int]
+
 
 class OverlappedOptimizer(torch.optim.Optimizer):
     """The user's optimizer with the step of each bucket's parameters taken during backward.
@@ -50,9 +52,7 @@ class OverlappedOptimizer(torch.optim.Optimizer):
         self.fallback_reasons: list[str] = []  # every reason this optimizer stepped plainly for, once each
         self.buckets_stepped_in_backward = 0  # while backward ran (the reduction came back before its end)
         self.buckets_stepped_at_finalize = 0  # at the end of backward, each after its wait
-        self._stepped: dict[
-            int, tuple[torch.Tensor, torch.Tensor | None, int]
-        ] = {}  # id -> (p, grad, version)
+        self._stepped: dict[int, _Stepped] = {}  # id(p) -> (p, its .grad then, that grad's version)
         self._positions: dict[int, tuple[int, int]] | None = None  # id -> (group, position), this step
         self._inside = False  # a restricted step of ours runs now
         self._state_len = len(optimizer.state)  # entries in the state when this step began
