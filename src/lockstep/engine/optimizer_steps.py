@@ -16,7 +16,7 @@ OverlappedOptimizer (overlapped_optimizer.py) bucket by bucket:
 Buckets holding a parameter this rank's forward did not reach (find_unused_parameters) wait for
 finalize: whether any rank used it, and so whether its `.grad` is written at all, is known only after
 the ranks agree. A step that ends in an error after some buckets stepped marks the optimizer broken:
-its next step() raises, because ranks may have stepped different buckets by then.
+its next step() raises: the model is half a step ahead, and no plain step can finish it.
 
 Which optimizers overlap: those whose step of one parameter reads nothing but that parameter's gradient
 and state (torch.optim.SGD, Adam, AdamW, exactly those classes: a subclass may override step). A step
@@ -150,8 +150,8 @@ class OverlappedSteps:
             if self.optimizer.pending:
                 self.optimizer.broke(
                     "the previous backward raised after the engine had stepped some buckets' parameters "
-                    "(overlap_optimizer): the ranks may have stepped different buckets by then, so the "
-                    "replicas may differ. Load a checkpoint and wrap the model again"
+                    "(overlap_optimizer): the model is half a step ahead of its last good state, which no "
+                    "step can finish. Load a checkpoint and train on from there"
                 )
             return
         for b in buckets:
