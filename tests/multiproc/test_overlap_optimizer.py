@@ -156,6 +156,7 @@ def _train_both(name: str, unused: bool, steps: int) -> dict[str, Any]:
         "in_backward": overlapped.buckets_stepped_in_backward,
         "at_finalize": overlapped.buckets_stepped_at_finalize,
         "num_buckets": handle.stats().num_buckets,
+        "extras": handle.stats().extras,
         "changed_in_backward": net.changed_in_backward,
         "warnings": _overlap_warnings(caught),
         "reasons": overlapped.fallback_reasons,
@@ -174,6 +175,8 @@ def test_the_overlapped_step_is_bitwise_the_plain_step(name: str, unused: bool) 
         assert out["num_buckets"] >= 3, what
         # every bucket of every step stepped in the engine, during backward or in finalize
         assert out["in_backward"] + out["at_finalize"] == steps * out["num_buckets"], (what, out)
+        assert out["extras"]["optimizer_buckets_stepped_in_backward"] == out["in_backward"], what
+        assert out["extras"]["optimizer_buckets_stepped_at_finalize"] == out["at_finalize"], what
     _assert_same_bits(results[0]["overlapped"], results[1]["overlapped"], f"{name}: the ranks")
     # the sleep in backward lets the last layer's buckets come back: they step while backward goes on
     stepped_early = [out["in_backward"] for out in results]

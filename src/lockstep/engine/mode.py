@@ -218,7 +218,10 @@ class BucketedMode:
             synced_steps=r.stats.steps,
             last=r.stats.last,
             mean=r.stats.mean(),
-            extras={"bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets]},
+            extras={
+                "bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets],
+                **r.optimizer_steps.stats(),
+            },
         )
 
     def remove(self) -> None:

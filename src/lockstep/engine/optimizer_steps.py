@@ -82,6 +82,8 @@ class OptimizerSteps(Protocol):
 
     def suspended(self, reason: str) -> AbstractContextManager[None]: ...
 
+    def stats(self) -> dict[str, Any]: ...
+
 
 class PlainSteps:
     """The default: the engine never steps the optimizer."""
@@ -101,6 +103,9 @@ class PlainSteps:
     @contextmanager
     def suspended(self, reason: str) -> Iterator[None]:
         yield
+
+    def stats(self) -> dict[str, Any]:
+        return {}
 
 
 class OverlappedSteps:
@@ -167,6 +172,14 @@ class OverlappedSteps:
             yield
         finally:
             self._suspended = before
+
+    def stats(self) -> dict[str, Any]:
+        """For EngineStats.extras: how many buckets stepped during backward and at its end, so far."""
+        optimizer = self.optimizer
+        return {
+            "optimizer_buckets_stepped_in_backward": optimizer.buckets_stepped_in_backward,
+            "optimizer_buckets_stepped_at_finalize": optimizer.buckets_stepped_at_finalize,
+        }
 
     def _step(self, b: Bucket) -> None:
         self._done.add(b.index)
