@@ -130,7 +130,7 @@ def _overlap_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 def _train_both(name: str, unused: bool, steps: int) -> dict[str, Any]:
     rank = dist.get_rank()
     policy = lockstep.SyncPolicy(find_unused_parameters=unused, **TINY_BUCKETS)
-    plain_net, net = _Net(spare=unused), _Net(sleep=0.3, spare=unused)
+    plain_net, net = _Net(spare=unused), _Net(sleep=0.2, spare=unused)
     lockstep.replicate(plain_net, policy=policy)
     handle = lockstep.replicate(net, policy=policy)
     plain = OPTIMIZERS[name](plain_net.parameters())
