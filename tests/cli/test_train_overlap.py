@@ -28,7 +28,7 @@ def test_overlap_optimizer_gives_the_bits_of_the_plain_step(tmp_path: Path) -> N
     assert overlapped["steps"] == plain["steps"] == 12
     assert overlapped["params_sha256"] == plain["params_sha256"]
     assert overlapped["optimizer_sha256"] == plain["optimizer_sha256"]
-    assert "overlap_optimizer" not in proc.stdout + proc.stderr  # no fallback to report
+    assert "overlap_optimizer:" not in proc.stdout + proc.stderr  # no fallback to report
 
 
 def test_overlap_optimizer_with_clipping_says_why_it_keeps_the_plain_step(tmp_path: Path) -> None:
