@@ -91,6 +91,26 @@ def test_a_state_loaded_into_the_wrapped_optimizer_is_the_one_stepped_in_parts()
     assert all(int(s["step"]) == 2 for s in inner.state.values())  # each parameter stepped once more
 
 
+def test_hooks_registered_on_the_wrapper_are_the_wrapped_optimizers() -> None:
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = OverlappedOptimizer(inner, fallback=None)
+    steps: list[int] = []
+    handle = opt.register_step_post_hook(
+        lambda o, args, kwargs: steps.append(len(o.param_groups[0]["params"]))
+    )
+    opt.register_state_dict_pre_hook(lambda o: steps.append(-1))
+    _grads(model, 0)
+    opt.step_params(list(model.parameters())[4:])
+    opt.step()
+    assert steps == [2, 4]  # once per partial step of the wrapped optimizer, with its parameters then
+    opt.state_dict()
+    assert steps[-1] == -1
+    handle.remove()
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        opt.nothing  # noqa: B018
+
+
 def test_fallback_reasons_name_what_needs_every_gradient() -> None:
     params = list(_model().parameters())
     for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):

@@ -41,7 +41,8 @@ class OverlappedOptimizer(torch.optim.Optimizer):
 
     `fallback`: why this optimizer cannot overlap (it then steps as a plain optimizer and says why once,
     as a warning); None when the engine steps its buckets. Use it as the optimizer: `step()`,
-    `zero_grad()`, LR schedulers, `GradScaler.step(...)`, `state_dict()`.
+    `zero_grad()`, LR schedulers, `GradScaler.step(...)`, `state_dict()`. Hooks registered on it are
+    the wrapped optimizer's: a step hook runs for each partial step (per bucket).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, fallback: str | None, tag: str = "") -> None:
@@ -75,6 +76,14 @@ class OverlappedOptimizer(torch.optim.Optimizer):
     @property  # type: ignore[override]
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
+
+    def __getattr__(self, name: str) -> Any:
+        # torch.optim.Optimizer's hook registries (register_step_pre_hook, register_state_dict_pre_hook
+        # & co. write into them): the wrapped optimizer's, so its step() and state_dict() run the hooks
+        optimizer = self.__dict__.get("optimizer")
+        if optimizer is not None and name.startswith("_optimizer_"):
+            return getattr(optimizer, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def overlapped(self) -> bool:
