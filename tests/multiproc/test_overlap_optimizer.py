@@ -369,7 +369,7 @@ def test_what_would_silently_differ_raises_usage_error(kind: str) -> None:
 # ---------------------------------------------------------------- fit
 
 
-def _fit_both(run_dir: str, name: str, clip: bool, deterministic: bool) -> dict[str, Any]:
+def _fit_both(run_dir: str, name: str, clip: bool, deterministic: bool, fp16: bool) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(64, 8, generator=gen)
     data = TensorDataset(x, torch.randint(0, 3, (64,), generator=gen))
@@ -391,6 +391,7 @@ def _fit_both(run_dir: str, name: str, clip: bool, deterministic: bool) -> dict[
             warmup_steps=2,
             clip_grad_norm=0.05 if clip else None,
             deterministic=deterministic,
+            precision="fp16" if fp16 else "fp32",
             progress="none",
             overlap_optimizer=overlap,
             **batches,  # type: ignore[arg-type]
@@ -430,13 +431,15 @@ FIT_CASES = {
     "adamw": ("adamw", False, False, None),
     "clip": ("adamw", True, False, "gradient clipping by global norm needs every gradient"),
     "deterministic": ("sgd_momentum", False, True, "fit's steps in deterministic and live mode run through"),
+    "fp16": ("adamw", False, False, "the fp16 GradScaler's inf check needs every gradient"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(FIT_CASES))
 def test_fit_with_overlap_optimizer_gives_the_same_bits(case: str, tmp_path: Any) -> None:
     name, clip, deterministic, reason = FIT_CASES[case]
-    results = run_distributed(_fit_both, 2, args=(str(tmp_path), name, clip, deterministic), timeout=180)
+    args = (str(tmp_path), name, clip, deterministic, case == "fp16")
+    results = run_distributed(_fit_both, 2, args=args, timeout=180)
     for rank, out in enumerate(results):
         _assert_same_bits(out["overlap=False"], out["overlap=True"], f"fit {case} rank {rank}")
         assert out["warnings overlap=False"] == [], out["warnings overlap=False"]
