@@ -36,6 +36,11 @@ from lockstep.errors import UsageError
 _Stepped = tuple[torch.Tensor, "torch.Tensor | None", int]
 
 
+def _registry(name: str) -> Any:
+    """A read-only attribute that is the wrapped optimizer's attribute `name`."""
+    return property(lambda self: getattr(self.optimizer, name))
+
+
 class OverlappedOptimizer(torch.optim.Optimizer):
     """The user's optimizer with the step of each bucket's parameters taken during backward.
 
@@ -77,13 +82,18 @@ class OverlappedOptimizer(torch.optim.Optimizer):
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
 
-    def __getattr__(self, name: str) -> Any:
-        # torch.optim.Optimizer's hook registries (register_step_pre_hook, register_state_dict_pre_hook
-        # & co. write into them): the wrapped optimizer's, so its step() and state_dict() run the hooks
-        optimizer = self.__dict__.get("optimizer")
-        if optimizer is not None and name.startswith("_optimizer_"):
-            return getattr(optimizer, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    # torch.optim.Optimizer's hook registries, which its register_*_hook methods write into: the wrapped
+    # optimizer's, so that its step() and state_dict() run the hooks registered on either object.
+    _optimizer_step_pre_hooks = _registry("_optimizer_step_pre_hooks")  # type: ignore[assignment]
+    _optimizer_step_post_hooks = _registry("_optimizer_step_post_hooks")  # type: ignore[assignment]
+    _optimizer_state_dict_pre_hooks = _registry("_optimizer_state_dict_pre_hooks")  # type: ignore[assignment]
+    _optimizer_state_dict_post_hooks = _registry("_optimizer_state_dict_post_hooks")  # type: ignore[assignment]
+    _optimizer_load_state_dict_pre_hooks = _registry(  # type: ignore[assignment]
+        "_optimizer_load_state_dict_pre_hooks"
+    )
+    _optimizer_load_state_dict_post_hooks = _registry(  # type: ignore[assignment]
+        "_optimizer_load_state_dict_post_hooks"
+    )
 
     @property
     def overlapped(self) -> bool:
