@@ -27,6 +27,8 @@ from torch import nn
 from lockstep.engine.exact import ExactReducer
 from lockstep.engine.join import JoinReplica, join_pre_forward
 from lockstep.engine.micro_step import ExactReduction, FloatHost, FloatReduction, MicroSteps
+from lockstep.engine.optimizer_steps import ACCUMULATE_REASON, DETERMINISTIC_REASON, OverlappedSteps
+from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import Reducer
 from lockstep.engine.stats import EngineStats
@@ -94,6 +96,12 @@ class EngineMode(Protocol):
         """handle.stats(): the layout and the timings, as this mode knows them."""
         ...
 
+    def overlap_optimizer(
+        self, replica: Replica, optimizer: torch.optim.Optimizer, fallback: str | None
+    ) -> OverlappedOptimizer:
+        """`optimizer` stepped by the engine bucket by bucket (`fallback`: why it cannot be, or None)."""
+        ...
+
     def remove(self) -> None:
         """Detach every hook: the module trains locally again."""
         ...
@@ -138,6 +146,7 @@ class BucketedMode:
     def __init__(self, reducer: Reducer) -> None:
         self.reducer = reducer
         self._micro_steps: MicroSteps | None = None  # made at accumulate()'s first use
+        self._overlapped = False  # an optimizer is stepped by the reducer (overlap_optimizer)
 
     def pre_forward(self, replica: Replica) -> None:
         syncing = torch.is_grad_enabled() and replica.flags.require_backward_grad_sync
@@ -173,14 +182,29 @@ class BucketedMode:
         step: int,
         seed: int,
     ) -> dict[int, Any]:
-        return self.micro_steps(replica).run(
-            FloatReduction(replica),
-            fn,
-            micro_batches,
-            num_micro_batches=num_micro_batches,
-            step=step,
-            seed=seed,
-        )
+        with self.reducer.optimizer_steps.suspended(ACCUMULATE_REASON):
+            return self.micro_steps(replica).run(
+                FloatReduction(replica),
+                fn,
+                micro_batches,
+                num_micro_batches=num_micro_batches,
+                step=step,
+                seed=seed,
+            )
+
+    def overlap_optimizer(
+        self, replica: Replica, optimizer: torch.optim.Optimizer, fallback: str | None
+    ) -> OverlappedOptimizer:
+        if self._overlapped:
+            raise UsageError(
+                f"{replica.tag}overlap_optimizer was already called on this replica: the engine steps one "
+                "optimizer; give it one optimizer over all the parameters (param_groups for different settings)"
+            )
+        overlapped = OverlappedOptimizer(optimizer, fallback=fallback, tag=replica.tag)
+        if fallback is None:
+            self.reducer.optimizer_steps = OverlappedSteps(overlapped)
+            self._overlapped = True
+        return overlapped
 
     def stats(self, world: int) -> EngineStats:
         r = self.reducer
@@ -194,7 +218,10 @@ class BucketedMode:
             synced_steps=r.stats.steps,
             last=r.stats.last,
             mean=r.stats.mean(),
-            extras={"bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets]},
+            extras={
+                "bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets],
+                **r.optimizer_steps.stats(),
+            },
         )
 
     def remove(self) -> None:
@@ -251,6 +278,11 @@ class ExactMode:
         return self._micro_steps.run(
             self._reduction, fn, micro_batches, num_micro_batches=num_micro_batches, step=step, seed=seed
         )
+
+    def overlap_optimizer(
+        self, replica: Replica, optimizer: torch.optim.Optimizer, fallback: str | None
+    ) -> OverlappedOptimizer:
+        return OverlappedOptimizer(optimizer, fallback=DETERMINISTIC_REASON, tag=replica.tag)
 
     def stats(self, world: int) -> EngineStats:
         exact, steps = self.exact, self._micro_steps

@@ -104,6 +104,10 @@ class FitConfig:
     in micro-batches of micro_batch_size (default: all at once). deterministic=True (needs
     global_batch_size) gives the same bits at any world size: the step is cut into micro-batches of
     micro_batch_size (default: batch_size) over all ranks and reduced exactly (SyncPolicy(deterministic)).
+    overlap_optimizer=True steps each bucket's parameters as soon as its averaged gradients are back,
+    while backward goes on: the same bits as without (sgd, adamw, any schedule); with clip_grad_norm, fp16
+    precision, an optimizer other than SGD/Adam/AdamW, deterministic or live mode the step stays plain,
+    and a warning says why (ReplicaHandle.overlap_optimizer).
     """
 
     run_dir: str = "runs/default"
@@ -133,6 +137,9 @@ class FitConfig:
     global_batch_size: int | None = None  # samples per optimizer step over all ranks; fixed at any world size
     micro_batch_size: int | None = None  # samples per forward/backward when global_batch_size is set
     deterministic: bool = False  # the same bits at any world size (needs global_batch_size)
+    overlap_optimizer: bool = (
+        False  # each bucket's parameters step during backward, once its averages are back
+    )
 
     # Allowed values beyond the annotation, by field. A subclass adds its own: the MRO is searched.
     BOUNDS: ClassVar[Mapping[str, Bound]] = {

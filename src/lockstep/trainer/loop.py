@@ -102,6 +102,7 @@ class FitRun:
         self.runlog = RunLog(self.run_dir, enabled=self.topo.is_main)
         self.bar = ProgressBar(self.total_steps, enabled=self.topo.is_main, mode=config.progress)
         self.stepper = Stepper(self.state, config, self.plan, loss_fn, self.device, self.live)
+        self.stepper.overlap(self.model)  # config.overlap_optimizer: the engine steps the buckets
         self.recovery = LiveRecovery(self.live, self) if self.live is not None else None
         if self.recovery is not None:
             self.record.faults = self.recovery.startup_faults()
@@ -182,8 +183,7 @@ class FitRun:
         self.counters.epoch = self.sampler.epoch
         if not self.evaluation.enabled or self.config.eval_every != 0:
             return
-        step = self.counters.step
-        logged = any(r.get("step") == step and "eval_loss" in r for r in self.runlog.records)
+        logged = any(r.get("step") == self.counters.step and "eval_loss" in r for r in self.runlog.records)
         if not broadcast_object(logged):  # only rank 0 keeps the log; every rank must agree to evaluate
             self._evaluate()
 

@@ -8,6 +8,10 @@ Two ways to run a step, chosen once per run (trainer/loop.py):
   the bucketed float all-reduce otherwise. In live mode the step counts on every member or on none
   (membership.commit), and its metric rows go to the store with it, where the survivors find them if
   this rank is lost before the next log.
+
+With config.overlap_optimizer, `ddp_step`'s optimizer is an OverlappedOptimizer that the engine steps
+bucket by bucket during the synced backward (`Stepper.overlap`); `_update` is unchanged: its
+`scaler.step` finishes what is left, or takes the plain step where the engine fell back.
 """
 
 from __future__ import annotations
@@ -17,8 +21,12 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.replicate import overlap_optimizer
+from lockstep.errors import rank_tag
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.progress import OPTIMIZER, PROGRESS
 from lockstep.trainer.batches import BatchPlan, batch_len, split_batch, to_device
@@ -28,6 +36,10 @@ from lockstep.trainer.metrics import MetricBuffer, OrderedMetrics
 from lockstep.trainer.run_state import RunState
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+MICRO_BATCHED_REASON = (
+    "fit's steps in deterministic and live mode run through accumulate(), which has the step's mean "
+    "only after its last backward"
+)
 
 
 class Stepper:
@@ -44,6 +56,26 @@ class Stepper:
     ) -> None:
         self.state, self.config, self.plan, self.loss_fn, self.device = state, config, plan, loss_fn, device
         self.live = live
+        # what _update steps: the run's optimizer, or the one the engine steps bucket by bucket
+        self.optimizer: torch.optim.Optimizer = state.optimizer
+
+    def overlap(self, model: nn.Module) -> None:
+        """With config.overlap_optimizer, the engine steps the optimizer bucket by bucket during the
+        backward of the drop-in `model` (the run's state keeps the optimizer itself: checkpoints and
+        the schedule see it). Deterministic and live mode take the plain step, said once."""
+        if not self.config.overlap_optimizer:
+            return
+        state = self.state
+        if self.plan.num_micro_batches:  # accumulate()'s steps; live mode rebuilds the replica, too
+            tag = rank_tag(dist.get_rank(), dist.get_world_size())
+            self.optimizer = OverlappedOptimizer(state.optimizer, fallback=MICRO_BATCHED_REASON, tag=tag)
+            return
+        self.optimizer = overlap_optimizer(
+            model,  # type: ignore[arg-type]  # the drop-in class (a JoinableReplica)
+            state.optimizer,
+            clip_grad_norm=self.config.clip_grad_norm is not None,
+            scaler=state.scaler,
+        )
 
     def ddp_step(self, model: nn.Module, world_size: int, batches: list[Any]) -> None:
         """This rank's micro-batches of the step through the DDP wrapper `model`, then the optimizer."""
@@ -105,9 +137,9 @@ class Stepper:
         state = self.state
         PROGRESS.set_phase(OPTIMIZER)
         if self.config.clip_grad_norm is not None:
-            state.scaler.unscale_(state.optimizer)
+            state.scaler.unscale_(self.optimizer)  # the object step() gets: the scaler tracks it by id
             torch.nn.utils.clip_grad_norm_(state.module.parameters(), self.config.clip_grad_norm)
-        state.scaler.step(state.optimizer)
+        state.scaler.step(self.optimizer)
         state.scaler.update()
         state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
