@@ -201,7 +201,10 @@ class BucketedMode:
             synced_steps=r.stats.steps,
             last=r.stats.last,
             mean=r.stats.mean(),
-            extras={"bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets]},
+            extras={
+                "bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets],
+                "bytes_communicated_total": r.stats.total_bytes,
+            },
         )
 
     def remove(self) -> None:
@@ -275,6 +278,7 @@ class ExactMode:
                 "deterministic": True,
                 "redone_steps": steps.redos,
                 "buckets_launched_in_backward": exact.launched_in_backward,
+                "bytes_communicated_total": exact.bytes_sent,
             },
         )
 

@@ -29,8 +29,8 @@ class PeriodicMode:
         self.outer = OuterSync(module, policy, group, world=world)
         self._tag, self._sync = tag, policy.sync
 
-    def _refuse(self, what: str) -> NotSupportedError:
-        return NotSupportedError(
+    def _why(self, what: str) -> str:
+        return (
             f"{self._tag}this replica runs SyncPolicy(sync={self._sync!r}): no gradient is averaged in "
             f"backward, so {what} do not apply; call handle.after_optimizer_step() after each optimizer step, "
             "or replicate with SyncPolicy() to average every step"
@@ -38,7 +38,7 @@ class PeriodicMode:
 
     @property
     def reducer(self) -> Reducer:
-        raise self._refuse("buckets, communication hooks and join()")
+        raise NotSupportedError(self._why("buckets, communication hooks and join()"))
 
     def pre_forward(self, replica: Any) -> None:
         pass  # the module's own forward: the replicas meet in after_optimizer_step()
@@ -47,7 +47,7 @@ class PeriodicMode:
         pass
 
     def micro_steps(self, replica: Any) -> MicroSteps:
-        raise self._refuse("accumulate() and owned_micro_batches()")
+        raise NotSupportedError(self._why("accumulate() and owned_micro_batches()"))
 
     def accumulate(
         self,
@@ -59,7 +59,7 @@ class PeriodicMode:
         step: int,
         seed: int,
     ) -> dict[int, Any]:
-        raise self._refuse("accumulate() and owned_micro_batches()")
+        raise NotSupportedError(self._why("accumulate() and owned_micro_batches()"))
 
     def stats(self, world: int) -> EngineStats:
         outer = self.outer
