@@ -11,6 +11,9 @@ together every `sync_every` (H) steps:
 - streaming_diloco: the parameters in `fragments` contiguous pieces of about equal size, each synced
   DiLoCo's way every H steps, the fragments' syncs staggered evenly over the round (fragment f at steps
   (f + 1) H / F + kH), so that the traffic of a round is spread over it instead of peaking at its end.
+  A fragment's collective overlaps the next inner step: launched after step t, it is waited for after
+  step t + 1, and the outer step's result is merged into the local values that moved on meanwhile,
+  MIX * local + (1 - MIX) * global (Streaming DiLoCo's merge, MIX = 0.5).
 
 Floating buffers (BatchNorm statistics) are averaged with the last fragment of each round. The average
 is computed in float32 on every rank in rank order: the values travel in `delta_dtype` (float32, or
@@ -35,7 +38,8 @@ from torch import nn
 
 from lockstep.engine.policy import SyncPolicy
 from lockstep.errors import ConfigError
-from lockstep.runtime.waits import tracked
+from lockstep.runtime.progress import PROGRESS
+from lockstep.runtime.waits import wait_tracked
 
 
 def fragment_bounds(numels: Sequence[int], fragments: int) -> list[range]:
@@ -58,6 +62,41 @@ def fragment_bounds(numels: Sequence[int], fragments: int) -> list[range]:
     return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
+MIX = 0.5  # streaming_diloco: the local share when a delayed outer step is merged (Streaming DiLoCo's alpha)
+
+
+class _Mean:
+    """A mean over the ranks, launched: `result()` waits, sums the gathered parts in rank order in float32
+    (or takes the all-reduced sum), divides by the world size, and keeps the answer."""
+
+    def __init__(
+        self,
+        shapes: list[torch.Size],
+        flat: torch.Tensor,
+        *,
+        record: Any = None,
+        parts: list[torch.Tensor] | None = None,
+    ) -> None:
+        self.shapes, self.flat, self.record, self.parts = shapes, flat, record, parts
+        self.done = record is None
+
+    def result(self, owner: OuterSync) -> list[torch.Tensor]:
+        if not self.done:
+            wait_tracked(self.record, self.record.work)
+            if self.parts is not None:
+                self.flat = self.parts[0].float()
+                for part in self.parts[1:]:
+                    self.flat += part.float()  # in rank order: the same bits on every rank and in every run
+            self.flat.div_(owner.world)
+            self.done, self.record, self.parts = True, None, None
+        out, offset = [], 0
+        for shape in self.shapes:
+            n = shape.numel()
+            out.append(self.flat[offset : offset + n].view(shape))
+            offset += n
+        return out
+
+
 class OuterSync:
     """One replica's periodic sync (see the module docstring)."""
 
@@ -71,6 +110,7 @@ class OuterSync:
         self.outer_syncs = 0  # fragments synced so far
         self.bytes_sent = 0  # payload handed to the collectives (what comm_bytes counts)
         self.anchor: list[torch.Tensor] = []
+        self.pending: tuple[int, _Mean] | None = None  # streaming: a fragment's mean on its way
         self.outer: list[torch.optim.SGD] = []
         if policy.sync != "local_sgd":
             with torch.no_grad():
@@ -94,72 +134,97 @@ class OuterSync:
         return [f for f in range(count) if step % every == ((f + 1) * every // count) % every]
 
     def after_optimizer_step(self) -> bool:
-        """Count one inner step; sync the fragments it completes. True when something was synced."""
+        """Count one inner step; sync the fragments it completes. True when something was synced (or, in
+        streaming mode, started: it is applied after the next inner step)."""
         self.inner_steps += 1
+        streaming = self.policy.sync == "streaming_diloco"
+        if self.pending is not None:
+            self._merge(*self.pending)  # launched one inner step ago
         due = self.due(self.inner_steps)
         for f in due:
-            self._sync(f)
+            if not streaming:
+                self._sync(f)
+                continue
+            if self.pending is not None:  # two fragments due at once (H < F): the earlier is applied first
+                self._merge(*self.pending)
+            self.pending = (f, self._start_mean(self._outer_grads(f)))
         return bool(due)
 
+    def _outer_grads(self, f: int) -> list[torch.Tensor]:
+        return [self.anchor[i] - self.params[i].detach().float() for i in self.fragments[f]]
+
     def _sync(self, f: int) -> None:
-        fragment = self.fragments[f]
-        params = [self.params[i] for i in fragment]
-        last = f == len(self.fragments) - 1
+        """local_sgd and diloco: average, step and take the result now."""
+        params = [self.params[i] for i in self.fragments[f]]
         with torch.no_grad():
             if self.policy.sync == "local_sgd":
-                averaged = self._mean([p.detach() for p in params])
-                for p, value in zip(params, averaged):
+                for p, value in zip(params, self._mean([p.detach() for p in params])):
                     p.copy_(value)
             else:
-                anchor = [self.anchor[i] for i in fragment]
-                outer_grads = self._mean([a - p.detach().float() for a, p in zip(anchor, params)])
-                for a, grad in zip(anchor, outer_grads):
-                    a.grad = grad
-                self.outer[f].step()
-                for a, p in zip(anchor, params):
-                    a.grad = None
-                    p.copy_(a)
-            if last and self.buffers:
+                self._outer_step(f, self._mean(self._outer_grads(f)))
+                for i, p in zip(self.fragments[f], params):
+                    p.copy_(self.anchor[i])
+        self._after_fragment(f)
+
+    def _merge(self, f: int, reduction: _Mean) -> None:
+        """streaming_diloco: a fragment's outer step, launched one inner step ago, merged into the local
+        values that moved on meanwhile: MIX * local + (1 - MIX) * global, as Streaming DiLoCo merges."""
+        self.pending = None
+        with torch.no_grad():
+            self._outer_step(f, reduction.result(self))
+            for i in self.fragments[f]:
+                p = self.params[i]
+                p.copy_(p.float().mul_(MIX).add_(self.anchor[i], alpha=1 - MIX))
+        self._after_fragment(f)
+
+    def _outer_step(self, f: int, outer_grads: list[torch.Tensor]) -> None:
+        anchor = [self.anchor[i] for i in self.fragments[f]]
+        for a, grad in zip(anchor, outer_grads):
+            a.grad = grad.view(a.shape)
+        self.outer[f].step()
+        for a in anchor:
+            a.grad = None
+
+    def _after_fragment(self, f: int) -> None:
+        if f == len(self.fragments) - 1 and self.buffers:  # buffers: with the last fragment of a round
+            with torch.no_grad():
                 for b, value in zip(self.buffers, self._mean([b.detach() for b in self.buffers])):
                     b.copy_(value)
         self.outer_syncs += 1
 
     def _mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The float32 mean over the ranks of each tensor (the same bits on every rank; module doc)."""
+        return self._start_mean(tensors).result(self)
+
+    def _start_mean(self, tensors: list[torch.Tensor]) -> _Mean:
+        """Launch the collective of a mean (module doc); `result()` waits for it."""
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        shapes = [t.shape for t in tensors]
         wire = self.policy.delta_dtype or torch.float32
-        if self.world > 1:
-            if wire == torch.float32 and not self.policy.deterministic:
-                self._all_reduce(flat)
-            else:
-                flat = self._gather_sum(flat.to(wire))
-            flat.div_(self.world)
-        out, offset = [], 0
-        for t in tensors:
-            out.append(flat[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
-        return out
-
-    def _all_reduce(self, flat: torch.Tensor) -> None:
-        self.bytes_sent += flat.numel() * flat.element_size()
-        with tracked("outer sync (all_reduce)", [flat], self.group):
-            dist.all_reduce(flat, group=self.group)
-
-    def _gather_sum(self, payload: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return _Mean(shapes, flat)
+        if wire == torch.float32 and not self.policy.deterministic:
+            self.bytes_sent += flat.numel() * flat.element_size()
+            record = PROGRESS.issue("outer sync (all_reduce)", [flat], self.group)
+            record.work = dist.all_reduce(flat, group=self.group, async_op=True)
+            return _Mean(shapes, flat, record=record)
+        payload = flat.to(wire)
         parts = [torch.empty_like(payload) for _ in range(self.world)]
         self.bytes_sent += payload.numel() * payload.element_size()
-        with tracked("outer sync (all_gather)", [payload], self.group):
-            dist.all_gather(parts, payload, group=self.group)
-        total = parts[0].float()
-        for part in parts[1:]:
-            total += part.float()  # in rank order: the same bits on every rank and in every run
-        return total
+        record = PROGRESS.issue("outer sync (all_gather)", [payload], self.group)
+        record.work = dist.all_gather(parts, payload, group=self.group, async_op=True)
+        return _Mean(shapes, flat, record=record, parts=parts)
 
     # ---------------------------------------------------------------- resume
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs beyond the rank's own parameters and inner optimizer: the counts, the
-        anchor and the outer optimizers' momentum (the same on every rank)."""
+        anchor and the outer optimizers' momentum (the same on every rank), and in streaming mode the
+        mean in flight (waited for here, applied after the next inner step as it would have been)."""
+        pending: dict[str, Any] = {}
+        if self.pending is not None:
+            f, reduction = self.pending
+            pending = {"fragment": f, "mean": torch.cat([t.reshape(-1) for t in reduction.result(self)])}
         return {
             "sync": self.policy.sync,
             "inner_steps": self.inner_steps,
@@ -167,6 +232,7 @@ class OuterSync:
             "bytes_sent": self.bytes_sent,
             "anchor": [a.clone() for a in self.anchor],
             "outer": [opt.state_dict() for opt in self.outer],
+            "pending": pending,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -182,3 +248,9 @@ class OuterSync:
                 a.copy_(saved)
         for opt, saved in zip(self.outer, state["outer"]):
             opt.load_state_dict(saved)
+        pending = state.get("pending") or {}
+        self.pending = None
+        if pending:
+            f = int(pending["fragment"])
+            shapes = [self.params[i].shape for i in self.fragments[f]]
+            self.pending = (f, _Mean(shapes, pending["mean"].float().clone()))
