@@ -21,6 +21,7 @@ from torch import nn
 import lockstep
 from lockstep.engine.outer_sync import MIX, fragment_bounds
 from lockstep.errors import ConfigError, NotSupportedError
+from lockstep.runtime.progress import PROGRESS
 from lockstep.testing import run_distributed
 
 STEPS, EVERY = 9, 3
@@ -47,6 +48,7 @@ def _rank_run(sync: str, extra: dict[str, Any], resume_at: int | None) -> dict[s
     rank = dist.get_rank()
     model = _model()
     handle = lockstep.replicate(model, policy=_policy(sync, **extra))
+    earlier = {id(r) for r in PROGRESS.recent}  # a pooled rank process ran other tests before
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     synced = []
     for step in range(STEPS):
@@ -61,7 +63,15 @@ def _rank_run(sync: str, extra: dict[str, Any], resume_at: int | None) -> dict[s
             handle.load_sync_state_dict(saved[2])
         _inner(model, opt, rank, step)
         synced.append(handle.after_optimizer_step())
-    return {"state": model.state_dict(), "synced": synced, "stats": handle.stats().extras}
+    numbered = [
+        (r.seq, r.op) for r in PROGRESS.recent if r.op.startswith("outer sync") and id(r) not in earlier
+    ]
+    return {
+        "state": model.state_dict(),
+        "synced": synced,
+        "stats": handle.stats().extras,
+        "numbered": numbered,
+    }
 
 
 def _reference(sync: str, world: int, wire: torch.dtype | None) -> list[dict[str, torch.Tensor]]:
@@ -168,6 +178,11 @@ def test_each_mode_gives_the_reference_bits_and_reports_its_bytes(sync: str) -> 
         # streaming: the last fragment, launched at the last step, is still in flight (its buffers with it)
         buffer_syncs = rounds - 1 if sync == "streaming_diloco" else rounds
         assert stats["bytes_communicated_total"] == 4 * (numel * rounds + buffers * buffer_syncs), stats
+    # the hang watchdog numbers each outer collective like any other (parameters, then buffers at a round's end)
+    numbered = outs[0]["numbered"]
+    assert len(numbered) == (2 if sync == "streaming_diloco" else 1) * rounds + buffer_syncs, numbered
+    assert [seq for seq, _ in numbered] == sorted({seq for seq, _ in numbered}), numbered
+    assert numbered == outs[1]["numbered"]
     synced = outs[0]["synced"]
     if sync == "streaming_diloco":
         assert synced == [True, False, True] * rounds, (
