@@ -8,6 +8,8 @@ accumulate()'s micro-batched steps, reports statistics and detaches. What depend
   during every synced backward. Its forwards drain the fast hooks, rebuild the buckets once, broadcast
   buffers and arm the reducer; join() steps through join.py. accumulate() is the micro-step driver
   (micro_step.py) with the float reduction.
+- `PeriodicMode` (SyncPolicy(sync=...) other than "allreduce"; periodic_mode.py): no reduction in
+  backward, the replicas meet every sync_every optimizer steps (outer_sync.py).
 - `ExactMode` (SyncPolicy(deterministic=True)): the ExactReducer (exact.py) with a hook per parameter;
   a training forward must run inside accumulate(), whose driver uses the exact reduction.
 
@@ -29,6 +31,7 @@ from lockstep.engine.join import JoinReplica, join_pre_forward
 from lockstep.engine.micro_step import ExactReduction, FloatHost, FloatReduction, MicroSteps
 from lockstep.engine.optimizer_steps import ACCUMULATE_REASON, DETERMINISTIC_REASON, OverlappedSteps
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.periodic_mode import PeriodicMode
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import Reducer
 from lockstep.engine.stats import EngineStats
@@ -111,6 +114,10 @@ def choose_mode(
     replica: Replica, params: Sequence[nn.Parameter], names: Sequence[str], sparse: Sequence[bool]
 ) -> EngineMode:
     """The mode the replica's policy asks for, over its trainable `params` (`sparse`: which get sparse grads)."""
+    if replica.policy.periodic:
+        return PeriodicMode(
+            replica.module, replica.policy, replica.group, world=replica.world, tag=replica.tag
+        )
     if replica.policy.deterministic:
         if any(sparse):
             raise NotSupportedError(
@@ -221,6 +228,7 @@ class BucketedMode:
             extras={
                 "bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets],
                 **r.optimizer_steps.stats(),
+                "bytes_communicated_total": r.stats.total_bytes,
             },
         )
 
@@ -300,6 +308,7 @@ class ExactMode:
                 "deterministic": True,
                 "redone_steps": steps.redos,
                 "buckets_launched_in_backward": exact.launched_in_backward,
+                "bytes_communicated_total": exact.bytes_sent,
             },
         )
 

@@ -12,11 +12,13 @@ from torch import nn
 
 from lockstep.engine.bucket_launch import CommHook
 from lockstep.engine.joinable import JoinableReplica
+from lockstep.engine.outer_sync import OuterSync
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.periodic_mode import PeriodicMode
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.state import ReplicaState
 from lockstep.engine.stats import EngineStats
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, NotSupportedError
 
 
 class ReplicaHandle(JoinableReplica):
@@ -97,6 +99,37 @@ class ReplicaHandle(JoinableReplica):
     def owned_micro_batches(self, num_micro_batches: int) -> list[int]:
         """The ordinals of a step's K micro-batches that this rank computes in accumulate()."""
         return self._replica.owned_micro_batches(num_micro_batches)
+
+    def after_optimizer_step(self) -> bool:
+        """Low-communication training (SyncPolicy(sync=...)): call after each optimizer step. Counts the
+        step and, every sync_every steps, syncs the replicas (all ranks must call it equally often).
+
+        Returns:
+            True when this call synced the replicas (or a fragment of them).
+
+        Raises:
+            NotSupportedError: the policy averages every step (sync="allreduce"): there is nothing to do.
+        """
+        return self._periodic("after_optimizer_step()").after_optimizer_step()
+
+    def sync_state_dict(self) -> dict[str, Any]:
+        """Low-communication training: the outer state a resume needs (steps counted, the anchor, the outer
+        optimizer's momentum); the same on every rank. The rank's parameters and inner optimizer state are
+        the caller's to save."""
+        return self._periodic("sync_state_dict()").state_dict()
+
+    def load_sync_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what sync_state_dict() returned (on every rank)."""
+        self._periodic("load_sync_state_dict()").load_state_dict(state)
+
+    def _periodic(self, what: str) -> OuterSync:
+        mode = self._replica.mode
+        if not isinstance(mode, PeriodicMode):
+            raise NotSupportedError(
+                f"{what} belongs to low-communication training; this replica averages gradients every step "
+                "(SyncPolicy(sync='allreduce')): replicate with SyncPolicy(sync='local_sgd' or 'diloco') to use it"
+            )
+        return mode.outer
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self._replica.register_comm_hook(state, hook)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
+from lockstep.engine.policy import SYNC_MODES
 from lockstep.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -140,6 +141,14 @@ class FitConfig:
     overlap_optimizer: bool = (
         False  # each bucket's parameters step during backward, once its averages are back
     )
+    # Low-communication training (engine/outer_sync.py): "allreduce" averages gradients every step; local_sgd,
+    # diloco and streaming_diloco let each rank step alone and sync every sync_every steps.
+    sync: str = "allreduce"
+    sync_every: int = 50  # H: inner steps between syncs (a fragment's, for streaming_diloco)
+    outer_lr: float = 0.7  # DiLoCo's outer SGD learning rate
+    outer_momentum: float = 0.9  # its Nesterov momentum (0: plain SGD)
+    fragments: int = 1  # streaming_diloco: pieces of the model synced in turn
+    sync_dtype: str = "fp32"  # what the synced values travel in (fp32, bf16, fp16); summed in fp32
 
     # Allowed values beyond the annotation, by field. A subclass adds its own: the MRO is searched.
     BOUNDS: ClassVar[Mapping[str, Bound]] = {
@@ -166,6 +175,12 @@ class FitConfig:
         "progress": one_of("auto", "bar", "lines", "none"),
         "global_batch_size": at_least(1),
         "micro_batch_size": at_least(1),
+        "sync": one_of(*SYNC_MODES),
+        "sync_every": at_least(1),
+        "outer_lr": positive(),
+        "outer_momentum": at_least(0),
+        "fragments": at_least(1),
+        "sync_dtype": one_of(*PRECISIONS),
     }
 
     def __post_init__(self) -> None:

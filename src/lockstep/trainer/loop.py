@@ -22,7 +22,6 @@ from torch.utils.data import Dataset
 
 from lockstep.checkpoint import CheckpointManager
 from lockstep.engine import DistributedDataParallel, ReplicaHandle, replicate
-from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime import barrier, broadcast_object
@@ -36,13 +35,14 @@ from lockstep.trainer.config import FitConfig
 from lockstep.trainer.device import choose_device
 from lockstep.trainer.evaluation import Evaluation
 from lockstep.trainer.live_takeover import describe_change, take_over_log, take_over_rows
+from lockstep.trainer.low_comm import PeriodicRun, engine_policy
 from lockstep.trainer.metrics import TrainMetrics
 from lockstep.trainer.optim import build_optimizer, build_scheduler
 from lockstep.trainer.progress import ProgressBar
 from lockstep.trainer.run_log import RunLog
 from lockstep.trainer.run_state import RunState
 from lockstep.trainer.steps import LossFn, Stepper
-from lockstep.trainer.summary import build_summary, publish_summary
+from lockstep.trainer.summary import build_summary, comm_bytes_so_far, publish_summary
 from lockstep.trainer.train_data import TrainData
 
 
@@ -70,7 +70,9 @@ class FitRun:
         self.plan = plan_batches(
             config, topo.world_size, live_world=self.live.launch_world_size if self.live else None
         )
-        self.micro_batched = self.plan.num_micro_batches > 0  # a step: K micro-batches through accumulate()
+        self.periodic = config.sync != "allreduce"  # low-communication training: local steps, outer syncs
+        # a step: K micro-batches through accumulate() (the periodic modes step each rank's alone)
+        self.micro_batched = self.plan.num_micro_batches > 0 and not self.periodic
         self.handle: ReplicaHandle | None = None
         self.model = self._replicate()
         self.data = TrainData(train_data, config, self.plan, self.topo, pin=self.device.type == "cuda")
@@ -103,26 +105,26 @@ class FitRun:
         self.bar = ProgressBar(self.total_steps, enabled=self.topo.is_main, mode=config.progress)
         self.stepper = Stepper(self.state, config, self.plan, loss_fn, self.device, self.live)
         self.stepper.overlap(self.model)  # config.overlap_optimizer: the engine steps the buckets
+        self.periodic_run = PeriodicRun(self.handle, self.module, optimizer) if self.periodic else None
+        if self.periodic_run is not None:
+            self.stepper.outer, self.state.extra = self.handle, self.periodic_run.entries
         self.recovery = LiveRecovery(self.live, self) if self.live is not None else None
         if self.recovery is not None:
             self.record.faults = self.recovery.startup_faults()
 
     def _replicate(self) -> nn.Module:
-        """The model the steps run: the module itself under accumulate() (deterministic and live mode),
-        else torch's drop-in face."""
-        if self.micro_batched:
+        """The model the steps run: the module itself under accumulate() (deterministic and live mode) or
+        stepping alone (sync: the handle syncs every sync_every steps), else torch's drop-in face."""
+        if self.micro_batched or self.periodic:
+            policy = engine_policy(self.config, live=self.live is not None)
             # Live mode: a member lost in the replica's start-up collectives is survived like any other.
-            self.handle = retry_at_start(self.live, lambda: replicate(self.module, policy=self._policy()))
+            self.handle = retry_at_start(self.live, lambda: replicate(self.module, policy=policy))
             if self.live is not None:  # the members may have changed meanwhile
                 self.topo = self.live.topology()
             return self.module
         return DistributedDataParallel(
             self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
-
-    def _policy(self) -> SyncPolicy:
-        """The engine's policy for accumulate(): exact in deterministic mode, float sums otherwise."""
-        return SyncPolicy(deterministic=self.config.deterministic)
 
     # ---- phases -------------------------------------------------------------------------------------------
 
@@ -134,6 +136,7 @@ class FitRun:
         else:
             self._retry(self._maybe_resume)
         started, start_samples, start_step = time.monotonic(), self.counters.samples, self.counters.step
+        start_bytes = comm_bytes_so_far(self.handle or self.model)
         while self.counters.step < self.total_steps and self.counters.epoch < self.config.epochs:
             self._train_epoch()
         self._retry(self._end_of_run)
@@ -145,6 +148,7 @@ class FitRun:
             plan=self.plan,
             live=self.live is not None,
             run=(wall, self.counters.samples - start_samples, self.counters.step - start_step),
+            comm_bytes=comm_bytes_so_far(self.handle or self.model) - start_bytes,
         )
         if self.topo.is_main:
             publish_summary(summary, self.run_dir, self.runlog, self.bar)
@@ -221,6 +225,9 @@ class FitRun:
         self._retry(self._end_of_epoch)
 
     def _step(self, group: list[Any]) -> None:
+        if self.periodic:
+            self.stepper.local_step(self.model, self.topo.world_size, group)
+            return
         if not self.micro_batched:
             self.stepper.ddp_step(self.model, self.topo.world_size, group)
             return
@@ -289,6 +296,8 @@ class FitRun:
     def _save_checkpoint(self) -> None:
         if self.record.saved_step == self.counters.step:
             return  # the epoch's end and the run's end can fall on the same step
+        if self.periodic_run is not None:
+            self.periodic_run.before_save()
         self.checkpoints.save(self.counters.step, self.state.checkpoint_entries())
         self.record.saved_step = self.counters.step
 
@@ -305,26 +314,16 @@ class FitRun:
 
     def rebuild_replica(self, topology: Topology) -> None:
         self.topo = topology
-        self.handle = replicate(self.module, policy=self._policy())
+        self.handle = replicate(self.module, policy=engine_policy(self.config, live=self.live is not None))
 
     def discard_step(self) -> None:
         self.state.optimizer.zero_grad(set_to_none=True)
 
     def marks(self) -> dict[str, Any]:
-        return {
-            "step": self.counters.step,
-            "saved_step": self.record.saved_step,
-            "eval_step": self.record.eval_step,
-            "pending_metrics": self.state.metrics.pending.count,
-        }
+        return self.state.marks()
 
     def reconcile(self, mark: str) -> None:
-        if mark == "saved_step":
-            self.record.saved_step = None
-        elif mark == "eval_step":
-            self.record.eval_step = None
-        elif mark == "pending_metrics":
-            self.state.metrics.drop_pending()
+        self.state.reconcile(mark)
 
     def state_dict(self) -> dict[str, Any]:
         return self.state.state_dict()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.periodic_mode import PERIODIC_REASON
 from lockstep.engine.replicate import overlap_optimizer
 from lockstep.errors import rank_tag
 from lockstep.runtime.membership.group import LiveGroup
@@ -56,6 +57,7 @@ class Stepper:
     ) -> None:
         self.state, self.config, self.plan, self.loss_fn, self.device = state, config, plan, loss_fn, device
         self.live = live
+        self.outer: Any = None  # low-communication training: the replica handle that syncs after each step
         # what _update steps: the run's optimizer, or the one the engine steps bucket by bucket
         self.optimizer: torch.optim.Optimizer = state.optimizer
 
@@ -66,6 +68,10 @@ class Stepper:
         if not self.config.overlap_optimizer:
             return
         state = self.state
+        if self.config.sync != "allreduce":  # no gradient is averaged in backward: nothing to overlap with
+            tag = rank_tag(dist.get_rank(), dist.get_world_size())
+            self.optimizer = OverlappedOptimizer(state.optimizer, fallback=PERIODIC_REASON, tag=tag)
+            return
         if self.plan.num_micro_batches:  # accumulate()'s steps; live mode rebuilds the replica, too
             tag = rank_tag(dist.get_rank(), dist.get_world_size())
             self.optimizer = OverlappedOptimizer(state.optimizer, fallback=MICRO_BATCHED_REASON, tag=tag)
@@ -77,8 +83,9 @@ class Stepper:
             scaler=state.scaler,
         )
 
-    def ddp_step(self, model: nn.Module, world_size: int, batches: list[Any]) -> None:
-        """This rank's micro-batches of the step through the DDP wrapper `model`, then the optimizer."""
+    def ddp_step(self, model: nn.Module, world_size: int, batches: list[Any], *, local: bool = False) -> None:
+        """This rank's micro-batches of the step through the DDP wrapper `model` (or, `local`, the plain
+        module), then the optimizer."""
         state = self.state
         counts = []
         for index, batch in enumerate(batches):
@@ -86,7 +93,7 @@ class Stepper:
             counts.append(batch_len(targets))
             last = index == len(batches) - 1
             # Accumulate locally; the engine reduces the summed gradients only on the group's last backward.
-            with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+            with contextlib.nullcontext() if last or local else model.no_sync():  # type: ignore[operator]
                 with autocast(self.config.precision, self.device):
                     outputs = model(inputs)
                     loss = self.loss_fn(outputs, targets)
@@ -94,6 +101,11 @@ class Stepper:
             pending = cast(MetricBuffer, state.metrics.pending)
             state.metrics.record(pending, "train", outputs, targets, loss, counts[-1])
         self._update(sum(counts) * world_size)
+
+    def local_step(self, module: nn.Module, world_size: int, batches: list[Any]) -> None:
+        """Low-communication training (FitConfig.sync): this rank's batches of the step through its own
+        module, no gradient averaged, then the optimizer and the handle's outer sync when one is due."""
+        self.ddp_step(module, world_size, batches, local=True)
 
     def micro_batched_step(self, handle: Any, model: nn.Module, batches: list[Any]) -> None:
         """One step of K micro-batches (deterministic or live mode): this rank's through the engine's
@@ -143,5 +155,7 @@ class Stepper:
         state.scaler.update()
         state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
+        if self.outer is not None:
+            self.outer.after_optimizer_step()  # every sync_every steps: the replicas meet
         state.counters.samples += samples
         state.sampler.advance(samples)
