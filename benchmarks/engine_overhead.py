@@ -8,14 +8,15 @@ batches, each a full training step (zero_grad, forward, backward, SGD step):
 - bare: the model alone, the limit of a data-parallel step;
 - torch: torch.nn.parallel.DistributedDataParallel (its C++ reducer);
 - lockstep: lockstep.DistributedDataParallel (the drop-in class, torch's bucket layout);
-- replicate: lockstep.replicate (lockstep's own layout).
+- replicate: lockstep.replicate (lockstep's own layout);
+- torch2: a second torch DDP, the noise floor (torch2/torch is what a ratio of equals reads as).
 
 Before timing, one step of each arm from the same weights on the same batch: torch's and the drop-in
 class's gradients must be equal bit for bit, and every engine's must be the bare model's divided by W.
 Then rounds whose arm order reverses every round (benchmarks.common.round_order), each arm: warm-up steps,
 then timed steps. Reported per model and dtype: ms per step, the per-round ratios lockstep/torch,
-replicate/torch, lockstep/bare and torch/bare as median [min-max], and each engine's CPU time per step
-beyond the bare model's (process CPU time, same round). On CUDA, each timed span ends with a synchronize.
+replicate/torch, lockstep/bare and torch/bare as median [min-max], the noise floor torch2/torch, and
+each engine's CPU time per step beyond the bare model's (process CPU time, same round). On CUDA, each timed span ends with a synchronize.
 
     OMP_NUM_THREADS=1 python benchmarks/engine_overhead.py --models small_mlp many_small mlp resnet gpt
     python benchmarks/engine_overhead.py --device cuda --world-size 8 --dtypes fp32 bf16
@@ -42,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
 import lockstep  # noqa: E402
 
-ARMS = ("bare", "torch", "lockstep", "replicate")
+ARMS = ("bare", "torch", "lockstep", "replicate", "torch2")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -77,7 +78,7 @@ class Arm:
         self.kind, self.name, self.dtype, self.device = kind, name, dtype, device
         self.module = _model(name).to(device=device, dtype=dtype)
         self.module.load_state_dict(state)
-        if kind == "torch":
+        if kind in ("torch", "torch2"):
             self.model: Any = TorchDDP(self.module)
         elif kind == "lockstep":
             self.model = lockstep.DistributedDataParallel(self.module)
@@ -166,6 +167,7 @@ def measure(name: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
         "lockstep/bare": fmt_ratios(ratios("lockstep", "bare")),
         "replicate/bare": fmt_ratios(ratios("replicate", "bare")),
         "torch/bare": fmt_ratios(ratios("torch", "bare")),
+        "noise": fmt_ratios(ratios("torch2", "torch")),
         "engine_cpu_ms": {kind: extra_cpu_ms(kind) for kind in ("torch", "lockstep", "replicate")},
         "parity": checks,
     }
@@ -180,16 +182,16 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"{args.steps} timed steps per arm and round. Ratios: median [min-max] of per-round ratios.",
         "",
         "| model | dtype | bare ms | torch ms | lockstep ms | replicate ms | lockstep/torch | replicate/torch "
-        "| lockstep/bare | replicate/bare | torch/bare | engine CPU ms/step (torch / lockstep / replicate) "
+        "| lockstep/bare | replicate/bare | torch/bare | noise (torch/torch) | engine CPU ms/step (torch / lockstep / replicate) "
         "| grad parity (max rel vs bare/W) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         ms, cpu, par = row["ms"], row["engine_cpu_ms"], row["parity"]
         lines.append(
             f"| {row['model']} | {row['dtype']} | {ms['bare']:.2f} | {ms['torch']:.2f} | {ms['lockstep']:.2f} | "
             f"{ms['replicate']:.2f} | {row['lockstep/torch']} | {row['replicate/torch']} | {row['lockstep/bare']} | "
-            f"{row['replicate/bare']} | {row['torch/bare']} | {cpu['torch']:.2f} / {cpu['lockstep']:.2f} / "
+            f"{row['replicate/bare']} | {row['torch/bare']} | {row['noise']} | {cpu['torch']:.2f} / {cpu['lockstep']:.2f} / "
             f"{cpu['replicate']:.2f} | {max(par['torch'], par['lockstep'], par['replicate']):.1e} |"
         )
     return "\n".join(lines) + "\n"

@@ -7,8 +7,8 @@ bucket (large gradients) is copied into by each parameter's hook (`_copy_in_one`
 or memory layout differ); a sparse one its sparse gradient, divided (not multiplied) by the world as
 torch does. A complete bucket goes to the communication hook (torch's contract:
 hook(state, GradBucket) -> Future[Tensor]) strictly in bucket order on every rank: bucket 3 waits for
-bucket 2, or collectives would pair up differently on different ranks. After the waits, `write_back`
-copies each result into `.grad` (one `_foreach_copy_` per bucket where it can), or makes `.grad` a view
+bucket 2, or collectives would pair up differently on different ranks. After the waits,
+`write_back_bucket` copies each result into `.grad` (one `_foreach_copy_` per bucket where it can), or makes `.grad` a view
 of the bucket (gradient_as_bucket_view).
 
 `BucketLauncher` holds this and the communication hook's settings; the reducer (reducer.py) is a
@@ -36,11 +36,12 @@ from lockstep.engine.bucket_memory import (
     sum_hook,
 )
 from lockstep.engine.bucket_plan import BucketPlanner
+from lockstep.engine.optimizer_steps import OptimizerSteps, PlainSteps
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.stats import StatsRecorder, StepStats, union_ms
 from lockstep.engine.step import ArmedForward, StepState
 from lockstep.engine.unused import UnusedAgreement
-from lockstep.errors import CommHookResultError, GradientError, UsageError, rank_tag
+from lockstep.errors import CommHookResultError, GradientError, InternalError, UsageError, rank_tag
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.waits import wait_tracked
 
@@ -82,6 +83,8 @@ class BucketLauncher:
         self.buckets: list[Bucket] = []
         self.where: list[tuple[Bucket, int]] = []  # per parameter: its bucket and its position there
         self._unused = UnusedAgreement(self.names, self._tag, group, device, world_size)
+        # who steps the optimizer: the user after backward (plain), or each bucket once back (overlapped)
+        self.optimizer_steps: OptimizerSteps = PlainSteps()
 
     @property
     def layout(self) -> list[BucketSpec]:
@@ -243,9 +246,21 @@ class BucketLauncher:
     # ---------------------------------------------------------------- wait and write back (finalize)
 
     def _write_back(self) -> None:
-        write_back(
-            self.buckets, as_view=self.policy.gradient_as_bucket_view, skip=self._unused.globally_unused
+        """finalize: each bucket not yet written back is waited for and written back, then reported."""
+        as_view, skip, last = (
+            self.policy.gradient_as_bucket_view,
+            self._unused.globally_unused,
+            self.buckets[-1],
         )
+        for b in self.buckets:
+            if b.future is not None and not b.written:
+                write_back_bucket(b, as_view=as_view, skip=skip)
+                self.optimizer_steps.reduced(b, last=b is last)
+
+    def _write_back_one(self, b: Bucket) -> None:
+        """During backward: bucket b's all-reduce is done; its averages go into .grad now. Its parameters
+        all had a gradient in this backward (optimizer_steps.py defers the others), so none is skipped."""
+        write_back_bucket(b, as_view=self.policy.gradient_as_bucket_view, skip=set())
 
     def _record_stats(self, step: StepState, armed: ArmedForward | None, t_end_backward: float) -> None:
         """The step's timings (stats.py): forward, backward, communication and its overlap, finalize."""
@@ -264,38 +279,39 @@ class BucketLauncher:
         )
 
 
-def write_back(buckets: Sequence[Bucket], *, as_view: bool, skip: set[int]) -> None:
-    """Wait for every launched bucket and put its averages into `.grad` (`skip`: parameters no rank used)."""
-    for b in buckets:
-        if b.future is None:
+def write_back_bucket(b: Bucket, *, as_view: bool, skip: set[int]) -> None:
+    """Wait for launched bucket b and put its averages into `.grad` (`skip`: parameters no rank used)."""
+    future = b.future
+    if future is None:
+        raise InternalError(f"lockstep bug: bucket {b.index} was written back before it was launched")
+    b.written = True
+    value = wait_tracked(b.record, future) if b.record is not None else future.wait()
+    b.t_done = b.t_done or time.perf_counter()
+    result = value[0] if isinstance(value, list) else value
+    if b.solo:
+        _write_back_solo(b, result, skip)
+        return
+    same = result.data_ptr() == b.buffer.data_ptr() and result.numel() >= b.buffer.numel()
+    views = b.views if same else flat_views(result.reshape(-1), b.params)
+    grads = [p.grad for p in b.params]
+    if (
+        not as_view
+        and not (skip and any(i in skip for i in b.indices))
+        and all(g is not None and g.dtype == v.dtype for g, v in zip(grads, views))
+    ):
+        torch._foreach_copy_(grads, views)  # type: ignore[arg-type]  # one call for the bucket
+        return
+    for pos, p in enumerate(b.params):
+        if skip and b.indices[pos] in skip:
             continue
-        value = wait_tracked(b.record, b.future) if b.record is not None else b.future.wait()
-        b.t_done = b.t_done or time.perf_counter()
-        result = value[0] if isinstance(value, list) else value
-        if b.solo:
-            _write_back_solo(b, result, skip)
-            continue
-        same = result.data_ptr() == b.buffer.data_ptr() and result.numel() >= b.buffer.numel()
-        views = b.views if same else flat_views(result.reshape(-1), b.params)
-        grads = [p.grad for p in b.params]
-        if (
-            not as_view
-            and not (skip and any(i in skip for i in b.indices))
-            and all(g is not None and g.dtype == v.dtype for g, v in zip(grads, views))
-        ):
-            torch._foreach_copy_(grads, views)  # type: ignore[arg-type]  # one call for the bucket
-            continue
-        for pos, p in enumerate(b.params):
-            if skip and b.indices[pos] in skip:
-                continue
-            grad, view = p.grad, views[pos]
-            if grad is None:
-                p.grad = view if as_view and view.dtype == p.dtype else view.to(p.dtype, copy=True)
-            elif as_view and view.dtype == p.dtype:
-                if grad.data_ptr() != view.data_ptr() or grad.shape != view.shape:
-                    p.grad = view
-            else:
-                grad.copy_(view)
+        grad, view = p.grad, views[pos]
+        if grad is None:
+            p.grad = view if as_view and view.dtype == p.dtype else view.to(p.dtype, copy=True)
+        elif as_view and view.dtype == p.dtype:
+            if grad.data_ptr() != view.data_ptr() or grad.shape != view.shape:
+                p.grad = view
+        else:
+            grad.copy_(view)
 
 
 def _write_back_solo(b: Bucket, result: torch.Tensor, skip: set[int]) -> None:

@@ -47,6 +47,7 @@ class Bucket:
         self.pending = len(self.params)
         self.last_ready = -1  # the parameter that completed it in the latest step (its trigger, reducer.py)
         self.future: torch.futures.Future[Any] | None = None
+        self.written = False  # this step's averages are in .grad (set by write_back_bucket)
         self.hook_buffer = self.buffer
         self.t_launch = 0.0
         self.t_done = 0.0

@@ -69,6 +69,7 @@ class ExactBuckets:
         self._plan_small(large_elements)
         self._plan_buckets(bucket_elements)
         self.launched_in_backward = 0  # buckets whose all-reduce started inside a backward (overlapped)
+        self.bytes_sent = 0  # gradient payload handed to the all-reduces, over the replica's life
         self._written = bytearray(self._n)  # a large parameter's accumulator holds this step's value
         self._next_bucket = 0  # the next bucket to launch in this step
 
@@ -133,6 +134,7 @@ class ExactBuckets:
         if self.world > 1:
             buffer = known(b.buffer, "a bucket's buffer")
             b.record = PROGRESS.issue("allreduce (exact gradient bucket)", (buffer,), self.group)
+            self.bytes_sent += buffer.numel() * buffer.element_size()
             b.record.work = dist.all_reduce(buffer, group=self.group, async_op=True)
 
     def _wait(self, b: ExactBucket) -> None:

@@ -8,6 +8,8 @@ accumulate()'s micro-batched steps, reports statistics and detaches. What depend
   during every synced backward. Its forwards drain the fast hooks, rebuild the buckets once, broadcast
   buffers and arm the reducer; join() steps through join.py. accumulate() is the micro-step driver
   (micro_step.py) with the float reduction.
+- `PeriodicMode` (SyncPolicy(sync=...) other than "allreduce"; periodic_mode.py): no reduction in
+  backward, the replicas meet every sync_every optimizer steps (outer_sync.py).
 - `ExactMode` (SyncPolicy(deterministic=True)): the ExactReducer (exact.py) with a hook per parameter;
   a training forward must run inside accumulate(), whose driver uses the exact reduction.
 
@@ -27,6 +29,9 @@ from torch import nn
 from lockstep.engine.exact import ExactReducer
 from lockstep.engine.join import JoinReplica, join_pre_forward
 from lockstep.engine.micro_step import ExactReduction, FloatHost, FloatReduction, MicroSteps
+from lockstep.engine.optimizer_steps import ACCUMULATE_REASON, DETERMINISTIC_REASON, OverlappedSteps
+from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.periodic_mode import PeriodicMode
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import Reducer
 from lockstep.engine.stats import EngineStats
@@ -94,6 +99,12 @@ class EngineMode(Protocol):
         """handle.stats(): the layout and the timings, as this mode knows them."""
         ...
 
+    def overlap_optimizer(
+        self, replica: Replica, optimizer: torch.optim.Optimizer, fallback: str | None
+    ) -> OverlappedOptimizer:
+        """`optimizer` stepped by the engine bucket by bucket (`fallback`: why it cannot be, or None)."""
+        ...
+
     def remove(self) -> None:
         """Detach every hook: the module trains locally again."""
         ...
@@ -103,6 +114,10 @@ def choose_mode(
     replica: Replica, params: Sequence[nn.Parameter], names: Sequence[str], sparse: Sequence[bool]
 ) -> EngineMode:
     """The mode the replica's policy asks for, over its trainable `params` (`sparse`: which get sparse grads)."""
+    if replica.policy.periodic:
+        return PeriodicMode(
+            replica.module, replica.policy, replica.group, world=replica.world, tag=replica.tag
+        )
     if replica.policy.deterministic:
         if any(sparse):
             raise NotSupportedError(
@@ -138,6 +153,7 @@ class BucketedMode:
     def __init__(self, reducer: Reducer) -> None:
         self.reducer = reducer
         self._micro_steps: MicroSteps | None = None  # made at accumulate()'s first use
+        self._overlapped = False  # an optimizer is stepped by the reducer (overlap_optimizer)
 
     def pre_forward(self, replica: Replica) -> None:
         syncing = torch.is_grad_enabled() and replica.flags.require_backward_grad_sync
@@ -173,14 +189,29 @@ class BucketedMode:
         step: int,
         seed: int,
     ) -> dict[int, Any]:
-        return self.micro_steps(replica).run(
-            FloatReduction(replica),
-            fn,
-            micro_batches,
-            num_micro_batches=num_micro_batches,
-            step=step,
-            seed=seed,
-        )
+        with self.reducer.optimizer_steps.suspended(ACCUMULATE_REASON):
+            return self.micro_steps(replica).run(
+                FloatReduction(replica),
+                fn,
+                micro_batches,
+                num_micro_batches=num_micro_batches,
+                step=step,
+                seed=seed,
+            )
+
+    def overlap_optimizer(
+        self, replica: Replica, optimizer: torch.optim.Optimizer, fallback: str | None
+    ) -> OverlappedOptimizer:
+        if self._overlapped:
+            raise UsageError(
+                f"{replica.tag}overlap_optimizer was already called on this replica: the engine steps one "
+                "optimizer; give it one optimizer over all the parameters (param_groups for different settings)"
+            )
+        overlapped = OverlappedOptimizer(optimizer, fallback=fallback, tag=replica.tag)
+        if fallback is None:
+            self.reducer.optimizer_steps = OverlappedSteps(overlapped)
+            self._overlapped = True
+        return overlapped
 
     def stats(self, world: int) -> EngineStats:
         r = self.reducer
@@ -194,7 +225,11 @@ class BucketedMode:
             synced_steps=r.stats.steps,
             last=r.stats.last,
             mean=r.stats.mean(),
-            extras={"bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets]},
+            extras={
+                "bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets],
+                **r.optimizer_steps.stats(),
+                "bytes_communicated_total": r.stats.total_bytes,
+            },
         )
 
     def remove(self) -> None:
@@ -252,6 +287,11 @@ class ExactMode:
             self._reduction, fn, micro_batches, num_micro_batches=num_micro_batches, step=step, seed=seed
         )
 
+    def overlap_optimizer(
+        self, replica: Replica, optimizer: torch.optim.Optimizer, fallback: str | None
+    ) -> OverlappedOptimizer:
+        return OverlappedOptimizer(optimizer, fallback=DETERMINISTIC_REASON, tag=replica.tag)
+
     def stats(self, world: int) -> EngineStats:
         exact, steps = self.exact, self._micro_steps
         return EngineStats(
@@ -268,6 +308,7 @@ class ExactMode:
                 "deterministic": True,
                 "redone_steps": steps.redos,
                 "buckets_launched_in_backward": exact.launched_in_backward,
+                "bytes_communicated_total": exact.bytes_sent,
             },
         )
 

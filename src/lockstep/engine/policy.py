@@ -11,6 +11,7 @@ from lockstep.errors import ConfigError
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_MB = 1.0
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+SYNC_MODES = ("allreduce", "local_sgd", "diloco", "streaming_diloco")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,17 @@ class SyncPolicy:
       world size: an exact fixed-point sum of per-micro-batch gradients, random numbers seeded per
       micro-batch, BatchNorm statistics per micro-batch, running buffers replayed in order. Buckets,
       communication hooks and join() do not apply; a training forward outside accumulate() raises.
+
+    Low-communication training (lockstep's, opt-in; engine/outer_sync.py): with `sync` other than
+    "allreduce" no gradient is averaged in backward; each replica steps its own optimizer and calls
+    `handle.after_optimizer_step()` after each step, which syncs every `sync_every` steps:
+    - sync: "allreduce" (every step, the default), "local_sgd" (average the parameters), "diloco" (an
+      outer Nesterov SGD step on the averaged outer gradient, anchor - local), "streaming_diloco" (DiLoCo
+      on `fragments` pieces of the model, their syncs staggered over the round).
+    - sync_every (H), outer_lr, outer_momentum, fragments: the rounds' settings.
+    - delta_dtype: the dtype the averaged values travel in (None: float32); the sum is in float32.
+    With deterministic=True the average is gathered and summed in rank order (the same bits run after
+    run); accumulate(), buckets, hooks and join() do not apply.
     """
 
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
@@ -56,8 +68,15 @@ class SyncPolicy:
     upcast_half_precision: bool = True
     torch_bucket_layout: bool = False
     deterministic: bool = False
+    sync: str = "allreduce"
+    sync_every: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    fragments: int = 1
+    delta_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        self._check_sync()
         for name in ("bucket_cap_mb", "first_bucket_mb"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -80,6 +99,39 @@ class SyncPolicy:
                     f"SyncPolicy(deterministic=True) sums gradients exactly in its own format, without buckets; "
                     f"{', '.join(conflicting)} cannot apply: leave {' and '.join(conflicting)} at the default"
                 )
+
+    @property
+    def periodic(self) -> bool:
+        """True for the low-communication modes: the replicas meet every sync_every steps, not every step."""
+        return self.sync != "allreduce"
+
+    def _check_sync(self) -> None:
+        if self.sync not in SYNC_MODES:
+            raise ConfigError(f"SyncPolicy.sync must be one of {', '.join(SYNC_MODES)}; got {self.sync!r}")
+        if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
+            raise ConfigError(f"SyncPolicy.sync_every must be an int >= 1, got {self.sync_every!r}")
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError(
+                f"SyncPolicy needs outer_lr > 0 and 0 <= outer_momentum < 1; got {self.outer_lr!r} and "
+                f"{self.outer_momentum!r}"
+            )
+        if not isinstance(self.fragments, int) or self.fragments < 1:
+            raise ConfigError(f"SyncPolicy.fragments must be an int >= 1, got {self.fragments!r}")
+        if self.fragments > 1 and self.sync != "streaming_diloco":
+            raise ConfigError(
+                f"SyncPolicy.fragments={self.fragments} applies to sync='streaming_diloco' only"
+            )
+        if self.delta_dtype not in (None, torch.float32, *_LOW_PRECISION):
+            raise ConfigError(
+                f"SyncPolicy.delta_dtype must be None, float32, bfloat16 or float16; got {self.delta_dtype!r}"
+            )
+        if self.periodic and (
+            self.static_graph or self.gradient_as_bucket_view or self.find_unused_parameters
+        ):
+            raise ConfigError(
+                f"SyncPolicy(sync={self.sync!r}) averages no gradient in backward: static_graph, "
+                "gradient_as_bucket_view and find_unused_parameters cannot apply; leave them at the default"
+            )
 
     @property
     def bucket_cap_bytes(self) -> int:

@@ -29,6 +29,11 @@ reducer's `phase` (phase.py: IDLE -> ARMED -> REDUCING -> FINALIZING -> IDLE) sa
   launched, so that every rank issues the same collectives; the ranks agree on unused parameters
   (unused.py), wait, and write the averages back into `.grad`; then the reducer is IDLE again.
 
+The optimizer's step is the user's, after backward, unless an optimizer is overlapped
+(`handle.overlap_optimizer`): then `optimizer_steps` (optimizer_steps.py) steps each bucket's
+parameters once its averages are back: at a later bucket's launch (REDUCING), after its wait in
+finalize, and the last bucket once the missing-gradient verdict is read.
+
 All bucket arithmetic runs under no_grad: with backward(create_graph=True) gradients carry a graph of
 their own, which the reduction leaves alone (torch's DDP does not sync higher-order gradients either).
 Inside join() (join.py) a rank that ran out of inputs mirrors launch and finalize with zeros
@@ -226,13 +231,15 @@ class Reducer(BucketLauncher):
 
     def start_step(self) -> StepState:
         """ARMED -> REDUCING: the first gradient of the armed forward's backward arrived."""
+        # before REDUCING: an overlapped optimizer's step left unfinished raises with nothing reduced yet
+        self.optimizer_steps.begin(self.armed.unused if self.armed is not None else (), self.where)
         self._enter(REDUCING)
         step = self.step = StepState(self._n, count_hits=self.static_graph, defer=self._first_static)
         if self._t_output_grad:
             step.t_backward, self._t_output_grad = self._t_output_grad, 0.0
         PROGRESS.set_phase(BACKWARD)
         for b in self.buckets:
-            b.pending, b.future, b.hook_buffer = len(b.params), None, b.buffer
+            b.pending, b.future, b.hook_buffer, b.written = len(b.params), None, b.buffer, False
         if not self._queued:
             self._queue_finalize()
         for i in self.armed.unused if self.armed is not None else ():
@@ -251,6 +258,8 @@ class Reducer(BucketLauncher):
             b.last_ready = i
         if b.pending == 0 and not step.defer:
             self.launch_completed(step)
+            if self.phase is REDUCING:  # in finalize, buckets step after the ranks agree on unused ones
+                self.optimizer_steps.poll(self.buckets, step.next_bucket, self._write_back_one)
 
     @property
     def _first_static(self) -> bool:
@@ -287,6 +296,7 @@ class Reducer(BucketLauncher):
         self._write_back()
         if verdict is None:  # the signal travelled in the last bucket
             verdict = self._read_missing_signal(self.buckets[-1].hook_buffer, len(missing), missing)
+        self.optimizer_steps.end(self.buckets, ok=not verdict)
         self._finish_step(step, t_end_backward, missing)
         return verdict
 

@@ -12,11 +12,14 @@ from torch import nn
 
 from lockstep.engine.bucket_launch import CommHook
 from lockstep.engine.joinable import JoinableReplica
+from lockstep.engine.outer_sync import OuterSync
+from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.periodic_mode import PeriodicMode
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.shard_optimizer import ShardedOptimizer
 from lockstep.engine.state import ReplicaState
 from lockstep.engine.stats import EngineStats
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, NotSupportedError
 
 
 class ReplicaHandle(JoinableReplica):
@@ -98,6 +101,37 @@ class ReplicaHandle(JoinableReplica):
         """The ordinals of a step's K micro-batches that this rank computes in accumulate()."""
         return self._replica.owned_micro_batches(num_micro_batches)
 
+    def after_optimizer_step(self) -> bool:
+        """Low-communication training (SyncPolicy(sync=...)): call after each optimizer step. Counts the
+        step and, every sync_every steps, syncs the replicas (all ranks must call it equally often).
+
+        Returns:
+            True when this call synced the replicas (or a fragment of them).
+
+        Raises:
+            NotSupportedError: the policy averages every step (sync="allreduce"): there is nothing to do.
+        """
+        return self._periodic("after_optimizer_step()").after_optimizer_step()
+
+    def sync_state_dict(self) -> dict[str, Any]:
+        """Low-communication training: the outer state a resume needs (steps counted, the anchor, the outer
+        optimizer's momentum); the same on every rank. The rank's parameters and inner optimizer state are
+        the caller's to save."""
+        return self._periodic("sync_state_dict()").state_dict()
+
+    def load_sync_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what sync_state_dict() returned (on every rank)."""
+        self._periodic("load_sync_state_dict()").load_state_dict(state)
+
+    def _periodic(self, what: str) -> OuterSync:
+        mode = self._replica.mode
+        if not isinstance(mode, PeriodicMode):
+            raise NotSupportedError(
+                f"{what} belongs to low-communication training; this replica averages gradients every step "
+                "(SyncPolicy(sync='allreduce')): replicate with SyncPolicy(sync='local_sgd' or 'diloco') to use it"
+            )
+        return mode.outer
+
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self._replica.register_comm_hook(state, hook)
 
@@ -123,6 +157,38 @@ class ReplicaHandle(JoinableReplica):
             ConfigError: not a torch optimizer, or a parameter listed twice.
         """
         return ShardedOptimizer(optimizer, process_group=self._replica.group)
+
+    def overlap_optimizer(
+        self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: bool = False, scaler: Any = None
+    ) -> OverlappedOptimizer:
+        """Overlap `optimizer` with communication: each bucket's parameters step during backward.
+
+        As soon as a bucket's averaged gradients are back, its parameters take their optimizer step while
+        backward (and the other buckets' all-reduces) go on; `step()` on the returned optimizer then steps
+        whatever is left. For SGD, Adam and AdamW (LR schedules included) the parameters and the
+        optimizer state are bitwise those of the plain step. Where the step needs every gradient first,
+        the returned optimizer takes the plain step and says why once (a UserWarning): gradient clipping
+        by global norm (`clip_grad_norm=True`), an enabled fp16 GradScaler (`scaler=`), an optimizer
+        lockstep does not know, deterministic mode, and steps through accumulate().
+
+        Use the returned optimizer in the loop (`backward()`, `step()`, `zero_grad()`; a scheduler or
+        GradScaler may take either); accumulate over several backwards inside `no_sync()` only.
+
+        Args:
+            optimizer: the torch optimizer over this module's parameters.
+            clip_grad_norm: True if the loop clips gradients (or edits `.grad`) between backward() and step().
+            scaler: the loop's torch.amp.GradScaler, if any (enabled: fp16, the plain step).
+
+        Returns:
+            An OverlappedOptimizer: the same param_groups, state and state_dict as `optimizer`.
+
+        Raises:
+            ConfigError: `optimizer` is not a torch.optim.Optimizer.
+            UsageError: an optimizer is already overlapped on this replica. Later, from step() or backward:
+                a gradient changed after its parameter stepped (undeclared clipping), a second synced
+                backward before step(), or `optimizer.step()` called instead of the returned one's.
+        """
+        return self._replica.overlap_optimizer(optimizer, clip_grad_norm=clip_grad_norm, scaler=scaler)
 
     def remove(self) -> None:
         """Undo replicate: the module trains locally again (no hooks, no communication)."""
@@ -171,6 +237,14 @@ def replicate(
     return ReplicaHandle(
         replica, [module.register_forward_pre_hook(hooks.before), module.register_forward_hook(hooks.after)]
     )
+
+
+def overlap_optimizer(
+    model: JoinableReplica, optimizer: torch.optim.Optimizer, *, clip_grad_norm: bool, scaler: Any
+) -> OverlappedOptimizer:
+    """`ReplicaHandle.overlap_optimizer` for either face: fit's use of the drop-in class, whose own
+    methods keep torch's semantics (torch's DDP has no overlapped optimizer under its names)."""
+    return model._engine.overlap_optimizer(optimizer, clip_grad_norm=clip_grad_norm, scaler=scaler)
 
 
 class _ForwardHooks:

@@ -16,10 +16,12 @@ from lockstep.engine.bucket_launch import CommHook
 from lockstep.engine.init_sync import RepeatedBroadcast, broadcast_coalesced, check_same_model, layout_key
 from lockstep.engine.join import EngineJoinHook, JoinSession
 from lockstep.engine.mode import EngineMode, choose_mode
+from lockstep.engine.optimizer_steps import fallback_reason
+from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import Reducer
 from lockstep.engine.stats import EngineStats
-from lockstep.errors import NoProcessGroupError, NoTrainableParametersError, rank_tag
+from lockstep.errors import ConfigError, NoProcessGroupError, NoTrainableParametersError, rank_tag
 from lockstep.runtime import watchdog
 from lockstep.runtime.collectives import comm_device
 from lockstep.runtime.progress import PROGRESS
@@ -165,6 +167,18 @@ class ReplicaState:
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self.reducer.register_comm_hook(state, hook)
+
+    def overlap_optimizer(
+        self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: bool, scaler: Any
+    ) -> OverlappedOptimizer:
+        """`optimizer`, stepped by the engine bucket by bucket where it can be (ReplicaHandle.overlap_optimizer)."""
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OverlappedOptimizer):
+            raise ConfigError(
+                f"{self.tag}overlap_optimizer expects the torch.optim.Optimizer over this model's parameters, "
+                f"got {type(optimizer).__qualname__}; pass the optimizer itself (e.g. torch.optim.AdamW(...))"
+            )
+        reason = fallback_reason(optimizer, clip_grad_norm=clip_grad_norm, scaler=scaler)
+        return self.mode.overlap_optimizer(self, optimizer, reason)
 
     # torch's Joinable protocol (the DDP wrapper and the handle forward to these)
     def join_hook(self, **kwargs: Any) -> EngineJoinHook:

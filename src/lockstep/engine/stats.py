@@ -95,6 +95,11 @@ class StatsRecorder:
         self._sums = [a + b for a, b in zip(self._sums, values)]
         self._bytes += step.bytes_communicated
 
+    @property
+    def total_bytes(self) -> int:
+        """Bytes handed to the communication hook over every synced step so far."""
+        return self._bytes
+
     def mean(self) -> StepStats | None:
         if not self.steps:
             return None

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
+from lockstep.engine.policy import SYNC_MODES
 from lockstep.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -105,7 +106,12 @@ class FitConfig:
     global_batch_size) gives the same bits at any world size: the step is cut into micro-batches of
     micro_batch_size (default: batch_size) over all ranks and reduced exactly (SyncPolicy(deterministic)).
     shard_optimizer=True shards the optimizer's state over the ranks (ZeRO-1, engine/shard_optimizer.py):
-    the same bits as without it for SGD and AdamW; checkpoints hold the full state. Not in live mode.
+    the same bits as without it for SGD and AdamW; checkpoints hold the full state; in live mode each
+    share is kept by two ranks. Not with overlap_optimizer or a sync other than allreduce.
+    overlap_optimizer=True steps each bucket's parameters as soon as its averaged gradients are back,
+    while backward goes on: the same bits as without (sgd, adamw, any schedule); with clip_grad_norm, fp16
+    precision, an optimizer other than SGD/Adam/AdamW, deterministic or live mode the step stays plain,
+    and a warning says why (ReplicaHandle.overlap_optimizer).
     """
 
     run_dir: str = "runs/default"
@@ -135,8 +141,19 @@ class FitConfig:
     global_batch_size: int | None = None  # samples per optimizer step over all ranks; fixed at any world size
     micro_batch_size: int | None = None  # samples per forward/backward when global_batch_size is set
     deterministic: bool = False  # the same bits at any world size (needs global_batch_size)
+    overlap_optimizer: bool = (
+        False  # each bucket's parameters step during backward, once its averages are back
+    )
+    # Low-communication training (engine/outer_sync.py): "allreduce" averages gradients every step; local_sgd,
+    # diloco and streaming_diloco let each rank step alone and sync every sync_every steps.
+    sync: str = "allreduce"
+    sync_every: int = 50  # H: inner steps between syncs (a fragment's, for streaming_diloco)
+    outer_lr: float = 0.7  # DiLoCo's outer SGD learning rate
+    outer_momentum: float = 0.9  # its Nesterov momentum (0: plain SGD)
+    fragments: int = 1  # streaming_diloco: pieces of the model synced in turn
+    sync_dtype: str = "fp32"  # what the synced values travel in (fp32, bf16, fp16); summed in fp32
     shard_optimizer: bool = (
-        False  # ZeRO-1: each rank steps, and keeps the state of, 1/world of the parameters
+        False  # ZeRO-1: each rank steps, and keeps the state of, its share of the parameters
     )
 
     # Allowed values beyond the annotation, by field. A subclass adds its own: the MRO is searched.
@@ -164,6 +181,12 @@ class FitConfig:
         "progress": one_of("auto", "bar", "lines", "none"),
         "global_batch_size": at_least(1),
         "micro_batch_size": at_least(1),
+        "sync": one_of(*SYNC_MODES),
+        "sync_every": at_least(1),
+        "outer_lr": positive(),
+        "outer_momentum": at_least(0),
+        "fragments": at_least(1),
+        "sync_dtype": one_of(*PRECISIONS),
     }
 
     def __post_init__(self) -> None:

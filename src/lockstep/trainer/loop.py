@@ -22,10 +22,10 @@ from torch.utils.data import Dataset
 
 from lockstep.checkpoint import CheckpointManager
 from lockstep.engine import DistributedDataParallel, ReplicaHandle, replicate
-from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime import barrier, broadcast_object
+from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.records import Fault
 from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery, retry_at_start
 from lockstep.runtime.process_group import live_group
@@ -36,17 +36,80 @@ from lockstep.trainer.config import FitConfig
 from lockstep.trainer.device import choose_device
 from lockstep.trainer.evaluation import Evaluation
 from lockstep.trainer.live_takeover import describe_change, take_over_log, take_over_rows
+from lockstep.trainer.low_comm import PeriodicRun, engine_policy
 from lockstep.trainer.metrics import TrainMetrics
 from lockstep.trainer.optim import build_optimizer, build_scheduler, maybe_sharded
 from lockstep.trainer.progress import ProgressBar
 from lockstep.trainer.run_log import RunLog
-from lockstep.trainer.run_state import RunState
+from lockstep.trainer.run_state import RunRecord, RunState, TrainCounters
 from lockstep.trainer.steps import LossFn, Stepper
-from lockstep.trainer.summary import build_summary, publish_summary
+from lockstep.trainer.summary import build_summary, comm_bytes_so_far, publish_summary
 from lockstep.trainer.train_data import TrainData
 
 
-class FitRun:
+class _LiveSide:
+    """FitRun's side of live mode: what runtime/membership/recovery.py asks of the run (its Recoverable)."""
+
+    config: FitConfig
+    live: LiveGroup | None
+    module: nn.Module
+    handle: ReplicaHandle | None
+    topo: Topology
+    state: RunState
+    record: RunRecord
+    counters: TrainCounters
+    data: TrainData
+    evaluation: Evaluation
+    runlog: RunLog
+    bar: ProgressBar
+    run_dir: Path
+    total_steps: int
+
+    @property
+    def faults(self) -> list[dict[str, Any]]:
+        return self.record.faults
+
+    def release_replica(self) -> None:
+        self.state.set_aside()
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def rebuild_replica(self, topology: Topology) -> None:
+        self.topo = topology
+        self.handle = replicate(self.module, policy=engine_policy(self.config, live=self.live is not None))
+
+    def discard_step(self) -> None:
+        self.state.optimizer.zero_grad(set_to_none=True)
+
+    def marks(self) -> dict[str, Any]:
+        return self.state.marks()
+
+    def reconcile(self, mark: str) -> None:
+        self.state.reconcile(mark)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict(state)
+
+    def reshard(self, topology: Topology) -> None:
+        self.state.regroup()
+        self.data.reshard(topology)
+        self.evaluation.reshard(topology)
+
+    def regrouped(self, fault: Fault) -> None:
+        if self.topo.rank == 0 and self.live is not None:
+            take_over_rows(self.live, self.state.metrics, fault.lost)
+            if not self.runlog.enabled:  # this rank became rank 0 (the old one was lost)
+                self.runlog, self.bar = take_over_log(
+                    self.run_dir, self.total_steps, self.config, self.counters.step
+                )
+        self.bar.message(describe_change(fault, self.counters.step))
+
+
+class FitRun(_LiveSide):
     """One call of fit(): the objects it builds and the phases of the loop."""
 
     def __init__(
@@ -70,7 +133,9 @@ class FitRun:
         self.plan = plan_batches(
             config, topo.world_size, live_world=self.live.launch_world_size if self.live else None
         )
-        self.micro_batched = self.plan.num_micro_batches > 0  # a step: K micro-batches through accumulate()
+        self.periodic = config.sync != "allreduce"  # low-communication training: local steps, outer syncs
+        # a step: K micro-batches through accumulate() (the periodic modes step each rank's alone)
+        self.micro_batched = self.plan.num_micro_batches > 0 and not self.periodic
         self.handle: ReplicaHandle | None = None
         self.model = self._replicate()
         self.data = TrainData(train_data, config, self.plan, self.topo, pin=self.device.type == "cuda")
@@ -102,18 +167,21 @@ class FitRun:
         self.runlog = RunLog(self.run_dir, enabled=self.topo.is_main)
         self.bar = ProgressBar(self.total_steps, enabled=self.topo.is_main, mode=config.progress)
         self.stepper = Stepper(self.state, config, self.plan, loss_fn, self.device, self.live)
+        self.stepper.overlap(self.model)  # config.overlap_optimizer: the engine steps the buckets
+        self.periodic_run = PeriodicRun(self.handle, self.module, optimizer) if self.periodic else None
+        if self.periodic_run is not None:
+            self.stepper.outer, self.state.extra = self.handle, self.periodic_run.entries
         self.recovery = LiveRecovery(self.live, self) if self.live is not None else None
         if self.recovery is not None:
             self.record.faults = self.recovery.startup_faults()
 
     def _replicate(self) -> nn.Module:
-        """The model the steps run: the module itself under accumulate() (deterministic and live mode),
-        else torch's drop-in face."""
-        if self.micro_batched:
+        """The model the steps run: the module itself under accumulate() (deterministic and live mode) or
+        stepping alone (sync: the handle syncs every sync_every steps), else torch's drop-in face."""
+        if self.micro_batched or self.periodic:
+            policy = engine_policy(self.config, live=self.live is not None)
             # Live mode: a member lost in the replica's start-up collectives is survived like any other.
-            self.handle = retry_at_start(
-                self.live, lambda: replicate(self.module, policy=_policy(self.config))
-            )
+            self.handle = retry_at_start(self.live, lambda: replicate(self.module, policy=policy))
             if self.live is not None:  # the members may have changed meanwhile
                 self.topo = self.live.topology()
             return self.module
@@ -134,6 +202,7 @@ class FitRun:
         else:
             self._retry(self._maybe_resume)
         started, start_samples, start_step = time.monotonic(), self.counters.samples, self.counters.step
+        start_bytes = comm_bytes_so_far(self.handle or self.model)
         while self.counters.step < self.total_steps and self.counters.epoch < self.config.epochs:
             self._train_epoch()
         self._retry(self._end_of_run)
@@ -145,6 +214,7 @@ class FitRun:
             plan=self.plan,
             live=self.live is not None,
             run=(wall, self.counters.samples - start_samples, self.counters.step - start_step),
+            comm_bytes=comm_bytes_so_far(self.handle or self.model) - start_bytes,
         )
         if self.topo.is_main:
             publish_summary(summary, self.run_dir, self.runlog, self.bar)
@@ -222,6 +292,9 @@ class FitRun:
         self._retry(self._end_of_epoch)
 
     def _step(self, group: list[Any]) -> None:
+        if self.periodic:
+            self.stepper.local_step(self.model, self.topo.world_size, group)
+            return
         if not self.micro_batched:
             self.stepper.ddp_step(self.model, self.topo.world_size, group)
             return
@@ -291,66 +364,10 @@ class FitRun:
     def _save_checkpoint(self) -> None:
         if self.record.saved_step == self.counters.step:
             return  # the epoch's end and the run's end can fall on the same step
+        if self.periodic_run is not None:
+            self.periodic_run.before_save()
         self.checkpoints.save(self.counters.step, self.state.checkpoint_entries())
         self.record.saved_step = self.counters.step
-
-    # ---- live mode: what runtime/membership/recovery.py asks of the run (its Recoverable) ---------------
-
-    @property
-    def faults(self) -> list[dict[str, Any]]:
-        return self.record.faults
-
-    def release_replica(self) -> None:
-        self.state.set_aside()
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-
-    def rebuild_replica(self, topology: Topology) -> None:
-        self.topo = topology
-        self.handle = replicate(self.module, policy=_policy(self.config))
-
-    def discard_step(self) -> None:
-        self.state.optimizer.zero_grad(set_to_none=True)
-
-    def marks(self) -> dict[str, Any]:
-        return {
-            "step": self.counters.step,
-            "saved_step": self.record.saved_step,
-            "eval_step": self.record.eval_step,
-            "pending_metrics": self.state.metrics.pending.count,
-        }
-
-    def reconcile(self, mark: str) -> None:
-        if mark in ("saved_step", "eval_step"):
-            setattr(self.record, mark, None)
-        elif mark == "pending_metrics":
-            self.state.metrics.drop_pending()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state.load_state_dict(state)
-
-    def reshard(self, topology: Topology) -> None:
-        self.state.regroup()
-        self.data.reshard(topology)
-        self.evaluation.reshard(topology)
-
-    def regrouped(self, fault: Fault) -> None:
-        if self.topo.rank == 0 and self.live is not None:
-            take_over_rows(self.live, self.state.metrics, fault.lost)
-            if not self.runlog.enabled:  # this rank became rank 0 (the old one was lost)
-                self.runlog, self.bar = take_over_log(
-                    self.run_dir, self.total_steps, self.config, self.counters.step
-                )
-        self.bar.message(describe_change(fault, self.counters.step))
-
-
-def _policy(config: FitConfig) -> SyncPolicy:
-    """The engine's policy for accumulate(): exact in deterministic mode, float sums otherwise."""
-    return SyncPolicy(deterministic=config.deterministic)
 
 
 def _take(iterator: Iterator[Any], count: int) -> list[Any]:

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from lockstep.engine.shard_optimizer import ShardedOptimizer
+from lockstep.errors import ConfigError
 from lockstep.trainer.config import FitConfig
 
 
@@ -52,4 +53,15 @@ def maybe_sharded(
     calls `gather()` after the step, `regroup()` after a change of members)."""
     if not config.shard_optimizer:
         return optimizer
+    if config.overlap_optimizer or config.sync != "allreduce":
+        other = "overlap_optimizer=True" if config.overlap_optimizer else f"sync={config.sync!r}"
+        raise ConfigError(
+            f"shard_optimizer=True with {other}: "
+            + (
+                "the engine would step every parameter during backward, not this rank's share"
+                if config.overlap_optimizer
+                else "each rank steps all of its own parameters between syncs; there is no shared step to shard"
+            )
+            + "; choose one of the two"
+        )
     return ShardedOptimizer(optimizer, copies=2 if live else 1, defer_gather=live)

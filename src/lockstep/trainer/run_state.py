@@ -83,6 +83,27 @@ class RunState:
         self.sampler, self.metrics = sampler, metrics
         self.counters = TrainCounters()
         self.record = RunRecord()
+        self.extra: dict[
+            str, Any
+        ] = {}  # entries of a low-communication run: every rank's state, the outer state
+
+    def marks(self) -> dict[str, Any]:
+        """Where the run stands, for live recovery to compare across members (runtime/membership/recovery.py)."""
+        return {
+            "step": self.counters.step,
+            "saved_step": self.record.saved_step,
+            "eval_step": self.record.eval_step,
+            "pending_metrics": self.metrics.pending.count,
+        }
+
+    def reconcile(self, mark: str) -> None:
+        """Forget what the members disagree on (`mark`), so that it is done again."""
+        if mark == "saved_step":
+            self.record.saved_step = None
+        elif mark == "eval_step":
+            self.record.eval_step = None
+        elif mark == "pending_metrics":
+            self.metrics.drop_pending()
 
     def checkpoint_entries(self) -> dict[str, Any]:
         """The objects a checkpoint stores, by the names it stores them under."""
@@ -93,6 +114,7 @@ class RunState:
             "scaler": self.scaler,
             "sampler": self.sampler,
             "progress": self.counters,  # the checkpoint's key for the counters: older checkpoints use it too
+            **self.extra,  # after model and optimizer: a rank's own state replaces rank 0's on load
         }
 
     # A sharded optimizer (FitConfig.shard_optimizer) is a collective's worth more work at a few points.

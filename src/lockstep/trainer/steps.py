@@ -8,6 +8,10 @@ Two ways to run a step, chosen once per run (trainer/loop.py):
   the bucketed float all-reduce otherwise. In live mode the step counts on every member or on none
   (membership.commit), and its metric rows go to the store with it, where the survivors find them if
   this rank is lost before the next log.
+
+With config.overlap_optimizer, `ddp_step`'s optimizer is an OverlappedOptimizer that the engine steps
+bucket by bucket during the synced backward (`Stepper.overlap`); `_update` is unchanged: its
+`scaler.step` finishes what is left, or takes the plain step where the engine fell back.
 """
 
 from __future__ import annotations
@@ -17,8 +21,13 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.periodic_mode import PERIODIC_REASON
+from lockstep.engine.replicate import overlap_optimizer
+from lockstep.errors import rank_tag
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.progress import OPTIMIZER, PROGRESS
 from lockstep.trainer.batches import BatchPlan, batch_len, split_batch, to_device
@@ -28,6 +37,10 @@ from lockstep.trainer.metrics import MetricBuffer, OrderedMetrics
 from lockstep.trainer.run_state import RunState
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+MICRO_BATCHED_REASON = (
+    "fit's steps in deterministic and live mode run through accumulate(), which has the step's mean "
+    "only after its last backward"
+)
 
 
 class Stepper:
@@ -44,9 +57,37 @@ class Stepper:
     ) -> None:
         self.state, self.config, self.plan, self.loss_fn, self.device = state, config, plan, loss_fn, device
         self.live = live
+        self.outer: Any = None  # low-communication training: the replica handle that syncs after each step
+        # what _update steps: the run's optimizer, or the one the engine steps bucket by bucket
+        # (a ShardedOptimizer offers what GradScaler and clipping read: param_groups, step; every rank
+        # holds every averaged gradient, so found_inf and the gradient norm agree across ranks)
+        self.optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, state.optimizer)
 
-    def ddp_step(self, model: nn.Module, world_size: int, batches: list[Any]) -> None:
-        """This rank's micro-batches of the step through the DDP wrapper `model`, then the optimizer."""
+    def overlap(self, model: nn.Module) -> None:
+        """With config.overlap_optimizer, the engine steps the optimizer bucket by bucket during the
+        backward of the drop-in `model` (the run's state keeps the optimizer itself: checkpoints and
+        the schedule see it). Deterministic and live mode take the plain step, said once."""
+        if not self.config.overlap_optimizer:
+            return
+        state = self.state
+        if self.config.sync != "allreduce":  # no gradient is averaged in backward: nothing to overlap with
+            tag = rank_tag(dist.get_rank(), dist.get_world_size())
+            self.optimizer = OverlappedOptimizer(self.optimizer, fallback=PERIODIC_REASON, tag=tag)
+            return
+        if self.plan.num_micro_batches:  # accumulate()'s steps; live mode rebuilds the replica, too
+            tag = rank_tag(dist.get_rank(), dist.get_world_size())
+            self.optimizer = OverlappedOptimizer(self.optimizer, fallback=MICRO_BATCHED_REASON, tag=tag)
+            return
+        self.optimizer = overlap_optimizer(
+            model,  # type: ignore[arg-type]  # the drop-in class (a JoinableReplica)
+            self.optimizer,  # the run's own (shard_optimizer is refused with overlap_optimizer)
+            clip_grad_norm=self.config.clip_grad_norm is not None,
+            scaler=state.scaler,
+        )
+
+    def ddp_step(self, model: nn.Module, world_size: int, batches: list[Any], *, local: bool = False) -> None:
+        """This rank's micro-batches of the step through the DDP wrapper `model` (or, `local`, the plain
+        module), then the optimizer."""
         state = self.state
         counts = []
         for index, batch in enumerate(batches):
@@ -54,7 +95,7 @@ class Stepper:
             counts.append(batch_len(targets))
             last = index == len(batches) - 1
             # Accumulate locally; the engine reduces the summed gradients only on the group's last backward.
-            with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+            with contextlib.nullcontext() if last or local else model.no_sync():  # type: ignore[operator]
                 with autocast(self.config.precision, self.device):
                     outputs = model(inputs)
                     loss = self.loss_fn(outputs, targets)
@@ -62,6 +103,11 @@ class Stepper:
             pending = cast(MetricBuffer, state.metrics.pending)
             state.metrics.record(pending, "train", outputs, targets, loss, counts[-1])
         self._update(sum(counts) * world_size)
+
+    def local_step(self, module: nn.Module, world_size: int, batches: list[Any]) -> None:
+        """Low-communication training (FitConfig.sync): this rank's batches of the step through its own
+        module, no gradient averaged, then the optimizer and the handle's outer sync when one is due."""
+        self.ddp_step(module, world_size, batches, local=True)
 
     def micro_batched_step(self, handle: Any, model: nn.Module, batches: list[Any]) -> None:
         """One step of K micro-batches (deterministic or live mode): this rank's through the engine's
@@ -104,15 +150,14 @@ class Stepper:
         """The optimizer's part of a step, after the gradients are averaged; `samples` over all ranks."""
         state = self.state
         PROGRESS.set_phase(OPTIMIZER)
-        # A ShardedOptimizer offers what GradScaler reads (param_groups, step); every rank holds every
-        # averaged gradient, so found_inf and the gradient norm agree across ranks.
-        optimizer = cast(torch.optim.Optimizer, state.optimizer)
         if self.config.clip_grad_norm is not None:
-            state.scaler.unscale_(optimizer)
+            state.scaler.unscale_(self.optimizer)  # the object step() gets: the scaler tracks it by id
             torch.nn.utils.clip_grad_norm_(state.module.parameters(), self.config.clip_grad_norm)
-        state.scaler.step(optimizer)
+        state.scaler.step(self.optimizer)
         state.scaler.update()
         state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
+        if self.outer is not None:
+            self.outer.after_optimizer_step()  # every sync_every steps: the replicas meet
         state.counters.samples += samples
         state.sampler.advance(samples)

@@ -23,8 +23,11 @@ def build_summary(
     plan: BatchPlan,
     live: bool,
     run: tuple[float, int, int],
+    comm_bytes: int,
 ) -> dict[str, Any]:
-    """The summary of a run whose state is `state`; `run`: (wall seconds, samples, steps) of this call."""
+    """The summary of a run whose state is `state`; `run`: (wall seconds, samples, steps) of this call;
+    `comm_bytes`: the gradient (or, with sync, parameter) payload this rank handed to the engine's
+    collectives in this call (summary.json's comm_bytes, and per sample over all ranks)."""
     wall, samples, steps = run
     counters, record = state.counters, state.record
     summary = {
@@ -35,6 +38,9 @@ def build_summary(
         "samples_this_run": samples,
         "wall_time_s": round(wall, 3),
         "samples_per_second": round(samples / wall, 2) if samples and wall > 0 else None,
+        "comm_bytes": comm_bytes,
+        "comm_bytes_per_sample": round(comm_bytes * world_size / samples, 3) if samples else None,
+        "sync": config.sync,
         "global_batch_size": plan.global_batch_size,
         "micro_batch_size": plan.micro_batch_size,
         "deterministic": config.deterministic,
@@ -49,6 +55,12 @@ def build_summary(
     if "eval_accuracy" in record.last_eval:
         summary["test_accuracy"] = record.last_eval["eval_accuracy"]
     return summary
+
+
+def comm_bytes_so_far(engine: Any) -> int:
+    """The gradient (or, with sync, parameter) payload this rank's engine (a replica handle or the drop-in
+    class) has handed to its collectives so far: summary.json's comm_bytes counts it over a run."""
+    return int(engine.stats().extras.get("bytes_communicated_total", 0))
 
 
 def publish_summary(summary: dict[str, Any], run_dir: Path, runlog: RunLog, bar: ProgressBar) -> None:

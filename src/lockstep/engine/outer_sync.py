@@ -1,0 +1,256 @@
+"""Low-communication training: the replicas step locally and meet every H optimizer steps.
+
+With `SyncPolicy(sync=...)` other than "allreduce", no gradient is averaged during backward; each replica
+takes its own (inner) optimizer steps on its own data, and `after_optimizer_step()` brings the replicas
+together every `sync_every` (H) steps:
+
+- local_sgd: the parameters are averaged (torch's PostLocalSGD, without its synchronous warm-up);
+- diloco: the outer gradient of each replica, anchor - local (the anchor: the parameters at the last
+  sync, in float32), is averaged; an outer SGD step (Nesterov momentum when outer_momentum > 0, as in
+  DiLoCo) moves the anchor, and every replica starts the next round from it;
+- streaming_diloco: the parameters in `fragments` contiguous pieces of about equal size, each synced
+  DiLoCo's way every H steps, the fragments' syncs staggered evenly over the round (fragment f at steps
+  (f + 1) H / F + kH), so that the traffic of a round is spread over it instead of peaking at its end.
+  A fragment's collective overlaps the next inner step: launched after step t, it is waited for after
+  step t + 1, and the outer step's result is merged into the local values that moved on meanwhile,
+  MIX * local + (1 - MIX) * global (Streaming DiLoCo's merge, MIX = 0.5).
+
+Floating buffers (BatchNorm statistics) are averaged with the last fragment of each round. The average
+is computed in float32 on every rank in rank order: the values travel in `delta_dtype` (float32, or
+bfloat16/float16 to send half the bytes), gathered from every rank and summed locally in float32; in
+float32 without deterministic mode it is one all-reduce (a sum, then / W). Either way every rank gets the
+same bits; with gathering, the same bits run after run whatever the backend's reduction order.
+
+The state that a resume needs (inner steps counted, the anchor and the outer optimizer's momentum) is
+`state_dict()`; the rank's own parameters and inner optimizer state are the caller's (trainer/
+worker_states.py saves every rank's). Every collective is numbered for the hang watchdog
+(runtime/waits.tracked, op "outer sync").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.engine.policy import SyncPolicy
+from lockstep.errors import ConfigError
+from lockstep.runtime.progress import PROGRESS
+from lockstep.runtime.waits import wait_tracked
+
+
+def fragment_bounds(numels: Sequence[int], fragments: int) -> list[range]:
+    """Parameter index ranges, contiguous and in order, of about equal total size and at least one
+    parameter each: fragment f ends at the first parameter where the running total reaches (f + 1) T / F."""
+    n = len(numels)
+    if not 1 <= fragments <= n:
+        raise ConfigError(
+            f"SyncPolicy(fragments={fragments}) needs 1 to {n} fragments: the model has {n} parameters"
+        )
+    total, cuts, running, i = sum(numels), [0], 0, 0
+    for f in range(1, fragments):
+        i = max(i, cuts[-1] + 1)
+        running = sum(numels[:i])
+        while i < n - (fragments - f) and running < f * total / fragments:
+            running += numels[i]
+            i += 1
+        cuts.append(i)
+    cuts.append(n)
+    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+MIX = 0.5  # streaming_diloco: the local share when a delayed outer step is merged (Streaming DiLoCo's alpha)
+
+
+class _Mean:
+    """A mean over the ranks, launched: `result()` waits, sums the gathered parts in rank order in float32
+    (or takes the all-reduced sum), divides by the world size, and keeps the answer."""
+
+    def __init__(
+        self,
+        shapes: list[torch.Size],
+        flat: torch.Tensor,
+        *,
+        record: Any = None,
+        parts: list[torch.Tensor] | None = None,
+    ) -> None:
+        self.shapes, self.flat, self.record, self.parts = shapes, flat, record, parts
+        self.done = record is None
+
+    def result(self, owner: OuterSync) -> list[torch.Tensor]:
+        if not self.done:
+            wait_tracked(self.record, self.record.work)
+            if self.parts is not None:
+                self.flat = self.parts[0].float()
+                for part in self.parts[1:]:
+                    self.flat += part.float()  # in rank order: the same bits on every rank and in every run
+            self.flat.div_(owner.world)
+            self.done, self.record, self.parts = True, None, None
+        out, offset = [], 0
+        for shape in self.shapes:
+            n = shape.numel()
+            out.append(self.flat[offset : offset + n].view(shape))
+            offset += n
+        return out
+
+
+class OuterSync:
+    """One replica's periodic sync (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, policy: SyncPolicy, group: Any, *, world: int) -> None:
+        self.policy, self.group, self.world = policy, group, world
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.buffers = [b for b in module.buffers() if b.is_floating_point()]
+        count = policy.fragments if policy.sync == "streaming_diloco" else 1
+        self.fragments = fragment_bounds([p.numel() for p in self.params], count)
+        self.inner_steps = 0  # optimizer steps since the start (after_optimizer_step calls)
+        self.outer_syncs = 0  # fragments synced so far
+        self.bytes_sent = 0  # payload handed to the collectives (what comm_bytes counts)
+        self.anchor: list[torch.Tensor] = []
+        self.pending: tuple[int, _Mean] | None = None  # streaming: a fragment's mean on its way
+        self.outer: list[torch.optim.SGD] = []
+        if policy.sync != "local_sgd":
+            with torch.no_grad():
+                self.anchor = [p.detach().float().clone() for p in self.params]
+            self.outer = [self._outer_optimizer(fragment) for fragment in self.fragments]
+
+    def _outer_optimizer(self, fragment: range) -> torch.optim.SGD:
+        momentum = self.policy.outer_momentum
+        return torch.optim.SGD(
+            [self.anchor[i] for i in fragment],
+            lr=self.policy.outer_lr,
+            momentum=momentum,
+            nesterov=momentum > 0,
+        )
+
+    # ---------------------------------------------------------------- the rounds
+
+    def due(self, step: int) -> list[int]:
+        """The fragments synced after inner step `step` (1-based): fragment f of F at (f + 1) H / F + kH."""
+        every, count = self.policy.sync_every, len(self.fragments)
+        return [f for f in range(count) if step % every == ((f + 1) * every // count) % every]
+
+    def after_optimizer_step(self) -> bool:
+        """Count one inner step; sync the fragments it completes. True when something was synced (or, in
+        streaming mode, started: it is applied after the next inner step)."""
+        self.inner_steps += 1
+        streaming = self.policy.sync == "streaming_diloco"
+        if self.pending is not None:
+            self._merge(*self.pending)  # launched one inner step ago
+        due = self.due(self.inner_steps)
+        for f in due:
+            if not streaming:
+                self._sync(f)
+                continue
+            if self.pending is not None:  # two fragments due at once (H < F): the earlier is applied first
+                self._merge(*self.pending)
+            self.pending = (f, self._start_mean(self._outer_grads(f)))
+        return bool(due)
+
+    def _outer_grads(self, f: int) -> list[torch.Tensor]:
+        return [self.anchor[i] - self.params[i].detach().float() for i in self.fragments[f]]
+
+    def _sync(self, f: int) -> None:
+        """local_sgd and diloco: average, step and take the result now."""
+        params = [self.params[i] for i in self.fragments[f]]
+        with torch.no_grad():
+            if self.policy.sync == "local_sgd":
+                for p, value in zip(params, self._mean([p.detach() for p in params])):
+                    p.copy_(value)
+            else:
+                self._outer_step(f, self._mean(self._outer_grads(f)))
+                for i, p in zip(self.fragments[f], params):
+                    p.copy_(self.anchor[i])
+        self._after_fragment(f)
+
+    def _merge(self, f: int, reduction: _Mean) -> None:
+        """streaming_diloco: a fragment's outer step, launched one inner step ago, merged into the local
+        values that moved on meanwhile: MIX * local + (1 - MIX) * global, as Streaming DiLoCo merges."""
+        self.pending = None
+        with torch.no_grad():
+            self._outer_step(f, reduction.result(self))
+            for i in self.fragments[f]:
+                p = self.params[i]
+                p.copy_(p.float().mul_(MIX).add_(self.anchor[i], alpha=1 - MIX))
+        self._after_fragment(f)
+
+    def _outer_step(self, f: int, outer_grads: list[torch.Tensor]) -> None:
+        anchor = [self.anchor[i] for i in self.fragments[f]]
+        for a, grad in zip(anchor, outer_grads):
+            a.grad = grad.view(a.shape)
+        self.outer[f].step()
+        for a in anchor:
+            a.grad = None
+
+    def _after_fragment(self, f: int) -> None:
+        if f == len(self.fragments) - 1 and self.buffers:  # buffers: with the last fragment of a round
+            with torch.no_grad():
+                for b, value in zip(self.buffers, self._mean([b.detach() for b in self.buffers])):
+                    b.copy_(value)
+        self.outer_syncs += 1
+
+    def _mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The float32 mean over the ranks of each tensor (the same bits on every rank; module doc)."""
+        return self._start_mean(tensors).result(self)
+
+    def _start_mean(self, tensors: list[torch.Tensor]) -> _Mean:
+        """Launch the collective of a mean (module doc); `result()` waits for it."""
+        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        shapes = [t.shape for t in tensors]
+        wire = self.policy.delta_dtype or torch.float32
+        if self.world == 1:
+            return _Mean(shapes, flat)
+        if wire == torch.float32 and not self.policy.deterministic:
+            self.bytes_sent += flat.numel() * flat.element_size()
+            record = PROGRESS.issue("outer sync (all_reduce)", [flat], self.group)
+            record.work = dist.all_reduce(flat, group=self.group, async_op=True)
+            return _Mean(shapes, flat, record=record)
+        payload = flat.to(wire)
+        parts = [torch.empty_like(payload) for _ in range(self.world)]
+        self.bytes_sent += payload.numel() * payload.element_size()
+        record = PROGRESS.issue("outer sync (all_gather)", [payload], self.group)
+        record.work = dist.all_gather(parts, payload, group=self.group, async_op=True)
+        return _Mean(shapes, flat, record=record, parts=parts)
+
+    # ---------------------------------------------------------------- resume
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs beyond the rank's own parameters and inner optimizer: the counts, the
+        anchor and the outer optimizers' momentum (the same on every rank), and in streaming mode the
+        mean in flight (waited for here, applied after the next inner step as it would have been)."""
+        pending: dict[str, Any] = {}
+        if self.pending is not None:
+            f, reduction = self.pending
+            pending = {"fragment": f, "mean": torch.cat([t.reshape(-1) for t in reduction.result(self)])}
+        return {
+            "sync": self.policy.sync,
+            "inner_steps": self.inner_steps,
+            "outer_syncs": self.outer_syncs,
+            "bytes_sent": self.bytes_sent,
+            "anchor": [a.clone() for a in self.anchor],
+            "outer": [opt.state_dict() for opt in self.outer],
+            "pending": pending,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["sync"] != self.policy.sync or len(state["outer"]) != len(self.outer):
+            raise ConfigError(
+                f"this state was saved by sync={state['sync']!r} with {len(state['outer'])} fragment(s); this "
+                f"replica runs sync={self.policy.sync!r} with {len(self.outer)}: resume with the same settings"
+            )
+        self.inner_steps, self.outer_syncs = int(state["inner_steps"]), int(state["outer_syncs"])
+        self.bytes_sent = int(state["bytes_sent"])
+        with torch.no_grad():
+            for a, saved in zip(self.anchor, state["anchor"]):
+                a.copy_(saved)
+        for opt, saved in zip(self.outer, state["outer"]):
+            opt.load_state_dict(saved)
+        pending = state.get("pending") or {}
+        self.pending = None
+        if pending:
+            f = int(pending["fragment"])
+            shapes = [self.params[i].shape for i in self.fragments[f]]
+            self.pending = (f, _Mean(shapes, pending["mean"].float().clone()))

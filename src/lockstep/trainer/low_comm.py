@@ -1,0 +1,150 @@
+"""fit's side of low-communication training (FitConfig.sync): the engine's policy, every rank's state in checkpoints.
+
+`engine_policy` turns the run's settings into the replica's SyncPolicy (engine/outer_sync.py does the
+rounds); `PeriodicRun` holds what a periodic run adds to fit: the handle that syncs after each optimizer
+step, and two checkpoint entries.
+
+Between outer syncs the replicas differ: each has its own parameters, and always its own inner
+optimizer state (DiLoCo never averages the inner AdamW moments). A rank-0 checkpoint of one replica
+could not resume the others exactly, so with `sync` other than "allreduce" the checkpoint also holds
+every rank's parameters and optimizer state (`workers`), gathered to rank 0 with tensor collectives
+(nothing is pickled over the network), and the outer state (`outer`: the anchor and the outer
+momentum, the same on every rank). On resume at the same world size each rank takes its own back.
+
+The gather relies on every rank's state having the same structure as rank 0's: the same model and the
+same optimizer, stepped the same number of times, which the lockstep of the steps guarantees.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.engine.policy import SyncPolicy
+from lockstep.errors import ConfigError
+from lockstep.runtime.waits import tracked
+from lockstep.trainer.config import FitConfig
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def engine_policy(config: FitConfig, *, live: bool) -> SyncPolicy:
+    """The replica's policy for fit's micro-batched steps (exact in deterministic mode, float sums
+    otherwise), or for low-communication training (deterministic: the outer sums in rank order)."""
+    if config.sync == "allreduce":
+        return SyncPolicy(deterministic=config.deterministic)
+    if live:
+        raise ConfigError(
+            f"sync={config.sync!r} does not run in live mode (--min-world) yet: use sync='allreduce' there, "
+            "or launch without --min-world"
+        )
+    return SyncPolicy(
+        deterministic=config.deterministic,
+        sync=config.sync,
+        sync_every=config.sync_every,
+        outer_lr=config.outer_lr,
+        outer_momentum=config.outer_momentum,
+        fragments=config.fragments,
+        delta_dtype=_DTYPES[config.sync_dtype],
+    )
+
+
+class PeriodicRun:
+    """What a low-communication run adds to fit: its replica handle and its two checkpoint entries."""
+
+    def __init__(self, handle: Any, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.handle = handle
+        self.workers = WorkerStates(module, optimizer)
+        self.entries = {"workers": self.workers, "outer": OuterState(handle)}
+
+    def before_save(self) -> None:
+        """On every rank: every rank's own state, to rank 0 (the replicas differ mid-round)."""
+        self.workers.collect()
+
+
+class WorkerStates:
+    """The `workers` entry of a checkpoint: each rank's model and optimizer state, by rank."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, group: Any = None) -> None:
+        self.module, self.optimizer, self.group = module, optimizer, group
+        self._gathered: list[dict[str, Any]] | None = None
+
+    def collect(self) -> None:
+        """On every rank, before a save: gather every rank's state to rank 0."""
+        mine = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        tensors = list(_tensors(mine))
+        received: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for t in tensors:
+            src = t.detach().contiguous()
+            parts = [torch.empty_like(src) for _ in range(world)] if rank == 0 else None
+            with tracked("gather (worker state for a checkpoint)", [src], self.group):
+                dist.gather(
+                    src, parts, dst=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
+                )
+            if parts is not None:
+                for r, part in enumerate(parts):
+                    received[r].append(part)
+        self._gathered = [_rebuild(mine, iter(parts)) for parts in received] if rank == 0 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rank 0 after collect(): every rank's state. Otherwise (a load compares against it) no rank's."""
+        ranks = self._gathered or []
+        return {"world_size": len(ranks), "ranks": ranks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        saved_world = int(state["world_size"])
+        if not state["ranks"]:
+            raise ConfigError("this checkpoint was saved without its workers' states (collect() did not run)")
+        if saved_world != world:
+            raise ConfigError(
+                f"this checkpoint of a low-communication run (sync) holds the states of {saved_world} workers, "
+                f"each with its own parameters and inner optimizer; it resumes exactly with {saved_world} "
+                f"processes only, not {world}: relaunch with -n {saved_world}"
+            )
+        mine = state["ranks"][rank]
+        with torch.no_grad():
+            self.module.load_state_dict(mine["model"])
+        self.optimizer.load_state_dict(mine["optimizer"])
+
+
+class OuterState:
+    """The `outer` entry of a checkpoint: the replica handle's outer sync state."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.handle.sync_state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.handle.load_sync_state_dict(state)
+
+
+def _tensors(tree: Any) -> Any:
+    """The tensors of a nested state, in a fixed order (dicts by key order, lists in order)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
+
+
+def _rebuild(tree: Any, parts: Any) -> Any:
+    """`tree` with each tensor replaced by the next of `parts` (the same order as _tensors)."""
+    if isinstance(tree, torch.Tensor):
+        return next(parts)
+    if isinstance(tree, dict):
+        return {key: _rebuild(value, parts) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_rebuild(value, parts) for value in tree]
+    if isinstance(tree, tuple):
+        return tuple(_rebuild(value, parts) for value in tree)
+    return tree

@@ -1,0 +1,277 @@
+"""Low-communication training in replicate: local SGD, DiLoCo and streaming DiLoCo against a reference.
+
+The reference runs every worker in one process, one after the other, with the same inner math (each its
+own model copy, AdamW and data) and the outer math written out plainly: the mean of the parameters
+(local SGD), or the mean of the outer gradients anchor - local fed to torch's SGD with Nesterov momentum
+on the anchor (DiLoCo), fragment by fragment on their staggered steps, each applied one inner step
+after its launch and merged with the local values (streaming). The ranks must end
+with the reference's parameters bit for bit; the bytes they report must be what the mode sends; a
+resume from sync_state_dict() mid-round must continue exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lockstep
+from lockstep.engine.outer_sync import MIX, fragment_bounds
+from lockstep.errors import ConfigError, NotSupportedError
+from lockstep.runtime.progress import PROGRESS
+from lockstep.testing import run_distributed
+
+STEPS, EVERY = 9, 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.BatchNorm1d(3))
+
+
+def _inner(model: nn.Module, opt: torch.optim.Optimizer, worker: int, step: int) -> None:
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1000 * worker + step))
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _policy(sync: str, **extra: Any) -> lockstep.SyncPolicy:
+    fragments = 2 if sync == "streaming_diloco" else 1
+    return lockstep.SyncPolicy(sync=sync, sync_every=EVERY, fragments=fragments, **extra)
+
+
+def _rank_run(sync: str, extra: dict[str, Any], resume_at: int | None) -> dict[str, Any]:
+    rank = dist.get_rank()
+    model = _model()
+    handle = lockstep.replicate(model, policy=_policy(sync, **extra))
+    # A pooled rank process ran other tests before; their records are kept referenced here, so that no
+    # record made later can reuse one's id() once the bounded history drops it.
+    before = list(PROGRESS.recent)
+    earlier = {id(r) for r in before}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    synced = []
+    for step in range(STEPS):
+        if step == resume_at:  # a fresh replica, optimizer and outer state from what was saved
+            saved = (model.state_dict(), opt.state_dict(), handle.sync_state_dict())
+            handle.remove()
+            model = _model()
+            handle = lockstep.replicate(model, policy=_policy(sync, **extra))
+            model.load_state_dict(saved[0])
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+            opt.load_state_dict(saved[1])
+            handle.load_sync_state_dict(saved[2])
+        _inner(model, opt, rank, step)
+        synced.append(handle.after_optimizer_step())
+    numbered = [
+        (r.seq, r.op) for r in PROGRESS.recent if r.op.startswith("outer sync") and id(r) not in earlier
+    ]
+    return {
+        "state": model.state_dict(),
+        "synced": synced,
+        "stats": handle.stats().extras,
+        "numbered": numbered,
+    }
+
+
+def _reference(sync: str, world: int, wire: torch.dtype | None) -> list[dict[str, torch.Tensor]]:
+    """Every worker in this process; the outer math written out (see the module docstring)."""
+    models = [_model() for _ in range(world)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in models]
+    params = [[p for p in m.parameters()] for m in models]
+    anchor = [p.detach().float().clone() for p in params[0]]
+    count = 2 if sync == "streaming_diloco" else 1
+    frags = fragment_bounds([p.numel() for p in params[0]], count)
+    outer = [torch.optim.SGD([anchor[i] for i in f], lr=0.7, momentum=0.9, nesterov=True) for f in frags]
+
+    def mean(per_worker: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        flats = [torch.cat([t.reshape(-1).float() for t in ts]) for ts in per_worker]
+        if wire is not None:
+            flats = [f.to(wire) for f in flats]
+        total = flats[0].float()
+        for f in flats[1:]:
+            total = total + f.float()  # rank order, as the engine sums (W=2: a + b either way)
+        total = total / world
+        out, offset = [], 0
+        for t in per_worker[0]:
+            out.append(total[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        return out
+
+    def outer_step(f: int, grads: list[torch.Tensor]) -> None:
+        for i, g in zip(frags[f], grads):
+            anchor[i].grad = g
+        outer[f].step()
+        for i in frags[f]:
+            anchor[i].grad = None
+
+    def after_fragment(f: int) -> None:
+        if f == count - 1:
+            bufs = [[b for b in m.buffers() if b.is_floating_point()] for m in models]
+            avg = mean(bufs)
+            for w in range(world):
+                for b, value in zip(bufs[w], avg):
+                    b.copy_(value)
+
+    def merge(f: int, grads: list[torch.Tensor]) -> None:  # streaming: one inner step after the launch
+        outer_step(f, grads)
+        for w in range(world):
+            for i in frags[f]:
+                params[w][i].copy_(params[w][i].float().mul_(MIX).add_(anchor[i], alpha=1 - MIX))
+        after_fragment(f)
+
+    pending = None
+    for step in range(STEPS):
+        for w in range(world):
+            _inner(models[w], opts[w], w, step)
+        done = step + 1
+        with torch.no_grad():
+            if pending is not None:
+                merge(*pending)
+                pending = None
+            for f, frag in enumerate(frags):
+                if done % EVERY != ((f + 1) * EVERY // count) % EVERY:
+                    continue
+                if sync == "streaming_diloco":
+                    if pending is not None:
+                        merge(*pending)
+                    pending = (
+                        f,
+                        mean([[anchor[i] - params[w][i].float() for i in frag] for w in range(world)]),
+                    )
+                    continue
+                if sync == "local_sgd":
+                    avg = mean([[params[w][i] for i in frag] for w in range(world)])
+                    for w in range(world):
+                        for i, value in zip(frag, avg):
+                            params[w][i].copy_(value)
+                else:
+                    outer_step(
+                        f, mean([[anchor[i] - params[w][i].float() for i in frag] for w in range(world)])
+                    )
+                    for w in range(world):
+                        for i in frag:
+                            params[w][i].copy_(anchor[i])
+                after_fragment(f)
+    return [m.state_dict() for m in models]
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str) -> None:
+    for name, value in want.items():
+        assert torch.equal(got[name], value), f"{where}: {name} differs by {(got[name] - value).abs().max()}"
+
+
+@pytest.mark.parametrize("sync", ["local_sgd", "diloco", "streaming_diloco"])
+def test_each_mode_gives_the_reference_bits_and_reports_its_bytes(sync: str) -> None:
+    world = 2
+    outs = run_distributed(_rank_run, world, args=(sync, {}, None), timeout=120)
+    want = _reference(sync, world, None)
+    numel = sum(p.numel() for p in _model().parameters())
+    buffers = sum(b.numel() for b in _model().buffers() if b.is_floating_point())
+    rounds = STEPS // EVERY
+    for rank, out in enumerate(outs):
+        _assert_same(out["state"], want[rank], f"{sync} rank {rank}")
+        if sync != "streaming_diloco":  # the last step closes a round: every worker on the same parameters
+            _assert_same(out["state"], want[0], f"{sync} rank {rank} vs worker 0")
+        stats = out["stats"]
+        assert stats["inner_steps"] == STEPS
+        # streaming: the last fragment, launched at the last step, is still in flight (its buffers with it)
+        buffer_syncs = rounds - 1 if sync == "streaming_diloco" else rounds
+        assert stats["bytes_communicated_total"] == 4 * (numel * rounds + buffers * buffer_syncs), stats
+    # the hang watchdog numbers each outer collective like any other (parameters, then buffers at a round's end)
+    numbered = outs[0]["numbered"]
+    assert len(numbered) == (2 if sync == "streaming_diloco" else 1) * rounds + buffer_syncs, numbered
+    assert [seq for seq, _ in numbered] == sorted({seq for seq, _ in numbered}), numbered
+    assert numbered == outs[1]["numbered"]
+    synced = outs[0]["synced"]
+    if sync == "streaming_diloco":
+        assert synced == [True, False, True] * rounds, (
+            synced
+        )  # fragment 0 at steps 1, 4, 7; fragment 1 at 3, 6, 9
+        assert outs[0]["stats"]["outer_syncs"] == 2 * rounds - 1  # applied; the last one is in flight
+    else:
+        assert synced == [False, False, True] * rounds, synced
+
+
+@pytest.mark.parametrize("sync", ["local_sgd", "diloco", "streaming_diloco"])
+def test_a_resume_mid_round_continues_bit_for_bit(sync: str) -> None:
+    straight = run_distributed(_rank_run, 2, args=(sync, {}, None), timeout=120)
+    resumed = run_distributed(_rank_run, 2, args=(sync, {}, 4), timeout=120)
+    for rank in range(2):
+        _assert_same(resumed[rank]["state"], straight[rank]["state"], f"{sync} rank {rank} resumed at step 4")
+        assert resumed[rank]["stats"] == straight[rank]["stats"]
+
+
+def test_deltas_in_bfloat16_are_summed_in_float32_in_rank_order_at_world_3() -> None:
+    outs = run_distributed(_rank_run, 3, args=("diloco", {"delta_dtype": torch.bfloat16}, None), timeout=120)
+    want = _reference("diloco", 3, torch.bfloat16)
+    numel = sum(p.numel() for p in _model().parameters())
+    buffers = sum(b.numel() for b in _model().buffers() if b.is_floating_point())
+    for rank, out in enumerate(outs):
+        _assert_same(out["state"], want[rank], f"bf16 deltas rank {rank}")
+        assert out["stats"]["bytes_communicated_total"] == 2 * (numel + buffers) * (STEPS // EVERY)
+
+
+def test_deterministic_mode_gives_the_same_bits_run_after_run_at_world_3() -> None:
+    runs = [
+        run_distributed(_rank_run, 3, args=("diloco", {"deterministic": True}, None), timeout=120)
+        for _ in range(2)
+    ]
+    want = _reference("diloco", 3, None)
+    for rank in range(3):
+        _assert_same(runs[0][rank]["state"], runs[1][rank]["state"], f"rank {rank}, two runs")
+        _assert_same(runs[0][rank]["state"], want[rank], f"rank {rank} vs the rank-order reference")
+
+
+def _refusals() -> list[str]:
+    model = _model()
+    handle = lockstep.replicate(model, policy=_policy("diloco"))
+    errors = []
+    for call in (
+        lambda: handle.accumulate(lambda b: None, {}, num_micro_batches=2, step=0),
+        lambda: handle.register_comm_hook(None, lambda s, b: None),
+    ):
+        try:
+            call()
+        except NotSupportedError as exc:
+            errors.append(str(exc))
+    plain = lockstep.replicate(_model())
+    try:
+        plain.after_optimizer_step()
+    except NotSupportedError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_what_does_not_apply_raises_and_says_why() -> None:
+    errors = run_distributed(_refusals, 2, timeout=90)[0]
+    assert len(errors) == 3, errors
+    assert all("sync='diloco'" in e and "after_optimizer_step" in e for e in errors[:2]), errors
+    assert "sync='allreduce'" in errors[2], errors
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"sync": "gossip"}, "SyncPolicy.sync must be one of"),
+        ({"sync": "diloco", "sync_every": 0}, "sync_every must be an int >= 1"),
+        ({"sync": "diloco", "outer_momentum": 1.0}, "0 <= outer_momentum < 1"),
+        ({"sync": "diloco", "fragments": 2}, "applies to sync='streaming_diloco' only"),
+        ({"sync": "local_sgd", "static_graph": True}, "averages no gradient in backward"),
+        ({"sync": "diloco", "delta_dtype": torch.int8}, "delta_dtype must be"),
+    ],
+)
+def test_policy_settings_are_checked(fields: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        lockstep.SyncPolicy(**fields)
+
+
+def test_fragments_are_contiguous_balanced_and_never_empty() -> None:
+    assert fragment_bounds([10] * 10, 3) == [range(0, 4), range(4, 7), range(7, 10)]
+    assert fragment_bounds([100, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]
+    assert fragment_bounds([1, 1, 1, 100], 2) == [range(0, 3), range(3, 4)]
+    with pytest.raises(ConfigError, match="1 to 2 fragments"):
+        fragment_bounds([1, 1], 3)
