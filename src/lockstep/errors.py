@@ -22,6 +22,7 @@ UnusedParameterError         RuntimeError           a parameter got no gradient 
 CollectiveMismatchError      RuntimeError           ranks disagree on what must be identical
 UnevenInputsError            RuntimeError           join(throw_on_early_termination=True): a rank ran out
 InitTimeoutError             TimeoutError           the process group did not form in time
+StateLostError               RuntimeError           live mode: every copy of part of the state was lost
 CheckpointError              RuntimeError           a checkpoint cannot be written or read
 LaunchError                  RuntimeError           the launcher cannot start or supervise the workers
 DistributedTestError         RuntimeError           lockstep.testing: a function failed or hung on a rank
@@ -153,6 +154,11 @@ class NetnsError(LockstepError, RuntimeError):
 
 class WorldTooSmallError(LockstepError, RuntimeError):
     """Live mode (`lockstep run --min-world M`): ranks died and fewer than M remain, so the job ends."""
+
+
+class StateLostError(LockstepError, RuntimeError):
+    """Live mode: the members that held the only copies of part of the training state (a share of a
+    sharded optimizer's state) were lost together; the run cannot go on from the survivors."""
 
 
 class MembershipChanged(LockstepError, RuntimeError):

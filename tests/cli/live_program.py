@@ -16,7 +16,8 @@ launch rank N, N+1, ... (LOCKSTEP_MEMBER_ID); RANK is the rank it replaces. With
 "replace", the survivors of a smaller world slow down until the replacement process has started, so
 that it joins before the run ends however slowly this machine starts a process; with "slow", each forward
 takes 0.1 s longer, so that a test can act (take a link down) while the job runs; with "float", the run is
-not in deterministic mode (live mode's float step). Every rank that finishes saves its final parameters to
+not in deterministic mode (live mode's float step); with "shard", the optimizer's state is sharded over
+the ranks (shard_optimizer=True, each share kept by two ranks in live mode). Every rank that finishes saves its final parameters to
 OUT_DIR/params-<launch rank>.pt.
 """
 
@@ -37,6 +38,7 @@ OUT, FAULT, VICTIM, AT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.arg
 REPLACE = "replace" in sys.argv[5:]
 SLOW = "slow" in sys.argv[5:]  # 0.1 s per forward: a test has time to act while the job runs
 FLOAT = "float" in sys.argv[5:]  # live mode without deterministic mode
+SHARD = "shard" in sys.argv[5:]  # sharded optimizer state (ZeRO-1)
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_MEMBER_ID", os.environ["RANK"]))
 calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0, "replicate": 0}
@@ -140,6 +142,7 @@ def main() -> None:
         global_batch_size=24,
         micro_batch_size=4,
         deterministic=not FLOAT,
+        shard_optimizer=SHARD,
         log_every=4,
         progress="none",
     )

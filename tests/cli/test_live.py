@@ -234,6 +234,41 @@ def test_a_replacement_joins_heals_from_a_peer_and_the_run_matches_a_fault_free_
     _every_sample_once_but_the_abandoned_step(out)
 
 
+@pytest.mark.parametrize(
+    ("fault", "victim", "at"),
+    [
+        # after its step counted, inside its share of the optimizer step: the survivors' all-gather of the
+        # parameters fails, and the lost share's values and state come from the rank that kept its copy
+        pytest.param("optimizer", 1, 3, marks=pytest.mark.smoke),
+        ("forward", 2, 5),  # before the step counted: the step is redone over the survivors
+        ("checkpoint", 0, 1),  # rank 0 while it writes the full state that every rank consolidated
+    ],
+)
+def test_a_sharded_optimizer_survives_a_lost_rank_and_matches_a_fault_free_run_bit_for_bit(
+    tmp_path: Path, reference: dict[str, Any], fault: str, victim: int, at: int
+) -> None:
+    out, result = _run(
+        tmp_path, "shard", "-n", "4", "--min-world", "2", fault=fault, victim=victim, at=at, extra=("shard",)
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"lockstep run: rank {victim} killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
+    summary = _same_bits_as(reference, out)  # the fault-free run is not sharded: the same bits
+    assert summary["config"]["shard_optimizer"] is True and summary["world_size"] == 3
+    assert [record["lost"] for record in summary["faults"]] == [[victim]]
+    _every_sample_once_but_the_abandoned_step(out)
+
+
+def test_a_replacement_receives_its_share_of_a_sharded_optimizer_from_the_members(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    out, result = _run_with_a_replacement(tmp_path, "shard-heal", "forward", "shard")
+    assert "finished on 4 of 4 ranks (1 of them replacements: ranks [4]), without a restart" in result.stderr
+    summary = _same_bits_as(reference, out)
+    assert summary["config"]["shard_optimizer"] is True and summary["world_size"] == 4
+    assert [record["kind"] for record in summary["faults"]] == ["lost", "joined"]
+    assert (out / "seen-4.txt").read_text().strip()  # the replacement trained after it joined
+
+
 def test_below_min_world_the_job_fails_cleanly(tmp_path: Path) -> None:
     out, result = _run(tmp_path, "small", "-n", "2", "--min-world", "2", fault="forward", victim=1, at=3)
     assert result.returncode != 0

@@ -48,7 +48,10 @@ def _rank_run(sync: str, extra: dict[str, Any], resume_at: int | None) -> dict[s
     rank = dist.get_rank()
     model = _model()
     handle = lockstep.replicate(model, policy=_policy(sync, **extra))
-    earlier = {id(r) for r in PROGRESS.recent}  # a pooled rank process ran other tests before
+    # A pooled rank process ran other tests before; their records are kept referenced here, so that no
+    # record made later can reuse one's id() once the bounded history drops it.
+    before = list(PROGRESS.recent)
+    earlier = {id(r) for r in before}
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     synced = []
     for step in range(STEPS):

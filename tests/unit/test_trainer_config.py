@@ -167,3 +167,23 @@ def test_a_bool_setting_may_stand_alone_as_a_switch() -> None:
     assert config.deterministic is True
     with pytest.raises(ConfigError, match="--lr needs a value"):
         read_overrides(["--lr", "--deterministic"], switches={"deterministic"})
+
+
+def test_shard_optimizer_is_a_flag_of_lockstep_train() -> None:
+    assert resolve_config("toy", None, [], None).shard_optimizer is False
+    assert resolve_config("toy", None, ["--shard-optimizer", "true"], None).shard_optimizer is True
+    assert resolve_config("toy", None, ["--shard-optimizer"], None).shard_optimizer is True
+    assert resolve_config("digits", None, ["--shard_optimizer=false"], None).shard_optimizer is False
+    with pytest.raises(ConfigError, match="shard_optimizer='maybe' from --shard-optimizer"):
+        resolve_config("toy", None, ["--shard-optimizer", "maybe"], None)
+
+
+def test_shard_optimizer_refuses_overlap_optimizer_and_periodic_sync() -> None:
+    from lockstep.trainer.optim import maybe_sharded
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    assert maybe_sharded(optimizer, FitConfig(), live=False) is optimizer
+    with pytest.raises(ConfigError, match="shard_optimizer=True with overlap_optimizer=True"):
+        maybe_sharded(optimizer, FitConfig(shard_optimizer=True, overlap_optimizer=True), live=False)
+    with pytest.raises(ConfigError, match="shard_optimizer=True with sync='diloco'"):
+        maybe_sharded(optimizer, FitConfig(shard_optimizer=True, sync="diloco"), live=False)

@@ -37,6 +37,8 @@ from lockstep.checkpoint.layout import CheckpointLayout, check_entry_name, step_
 from lockstep.checkpoint.meta import FORMAT, describe, read_meta, validate
 from lockstep.checkpoint.stateful import (
     for_safetensors,
+    gather_state,
+    gathers_state,
     is_stateful,
     keyed_like,
     module_mismatch,
@@ -95,6 +97,8 @@ class CheckpointManager:
             )
         for name in state:
             check_entry_name(name)
+        for obj in state.values():
+            gather_state(obj)  # a sharded optimizer's full state, collected on rank 0 (the writer)
         rngs = all_gather_object(rng.capture())  # every rank's streams, to rank 0 (and the rest)
         failure: BaseException | None = None
         if get_rank() == 0:
@@ -377,8 +381,8 @@ def _plan(directory: Path, entries: dict[str, Any], state: Mapping[str, Any]) ->
             saved: Any = safetensors.torch.load_file(str(directory / info["file"]), device="cpu")
         else:
             saved = pickled[name]
-        current = target.state_dict()
         if isinstance(target, nn.Module):
+            current = target.state_dict()
             problem = module_mismatch(current, saved)
             if problem:
                 raise CheckpointError(
@@ -386,8 +390,8 @@ def _plan(directory: Path, entries: dict[str, Any], state: Mapping[str, Any]) ->
                     f"{problem}. Load a checkpoint of this model, or start a fresh run_dir"
                 )
             saved = keyed_like(saved, current)
-        elif not isinstance(target, torch.optim.Optimizer):  # optimizers move their state to their params
-            saved = placed_like(saved, current)
+        elif not (isinstance(target, torch.optim.Optimizer) or gathers_state(target)):
+            saved = placed_like(saved, target.state_dict())  # optimizers move their state to their params
         plan.append((name, target, saved))
     return plan
 

@@ -38,6 +38,20 @@ def is_stateful(obj: Any) -> bool:
     return isinstance(resolve(obj), Stateful)
 
 
+def gathers_state(obj: Any) -> bool:
+    """Whether `obj` holds its state spread over the ranks and collects it with `consolidate_state_dict(to)`
+    before `state_dict()` returns it whole (a sharded optimizer: lockstep's ShardedOptimizer, torch's
+    ZeroRedundancyOptimizer). Its load_state_dict() takes the whole state and places it itself."""
+    return callable(getattr(resolve(obj), "consolidate_state_dict", None))
+
+
+def gather_state(obj: Any) -> None:
+    """Collect the state of a `gathers_state` object on rank 0, where the checkpoint is written (a
+    collective: every rank calls it); nothing for other objects."""
+    if gathers_state(obj):
+        resolve(obj).consolidate_state_dict(to=0)
+
+
 def strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
     """Keys without the wrapper's `module.` prefix (only when every key has it)."""
     if state and all(isinstance(k, str) and k.startswith(PREFIX) for k in state):

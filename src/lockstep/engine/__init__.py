@@ -8,7 +8,8 @@ has the map): the faces (ddp, replicate, joinable, wrap_checks), the per-model s
 bucket_layout, bucket_memory, fast_hooks, step, unused, shadow, stats), the optimizer overlapped with
 communication (optimizer_steps, overlapped_optimizer), accumulate() and deterministic
 mode (micro_step, exact, exact_buckets, fixed_point, small_grads, running_stats), wrap-time sync
-(init_sync), uneven inputs (join), the settings (policy) and the old class path for pickles (api);
+(init_sync), uneven inputs (join), sharded optimizer state (shard_optimizer: `ShardedOptimizer`, what
+`ReplicaHandle.shard_optimizer()` returns), the settings (policy) and the old class path for pickles (api);
 compression and powersgd (comm hooks) are public in lockstep.hooks, syncbn in lockstep.nn.
 """
 
@@ -18,6 +19,7 @@ from lockstep.engine.bucket_memory import GradBucket
 from lockstep.engine.ddp import DistributedDataParallel
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.replicate import ReplicaHandle, replicate
+from lockstep.engine.shard_optimizer import ShardedOptimizer
 from lockstep.engine.stats import EngineStats, StepStats
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "EngineStats",
     "GradBucket",
     "ReplicaHandle",
+    "ShardedOptimizer",
     "StepStats",
     "SyncPolicy",
     "replicate",

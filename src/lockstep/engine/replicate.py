@@ -16,6 +16,7 @@ from lockstep.engine.outer_sync import OuterSync
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.periodic_mode import PeriodicMode
 from lockstep.engine.policy import SyncPolicy
+from lockstep.engine.shard_optimizer import ShardedOptimizer
 from lockstep.engine.state import ReplicaState
 from lockstep.engine.stats import EngineStats
 from lockstep.errors import ConfigError, NotSupportedError
@@ -134,6 +135,29 @@ class ReplicaHandle(JoinableReplica):
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self._replica.register_comm_hook(state, hook)
 
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        """Shard `optimizer`'s state over the replica's ranks (ZeRO-1): each rank steps its share.
+
+        Step the returned object instead of `optimizer` (`sharded.step()`, `sharded.zero_grad()`); build LR
+        schedulers on `optimizer` itself. Every rank must step it at every step (not inside join()).
+        Parameters and optimizer state stay bitwise equal to an unsharded run for optimizers that update
+        each parameter from its own gradient and state (SGD, Adam, AdamW); each rank holds the state of
+        its share only. For a checkpoint,
+        `consolidate_state_dict()` on every rank, then `state_dict()` is the full state (lockstep's
+        CheckpointManager does both); `load_state_dict(full)` keeps this rank's share.
+
+        Args:
+            optimizer: a torch optimizer over the module's parameters, with no state yet or the same
+                state on every rank.
+
+        Returns:
+            A ShardedOptimizer (see lockstep.engine.shard_optimizer).
+
+        Raises:
+            ConfigError: not a torch optimizer, or a parameter listed twice.
+        """
+        return ShardedOptimizer(optimizer, process_group=self._replica.group)
+
     def overlap_optimizer(
         self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: bool = False, scaler: Any = None
     ) -> OverlappedOptimizer:
@@ -190,7 +214,8 @@ def replicate(
 
     Returns:
         A ReplicaHandle: `no_sync()`, `join()`, `accumulate()`, `owned_micro_batches()`,
-        `register_comm_hook()`, `stats()`, and `remove()` to make the module plain again.
+        `register_comm_hook()`, `shard_optimizer()`, `stats()`, and `remove()` to make the module plain
+        again.
 
     Raises:
         NoProcessGroupError: no process group exists yet (call lockstep.init() first).

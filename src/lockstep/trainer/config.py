@@ -105,6 +105,9 @@ class FitConfig:
     in micro-batches of micro_batch_size (default: all at once). deterministic=True (needs
     global_batch_size) gives the same bits at any world size: the step is cut into micro-batches of
     micro_batch_size (default: batch_size) over all ranks and reduced exactly (SyncPolicy(deterministic)).
+    shard_optimizer=True shards the optimizer's state over the ranks (ZeRO-1, engine/shard_optimizer.py):
+    the same bits as without it for SGD and AdamW; checkpoints hold the full state; in live mode each
+    share is kept by two ranks. Not with overlap_optimizer or a sync other than allreduce.
     overlap_optimizer=True steps each bucket's parameters as soon as its averaged gradients are back,
     while backward goes on: the same bits as without (sgd, adamw, any schedule); with clip_grad_norm, fp16
     precision, an optimizer other than SGD/Adam/AdamW, deterministic or live mode the step stays plain,
@@ -149,6 +152,9 @@ class FitConfig:
     outer_momentum: float = 0.9  # its Nesterov momentum (0: plain SGD)
     fragments: int = 1  # streaming_diloco: pieces of the model synced in turn
     sync_dtype: str = "fp32"  # what the synced values travel in (fp32, bf16, fp16); summed in fp32
+    shard_optimizer: bool = (
+        False  # ZeRO-1: each rank steps, and keeps the state of, its share of the parameters
+    )
 
     # Allowed values beyond the annotation, by field. A subclass adds its own: the MRO is searched.
     BOUNDS: ClassVar[Mapping[str, Bound]] = {

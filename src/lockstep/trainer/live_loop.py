@@ -28,9 +28,9 @@ from torch import nn
 
 from lockstep.checkpoint.stateful import Stateful
 from lockstep.data.micro_batch_sampler import MicroBatchSampler
-from lockstep.engine import ReplicaHandle, replicate
+from lockstep.engine import ReplicaHandle, ShardedOptimizer, replicate
 from lockstep.engine.policy import SyncPolicy
-from lockstep.errors import ConfigError, InternalError
+from lockstep.errors import ConfigError, InternalError, NotSupportedError
 from lockstep.runtime.membership.records import Fault
 from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery, retry_at_start
 from lockstep.runtime.process_group import live_group
@@ -89,6 +89,11 @@ class LiveLoop:
             raise ConfigError(
                 f"LiveLoop needs a lockstep.data.MicroBatchSampler (each step's micro-batches fixed at any "
                 f"world size), got {type(sampler).__name__}"
+            )
+        if isinstance(optimizer, ShardedOptimizer):
+            raise NotSupportedError(
+                "LiveLoop does not re-cut a ShardedOptimizer's shares when the members change; pass the "
+                "optimizer itself, or use lockstep.fit with FitConfig(shard_optimizer=True) in live mode"
             )
         if not sampler.drop_last:
             raise ConfigError(

@@ -25,6 +25,7 @@ from lockstep.engine import DistributedDataParallel, ReplicaHandle, replicate
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime import barrier, broadcast_object
+from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.records import Fault
 from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery, retry_at_start
 from lockstep.runtime.process_group import live_group
@@ -37,16 +38,78 @@ from lockstep.trainer.evaluation import Evaluation
 from lockstep.trainer.live_takeover import describe_change, take_over_log, take_over_rows
 from lockstep.trainer.low_comm import PeriodicRun, engine_policy
 from lockstep.trainer.metrics import TrainMetrics
-from lockstep.trainer.optim import build_optimizer, build_scheduler
+from lockstep.trainer.optim import build_optimizer, build_scheduler, maybe_sharded
 from lockstep.trainer.progress import ProgressBar
 from lockstep.trainer.run_log import RunLog
-from lockstep.trainer.run_state import RunState
+from lockstep.trainer.run_state import RunRecord, RunState, TrainCounters
 from lockstep.trainer.steps import LossFn, Stepper
 from lockstep.trainer.summary import build_summary, comm_bytes_so_far, publish_summary
 from lockstep.trainer.train_data import TrainData
 
 
-class FitRun:
+class _LiveSide:
+    """FitRun's side of live mode: what runtime/membership/recovery.py asks of the run (its Recoverable)."""
+
+    config: FitConfig
+    live: LiveGroup | None
+    module: nn.Module
+    handle: ReplicaHandle | None
+    topo: Topology
+    state: RunState
+    record: RunRecord
+    counters: TrainCounters
+    data: TrainData
+    evaluation: Evaluation
+    runlog: RunLog
+    bar: ProgressBar
+    run_dir: Path
+    total_steps: int
+
+    @property
+    def faults(self) -> list[dict[str, Any]]:
+        return self.record.faults
+
+    def release_replica(self) -> None:
+        self.state.set_aside()
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def rebuild_replica(self, topology: Topology) -> None:
+        self.topo = topology
+        self.handle = replicate(self.module, policy=engine_policy(self.config, live=self.live is not None))
+
+    def discard_step(self) -> None:
+        self.state.optimizer.zero_grad(set_to_none=True)
+
+    def marks(self) -> dict[str, Any]:
+        return self.state.marks()
+
+    def reconcile(self, mark: str) -> None:
+        self.state.reconcile(mark)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict(state)
+
+    def reshard(self, topology: Topology) -> None:
+        self.state.regroup()
+        self.data.reshard(topology)
+        self.evaluation.reshard(topology)
+
+    def regrouped(self, fault: Fault) -> None:
+        if self.topo.rank == 0 and self.live is not None:
+            take_over_rows(self.live, self.state.metrics, fault.lost)
+            if not self.runlog.enabled:  # this rank became rank 0 (the old one was lost)
+                self.runlog, self.bar = take_over_log(
+                    self.run_dir, self.total_steps, self.config, self.counters.step
+                )
+        self.bar.message(describe_change(fault, self.counters.step))
+
+
+class FitRun(_LiveSide):
     """One call of fit(): the objects it builds and the phases of the loop."""
 
     def __init__(
@@ -92,7 +155,7 @@ class FitRun:
         optimizer = (make_optimizer or (lambda p: build_optimizer(p, config)))(self.module.parameters())
         self.state = RunState(
             self.module,
-            optimizer,
+            maybe_sharded(optimizer, config, live=self.live is not None),
             build_scheduler(optimizer, config, self.total_steps),
             torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16"),
             self.sampler,
@@ -133,6 +196,9 @@ class FitRun:
         if self.recovery is not None and self.live is not None and self.live.needs_state:
             self.recovery.receive_state()  # a replacement: the state comes from a peer, not a checkpoint
             self.bar.advance(self.counters.step)
+            if self.sampler.epoch > self.counters.epoch:  # admitted after an epoch's last step: the members
+                self.counters.epoch += 1  # close that epoch now (checkpoint, evaluation), and so does it
+                self._retry(self._end_of_epoch)
         else:
             self._retry(self._maybe_resume)
         started, start_samples, start_step = time.monotonic(), self.counters.samples, self.counters.step
@@ -160,6 +226,7 @@ class FitRun:
         if self.evaluation.enabled and self.record.eval_step != self.counters.step:
             self._evaluate()
         self._save_checkpoint()
+        self.state.consolidate_optimizer()  # a sharded optimizer's full state on every rank, for the summary
 
     def _maybe_resume(self) -> None:
         if self.config.resume == "never" and self.checkpoints.steps():
@@ -256,6 +323,7 @@ class FitRun:
         return self.recovery.changes != before
 
     def _after_step(self) -> None:
+        self.state.gather_parameters()  # live mode, sharded optimizer: the step counted, now its all-gather
         step = self.counters.step
         if step % self.config.log_every == 0:
             self._log_train()
@@ -300,49 +368,6 @@ class FitRun:
             self.periodic_run.before_save()
         self.checkpoints.save(self.counters.step, self.state.checkpoint_entries())
         self.record.saved_step = self.counters.step
-
-    # ---- live mode: what runtime/membership/recovery.py asks of the run (its Recoverable) ---------------
-
-    @property
-    def faults(self) -> list[dict[str, Any]]:
-        return self.record.faults
-
-    def release_replica(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-
-    def rebuild_replica(self, topology: Topology) -> None:
-        self.topo = topology
-        self.handle = replicate(self.module, policy=engine_policy(self.config, live=self.live is not None))
-
-    def discard_step(self) -> None:
-        self.state.optimizer.zero_grad(set_to_none=True)
-
-    def marks(self) -> dict[str, Any]:
-        return self.state.marks()
-
-    def reconcile(self, mark: str) -> None:
-        self.state.reconcile(mark)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state.load_state_dict(state)
-
-    def reshard(self, topology: Topology) -> None:
-        self.data.reshard(topology)
-        self.evaluation.reshard(topology)
-
-    def regrouped(self, fault: Fault) -> None:
-        if self.topo.rank == 0 and self.live is not None:
-            take_over_rows(self.live, self.state.metrics, fault.lost)
-            if not self.runlog.enabled:  # this rank became rank 0 (the old one was lost)
-                self.runlog, self.bar = take_over_log(
-                    self.run_dir, self.total_steps, self.config, self.counters.step
-                )
-        self.bar.message(describe_change(fault, self.counters.step))
 
 
 def _take(iterator: Iterator[Any], count: int) -> list[Any]:

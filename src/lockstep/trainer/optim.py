@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule from a FitConfig."""
+"""Optimizer and learning-rate schedule from a FitConfig, and the optimizer sharded over the ranks (ZeRO-1)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 import torch
 
+from lockstep.engine.shard_optimizer import ShardedOptimizer
+from lockstep.errors import ConfigError
 from lockstep.trainer.config import FitConfig
 
 
@@ -41,3 +43,25 @@ def build_scheduler(
         )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def maybe_sharded(
+    optimizer: torch.optim.Optimizer, config: FitConfig, *, live: bool
+) -> torch.optim.Optimizer | ShardedOptimizer:
+    """The optimizer fit's steps run: sharded over the ranks (ZeRO-1) with config.shard_optimizer. In live
+    mode each share is kept by two ranks, and the all-gather waits until the step counted (fit's loop
+    calls `gather()` after the step, `regroup()` after a change of members)."""
+    if not config.shard_optimizer:
+        return optimizer
+    if config.overlap_optimizer or config.sync != "allreduce":
+        other = "overlap_optimizer=True" if config.overlap_optimizer else f"sync={config.sync!r}"
+        raise ConfigError(
+            f"shard_optimizer=True with {other}: "
+            + (
+                "the engine would step every parameter during backward, not this rank's share"
+                if config.overlap_optimizer
+                else "each rank steps all of its own parameters between syncs; there is no shared step to shard"
+            )
+            + "; choose one of the two"
+        )
+    return ShardedOptimizer(optimizer, copies=2 if live else 1, defer_gather=live)

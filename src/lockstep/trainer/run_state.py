@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep.engine.shard_optimizer import ShardedOptimizer
 from lockstep.trainer.metrics import TrainMetrics
 
 
@@ -72,7 +73,7 @@ class RunState:
     def __init__(
         self,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | ShardedOptimizer,
         scheduler: Any,
         scaler: torch.amp.GradScaler,
         sampler: Any,
@@ -116,8 +117,35 @@ class RunState:
             **self.extra,  # after model and optimizer: a rank's own state replaces rank 0's on load
         }
 
+    # A sharded optimizer (FitConfig.shard_optimizer) is a collective's worth more work at a few points.
+    def gather_parameters(self) -> None:
+        """After a step counted: the parameters' updated values from their owners (live mode's deferred
+        all-gather of a sharded optimizer; nothing otherwise)."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.gather()
+
+    def set_aside(self) -> None:
+        """Before a change of members (live mode): a sharded optimizer's values not yet all-gathered."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.set_aside()
+
+    def regroup(self) -> None:
+        """After a change of members (live mode): a sharded optimizer's shares re-cut over the new group."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.regroup()
+
+    def consolidate_optimizer(self) -> None:
+        """A sharded optimizer's full state collected on every rank (for the summary's hash)."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.consolidate_state_dict(to=None)
+
     def state_dict(self) -> dict[str, Any]:
-        state = {name: obj.state_dict() for name, obj in self.checkpoint_entries().items()}
+        entries = self.checkpoint_entries()
+        optimizer = entries.pop("optimizer")
+        state = {name: obj.state_dict() for name, obj in entries.items()}
+        # A sharded optimizer's state reaches a replacement through regroup(), from the ranks that hold it.
+        sharded = isinstance(optimizer, ShardedOptimizer)
+        state["optimizer"] = optimizer.transfer_state_dict() if sharded else optimizer.state_dict()
         state["record"] = self.record.state_dict()
         state["metrics"] = self.metrics.state_dict()
         return state

@@ -59,7 +59,9 @@ class Stepper:
         self.live = live
         self.outer: Any = None  # low-communication training: the replica handle that syncs after each step
         # what _update steps: the run's optimizer, or the one the engine steps bucket by bucket
-        self.optimizer: torch.optim.Optimizer = state.optimizer
+        # (a ShardedOptimizer offers what GradScaler and clipping read: param_groups, step; every rank
+        # holds every averaged gradient, so found_inf and the gradient norm agree across ranks)
+        self.optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, state.optimizer)
 
     def overlap(self, model: nn.Module) -> None:
         """With config.overlap_optimizer, the engine steps the optimizer bucket by bucket during the
@@ -70,15 +72,15 @@ class Stepper:
         state = self.state
         if self.config.sync != "allreduce":  # no gradient is averaged in backward: nothing to overlap with
             tag = rank_tag(dist.get_rank(), dist.get_world_size())
-            self.optimizer = OverlappedOptimizer(state.optimizer, fallback=PERIODIC_REASON, tag=tag)
+            self.optimizer = OverlappedOptimizer(self.optimizer, fallback=PERIODIC_REASON, tag=tag)
             return
         if self.plan.num_micro_batches:  # accumulate()'s steps; live mode rebuilds the replica, too
             tag = rank_tag(dist.get_rank(), dist.get_world_size())
-            self.optimizer = OverlappedOptimizer(state.optimizer, fallback=MICRO_BATCHED_REASON, tag=tag)
+            self.optimizer = OverlappedOptimizer(self.optimizer, fallback=MICRO_BATCHED_REASON, tag=tag)
             return
         self.optimizer = overlap_optimizer(
             model,  # type: ignore[arg-type]  # the drop-in class (a JoinableReplica)
-            state.optimizer,
+            self.optimizer,  # the run's own (shard_optimizer is refused with overlap_optimizer)
             clip_grad_norm=self.config.clip_grad_norm is not None,
             scaler=state.scaler,
         )

@@ -47,7 +47,7 @@ def build_summary(
         "faults": record.faults,
         "restarts": 0 if live else None,
         "params_sha256": state_sha256(state.module.state_dict()),
-        "optimizer_sha256": state_sha256(state.optimizer.state_dict()),
+        "optimizer_sha256": state_sha256(state.optimizer.state_dict()),  # consolidated if sharded
         "final_train": record.last_train or None,
         **record.last_eval,
         "config": config_to_dict(config),
