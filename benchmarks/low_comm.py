@@ -84,6 +84,7 @@ class _Arm:
         self.module.load_state_dict(warm["model"])
         self.model: Any = self.module
         self.after_step = lambda: None
+        self.finish = lambda: None  # at the end of the budget: streaming applies its fragment in flight
         opt = torch.optim.AdamW(self.module.parameters(), lr=args.lr)
         opt.load_state_dict(warm["optimizer"])
         if name in ("ddp", "ddp_powersgd"):
@@ -104,6 +105,7 @@ class _Arm:
             )
             handle = lockstep.replicate(self.module, policy=policy)
             self.after_step = handle.after_optimizer_step
+            self.finish = handle.flush_sync
         self.opt = opt
 
 
@@ -140,6 +142,8 @@ def bench_worker(args: argparse.Namespace) -> dict[str, Any]:
 
         dist.barrier()
         for step in range(args.steps + 1):
+            if step == args.steps:
+                arm.finish()
             if step in marks:  # evaluation is off the clock: rank 0 evaluates, the other waits
                 loss = _eval_loss(arm.module, eval_batches) if rank == 0 else 0.0
                 curve.append((wall, loss))
