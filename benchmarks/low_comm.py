@@ -46,6 +46,7 @@ from lockstep import hooks  # noqa: E402
 from lockstep.jobs import datasets, models  # noqa: E402
 from lockstep.testing import run_distributed, watch_collectives  # noqa: E402
 
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 ARMS = ("ddp", "ddp_powersgd", "torch_post_local_sgd", "local_sgd", "diloco", "streaming_diloco")
 
 
@@ -78,11 +79,14 @@ def _eval_loss(module: torch.nn.Module, eval_batches: list[Any]) -> float:
 class _Arm:
     """One arm's model, optimizer and the call after each optimizer step."""
 
-    def __init__(self, name: str, args: argparse.Namespace, vocab: int) -> None:
+    def __init__(self, name: str, args: argparse.Namespace, vocab: int, warm: dict[str, Any]) -> None:
         self.module = _model(args, vocab)
+        self.module.load_state_dict(warm["model"])
         self.model: Any = self.module
         self.after_step = lambda: None
+        self.finish = lambda: None  # at the end of the budget: streaming applies its fragment in flight
         opt = torch.optim.AdamW(self.module.parameters(), lr=args.lr)
+        opt.load_state_dict(warm["optimizer"])
         if name in ("ddp", "ddp_powersgd"):
             self.model = lockstep.DistributedDataParallel(self.module)
             if name == "ddp_powersgd":
@@ -97,20 +101,37 @@ class _Arm:
                 outer_lr=args.outer_lr,
                 outer_momentum=args.outer_momentum,
                 fragments=args.fragments if name == "streaming_diloco" else 1,
+                delta_dtype=None if name == "local_sgd" else DTYPES[args.sync_dtype],
             )
             handle = lockstep.replicate(self.module, policy=policy)
             self.after_step = handle.after_optimizer_step
+            self.finish = handle.flush_sync
         self.opt = opt
+
+
+def _warm_start(args: argparse.Namespace, train: Any, vocab: int, rank: int) -> dict[str, Any]:
+    """--warmup synchronous steps (DDP), off the clock: every arm starts from their model and AdamW state,
+    as DiLoCo starts from a model already past its first, chaotic steps."""
+    module = _model(args, vocab)
+    model = lockstep.DistributedDataParallel(module)
+    opt = torch.optim.AdamW(module.parameters(), lr=args.lr)
+    for step in range(args.warmup):
+        x, y = _batch(train, args, rank, 10_000_000 + step)
+        opt.zero_grad(set_to_none=True)
+        _loss(model(x), y).backward()
+        opt.step()
+    return {"model": module.state_dict(), "optimizer": opt.state_dict()}
 
 
 def bench_worker(args: argparse.Namespace) -> dict[str, Any]:
     rank = dist.get_rank()
     train, test, vocab = datasets.stdlib_text(args.context)
+    warm = _warm_start(args, train, vocab, rank)
     eval_batches = [_batch(test, args, 10_000 + i, 0) for i in range(args.eval_batches)]
     marks = set(range(0, args.steps + 1, max(1, args.steps // args.points))) | {args.steps}
     out: dict[str, Any] = {"arms": {}, "params": sum(p.numel() for p in _model(args, vocab).parameters())}
     for name in args.arms:
-        arm = _Arm(name, args, vocab)
+        arm = _Arm(name, args, vocab, warm)
         counted = [0]
         curve: list[tuple[float, float]] = []
         wall = 0.0
@@ -121,6 +142,8 @@ def bench_worker(args: argparse.Namespace) -> dict[str, Any]:
 
         dist.barrier()
         for step in range(args.steps + 1):
+            if step == args.steps:
+                arm.finish()
             if step in marks:  # evaluation is off the clock: rank 0 evaluates, the other waits
                 loss = _eval_loss(arm.module, eval_batches) if rank == 0 else 0.0
                 curve.append((wall, loss))
@@ -166,7 +189,9 @@ def report(res: dict[str, Any], args: argparse.Namespace, plot: Path) -> str:
         f"dim {args.dim}, depth {args.depth}, context {args.context} ({res['params']:,} parameters). Token "
         f"budget: {args.steps} steps x {args.batch} sequences x 2 ranks = {tokens:,} tokens. AdamW lr {args.lr}; "
         f"H = {args.sync_every}, outer lr {args.outer_lr}, outer momentum {args.outer_momentum} (Nesterov), "
-        f"{args.fragments} fragments for streaming. Wall time excludes evaluation.",
+        f"{args.fragments} fragments for streaming; DiLoCo's deltas sent in {args.sync_dtype}. Every arm starts "
+        f"from the same {args.warmup} synchronous (DDP) steps, untimed and uncounted. Wall time excludes "
+        "evaluation.",
         "",
         "| arm | wall s | bytes / sample | final eval loss | wall vs ddp | bytes vs ddp | loss vs ddp |",
         "|---|---|---|---|---|---|---|",
@@ -223,6 +248,10 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--fragments", type=int, default=4)
+    parser.add_argument(
+        "--sync-dtype", default="fp32", choices=list(DTYPES), help="diloco's deltas on the wire"
+    )
+    parser.add_argument("--warmup", type=int, default=50, help="synchronous steps before every arm, untimed")
     parser.add_argument("--points", type=int, default=10, help="evaluations along the run")
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=1800)

@@ -205,6 +205,27 @@ def test_a_resume_mid_round_continues_bit_for_bit(sync: str) -> None:
         assert resumed[rank]["stats"] == straight[rank]["stats"]
 
 
+def _flushed() -> dict[str, Any]:
+    model = _model()
+    handle = lockstep.replicate(model, policy=_policy("streaming_diloco"))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        _inner(model, opt, dist.get_rank(), step)
+        handle.after_optimizer_step()
+    flushed = [handle.flush_sync(), handle.flush_sync()]
+    return {"flushed": flushed, "stats": handle.stats().extras, "state": model.state_dict()}
+
+
+def test_flush_sync_applies_the_fragment_in_flight_once() -> None:
+    outs = run_distributed(_flushed, 2, timeout=120)
+    for out in outs:
+        assert out["flushed"] == [True, False]
+        assert out["stats"]["outer_syncs"] == 2 * (STEPS // EVERY)  # every fragment of every round applied
+    for name, value in outs[0]["state"].items():
+        if "running" in name or "num_batches" in name:
+            assert torch.equal(value, outs[1]["state"][name]), name  # buffers averaged with the last fragment
+
+
 def test_deltas_in_bfloat16_are_summed_in_float32_in_rank_order_at_world_3() -> None:
     outs = run_distributed(_rank_run, 3, args=("diloco", {"delta_dtype": torch.bfloat16}, None), timeout=120)
     want = _reference("diloco", 3, torch.bfloat16)

@@ -150,6 +150,14 @@ class OuterSync:
             self.pending = (f, self._start_mean(self._outer_grads(f)))
         return bool(due)
 
+    def flush(self) -> bool:
+        """streaming_diloco: apply the fragment still in flight now (at the end of training), instead of
+        after the next inner step. True when there was one."""
+        if self.pending is None:
+            return False
+        self._merge(*self.pending)
+        return True
+
     def _outer_grads(self, f: int) -> list[torch.Tensor]:
         return [self.anchor[i] - self.params[i].detach().float() for i in self.fragments[f]]
 

@@ -113,6 +113,11 @@ class ReplicaHandle(JoinableReplica):
         """
         return self._periodic("after_optimizer_step()").after_optimizer_step()
 
+    def flush_sync(self) -> bool:
+        """Low-communication training, at the end of training: apply a streaming fragment still in flight
+        (it would otherwise be applied after the next inner step). True when there was one."""
+        return self._periodic("flush_sync()").flush()
+
     def sync_state_dict(self) -> dict[str, Any]:
         """Low-communication training: the outer state a resume needs (steps counted, the anchor, the outer
         optimizer's momentum); the same on every rank. The rank's parameters and inner optimizer state are
