@@ -205,6 +205,28 @@ def slowest_rank_seconds(step: Callable[[int], None], warmup: int, steps: int, s
     return float(elapsed.item())
 
 
+def paired_rounds(a: Any, b: Any, rounds: int, warmup: int, steps: int) -> dict[str, Any]:
+    """Time engines `a` and `b` (each with a `step(i)` method) in A-B-B-A rounds: per round, each runs twice
+    (warm-up, then steps // 2 timed steps each time; a step's time is the slowest rank's). Returns the
+    per-round ratios a/b and the median ms per step of each."""
+    ratios, times_a, times_b = [], [], []
+    for r in range(rounds):
+        spent: dict[int, list[float]] = {id(a): [], id(b): []}
+        for engine in abba((a, b), r):
+            spent[id(engine)].append(
+                slowest_rank_seconds(engine.step, warmup, steps // 2 or 1, start=100 * r)
+            )
+        ta, tb = sum(spent[id(a)]), sum(spent[id(b)])
+        ratios.append(ta / tb)
+        times_a.append(ta / 2)
+        times_b.append(tb / 2)
+    return {
+        "ratios": ratios,
+        "a_ms": statistics.median(times_a) * 1e3,
+        "b_ms": statistics.median(times_b) * 1e3,
+    }
+
+
 # ---------------------------------------------------------------- report lines
 
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from benchmarks.common import MODELS, abba, batch, build, fmt_ratios, loss, machine_line, slowest_rank_seconds  # noqa: E402
+from benchmarks.common import MODELS, batch, build, fmt_ratios, loss, machine_line, paired_rounds  # noqa: E402
 from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
@@ -102,22 +102,7 @@ def bench_worker(name: str, rounds: int, warmup: int, steps: int, pairs: list[st
         kind_a = "lockstep" if pair == "lockstep/torch" else "torch"
         a, b = _Engine(kind_a, name, state), _Engine("torch", name, state)
         result[f"parity {pair}"] = _parity(a, b)
-        ratios, times_a, times_b = [], [], []
-        for r in range(rounds):
-            spent: dict[int, list[float]] = {id(a): [], id(b): []}
-            for engine in abba((a, b), r):
-                spent[id(engine)].append(
-                    slowest_rank_seconds(engine.step, warmup, steps // 2 or 1, start=100 * r)
-                )
-            ta, tb = sum(spent[id(a)]), sum(spent[id(b)])
-            ratios.append(ta / tb)
-            times_a.append(ta / 2)
-            times_b.append(tb / 2)
-        result[pair] = {
-            "ratios": ratios,
-            "a_ms": statistics.median(times_a) * 1e3,
-            "b_ms": statistics.median(times_b) * 1e3,
-        }
+        result[pair] = paired_rounds(a, b, rounds, warmup, steps)
         if pair == "lockstep/torch":
             result["state_bytes"] = {"lockstep": a.state_bytes(), "torch": b.state_bytes()}
         del a, b
