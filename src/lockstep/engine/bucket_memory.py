@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from lockstep.engine.bucket_layout import BucketSpec
 from lockstep.runtime.progress import CollectiveRecord
@@ -43,6 +44,8 @@ class Bucket:
         # bf16/fp16 grads in an fp32 bucket: scale after the copy, in fp32 (torch.mul(out=) would round
         # the scaled value in the gradient's dtype first). Buckets never mix dtypes: one test suffices.
         self.widen = dtype != self.params[0].dtype and dtype.itemsize >= self.params[0].dtype.itemsize
+        # .grad and the views of one dtype: written back in one copy
+        self.same_dtype = not self.solo and dtype == self.params[0].dtype
         self.nbytes = total * dtype.itemsize
         self.pending = len(self.params)
         self.last_ready = -1  # the parameter that completed it in the latest step (its trigger, reducer.py)
@@ -99,8 +102,30 @@ class GradBucket:
 
 
 def sum_hook(group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[Any]:
-    """The built-in hook: an async all-reduce (sum) of a bucket already scaled by 1/world on copy-in."""
-    return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()  # type: ignore[union-attr]
+    """The built-in hook: an async all-reduce (sum) of a bucket already scaled by 1/world on copy-in.
+
+    A plain dense tensor goes to the process group's own allreduce, as torch's C++ reducer does: the
+    checks of the `dist.all_reduce` wrapper (a dozen Python calls) cost more than the rest of a small
+    bucket's launch and can never fail for a bucket. Anything else (a tensor subclass, a complex dtype,
+    inside a coalescing context) takes `dist.all_reduce`, and so does every bucket while something has
+    replaced `dist.all_reduce` (a profiler, a byte counter, lockstep.testing.watch_collectives)."""
+    tensor = bucket.buffer()
+    pg = group if group is not None else c10d._world.default_pg
+    if (
+        dist.all_reduce is _ALL_REDUCE
+        and pg is not None
+        and type(tensor) is torch.Tensor
+        and not tensor.is_complex()
+        and pg not in c10d._world.pg_coalesce_state
+    ):
+        return pg.allreduce([tensor], _SUM_ASYNC).get_future()
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future()  # type: ignore[union-attr]
+
+
+_ALL_REDUCE = dist.all_reduce  # torch's own, as imported
+_SUM_ASYNC = dist.AllreduceOptions()
+_SUM_ASYNC.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch stubs: RedOpType
+_SUM_ASYNC.asyncOp = True
 
 
 def build_buckets(

@@ -62,17 +62,21 @@ class FastHooks:
         self.arrivals: list[torch.Tensor] = []  # what fast hooks reported, not yet drained
         self._record_arrival = functools.partial(list.append, self.arrivals)  # a C call: no Python frame
         self._single_device = len({p.device for p in self.params}) <= 1
+        # what choose() last decided on: the setting, the buckets, their triggers
+        self._chosen_for: tuple[bool, Sequence[Bucket], list[int]] | None = None
 
     def attach(self) -> None:
         """Register a hook per parameter (the Python one: fast hooks are chosen after a synced step)."""
         self.handles = [self._register(i, fast=False) for i in range(self._n)]
         self.fast = bytearray(self._n)
+        self._chosen_for = None
 
     def detach(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
         self.fast = bytearray(self._n)
+        self._chosen_for = None
         self.arrivals.clear()
 
     def _register(self, i: int, *, fast: bool) -> Any:
@@ -125,6 +129,12 @@ class FastHooks:
         them), Python hooks elsewhere (see the module docstring)."""
         if not self.handles:
             return
+        # The choice depends on the buckets (a new list after a rebuild) and their triggers only: the same
+        # as last step, nothing to do (a walk over every parameter per step would cost more than fast hooks save).
+        key = (allowed, buckets, [b.last_ready for b in buckets])
+        if self._chosen_for is not None and key[1] is self._chosen_for[1] and key == self._chosen_for:
+            return
+        self._chosen_for = key
         want = bytearray(self._n)
         if allowed and self._single_device:
             for b in buckets:

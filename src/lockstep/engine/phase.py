@@ -44,6 +44,10 @@ class Phase(enum.Enum):
     FINALIZING = "finalizing"
     SHADOWING = "shadowing"
 
+    # Identity hash, in C: Enum's own hashes the name in Python, and the reducer looks phases up in LEGAL
+    # a few times per step (equality is identity for enum members, so the two agree).
+    __hash__ = object.__hash__
+
 
 IDLE, ARMED, REDUCING, FINALIZING, SHADOWING = Phase
 

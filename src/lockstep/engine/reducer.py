@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.engine import unused
-from lockstep.engine.bucket_launch import BucketLauncher
+from lockstep.engine.arrivals import GradientArrivals
 from lockstep.engine.bucket_layout import BucketSpec, complete_order
 from lockstep.engine.bucket_memory import sum_hook
 from lockstep.engine.fast_hooks import FastHooks
@@ -66,7 +66,7 @@ from lockstep.runtime.progress import BACKWARD, PROGRESS
 SOLO_BUCKET_BYTES = 4 * 1024 * 1024
 
 
-class Reducer(BucketLauncher):
+class Reducer(GradientArrivals):
     """The four phases of a step (see the module docstring) over a BucketLauncher's buckets; one StepState
     per backward."""
 
@@ -163,9 +163,14 @@ class Reducer(BucketLauncher):
         self._t_output_grad = 0.0
         for t in outputs:
             if t.requires_grad:
-                t.register_hook(self._on_output_grad)
+                # A pre-hook on the output's node: what a tensor hook is underneath, at half the cost
+                node = t.grad_fn
+                if node is not None:
+                    node.register_prehook(self._on_output_grad)
+                else:
+                    t.register_hook(self._on_output_grad)
 
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
+    def _on_output_grad(self, _grad: object) -> None:
         # Queued from an output's gradient, the callback belongs to the outermost backward, even when
         # reentrant checkpointing runs nested backwards that fire parameter hooks.
         if self.armed is not None and not self._queued:
@@ -192,43 +197,6 @@ class Reducer(BucketLauncher):
         """1 where parameter i has a fast hook now (fast_hooks.py)."""
         return self._hooks.fast
 
-    def post_accumulate_grad(self, i: int, _param: torch.Tensor | None = None) -> None:
-        """The per-parameter Python hook: param i's .grad is complete for this backward.
-
-        Registered as `functools.partial(post_accumulate_grad, i)`. Parameters reported by a fast hook
-        before this one are processed first, in their order.
-        """
-        if self._arrivals:
-            self.drain()
-        self.arrived(i)
-
-    def arrived(self, i: int) -> None:
-        """Param i's gradient is complete (the common case, a step under way and first time ready, in
-        the fewest Python calls: this runs once per parameter and backward)."""
-        self.used[i] = 1
-        if self.armed is None:
-            return  # no_sync, eval, or a backward that did not follow a synced forward: accumulate locally
-        step = self.step
-        if step is not None and step.hits is None and not step.ready[i] and not torch.is_grad_enabled():
-            self._mark_ready(step, i)
-            return
-        if torch.is_grad_enabled():  # backward(create_graph=True): keep the reduction out of the graph
-            with torch.no_grad():
-                self._accumulated(i)
-        else:
-            self._accumulated(i)
-
-    def _accumulated(self, i: int) -> None:
-        step = self.step or self.start_step()
-        if step.hits is not None:
-            step.hits[i] += 1
-            if self._static_hits is not None and step.hits[i] < self._static_hits[i]:
-                return
-        if step.ready[i]:
-            self._ready_again(i)
-            return
-        self._mark_ready(step, i)
-
     def start_step(self) -> StepState:
         """ARMED -> REDUCING: the first gradient of the armed forward's backward arrived."""
         # before REDUCING: an overlapped optimizer's step left unfinished raises with nothing reduced yet
@@ -246,21 +214,6 @@ class Reducer(BucketLauncher):
             self._mark_ready(step, i)
         return step
 
-    def _mark_ready(self, step: StepState, i: int) -> None:
-        step.ready[i] = 1
-        if self.order is not None:
-            self.order.append(i)
-        b, pos = self.where[i]
-        if b.eager and self.communicates:
-            self._copy_in_one(b, pos)
-        b.pending -= 1
-        if b.pending == 0:
-            b.last_ready = i
-        if b.pending == 0 and not step.defer:
-            self.launch_completed(step)
-            if self.phase is REDUCING:  # in finalize, buckets step after the ranks agree on unused ones
-                self.optimizer_steps.poll(self.buckets, step.next_bucket, self._write_back_one)
-
     @property
     def _first_static(self) -> bool:
         # static_graph's first step reduces at the end: how often each parameter fires is not known yet.
@@ -276,7 +229,10 @@ class Reducer(BucketLauncher):
         if step is None:
             return  # a pass that accumulated no gradient (autograd.grad): stay armed for the real backward
         self._enter(FINALIZING)
-        with torch.no_grad():
+        if torch.is_grad_enabled():  # backward(create_graph=True); otherwise the engine runs us without grad
+            with torch.no_grad():
+                verdict = self._finalize(step)
+        else:
             verdict = self._finalize(step)
         if verdict:
             raise UnusedParameterError(verdict)

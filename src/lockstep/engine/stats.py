@@ -62,6 +62,11 @@ class EngineStats:
 
 def union_ms(intervals: list[tuple[float, float]], until: float | None = None) -> float:
     """Total length (ms) of the union of [start, end] intervals (seconds), cut at `until` if given."""
+    if len(intervals) == 1:  # the common case of a small model: one bucket
+        start, end = intervals[0]
+        if until is not None and until < end:
+            end = until
+        return (end - start) * 1000.0 if end > start else 0.0
     spans = sorted((s, min(e, until) if until is not None else e) for s, e in intervals)
     total = 0.0
     cur_start, cur_end = None, None
@@ -80,20 +85,38 @@ def union_ms(intervals: list[tuple[float, float]], until: float | None = None) -
 
 
 class StatsRecorder:
-    """Keeps the last step and running sums; cheap enough to stay on in every step."""
+    """Keeps the last step and running sums; cheap enough to stay on in every step (plain floats per
+    step: the frozen StepStats is built only when someone reads `last`)."""
 
     def __init__(self) -> None:
-        self.last: StepStats | None = None
+        self._last: tuple[float, float, float, float, float, int] | None = None
         self._sums = [0.0] * 5
         self._bytes = 0
         self.steps = 0
 
-    def record(self, step: StepStats) -> None:
-        self.last = step
+    def record(
+        self,
+        forward_ms: float,
+        backward_ms: float,
+        comm_ms: float,
+        hidden_ms: float,
+        finalize_ms: float,
+        nbytes: int,
+    ) -> None:
+        self._last = (forward_ms, backward_ms, comm_ms, hidden_ms, finalize_ms, nbytes)
         self.steps += 1
-        values = (step.forward_ms, step.backward_ms, step.comm_ms, step.comm_hidden_ms, step.finalize_ms)
-        self._sums = [a + b for a, b in zip(self._sums, values)]
-        self._bytes += step.bytes_communicated
+        sums = self._sums
+        sums[0] += forward_ms
+        sums[1] += backward_ms
+        sums[2] += comm_ms
+        sums[3] += hidden_ms
+        sums[4] += finalize_ms
+        self._bytes += nbytes
+
+    @property
+    def last(self) -> StepStats | None:
+        """The latest synced step."""
+        return StepStats(self.steps, *self._last) if self._last is not None else None
 
     @property
     def total_bytes(self) -> int:

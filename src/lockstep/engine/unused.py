@@ -92,9 +92,10 @@ class UnusedAgreement:
 
     def read(self, reduced: torch.Tensor, count: int, missing: list[int], signal: str) -> str:
         """The error message (or '') from the last bucket's reduced buffer, as `signal` says it was put."""
+        flag = reduced.reshape(-1)[-1].item()
         if signal == "status":
-            total = int(reduced.reshape(-1)[-1].item())
-        elif bool(torch.isnan(reduced.reshape(-1)[-1])):
+            total = int(flag)
+        elif flag != flag:  # NaN: a rank flagged missing gradients (or a real NaN): count them
             total = total_missing(count, self.group, self.device)
         else:
             total = 0

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 STARTUP = "startup"
 FORWARD = "forward"
@@ -130,7 +131,7 @@ class Progress:
         """Stamp the next sequence number of `group` on a collective about to be issued; return its record."""
         if not self.enabled:
             return _UNTRACKED
-        pg = group if group is not None else dist.group.WORLD
+        pg = group if group is not None else c10d._world.default_pg  # dist.group.WORLD, without its property
         key = id(pg)
         seq = self._seqs[key] = self._seqs.get(key, 0) + 1
         name = self._group_names.get(key)
@@ -205,18 +206,44 @@ def call_site() -> str:
 def user_site(frame: Any) -> str:
     """'FILE:LINE in FUNC' of the innermost frame from `frame` outward that is neither lockstep's nor
     torch's (nor contextlib's), '?' when there is none."""
+    library = _MEMO.library
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_NOT_THE_CALLER):
-            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        code = frame.f_code
+        # Keyed by id (a code object's own hash walks its bytecode); the entry holds the code object, so
+        # its id cannot be reused while the entry lives.
+        entry = library.get(id(code))
+        if entry is None or entry[0] is not code:  # once per code object: a dict lookup per frame after that
+            if len(library) >= 8192:  # bounded: a program that makes code at run time cannot grow it forever
+                library.clear()
+            entry = library[id(code)] = (code, code.co_filename.startswith(_NOT_THE_CALLER))
+        if not entry[1]:
+            return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
         frame = frame.f_back
     return "?"
+
+
+class _Memo:
+    """What call sites and shapes cost to work out, once: caches of pure functions, not state."""
+
+    def __init__(self) -> None:
+        # id(code object) -> (the code object, whether it is lockstep's, torch's or contextlib's)
+        self.library: dict[int, tuple[Any, bool]] = {}
+        self.shapes: dict[tuple[Any, ...], str] = {}  # (dtype, shape, sparse) -> its text
+
+
+_MEMO = _Memo()
 
 
 def _shapes(tensors: Sequence[torch.Tensor]) -> list[str]:
     out = []
     for t in tensors[:4]:
-        out.append(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}{'(sparse)' if t.is_sparse else ''}")
+        key = (t.dtype, t.shape, t.is_sparse)
+        text = _MEMO.shapes.get(key)
+        if text is None:
+            text = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}{'(sparse)' if t.is_sparse else ''}"
+            if len(_MEMO.shapes) < 4096:
+                _MEMO.shapes[key] = text
+        out.append(text)
     if len(tensors) > 4:
         out.append(f"... {len(tensors) - 4} more")
     return out

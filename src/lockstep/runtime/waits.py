@@ -68,9 +68,25 @@ def tracked(
 
 
 def wait_tracked(rec: CollectiveRecord, work: Any) -> Any:
-    """Wait on an asynchronous collective issued earlier (an engine bucket): marked, reported if it raises."""
-    with _waiting(watchdog.current(), rec):
-        return wait_watching_membership(work)
+    """Wait on an asynchronous collective issued earlier (an engine bucket): marked, reported if it raises.
+
+    `_waiting` written out: this runs once per bucket and step, where a generator-based context manager
+    costs more than the rest of the bookkeeping."""
+    dog = watchdog.current()
+    guard = dog.guard if dog is not None else None
+    if guard is not None:
+        guard.enter()
+    PROGRESS.begin_wait(rec)
+    try:
+        value = wait_watching_membership(work)
+        PROGRESS.end_wait()
+        return value
+    except (RuntimeError, dist.DistError) as exc:
+        collective_failed(rec, exc)
+        raise
+    finally:
+        if guard is not None:
+            guard.leave()
 
 
 def wait_watching_membership(work: Any) -> Any:
