@@ -91,7 +91,6 @@ class Reducer(BucketLauncher):
             None if self._planner.skips_rebuild(static_graph=self.static_graph) else []
         )
         self._order_complete = False
-        self.ready_order: list[int] | None = None  # the rebuild's order, kept for bucket_tuner.py's relayouts
         self._static_hits: list[int] | None = None  # learned by static_graph in its first step
         self._static_unused: list[int] = []
         self.used = bytearray(self._n)  # parameters used since the last synced step (no_sync included)
@@ -117,11 +116,7 @@ class Reducer(BucketLauncher):
         self.phase = phase
 
     def _rebuild(self, order: Sequence[int] | None) -> None:
-        self._build(order, solo_bytes=self._solo_bytes)
-
-    @property
-    def _solo_bytes(self) -> int | None:
-        return None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES
+        self._build(order, solo_bytes=None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES)
 
     def enable_static_graph(self) -> None:
         """torch's _set_static_graph(): before the first backward, like static_graph=True."""
@@ -149,18 +144,7 @@ class Reducer(BucketLauncher):
         order = broadcast_object(complete_order(self.order or [], self._n), src=src, group=self.group)
         self.order = None
         self._rebuild(order)
-        self.rebuilt, self.ready_order = True, order
-
-    def layout_at(self, cap_bytes: int) -> list[BucketSpec]:
-        """bucket_tuner.py: the buckets the rebuild's order gives at `cap_bytes`, not built."""
-        return self._planner.layout(
-            self.ready_order, static_graph=self.static_graph, solo_bytes=self._solo_bytes, cap_bytes=cap_bytes
-        )
-
-    def relayout(self, cap_bytes: int) -> None:
-        """bucket_tuner.py, between steps: the buckets built again at `cap_bytes`, in the rebuild's order."""
-        self._planner.cap_bytes = cap_bytes
-        self._rebuild(self.ready_order)
+        self.rebuilt = True
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor], t_forward_start: float) -> None:
         """Arm for the backward of this forward (the last synced forward wins, like torch)."""
