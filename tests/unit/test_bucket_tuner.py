@@ -74,3 +74,9 @@ def test_auto_is_refused_where_there_are_no_lockstep_buckets_to_time() -> None:
             SyncPolicy(bucket_cap_mb="auto", **kwargs)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="positive number of MiB or 'auto'"):
         SyncPolicy(bucket_cap_mb="fast")
+
+
+def test_the_reason_names_the_fastest_other_cap_when_the_default_stays() -> None:
+    cap, why = choose_cap([1.0, 4.0, 25.0], [[12.0], [11.0], [10.0]])
+    assert cap == 25.0 and "the fastest other, 4 MiB at 11.000 ms" in why
+    assert choose_cap([25.0], [[10.0]]) == (25.0, "the default: 10.000 ms, no other cap timed")

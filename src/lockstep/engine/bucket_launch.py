@@ -80,10 +80,8 @@ class BucketLauncher:
         self.stats = StatsRecorder()
         self._planner = BucketPlanner(self.params, self.names, sparse, policy)
         self._layout: list[BucketSpec] | None = None
-        self._built_from: tuple[Sequence[int] | None, int | None] = (
-            None,
-            None,
-        )  # the last _build's arguments
+        # the last _build's order and solo size: relayout builds again from them at another cap
+        self._built_from: tuple[Sequence[int] | None, int | None] = (None, None)
         self.buckets: list[Bucket] = []
         self.where: list[tuple[Bucket, int]] = []  # per parameter: its bucket and its position there
         self._unused = UnusedAgreement(self.names, self._tag, group, device, world_size)
@@ -96,7 +94,7 @@ class BucketLauncher:
         return list(self._layout or [])
 
     def _build(self, order: Sequence[int] | None, *, solo_bytes: int | None) -> None:
-        self._built_from = (order, solo_bytes)  # for relayout
+        self._built_from = (order, solo_bytes)
         layout = self._planner.layout(order, static_graph=self.static_graph, solo_bytes=solo_bytes)
         if layout == self._layout:  # the observed order gives the same buckets: keep their memory and views
             return

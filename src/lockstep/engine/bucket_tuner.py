@@ -98,11 +98,13 @@ def choose_cap(
     timed = {cap: m for cap, m in medians.items() if m is not None}
     if not timed:
         return default_mb, "no step was timed: kept the default"
-    best = min(timed, key=lambda cap: (timed[cap], cap))
-    default = timed.get(default_mb)
+    default = timed.pop(default_mb, None)
+    if not timed:
+        return default_mb, f"the default: {default:.3f} ms, no other cap timed"
+    best = min(timed, key=lambda cap: (timed[cap], cap))  # the fastest other than the default
     if default is None:
         return best, f"fastest median {timed[best]:.3f} ms (the default was not timed)"
-    if best == default_mb or timed[best] >= default * (1.0 - margin):
+    if timed[best] >= default * (1.0 - margin):
         return default_mb, (
             f"the default: {default:.3f} ms; the fastest other, {best:g} MiB at {timed[best]:.3f} ms, is "
             f"not {margin:.0%} faster"
