@@ -10,7 +10,7 @@ steps, a step's time the slowest rank's: the median of per-round ratios tuned/fi
 fixed2/fixed as the noise floor. A model whose candidate caps all give one layout (mlp: its large weights
 are reduced in place whatever the cap) has nothing to tune and is not timed.
 
-Shorter than DESIGN.md's protocol (4 rounds of 2 timed steps by default, not 6 of 10) to fit 3 minutes
+Shorter than DESIGN.md's protocol (3 rounds of 2 timed steps by default, not 6 of 10) to fit 3 minutes
 on a loaded 2-core machine; pass --rounds and --steps for more.
 
     OMP_NUM_THREADS=1 python benchmarks/bucket_tuning.py --models gpt resnet mlp
@@ -118,7 +118,7 @@ def _trials_text(trials: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt", "resnet", "mlp"])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per block (after 1 warm-up)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
