@@ -187,3 +187,35 @@ def test_shard_optimizer_refuses_overlap_optimizer_and_periodic_sync() -> None:
         maybe_sharded(optimizer, FitConfig(shard_optimizer=True, overlap_optimizer=True), live=False)
     with pytest.raises(ConfigError, match="shard_optimizer=True with sync='diloco'"):
         maybe_sharded(optimizer, FitConfig(shard_optimizer=True, sync="diloco"), live=False)
+
+
+def test_bucket_cap_mb_is_a_number_auto_or_none_from_every_source() -> None:
+    assert resolve_config("toy", None, [], None).bucket_cap_mb is None
+    assert resolve_config("toy", None, ["--bucket-cap-mb", "auto"], None).bucket_cap_mb == "auto"
+    assert resolve_config("toy", None, ["--bucket-cap-mb=10"], None).bucket_cap_mb == 10.0
+    assert FitConfig(bucket_cap_mb=4).bucket_cap_mb == 4.0
+    assert config_from_mapping(FitConfig, {"bucket_cap_mb": "auto"}).bucket_cap_mb == "auto"
+    with pytest.raises(
+        ConfigError,
+        match=r"bucket_cap_mb='fast' from --bucket-cap-mb: expected a finite float > 0 or one of 'auto' or none",
+    ):
+        resolve_config("toy", None, ["--bucket-cap-mb", "fast"], None)
+    with pytest.raises(
+        ConfigError, match=r"bucket_cap_mb=0 from FitConfig\(\.\.\.\): expected a finite float > 0"
+    ):
+        FitConfig(bucket_cap_mb=0)
+
+
+def test_bucket_cap_mb_reaches_the_policy_where_there_are_buckets() -> None:
+    from lockstep.trainer.buckets import fit_policy, tunes_buckets
+
+    assert fit_policy(FitConfig(), live=False).bucket_cap_mb == 25.0
+    assert fit_policy(FitConfig(bucket_cap_mb="auto"), live=False).tune_buckets
+    assert tunes_buckets(FitConfig(bucket_cap_mb="auto")) and not tunes_buckets(FitConfig(bucket_cap_mb=10))
+    assert fit_policy(FitConfig(bucket_cap_mb=10, global_batch_size=8), live=True).bucket_cap_mb == 10.0
+    with pytest.raises(ConfigError, match="bucket_cap_mb='auto' does not apply with deterministic=True"):
+        fit_policy(FitConfig(bucket_cap_mb="auto", deterministic=True, global_batch_size=8), live=False)
+    with pytest.raises(ConfigError, match="bucket_cap_mb=4.0 does not apply with sync='local_sgd'"):
+        fit_policy(FitConfig(bucket_cap_mb=4, sync="local_sgd"), live=False)
+    with pytest.raises(ConfigError, match="does not run in live mode"):
+        fit_policy(FitConfig(bucket_cap_mb="auto"), live=True)

@@ -90,6 +90,8 @@ class BucketLauncher:
         self.stats = StatsRecorder()
         self._planner = BucketPlanner(self.params, self.names, sparse, policy)
         self._layout: list[BucketSpec] | None = None
+        # the last _build's order and solo size: relayout builds again from them at another cap
+        self._built_from: tuple[Sequence[int] | None, int | None] = (None, None)
         self.buckets: list[Bucket] = []
         self.where: list[tuple[Bucket, int]] = []  # per parameter: its bucket and its position there
         self._unused = UnusedAgreement(self.names, self._tag, group, device, world_size)
@@ -102,12 +104,26 @@ class BucketLauncher:
         return list(self._layout or [])
 
     def _build(self, order: Sequence[int] | None, *, solo_bytes: int | None) -> None:
+        self._built_from = (order, solo_bytes)
         layout = self._planner.layout(order, static_graph=self.static_graph, solo_bytes=solo_bytes)
         if layout == self._layout:  # the observed order gives the same buckets: keep their memory and views
             return
         self._layout = layout
         status = not self.policy.torch_bucket_layout  # torch's layout has no room for the status element
         self.buckets, self.where = build_buckets(layout, self.params, self._planner.dtypes, status=status)
+
+    def layout_at(self, cap_bytes: int) -> list[BucketSpec]:
+        """bucket_tuner.py: the buckets the last build's order gives at `cap_bytes`, not built."""
+        order, solo_bytes = self._built_from
+        return self._planner.layout(
+            order, static_graph=self.static_graph, solo_bytes=solo_bytes, cap_bytes=cap_bytes
+        )
+
+    def relayout(self, cap_bytes: int) -> None:
+        """bucket_tuner.py, between steps: the buckets built again at `cap_bytes`, in the last build's order."""
+        self._planner.cap_bytes = cap_bytes
+        order, solo_bytes = self._built_from
+        self._build(order, solo_bytes=solo_bytes)
 
     def set_divisor(self, num_ranks: int) -> None:
         """Average over `num_ranks` (join() with divide_by_initial_world_size=False); the built-in hook only."""

@@ -34,18 +34,26 @@ class BucketPlanner:
             ParamSpec(name, p.numel(), p.numel() * dtype.itemsize, str(p.device), str(p.dtype), sparse=s)
             for name, p, s, dtype in zip(names, self.params, self.sparse, self.dtypes)
         ]
+        self.cap_bytes = policy.bucket_cap_bytes  # what layouts use from now on (the tuner changes it)
 
     def layout(
-        self, order: Sequence[int] | None, *, static_graph: bool, solo_bytes: int | None
+        self,
+        order: Sequence[int] | None,
+        *,
+        static_graph: bool,
+        solo_bytes: int | None,
+        cap_bytes: int | None = None,
     ) -> list[BucketSpec]:
-        """The buckets in launch order: at construction (`order` None) or in rank 0's observed ready order."""
+        """The buckets in launch order: at construction (`order` None) or in rank 0's observed ready order.
+        `cap_bytes`: another cap than the policy's (the bucket tuner's candidates; lockstep's layout only)."""
         policy = self.policy
         if policy.torch_bucket_layout:
             return specs_from_index_lists(self.specs, self._torch_index_lists(order, static_graph))
+        cap = self.cap_bytes if cap_bytes is None else cap_bytes
         return assign_buckets(
             self.specs,
-            cap_bytes=policy.bucket_cap_bytes,
-            first_cap_bytes=policy.first_bucket_bytes,
+            cap_bytes=cap,
+            first_cap_bytes=min(policy.first_bucket_bytes, cap),
             order=order,
             solo_bytes=solo_bytes,
         )

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from lockstep.engine.bucket_tuner import BucketTuner
 from lockstep.engine.exact import ExactReducer
 from lockstep.engine.join import JoinReplica, join_pre_forward
 from lockstep.engine.micro_step import ExactReduction, FloatHost, FloatReduction, MicroSteps
@@ -144,14 +145,14 @@ def choose_mode(
         device=replica.comm_device,
     )
     reducer.attach_hooks()
-    return BucketedMode(reducer)
+    return BucketedMode(reducer, BucketTuner(reducer) if replica.policy.tune_buckets else None)
 
 
 class BucketedMode:
     """The default mode: the bucketed Reducer reduces during every synced backward."""
 
-    def __init__(self, reducer: Reducer) -> None:
-        self.reducer = reducer
+    def __init__(self, reducer: Reducer, tuner: BucketTuner | None = None) -> None:
+        self.reducer, self.tuner = reducer, tuner  # tuner: SyncPolicy(bucket_cap_mb="auto")
         self._micro_steps: MicroSteps | None = None  # made at accumulate()'s first use
         self._overlapped = False  # an optimizer is stepped by the reducer (overlap_optimizer)
 
@@ -163,6 +164,8 @@ class BucketedMode:
             return
         if syncing:
             self.reducer.maybe_rebuild()
+            if self.tuner is not None:
+                self.tuner.pre_forward()
         if replica.will_broadcast_buffers():
             replica.broadcast_buffers()
 
@@ -229,6 +232,7 @@ class BucketedMode:
                 "bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets],
                 **r.optimizer_steps.stats(),
                 "bytes_communicated_total": r.stats.total_bytes,
+                **(self.tuner.stats() if self.tuner is not None else {}),
             },
         )
 

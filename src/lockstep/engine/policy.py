@@ -10,6 +10,7 @@ from lockstep.errors import ConfigError
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_MB = 1.0
+AUTO = "auto"  # bucket_cap_mb chosen by measurement (bucket_tuner.py)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 SYNC_MODES = ("allreduce", "local_sgd", "diloco", "streaming_diloco")
 
@@ -18,7 +19,10 @@ SYNC_MODES = ("allreduce", "local_sgd", "diloco", "streaming_diloco")
 class SyncPolicy:
     """How gradients are bucketed and synchronized; every field has torch DDP's meaning and default.
 
-    - bucket_cap_mb: size of every bucket after the first (MiB).
+    - bucket_cap_mb: size of every bucket after the first (MiB). "auto" (lockstep's, opt-in): chosen by
+      measurement over the first synced steps after the rebuild among 1, 4, 10, 25, 50 and 100 MiB, the
+      same on every rank (engine/bucket_tuner.py); the choice and every candidate's timings are in
+      `stats().extras`. Not with torch_bucket_layout, deterministic or a sync other than "allreduce".
     - first_bucket_mb: size of the first bucket, at most bucket_cap_mb (small, so that the first
       all-reduce starts early in backward).
     - find_unused_parameters: detect parameters not reached from the forward's outputs and reduce
@@ -58,7 +62,7 @@ class SyncPolicy:
     run); accumulate(), buckets, hooks and join() do not apply.
     """
 
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    bucket_cap_mb: float | str = DEFAULT_BUCKET_CAP_MB
     first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB
     find_unused_parameters: bool = False
     static_graph: bool = False
@@ -77,10 +81,14 @@ class SyncPolicy:
 
     def __post_init__(self) -> None:
         self._check_sync()
+        self._check_auto()
         for name in ("bucket_cap_mb", "first_bucket_mb"):
             value = getattr(self, name)
+            if name == "bucket_cap_mb" and value == AUTO:
+                continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"SyncPolicy.{name} must be a positive number of MiB, got {value!r}")
+                also = " or 'auto'" if name == "bucket_cap_mb" else ""
+                raise ConfigError(f"SyncPolicy.{name} must be a positive number of MiB{also}, got {value!r}")
         if self.reduce_dtype is not None and not (
             isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
         ):
@@ -99,6 +107,22 @@ class SyncPolicy:
                     f"SyncPolicy(deterministic=True) sums gradients exactly in its own format, without buckets; "
                     f"{', '.join(conflicting)} cannot apply: leave {' and '.join(conflicting)} at the default"
                 )
+
+    @property
+    def tune_buckets(self) -> bool:
+        """bucket_cap_mb="auto": the bucket tuner picks the cap (bucket_tuner.py)."""
+        return self.bucket_cap_mb == AUTO
+
+    def _check_auto(self) -> None:
+        if not self.tune_buckets:
+            return
+        conflicting = [n for n in ("torch_bucket_layout", "deterministic") if getattr(self, n)]
+        conflicting += [f"sync={self.sync!r}"] if self.periodic else []
+        if conflicting:
+            raise ConfigError(
+                f"SyncPolicy(bucket_cap_mb='auto') times lockstep's own buckets; {', '.join(conflicting)} "
+                "leaves none to time: pass a number of MiB (e.g. bucket_cap_mb=25) or leave those at the default"
+            )
 
     @property
     def periodic(self) -> bool:
@@ -135,7 +159,9 @@ class SyncPolicy:
 
     @property
     def bucket_cap_bytes(self) -> int:
-        return int(self.bucket_cap_mb * 1024 * 1024)
+        """The cap in bytes ("auto": the default's, until the tuner chooses)."""
+        cap = DEFAULT_BUCKET_CAP_MB if isinstance(self.bucket_cap_mb, str) else self.bucket_cap_mb
+        return int(cap * 1024 * 1024)
 
     @property
     def first_bucket_bytes(self) -> int:

@@ -61,7 +61,8 @@ class Source:
 
 @dataclass(frozen=True)
 class Bound:
-    """The values a field allows beyond its type: a minimum (inclusive, or exclusive when `strict`) or choices."""
+    """The values a field allows beyond its type: a minimum (inclusive, or exclusive when `strict`) for
+    numbers, choices for words (both for a field that takes either, like bucket_cap_mb)."""
 
     minimum: float | None = None
     strict: bool = False
@@ -70,8 +71,8 @@ class Bound:
     def admits(self, value: Any) -> bool:
         if value is None:
             return True
-        if self.choices:
-            return value in self.choices
+        if isinstance(value, str):  # a number-or-word field (bucket_cap_mb) has both bounds
+            return not self.choices or value in self.choices
         if self.minimum is None:
             return True
         return bool(value > self.minimum) if self.strict else bool(value >= self.minimum)
@@ -79,6 +80,10 @@ class Bound:
     def describe(self) -> str:
         if self.choices:
             return "one of " + ", ".join(map(repr, self.choices))
+        return self.number_text()
+
+    def number_text(self) -> str:
+        """The minimum alone: `> 0`, `>= 1`, or '' without one."""
         if self.minimum is None:
             return ""
         return f"{'>' if self.strict else '>='} {_number_text(self.minimum)}"
@@ -112,6 +117,9 @@ class FitConfig:
     while backward goes on: the same bits as without (sgd, adamw, any schedule); with clip_grad_norm, fp16
     precision, an optimizer other than SGD/Adam/AdamW, deterministic or live mode the step stays plain,
     and a warning says why (ReplicaHandle.overlap_optimizer).
+    bucket_cap_mb="auto" tries bucket caps of 1 to 100 MiB over the first steps and keeps the fastest
+    (engine/bucket_tuner.py); summary.json reports the choice and every candidate's timings. Not with
+    deterministic, live mode or a sync other than allreduce. None (the default) is torch's 25 MiB.
     """
 
     run_dir: str = "runs/default"
@@ -155,6 +163,9 @@ class FitConfig:
     shard_optimizer: bool = (
         False  # ZeRO-1: each rank steps, and keeps the state of, its share of the parameters
     )
+    # MiB per gradient bucket: None is torch's 25 through the drop-in class (torch's layout and bits);
+    # "auto" chooses it by measurement in the first steps (SyncPolicy(bucket_cap_mb="auto"), replicate).
+    bucket_cap_mb: float | str | None = None
 
     # Allowed values beyond the annotation, by field. A subclass adds its own: the MRO is searched.
     BOUNDS: ClassVar[Mapping[str, Bound]] = {
@@ -187,6 +198,7 @@ class FitConfig:
         "outer_momentum": at_least(0),
         "fragments": at_least(1),
         "sync_dtype": one_of(*PRECISIONS),
+        "bucket_cap_mb": Bound(minimum=0, strict=True, choices=("auto",)),
     }
 
     def __post_init__(self) -> None:
@@ -315,7 +327,7 @@ def _describe(annotation: Any, bound: Bound, kind: str) -> str:
             continue
         booleans = "True or False" if kind == "python" else "true or false"
         name = {bool: f"a bool ({booleans})", int: "an int", float: "a finite float", str: "a str"}[option]
-        words.append(f"{name} {bound.describe()}".strip() if option in (int, float) else name)
+        words.append(f"{name} {bound.number_text()}".strip() if option in (int, float) else name)
     if type(None) in options:
         words.append("none" if kind == "flag" else "None")
     return " or ".join(words)

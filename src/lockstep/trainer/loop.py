@@ -32,11 +32,12 @@ from lockstep.runtime.process_group import live_group
 from lockstep.runtime.progress import DATA, PROGRESS
 from lockstep.runtime.topology import Topology
 from lockstep.trainer.batches import plan_batches
+from lockstep.trainer.buckets import bucket_summary, fit_policy, tunes_buckets
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.device import choose_device
 from lockstep.trainer.evaluation import Evaluation
 from lockstep.trainer.live_takeover import describe_change, take_over_log, take_over_rows
-from lockstep.trainer.low_comm import PeriodicRun, engine_policy
+from lockstep.trainer.low_comm import PeriodicRun
 from lockstep.trainer.metrics import TrainMetrics
 from lockstep.trainer.optim import build_optimizer, build_scheduler, maybe_sharded
 from lockstep.trainer.progress import ProgressBar
@@ -77,7 +78,7 @@ class _LiveSide:
 
     def rebuild_replica(self, topology: Topology) -> None:
         self.topo = topology
-        self.handle = replicate(self.module, policy=engine_policy(self.config, live=self.live is not None))
+        self.handle = replicate(self.module, policy=fit_policy(self.config, live=self.live is not None))
 
     def discard_step(self) -> None:
         self.state.optimizer.zero_grad(set_to_none=True)
@@ -167,7 +168,10 @@ class FitRun(_LiveSide):
         self.runlog = RunLog(self.run_dir, enabled=self.topo.is_main)
         self.bar = ProgressBar(self.total_steps, enabled=self.topo.is_main, mode=config.progress)
         self.stepper = Stepper(self.state, config, self.plan, loss_fn, self.device, self.live)
-        self.stepper.overlap(self.model)  # config.overlap_optimizer: the engine steps the buckets
+        self.stepper.replica = self.handle if tunes_buckets(config) else None  # no_sync() for ddp_step
+        self.stepper.overlap(
+            self.handle or self.model
+        )  # config.overlap_optimizer: the engine steps the buckets
         self.periodic_run = PeriodicRun(self.handle, self.module, optimizer) if self.periodic else None
         if self.periodic_run is not None:
             self.stepper.outer, self.state.extra = self.handle, self.periodic_run.entries
@@ -176,17 +180,20 @@ class FitRun(_LiveSide):
             self.record.faults = self.recovery.startup_faults()
 
     def _replicate(self) -> nn.Module:
-        """The model the steps run: the module itself under accumulate() (deterministic and live mode) or
-        stepping alone (sync: the handle syncs every sync_every steps), else torch's drop-in face."""
-        if self.micro_batched or self.periodic:
-            policy = engine_policy(self.config, live=self.live is not None)
+        """The model the steps run: the module itself under accumulate() (deterministic and live mode),
+        stepping alone (sync: the handle syncs every sync_every steps) or with its bucket size tuned
+        (bucket_cap_mb="auto": the drop-in face keeps torch's), else torch's drop-in face."""
+        if self.micro_batched or self.periodic or tunes_buckets(self.config):
+            policy = fit_policy(self.config, live=self.live is not None)
             # Live mode: a member lost in the replica's start-up collectives is survived like any other.
             self.handle = retry_at_start(self.live, lambda: replicate(self.module, policy=policy))
             if self.live is not None:  # the members may have changed meanwhile
                 self.topo = self.live.topology()
             return self.module
         return DistributedDataParallel(
-            self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            self.module,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            bucket_cap_mb=cast("float | None", self.config.bucket_cap_mb),  # a number or None: torch's
         )
 
     # ---- phases -------------------------------------------------------------------------------------------
@@ -216,6 +223,7 @@ class FitRun(_LiveSide):
             run=(wall, self.counters.samples - start_samples, self.counters.step - start_step),
             comm_bytes=comm_bytes_so_far(self.handle or self.model) - start_bytes,
         )
+        summary.update(bucket_summary(self.handle or self.model))
         if self.topo.is_main:
             publish_summary(summary, self.run_dir, self.runlog, self.bar)
         self._retry(barrier)

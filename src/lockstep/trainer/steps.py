@@ -2,7 +2,8 @@
 
 Two ways to run a step, chosen once per run (trainer/loop.py):
 - `ddp_step`: the default. This rank's micro-batches through torch's drop-in face (DistributedDataParallel),
-  gradients accumulated locally (no_sync) and reduced on the last backward;
+  or the module replicated in place with bucket_cap_mb="auto" (trainer/buckets.py), gradients
+  accumulated locally (no_sync) and reduced on the last backward;
 - `micro_batched_step`: deterministic and live mode. The step's K micro-batches are spread over the ranks
   and run through the engine's accumulate(): an exact sum in deterministic mode,
   the bucketed float all-reduce otherwise. In live mode the step counts on every member or on none
@@ -58,6 +59,7 @@ class Stepper:
         self.state, self.config, self.plan, self.loss_fn, self.device = state, config, plan, loss_fn, device
         self.live = live
         self.outer: Any = None  # low-communication training: the replica handle that syncs after each step
+        self.replica: Any = None  # bucket_cap_mb="auto": ddp_step's handle (its model is the module itself)
         # what _update steps: the run's optimizer, or the one the engine steps bucket by bucket
         # (a ShardedOptimizer offers what GradScaler and clipping read: param_groups, step; every rank
         # holds every averaged gradient, so found_inf and the gradient norm agree across ranks)
@@ -95,7 +97,7 @@ class Stepper:
             counts.append(batch_len(targets))
             last = index == len(batches) - 1
             # Accumulate locally; the engine reduces the summed gradients only on the group's last backward.
-            with contextlib.nullcontext() if last or local else model.no_sync():  # type: ignore[operator]
+            with contextlib.nullcontext() if last or local else (self.replica or model).no_sync():  # type: ignore[operator]
                 with autocast(self.config.precision, self.device):
                     outputs = model(inputs)
                     loss = self.loss_fn(outputs, targets)
