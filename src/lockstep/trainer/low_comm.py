@@ -36,9 +36,11 @@ def engine_policy(config: FitConfig, *, live: bool) -> SyncPolicy:
     otherwise), or for low-communication training (deterministic: the outer sums in rank order)."""
     if config.sync == "allreduce":
         return SyncPolicy(deterministic=config.deterministic)
-    if live:
+    if live and config.sync == "streaming_diloco":
         raise ConfigError(
-            f"sync={config.sync!r} does not run in live mode (--min-world) yet: use sync='allreduce' there, "
+            "sync='streaming_diloco' does not run in live mode (--min-world): its replicas never stand equal "
+            "(each fragment's outer step is merged into values that moved on), so a lost member's round "
+            "cannot be redone from a common point; use sync='diloco' or 'local_sgd' there (trainer/live_rounds.py), "
             "or launch without --min-world"
         )
     return SyncPolicy(
@@ -57,8 +59,22 @@ class PeriodicRun:
 
     def __init__(self, handle: Any, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.handle = handle
-        self.workers = WorkerStates(module, optimizer)
-        self.entries = {"workers": self.workers, "outer": OuterState(handle)}
+        self.workers, self.outer = WorkerStates(module, optimizer), OuterState(handle)
+        self.entries = {"workers": self.workers, "outer": self.outer}
+
+    def rebind(self, handle: Any) -> None:
+        """Live mode: the replica was rebuilt on a new group; the outer state lives in the new handle."""
+        self.handle = handle
+        self.outer.handle = handle
+
+    def heal_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Live mode, what rank 0 sends a replacement (at a round boundary, every replica equal): its own
+        parameters and inner optimizer state, and the outer state; not the gathered `workers` entry."""
+        return {key: value for key, value in state.items() if key != "workers"}
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """A replacement: the outer state that came with the run's state (RunState loads the rest)."""
+        self.handle.load_sync_state_dict(state["outer"])
 
     def before_save(self) -> None:
         """On every rank: every rank's own state, to rank 0 (the replicas differ mid-round)."""
