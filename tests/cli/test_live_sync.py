@@ -54,7 +54,10 @@ def _step_samples(step: int) -> set[int]:
 
 def _nothing_lost_and_only_the_redone_round_twice(out: Path, redone: range) -> None:
     seen = Counter(
-        int(i) for path in out.glob("seen-*.txt") for line in path.read_text().split("\n") for i in line.split()
+        int(i)
+        for path in out.glob("seen-*.txt")
+        for line in path.read_text().split("\n")
+        for i in line.split()
     )
     assert all(seen[i] >= EPOCHS for i in range(SAMPLES))  # every sample of each epoch: nothing lost
     twice = {i for i, n in seen.items() if n > EPOCHS}

@@ -112,6 +112,12 @@ class FitConfig:
     while backward goes on: the same bits as without (sgd, adamw, any schedule); with clip_grad_norm, fp16
     precision, an optimizer other than SGD/Adam/AdamW, deterministic or live mode the step stays plain,
     and a warning says why (ReplicaHandle.overlap_optimizer).
+    sync other than "allreduce" (local_sgd, diloco, streaming_diloco) lets each rank take sync_every inner
+    steps alone between outer syncs (engine/outer_sync.py). Checkpoints hold every rank's state: a run
+    resumes exactly mid-round at the same world size, and from a round's end at any world size. In live
+    mode (--min-world) local_sgd and diloco survive a lost rank: the survivors redo the round from its start
+    (the last outer sync), and replacements join at a round's end (trainer/live_rounds.py, docs/live.md);
+    streaming_diloco is refused there.
     """
 
     run_dir: str = "runs/default"

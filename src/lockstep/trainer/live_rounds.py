@@ -7,7 +7,7 @@ and the outer state was agreed) and redo the round's steps over themselves: ever
 is trained on again, on the new world size, and the lost member's partial round leaves no trace in the
 final model. That is live mode's "redo the interrupted step" with the round as the step.
 
-- `LiveRounds.mark()` keeps, in memory, everything a redo needs on this rank (a `RoundMark`): the
+- `LiveRounds.mark()` keeps, in host memory, everything a redo needs on this rank (a `RoundMark`): the
   model, the inner optimizer, schedule, scaler, sampler, counters, record, pending metrics, the outer
   state (anchor, outer momentum) and the random generators. It is taken at the start of the run and
   after each round boundary's commit (`commit()`: membership/commit.py, so that every member or none
@@ -53,7 +53,7 @@ class RoundMark:
         self.boundary = boundary  # every replica equal (a round's start), not a resume mid-round
         self.log_count = log_count  # rank 0: the metric log's records at the mark
         record = state.record
-        self.tree = copy.deepcopy(
+        self.tree = _host_copy(
             {
                 "model": state.module.state_dict(),
                 "optimizer": state.optimizer.state_dict(),
@@ -69,7 +69,8 @@ class RoundMark:
         )
 
     def restore(self, state: RunState, handle: Any) -> None:
-        """Put this rank back where it stood at the mark (copies: the mark may be restored again)."""
+        """Put this rank back where it stood at the mark (copies: the mark may be restored again). The
+        loads move each tensor to its parameter's device."""
         tree = copy.deepcopy(self.tree)  # load_state_dict may keep the tensors it is given
         with torch.no_grad():
             state.module.load_state_dict(tree["model"])
@@ -154,3 +155,15 @@ class LiveRounds:
             runlog.truncate(last.log_count)
         else:  # this process became rank 0 after the mark: keep what the old rank 0 logged up to it
             runlog.rewind(last.step)
+
+
+def _host_copy(tree: Any) -> Any:
+    """A copy of a nest of dicts, lists and tuples whose tensors are copied to the host: a mark does not
+    take device memory (one copy to the host per round)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {key: _host_copy(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_host_copy(value) for value in tree)
+    return copy.deepcopy(tree)
