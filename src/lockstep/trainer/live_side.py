@@ -16,6 +16,7 @@ from torch import nn
 from lockstep.engine import ReplicaHandle, replicate
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.records import Fault
+from lockstep.runtime.membership.recovery import LiveRecovery
 from lockstep.runtime.topology import Topology
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.evaluation import Evaluation
@@ -49,6 +50,30 @@ class LiveSide:
     stepper: Stepper
     periodic_run: PeriodicRun | None
     rounds: LiveRounds | None
+
+    recovery: LiveRecovery | None
+
+    # ---- a low-communication run's rounds (live_rounds.py), called by the loop ------------------------------
+
+    def mark_round(self) -> None:
+        """Keep this rank's state as where a lost member's round is redone from."""
+        if self.rounds is not None and self.handle is not None:
+            self.rounds.mark(self.handle, len(self.runlog.records) if self.runlog.enabled else None)
+
+    def end_round(self) -> bool:
+        """After the step whose outer sync ended a round (and its logs, evaluation, checkpoint, the epoch's
+        end): the round counts on every member or on none (a loss: RolledBack), a new mark, then the
+        replacements join. True when the group grew."""
+        rounds, recovery = self.rounds, self.recovery
+        if rounds is None or recovery is None:
+            return False
+        step = self.counters.step
+        rounds.run(recovery, lambda: rounds.commit(step))
+        self.mark_round()
+        # A member lost while the group grows takes everyone back to this mark: where they stand anyway.
+        return recovery.admit_joiners(step, next_step=step + self.config.sync_every)
+
+    # ---- the Recoverable (runtime/membership/recovery.py) ---------------------------------------------------
 
     @property
     def faults(self) -> list[dict[str, Any]]:

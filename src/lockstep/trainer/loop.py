@@ -146,7 +146,7 @@ class FitRun(LiveSide):
                 self._retry(self._end_of_epoch)
         else:
             self._retry(self._maybe_resume)
-        self._mark_round()  # live mode, low-communication run: where a lost member's round is redone from
+        self.mark_round()  # live mode, low-communication run: where a lost member's round is redone from
         started, start_samples, start_step = time.monotonic(), self.counters.samples, self.counters.step
         start_bytes = comm_bytes_so_far(self.handle or self.model)
         self._train_to_end()
@@ -181,23 +181,6 @@ class FitRun(LiveSide):
                     self.rounds.rewind_log(self.runlog)
                 self.bar.message(f"live: the round is redone from step {self.counters.step}")
                 self.bar.advance(self.counters.step)
-
-    def _mark_round(self) -> None:
-        if self.rounds is not None and self.handle is not None:
-            self.rounds.mark(self.handle, len(self.runlog.records) if self.runlog.enabled else None)
-
-    def _end_round(self) -> bool:
-        """Live mode, a low-communication run, after the step whose outer sync ended a round (and its
-        logs, evaluation, checkpoint, the epoch's end): the round counts on every member or on none; then
-        the replacements join. True when the group grew."""
-        rounds, recovery = self.rounds, self.recovery
-        if rounds is None or recovery is None:
-            return False
-        step = self.counters.step
-        self._retry(lambda: rounds.commit(step))
-        self._mark_round()
-        # A member lost while the group grows takes everyone back to this mark: where they stand anyway.
-        return recovery.admit_joiners(step, next_step=step + self.config.sync_every)
 
     def _end_of_run(self) -> None:
         self._log_train(force=True)
@@ -264,7 +247,7 @@ class FitRun(LiveSide):
             self.bar.advance(self.counters.step)
             changed = self._retry(self._after_step)
             if self.rounds is not None:  # a round ends after its sync's step (at an epoch's end: below)
-                changed = synced and steps_left > 0 and self._end_round()
+                changed = synced and steps_left > 0 and self.end_round()
             elif self.recovery is not None:
                 changed = self.recovery.admit_joiners(self.counters.step) or changed
             if changed and steps_left > 0:  # the shards were cut again: iterate the rest of the epoch anew
@@ -274,7 +257,7 @@ class FitRun(LiveSide):
         self.counters.epoch += 1
         self._retry(self._end_of_epoch)
         if self.rounds is not None and self.stepper.synced:
-            self._end_round()
+            self.end_round()
 
     def _step(self, group: list[Any]) -> bool:
         """One step; True when it ended with an outer sync (a low-communication run's round)."""
