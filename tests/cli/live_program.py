@@ -18,7 +18,8 @@ that it joins before the run ends however slowly this machine starts a process; 
 takes 0.1 s longer, so that a test can act (take a link down) while the job runs; with "float", the run is
 not in deterministic mode (live mode's float step); with "shard", the optimizer's state is sharded over
 the ranks (shard_optimizer=True, each share kept by two ranks in live mode); with "diloco" or "local_sgd",
-low-communication training (FitConfig.sync) with a round of 4 steps ("h2": 2). Every rank that finishes
+low-communication training (FitConfig.sync) with a round of 4 steps ("h2": 2); with "stop6", the run
+stops after 6 steps (max_steps, in the middle of a round) and a second launch resumes it. Every rank that finishes
 saves its final parameters to OUT_DIR/params-<launch rank>.pt.
 """
 
@@ -42,6 +43,7 @@ FLOAT = "float" in sys.argv[5:]  # live mode without deterministic mode
 SHARD = "shard" in sys.argv[5:]  # sharded optimizer state (ZeRO-1)
 SYNC = next((a for a in sys.argv[5:] if a in ("diloco", "local_sgd")), "allreduce")
 SYNC_EVERY = 2 if "h2" in sys.argv[5:] else 4
+MAX_STEPS = 6 if "stop6" in sys.argv[5:] else None
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_MEMBER_ID", os.environ["RANK"]))
 calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0, "replicate": 0}
@@ -148,6 +150,7 @@ def main() -> None:
         shard_optimizer=SHARD,
         sync=SYNC,
         sync_every=SYNC_EVERY,
+        max_steps=MAX_STEPS,
         log_every=4,
         progress="none",
     )

@@ -134,6 +134,24 @@ def test_a_replacement_joins_at_a_round_boundary_and_heals_from_a_peer(tmp_path:
     _nothing_lost_and_only_the_redone_round_twice(out, range(5, 7))
 
 
+def test_a_member_lost_in_a_round_resumed_mid_way_fails_the_job_with_the_reason(tmp_path: Path) -> None:
+    """A checkpoint at step 6 (in the second round of 4): the replicas differ, and a member lost before the
+    round's end takes with it inner steps that exist nowhere else. The job fails, the checkpoint intact."""
+    out, _ = _run(
+        tmp_path, "-n", "4", "--min-world", "2", fault="none", victim=0, at=0, extra=("diloco", "stop6")
+    )
+    assert _summary(out)["steps"] == 6
+    result = run_cli(
+        "run", "-n", "4", "--min-world", "2", "--run-dir", str(out / "logs2"), str(PROGRAM), str(out),
+        "forward", "2", "1", "diloco", cwd=tmp_path, timeout=180,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "lockstep run: rank 2 killed by SIGKILL; 3 of 4 ranks go on" in result.stderr, result.stderr
+    assert "a member was lost in the round this run resumed in the middle of (step 6)" in result.stderr
+    assert "resume from the last checkpoint (at that world size)" in result.stderr
+    assert [p.name for p in (out / "run" / "checkpoints").glob("step_*")] == ["step_000006"]
+
+
 def test_streaming_diloco_is_refused_in_live_mode_with_the_reason() -> None:
     config = FitConfig(sync="streaming_diloco", fragments=2)
     with pytest.raises(ConfigError, match="replicas never stand equal"):
