@@ -17,8 +17,10 @@ launch rank N, N+1, ... (LOCKSTEP_MEMBER_ID); RANK is the rank it replaces. With
 that it joins before the run ends however slowly this machine starts a process; with "slow", each forward
 takes 0.1 s longer, so that a test can act (take a link down) while the job runs; with "float", the run is
 not in deterministic mode (live mode's float step); with "shard", the optimizer's state is sharded over
-the ranks (shard_optimizer=True, each share kept by two ranks in live mode). Every rank that finishes saves its final parameters to
-OUT_DIR/params-<launch rank>.pt.
+the ranks (shard_optimizer=True, each share kept by two ranks in live mode); with "diloco" or "local_sgd",
+low-communication training (FitConfig.sync) with a round of 4 steps ("h2": 2); with "stop6", the run
+stops after 6 steps (max_steps, in the middle of a round) and a second launch resumes it. Every rank that finishes
+saves its final parameters to OUT_DIR/params-<launch rank>.pt.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ REPLACE = "replace" in sys.argv[5:]
 SLOW = "slow" in sys.argv[5:]  # 0.1 s per forward: a test has time to act while the job runs
 FLOAT = "float" in sys.argv[5:]  # live mode without deterministic mode
 SHARD = "shard" in sys.argv[5:]  # sharded optimizer state (ZeRO-1)
+SYNC = next((a for a in sys.argv[5:] if a in ("diloco", "local_sgd")), "allreduce")
+SYNC_EVERY = 2 if "h2" in sys.argv[5:] else 4
+MAX_STEPS = 6 if "stop6" in sys.argv[5:] else None
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_MEMBER_ID", os.environ["RANK"]))
 calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0, "replicate": 0}
@@ -143,6 +148,9 @@ def main() -> None:
         micro_batch_size=4,
         deterministic=not FLOAT,
         shard_optimizer=SHARD,
+        sync=SYNC,
+        sync_every=SYNC_EVERY,
+        max_steps=MAX_STEPS,
         log_every=4,
         progress="none",
     )

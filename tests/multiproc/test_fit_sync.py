@@ -135,6 +135,59 @@ def test_a_checkpoint_resumes_with_its_own_world_size_only(tmp_path: Path) -> No
         run_distributed(_train, 3, args=(str(tmp_path), {"sync": "diloco"}), timeout=TIMEOUT)
 
 
+def test_a_checkpoint_at_a_rounds_end_resumes_at_another_world_size(tmp_path: Path) -> None:
+    """max_steps=10 ends the second round of 5 (the replicas equal): 3 processes go on from 2's checkpoint."""
+    run_distributed(_train, 2, args=(str(tmp_path), {"sync": "diloco", "max_steps": 10}), timeout=TIMEOUT)
+    saved = _final_checkpoint(tmp_path)["workers"]
+    assert saved["world_size"] == 2 and saved["round_end"] is True
+    out = run_distributed(_train, 3, args=(str(tmp_path), {"sync": "diloco"}), timeout=TIMEOUT)
+    summary = out[0]["summary"]
+    assert summary["world_size"] == 3 and summary["steps"] == 10 + summary["steps_this_run"] > 10
+    assert _final_checkpoint(tmp_path)["workers"]["world_size"] == 3
+
+
+def _load_saved_workers(round_end: bool) -> dict[str, Any]:
+    """On 3 ranks: load a `workers` entry saved by 2 (their momentum buffers 1.0 and 2.0, the parameters
+    equal); what each rank's optimizer holds afterwards, or the error."""
+    from lockstep.trainer.low_comm import WorkerStates
+
+    def worker(momentum: float) -> dict[str, Any]:
+        torch.manual_seed(0)
+        module = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        module(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        for state in optimizer.state.values():
+            state["momentum_buffer"].fill_(momentum)
+        return {"model": module.state_dict(), "optimizer": optimizer.state_dict()}
+
+    saved = {"world_size": 2, "ranks": [worker(1.0), worker(2.0)], "round_end": round_end}
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    try:
+        WorkerStates(module, optimizer).load_state_dict(saved)
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    buffers = [float(s["momentum_buffer"].flatten()[0]) for s in optimizer.state.values()]
+    same = all(
+        torch.equal(p, q) for p, q in zip(module.state_dict().values(), saved["ranks"][0]["model"].values())
+    )
+    return {"momentum": buffers, "parameters_loaded": same}
+
+
+def test_at_another_world_size_rank_r_takes_saved_rank_r_mod_w_and_mid_round_is_refused() -> None:
+    loaded = run_distributed(_load_saved_workers, 3, args=(True,), timeout=TIMEOUT)
+    assert [r["momentum"] for r in loaded] == [[1.0, 1.0], [2.0, 2.0], [1.0, 1.0]]
+    assert all(r["parameters_loaded"] for r in loaded)
+    refused = run_distributed(_load_saved_workers, 3, args=(False,), timeout=TIMEOUT)
+    for rank, r in enumerate(refused):
+        assert (
+            f"[rank {rank}/3] this checkpoint of a low-communication run (sync) was taken in the middle of a round"
+            in r["error"]
+        )
+        assert "relaunch with -n 2, or resume from a checkpoint at a round's end" in r["error"]
+
+
 def test_sync_settings_are_checked() -> None:
     config_cls, _ = catalog.job("toy")
     with pytest.raises(ConfigError, match="sync='gossip'"):

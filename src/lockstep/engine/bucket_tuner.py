@@ -199,14 +199,11 @@ class BucketTuner:
     def _decide(self) -> None:
         """Every rank: the timings' max over ranks, then the same choice from the same numbers."""
         width = self.plan.passes * self.plan.measured
-        table = torch.zeros(len(self.caps), width, dtype=torch.float64)
-        for row, times in zip(table, self.step_ms):
-            row[: len(times)] = torch.tensor(times, dtype=torch.float64)
+        rows = [times + [0.0] * (width - len(times)) for times in self.step_ms]
+        table = torch.tensor(rows, dtype=torch.float64, device=self.reducer.device)  # the group's device
         if dist.get_world_size(self.reducer.group) > 1:
-            on_device = table.to(self.reducer.device)
-            dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self.reducer.group)
-            table = on_device.cpu()
-        self.step_ms = [[float(t) for t in row] for row in table]
+            dist.all_reduce(table, op=dist.ReduceOp.MAX, group=self.reducer.group)
+        self.step_ms = [[float(t) for t in row] for row in table.cpu()]
         cap, self.reason = choose_cap(self.caps, self.step_ms, margin=self.plan.margin)
         self._use(cap)
         self.state = "done"

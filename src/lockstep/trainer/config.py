@@ -120,6 +120,12 @@ class FitConfig:
     bucket_cap_mb="auto" tries bucket caps of 1 to 100 MiB over the first steps and keeps the fastest
     (engine/bucket_tuner.py); summary.json reports the choice and every candidate's timings. Not with
     deterministic, live mode or a sync other than allreduce. None (the default) is torch's 25 MiB.
+    sync other than "allreduce" (local_sgd, diloco, streaming_diloco) lets each rank take sync_every inner
+    steps alone between outer syncs (engine/outer_sync.py). Checkpoints hold every rank's state: a run
+    resumes exactly mid-round at the same world size, and from a round's end at any world size. In live
+    mode (--min-world) local_sgd and diloco survive a lost rank: the survivors redo the round from its start
+    (the last outer sync), and replacements join at a round's end (trainer/live_rounds.py, docs/live.md);
+    streaming_diloco is refused there.
     """
 
     run_dir: str = "runs/default"

@@ -6,7 +6,9 @@ communicate, so no rank can be left waiting in a collective that rank 0 alone en
 
 The run's parts: its state with one state_dict (run_state.py), the steps (steps.py), evaluation
 (evaluation.py), metrics (metrics.py), the summary (summary.py). In live mode the run is a `Recoverable`
-(runtime/membership/recovery.py): live recovery reaches it only through those few methods.
+(runtime/membership/recovery.py): live recovery reaches it only through those few methods (live_side.py).
+A low-communication run in live mode counts its rounds on every member or on none, and goes back to a
+round's start when a member is lost (live_rounds.py): the loop then carries on from there (`RolledBack`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from lockstep.checkpoint import CheckpointManager
-from lockstep.engine import DistributedDataParallel, ReplicaHandle, replicate
+from lockstep.engine import DistributedDataParallel, replicate
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime import barrier, broadcast_object
-from lockstep.runtime.membership.group import LiveGroup
-from lockstep.runtime.membership.records import Fault
 from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery, retry_at_start
 from lockstep.runtime.process_group import live_group
 from lockstep.runtime.progress import DATA, PROGRESS
@@ -36,81 +36,20 @@ from lockstep.trainer.buckets import bucket_summary, fit_policy, tunes_buckets
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.device import choose_device
 from lockstep.trainer.evaluation import Evaluation
-from lockstep.trainer.live_takeover import describe_change, take_over_log, take_over_rows
+from lockstep.trainer.live_rounds import LiveRounds, RolledBack
+from lockstep.trainer.live_side import LiveSide
 from lockstep.trainer.low_comm import PeriodicRun
 from lockstep.trainer.metrics import TrainMetrics
 from lockstep.trainer.optim import build_optimizer, build_scheduler, maybe_sharded
 from lockstep.trainer.progress import ProgressBar
 from lockstep.trainer.run_log import RunLog
-from lockstep.trainer.run_state import RunRecord, RunState, TrainCounters
+from lockstep.trainer.run_state import RunState
 from lockstep.trainer.steps import LossFn, Stepper
 from lockstep.trainer.summary import build_summary, comm_bytes_so_far, publish_summary
 from lockstep.trainer.train_data import TrainData
 
 
-class _LiveSide:
-    """FitRun's side of live mode: what runtime/membership/recovery.py asks of the run (its Recoverable)."""
-
-    config: FitConfig
-    live: LiveGroup | None
-    module: nn.Module
-    handle: ReplicaHandle | None
-    topo: Topology
-    state: RunState
-    record: RunRecord
-    counters: TrainCounters
-    data: TrainData
-    evaluation: Evaluation
-    runlog: RunLog
-    bar: ProgressBar
-    run_dir: Path
-    total_steps: int
-
-    @property
-    def faults(self) -> list[dict[str, Any]]:
-        return self.record.faults
-
-    def release_replica(self) -> None:
-        self.state.set_aside()
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-
-    def rebuild_replica(self, topology: Topology) -> None:
-        self.topo = topology
-        self.handle = replicate(self.module, policy=fit_policy(self.config, live=self.live is not None))
-
-    def discard_step(self) -> None:
-        self.state.optimizer.zero_grad(set_to_none=True)
-
-    def marks(self) -> dict[str, Any]:
-        return self.state.marks()
-
-    def reconcile(self, mark: str) -> None:
-        self.state.reconcile(mark)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state.load_state_dict(state)
-
-    def reshard(self, topology: Topology) -> None:
-        self.state.regroup()
-        self.data.reshard(topology)
-        self.evaluation.reshard(topology)
-
-    def regrouped(self, fault: Fault) -> None:
-        if self.topo.rank == 0 and self.live is not None:
-            take_over_rows(self.live, self.state.metrics, fault.lost)
-            if not self.runlog.enabled:  # this rank became rank 0 (the old one was lost)
-                self.runlog, self.bar = take_over_log(
-                    self.run_dir, self.total_steps, self.config, self.counters.step
-                )
-        self.bar.message(describe_change(fault, self.counters.step))
-
-
-class FitRun(_LiveSide):
+class FitRun(LiveSide):
     """One call of fit(): the objects it builds and the phases of the loop."""
 
     def __init__(
@@ -137,7 +76,7 @@ class FitRun(_LiveSide):
         self.periodic = config.sync != "allreduce"  # low-communication training: local steps, outer syncs
         # a step: K micro-batches through accumulate() (the periodic modes step each rank's alone)
         self.micro_batched = self.plan.num_micro_batches > 0 and not self.periodic
-        self.handle: ReplicaHandle | None = None
+        self.handle = None
         self.model = self._replicate()
         self.data = TrainData(train_data, config, self.plan, self.topo, pin=self.device.type == "cuda")
         self.sampler = self.data.sampler
@@ -175,6 +114,12 @@ class FitRun(_LiveSide):
         self.periodic_run = PeriodicRun(self.handle, self.module, optimizer) if self.periodic else None
         if self.periodic_run is not None:
             self.stepper.outer, self.state.extra = self.handle, self.periodic_run.entries
+        # live mode, low-communication run: a round counts on every member or on none (live_rounds.py)
+        self.rounds = (
+            LiveRounds(self.live, self.state, config.sync_every)
+            if self.live is not None and self.periodic
+            else None
+        )
         self.recovery = LiveRecovery(self.live, self) if self.live is not None else None
         if self.recovery is not None:
             self.record.faults = self.recovery.startup_faults()
@@ -208,11 +153,10 @@ class FitRun(_LiveSide):
                 self._retry(self._end_of_epoch)
         else:
             self._retry(self._maybe_resume)
+        self.mark_round()  # live mode, low-communication run: where a lost member's round is redone from
         started, start_samples, start_step = time.monotonic(), self.counters.samples, self.counters.step
         start_bytes = comm_bytes_so_far(self.handle or self.model)
-        while self.counters.step < self.total_steps and self.counters.epoch < self.config.epochs:
-            self._train_epoch()
-        self._retry(self._end_of_run)
+        self._train_to_end()
         wall = time.monotonic() - started
         summary = build_summary(
             self.state,
@@ -226,8 +170,25 @@ class FitRun(_LiveSide):
         summary.update(bucket_summary(self.handle or self.model))
         if self.topo.is_main:
             publish_summary(summary, self.run_dir, self.runlog, self.bar)
+        if self.rounds is not None:
+            self.rounds.closed = True  # published: a loss in the last barrier goes back nowhere
         self._retry(barrier)
         return summary, list(self.runlog.records)
+
+    def _train_to_end(self) -> None:
+        """The epochs, then the run's end. A low-communication run in live mode that went back to its
+        round's start (RolledBack) carries on from there."""
+        while True:
+            try:
+                while self.counters.step < self.total_steps and self.counters.epoch < self.config.epochs:
+                    self._train_epoch()
+                self._retry(self._end_of_run)
+                return
+            except RolledBack:
+                if self.rounds is not None:
+                    self.rounds.rewind_log(self.runlog)
+                self.bar.message(f"live: the round is redone from step {self.counters.step}")
+                self.bar.advance(self.counters.step)
 
     def _end_of_run(self) -> None:
         self._log_train(force=True)
@@ -270,6 +231,7 @@ class FitRun(_LiveSide):
         self.module.train()
         self.data.start_epoch(self.counters.epoch)
         micro_batches, steps_left, micro_left = self.data.iterate()  # micro_left: this rank's, in the epoch
+        self.stepper.synced = False
         while steps_left > 0 and self.counters.step < self.total_steps:
             PROGRESS.set_phase(DATA)  # the hang watchdog names the phase a stuck rank is in
             wanted = min(self.data.micro_per_step, micro_left)
@@ -278,10 +240,12 @@ class FitRun(_LiveSide):
                 steps_left = 0  # the loader ended early (the dataset shrank under it): the epoch is done
                 break
             try:
-                self._step(group)
+                synced = self._step(group)
             except FAILURES as exc:
                 if self.recovery is None or not self.recovery.recover(exc):  # live mode: the survivors go on
                     raise
+                if self.rounds is not None:
+                    raise RolledBack from None  # back to the round's start, maybe in an earlier epoch
                 del group
                 micro_batches, steps_left, micro_left = self.data.iterate()  # the same step, re-cut
                 continue
@@ -290,7 +254,9 @@ class FitRun(_LiveSide):
             self.counters.step += 1
             self.bar.advance(self.counters.step)
             changed = self._retry(self._after_step)
-            if self.recovery is not None:
+            if self.rounds is not None:  # a round ends after its sync's step (at an epoch's end: below)
+                changed = synced and steps_left > 0 and self.end_round()
+            elif self.recovery is not None:
                 changed = self.recovery.admit_joiners(self.counters.step) or changed
             if changed and steps_left > 0:  # the shards were cut again: iterate the rest of the epoch anew
                 micro_batches, steps_left, micro_left = self.data.iterate()
@@ -298,17 +264,20 @@ class FitRun(_LiveSide):
             return  # stopped by the step budget in the middle of an epoch: stay in it (resumable)
         self.counters.epoch += 1
         self._retry(self._end_of_epoch)
+        if self.rounds is not None and self.stepper.synced:
+            self.end_round()
 
-    def _step(self, group: list[Any]) -> None:
+    def _step(self, group: list[Any]) -> bool:
+        """One step; True when it ended with an outer sync (a low-communication run's round)."""
         if self.periodic:
-            self.stepper.local_step(self.model, self.topo.world_size, group)
-            return
+            return self.stepper.local_step(self.model, self.topo.world_size, group)
         if not self.micro_batched:
             self.stepper.ddp_step(self.model, self.topo.world_size, group)
-            return
+            return False
         if self.handle is None:
             raise InternalError("a micro-batched step ran without a replica")
         self.stepper.micro_batched_step(self.handle, self.model, group)
+        return False
 
     def _end_of_epoch(self) -> None:
         if self.config.checkpoint_every == 0:
@@ -327,7 +296,10 @@ class FitRun(_LiveSide):
             work()
             return False
         before = self.recovery.changes
-        self.recovery.retry(work)
+        if self.rounds is not None and self.rounds.active:
+            self.rounds.run(self.recovery, work)  # a loss: back to the round's start, RolledBack
+        else:
+            self.recovery.retry(work)
         return self.recovery.changes != before
 
     def _after_step(self) -> None:

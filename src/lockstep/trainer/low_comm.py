@@ -9,7 +9,8 @@ optimizer state (DiLoCo never averages the inner AdamW moments). A rank-0 checkp
 could not resume the others exactly, so with `sync` other than "allreduce" the checkpoint also holds
 every rank's parameters and optimizer state (`workers`), gathered to rank 0 with tensor collectives
 (nothing is pickled over the network), and the outer state (`outer`: the anchor and the outer
-momentum, the same on every rank). On resume at the same world size each rank takes its own back.
+momentum, the same on every rank). On resume at the same world size each rank takes its own back; at
+another world size only from a round's end (every replica equal; WorkerStates says who takes what).
 
 The gather relies on every rank's state having the same structure as rank 0's: the same model and the
 same optimizer, stepped the same number of times, which the lockstep of the steps guarantees.
@@ -17,6 +18,7 @@ same optimizer, stepped the same number of times, which the lockstep of the step
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,9 +38,11 @@ def engine_policy(config: FitConfig, *, live: bool) -> SyncPolicy:
     otherwise), or for low-communication training (deterministic: the outer sums in rank order)."""
     if config.sync == "allreduce":
         return SyncPolicy(deterministic=config.deterministic)
-    if live:
+    if live and config.sync == "streaming_diloco":
         raise ConfigError(
-            f"sync={config.sync!r} does not run in live mode (--min-world) yet: use sync='allreduce' there, "
+            "sync='streaming_diloco' does not run in live mode (--min-world): its replicas never stand equal "
+            "(each fragment's outer step is merged into values that moved on), so a lost member's round "
+            "cannot be redone from a common point; use sync='diloco' or 'local_sgd' there (trainer/live_rounds.py), "
             "or launch without --min-world"
         )
     return SyncPolicy(
@@ -57,8 +61,30 @@ class PeriodicRun:
 
     def __init__(self, handle: Any, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.handle = handle
-        self.workers = WorkerStates(module, optimizer)
-        self.entries = {"workers": self.workers, "outer": OuterState(handle)}
+        self.workers = WorkerStates(module, optimizer, at_round_end=self.at_round_end)
+        self.outer = OuterState(handle)
+        self.entries = {"workers": self.workers, "outer": self.outer}
+
+    def at_round_end(self) -> bool:
+        """Every replica equal: the last inner step ended a round (local_sgd and diloco; streaming DiLoCo's
+        replicas never are, its fragments' outer steps being merged into values that moved on)."""
+        policy = self.handle.policy
+        inner_steps = int(self.handle.stats().extras["inner_steps"])
+        return policy.sync != "streaming_diloco" and inner_steps % policy.sync_every == 0
+
+    def rebind(self, handle: Any) -> None:
+        """Live mode: the replica was rebuilt on a new group; the outer state lives in the new handle."""
+        self.handle = handle
+        self.outer.handle = handle
+
+    def heal_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Live mode, what rank 0 sends a replacement (at a round boundary, every replica equal): its own
+        parameters and inner optimizer state, and the outer state; not the gathered `workers` entry."""
+        return {key: value for key, value in state.items() if key != "workers"}
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """A replacement: the outer state that came with the run's state (RunState loads the rest)."""
+        self.handle.load_sync_state_dict(state["outer"])
 
     def before_save(self) -> None:
         """On every rank: every rank's own state, to rank 0 (the replicas differ mid-round)."""
@@ -66,11 +92,24 @@ class PeriodicRun:
 
 
 class WorkerStates:
-    """The `workers` entry of a checkpoint: each rank's model and optimizer state, by rank."""
+    """The `workers` entry of a checkpoint: each rank's model and optimizer state, by rank.
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, group: Any = None) -> None:
+    At another world size it resumes only from a round's end (`at_round_end()` true when it was saved),
+    where every replica is equal: new rank r takes saved rank r mod W's state (its own inner optimizer
+    state while r < W; a copy of a peer's beyond, as a live-mode replacement does).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group: Any = None,
+        at_round_end: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.module, self.optimizer, self.group = module, optimizer, group
+        self.at_round_end = at_round_end
         self._gathered: list[dict[str, Any]] | None = None
+        self._round_end = False
 
     def collect(self) -> None:
         """On every rank, before a save: gather every rank's state to rank 0."""
@@ -89,24 +128,27 @@ class WorkerStates:
                 for r, part in enumerate(parts):
                     received[r].append(part)
         self._gathered = [_rebuild(mine, iter(parts)) for parts in received] if rank == 0 else None
+        self._round_end = self.at_round_end()
 
     def state_dict(self) -> dict[str, Any]:
         """Rank 0 after collect(): every rank's state. Otherwise (a load compares against it) no rank's."""
         ranks = self._gathered or []
-        return {"world_size": len(ranks), "ranks": ranks}
+        return {"world_size": len(ranks), "ranks": ranks, "round_end": self._round_end}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
         saved_world = int(state["world_size"])
         if not state["ranks"]:
             raise ConfigError("this checkpoint was saved without its workers' states (collect() did not run)")
-        if saved_world != world:
+        if saved_world != world and not state.get("round_end", False):
             raise ConfigError(
-                f"this checkpoint of a low-communication run (sync) holds the states of {saved_world} workers, "
-                f"each with its own parameters and inner optimizer; it resumes exactly with {saved_world} "
-                f"processes only, not {world}: relaunch with -n {saved_world}"
+                f"[rank {rank}/{world}] this checkpoint of a low-communication run (sync) was taken in the middle "
+                f"of a round: its {saved_world} workers each hold their own parameters and inner optimizer; it "
+                f"resumes exactly with {saved_world} processes only, not {world}: relaunch with -n {saved_world}, "
+                "or resume from a checkpoint at a round's end (a step after an outer sync: a multiple of "
+                "sync_every, for local_sgd and diloco)"
             )
-        mine = state["ranks"][rank]
+        mine = state["ranks"][rank % saved_world]  # at a round's end the parameters are equal on all
         with torch.no_grad():
             self.module.load_state_dict(mine["model"])
         self.optimizer.load_state_dict(mine["optimizer"])

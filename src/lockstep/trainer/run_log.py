@@ -41,6 +41,14 @@ class RunLog:
         self.records = kept
         self._jsonl.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
+    def truncate(self, count: int) -> None:
+        """Keep the first `count` records (live mode, a low-communication run going back to a round's start:
+        what was logged since is logged again as the round is redone)."""
+        if not self.enabled or len(self.records) == count:
+            return
+        self.records = self.records[:count]
+        self._jsonl.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return

@@ -59,6 +59,7 @@ class Stepper:
         self.state, self.config, self.plan, self.loss_fn, self.device = state, config, plan, loss_fn, device
         self.live = live
         self.outer: Any = None  # low-communication training: the replica handle that syncs after each step
+        self.synced = False  # ... and whether the last step synced
         self.replica: Any = None  # bucket_cap_mb="auto": ddp_step's handle (its model is the module itself)
         # what _update steps: the run's optimizer, or the one the engine steps bucket by bucket
         # (a ShardedOptimizer offers what GradScaler and clipping read: param_groups, step; every rank
@@ -104,12 +105,17 @@ class Stepper:
                 state.scaler.scale(loss / len(batches)).backward()
             pending = cast(MetricBuffer, state.metrics.pending)
             state.metrics.record(pending, "train", outputs, targets, loss, counts[-1])
-        self._update(sum(counts) * world_size)
+        # A step's global batch: cut into micro-batches (deterministic and live mode, where the ranks may own
+        # unequal numbers of them), or this rank's share times the ranks.
+        self._update(self.plan.global_batch_size if self.plan.num_micro_batches else sum(counts) * world_size)
 
-    def local_step(self, module: nn.Module, world_size: int, batches: list[Any]) -> None:
+    def local_step(self, module: nn.Module, world_size: int, batches: list[Any]) -> bool:
         """Low-communication training (FitConfig.sync): this rank's batches of the step through its own
-        module, no gradient averaged, then the optimizer and the handle's outer sync when one is due."""
+        module, no gradient averaged, then the optimizer and the handle's outer sync when one is due.
+        True when the step ended with an outer sync (a round's end, for local_sgd and diloco)."""
+        self.synced = False
         self.ddp_step(module, world_size, batches, local=True)
+        return self.synced
 
     def micro_batched_step(self, handle: Any, model: nn.Module, batches: list[Any]) -> None:
         """One step of K micro-batches (deterministic or live mode): this rank's through the engine's
@@ -160,6 +166,6 @@ class Stepper:
         state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
         if self.outer is not None:
-            self.outer.after_optimizer_step()  # every sync_every steps: the replicas meet
+            self.synced = self.outer.after_optimizer_step()  # every sync_every steps: the replicas meet
         state.counters.samples += samples
         state.sampler.advance(samples)

@@ -72,11 +72,14 @@ class Admission:
 
     # ---- the members' side ----------------------------------------------------------------------------
 
-    def joiners_due(self, step: int) -> list[int]:
+    def joiners_due(self, step: int, next_step: int | None = None) -> list[int]:
         """Called by every member after each completed `step`: the replacements to admit now, else [].
 
         Rank 0 reads the queue and plans the growth for the next boundary; every other member sees that
-        plan by then (see the module doc). One store round trip per step.
+        plan by then (see the module doc). One store round trip per step. `next_step`: that boundary
+        when it is not the next step, and the members call this only at boundaries (a low-communication
+        run: its replacements join at a round's end, and the next round's outer sync is the first
+        collective that cannot complete before rank 0 wrote the plan).
         """
         state = self.state
         m = state.membership
@@ -87,7 +90,8 @@ class Admission:
         if plan is None and m.rank == 0:
             queued = self._queued()
             if queued:
-                proposal = json.dumps({"step": step + 1, "joiners": queued})
+                boundary = step + 1 if next_step is None else next_step
+                proposal = json.dumps({"step": boundary, "joiners": queued})
                 plan = json.loads(bytes(state.store.compare_set(key, "", proposal)).decode())
         if plan is not None:
             self._plan = (m.generation, plan)

@@ -166,9 +166,10 @@ class LiveGroup:
     def forget_rows(self, committed: list[tuple[int, int]]) -> None:
         self.commits.forget_rows(committed)
 
-    def joiners_due(self, step: int) -> list[int]:
-        """The replacements to admit after `step` (admission.py), else []."""
-        return self.admission.joiners_due(step)
+    def joiners_due(self, step: int, next_step: int | None = None) -> list[int]:
+        """The replacements to admit after `step` (admission.py), else []; `next_step`: the next boundary
+        at which a growth can happen, when not step + 1."""
+        return self.admission.joiners_due(step, next_step)
 
     def state_received(self) -> None:
         self.needs_state = False

@@ -98,10 +98,12 @@ class LiveRecovery:
         self._rejoin(fault)
         return True
 
-    def admit_joiners(self, step: int) -> bool:
+    def admit_joiners(self, step: int, next_step: int | None = None) -> bool:
         """At a step boundary: let in the replacements that rank 0 planned for this step. True when the
-        group changed (the loop re-cuts its iteration), also when a member was lost while doing so."""
-        joiners = self.group.joiners_due(step)
+        group changed (the loop re-cuts its iteration), also when a member was lost while doing so.
+        `next_step`: the boundary after this one when growth happens only at some steps (the ends of a
+        low-communication run's rounds; called only there)."""
+        joiners = self.group.joiners_due(step, next_step)
         if not joiners:
             return False
         try:

@@ -1,0 +1,169 @@
+"""Live mode for a low-communication run (FitConfig.sync): the round counts on every member or on none.
+
+Between outer syncs nothing is communicated, so a lost member's inner steps exist only in its own
+process, and its samples of the round only in its own parameters: they cannot be taken over. The
+survivors therefore go back to the round's start (the last outer sync, where every replica was equal
+and the outer state was agreed) and redo the round's steps over themselves: every sample of the round
+is trained on again, on the new world size, and the lost member's partial round leaves no trace in the
+final model. That is live mode's "redo the interrupted step" with the round as the step.
+
+- `LiveRounds.mark()` keeps, in host memory, everything a redo needs on this rank (a `RoundMark`): the
+  model, the inner optimizer, schedule, scaler, sampler, counters, record, pending metrics, the outer
+  state (anchor, outer momentum) and the random generators. It is taken at the start of the run and
+  after each round boundary's commit (`commit()`: membership/commit.py, so that every member or none
+  counts the round; only then does any member replace its mark).
+- On a change of members, `discard()` (the run's `Recoverable.discard_step`) arms the rollback; the
+  replica rebuilt on the new group then gets the mark back (`rebuilt()`) before the members compare
+  their marks, so that they all stand at the mark's step. The loop raises `RolledBack` and carries on
+  from there. A growth (replacements admitted at a round boundary) goes back nowhere: the new replica
+  only gets the outer state, and the replacements receive the run's state from rank 0.
+
+Work that a round's steps did between its syncs (logs, evaluations, checkpoints mid-round) is redone
+too: the metric log on rank 0 is cut back to what it held at the mark. A lost member's metric rows not
+yet logged at the mark are not recovered (the logged means of that interval cover the survivors' samples
+only); what is trained is unaffected.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lockstep.checkpoint import rng
+from lockstep.errors import LockstepError
+from lockstep.runtime.membership.group import LiveGroup
+from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery
+from lockstep.trainer.run_state import RunState
+
+
+class RolledBack(LockstepError):  # noqa: N818 (not an error: control flow back to the loop's top)
+    """The run went back to its last round mark over a new group: the loop continues from there."""
+
+
+class RoundMark:
+    """This rank's state at a round boundary (or at the run's start), kept in memory for a redo."""
+
+    def __init__(
+        self, state: RunState, outer: dict[str, Any], *, boundary: bool, log_count: int | None
+    ) -> None:
+        self.step = state.counters.step
+        self.boundary = boundary  # every replica equal (a round's start), not a resume mid-round
+        self.log_count = log_count  # rank 0: the metric log's records at the mark
+        record = state.record
+        self.tree = _host_copy(
+            {
+                "model": state.module.state_dict(),
+                "optimizer": state.optimizer.state_dict(),
+                "scheduler": state.scheduler.state_dict(),
+                "scaler": state.scaler.state_dict(),
+                "sampler": state.sampler.state_dict(),
+                "counters": state.counters.state_dict(),
+                "record": (record.last_train, record.last_eval, record.saved_step, record.eval_step),
+                "metrics": (state.metrics.pending, state.metrics.unlogged),
+                "outer": outer,
+                "rng": rng.capture(),
+            }
+        )
+
+    def restore(self, state: RunState, handle: Any) -> None:
+        """Put this rank back where it stood at the mark (copies: the mark may be restored again). The
+        loads move each tensor to its parameter's device."""
+        tree = copy.deepcopy(self.tree)  # load_state_dict may keep the tensors it is given
+        with torch.no_grad():
+            state.module.load_state_dict(tree["model"])
+        state.optimizer.load_state_dict(tree["optimizer"])
+        state.scheduler.load_state_dict(tree["scheduler"])
+        if tree["scaler"]:
+            state.scaler.load_state_dict(tree["scaler"])
+        state.sampler.load_state_dict(tree["sampler"])
+        state.counters.load_state_dict(tree["counters"])
+        record = state.record
+        record.last_train, record.last_eval, record.saved_step, record.eval_step = tree["record"]
+        state.metrics.pending, state.metrics.unlogged = tree["metrics"]
+        handle.load_sync_state_dict(tree["outer"])
+        rng.restore(tree["rng"])
+
+
+class LiveRounds:
+    """fit's rounds in live mode (see the module doc)."""
+
+    def __init__(self, group: LiveGroup, state: RunState, sync_every: int) -> None:
+        self.group, self.state, self.sync_every = group, state, sync_every
+        self.last: RoundMark | None = None
+        self.armed = False  # a change of members happened: the rebuilt replica gets the mark back
+        self.closed = False  # the run ended (its last barrier): nothing is redone any more
+
+    @property
+    def active(self) -> bool:
+        return self.last is not None and not self.closed
+
+    def mark(self, handle: Any, log_count: int | None) -> None:
+        """Keep this rank's state as the point a redo starts from."""
+        outer = handle.sync_state_dict()
+        boundary = int(outer["inner_steps"]) % self.sync_every == 0
+        self.last = RoundMark(self.state, outer, boundary=boundary, log_count=log_count)
+
+    def commit(self, step: int) -> None:
+        """At a round boundary (its sync done): return once every member's sync did, or raise
+        MembershipChanged on every member (membership/commit.py); only then is a new mark taken."""
+        self.group.commit(step)
+
+    def discard(self) -> None:
+        """A member was lost: go back to the mark on the group being formed (see rebuilt())."""
+        last = self.last
+        if not self.active or last is None:
+            return
+        if not last.boundary:
+            raise LockstepError(
+                f"{self.group.state.tag}a member was lost in the round this run resumed in the middle of "
+                f"(step {last.step}): its inner steps before the resume exist only in its own state, so the "
+                "round cannot be redone without it; resume from the last checkpoint (at that world size)"
+            )
+        self.armed = True
+
+    def rebuilt(self, handle: Any) -> None:
+        """The replica was rebuilt on a new group: after a loss, this rank's state from the mark; after a
+        growth, the outer state carried over (the replicas stand at the boundary the mark was taken)."""
+        last = self.last
+        if last is None:
+            return
+        if self.armed and not self.closed:
+            last.restore(self.state, handle)
+            self.armed = False
+        else:
+            handle.load_sync_state_dict(last.tree["outer"])
+
+    def run(self, recovery: LiveRecovery, work: Callable[[], Any]) -> Any:
+        """work() with collectives; if a member is lost in it, re-form, go back to the mark and raise
+        RolledBack (the loop carries on from the mark instead of retrying the work)."""
+        try:
+            return work()
+        except FAILURES as exc:
+            if not recovery.recover(exc):
+                raise
+            raise RolledBack from None
+
+    def rewind_log(self, runlog: Any) -> None:
+        """After a rollback on rank 0: the metric log as it was at the mark."""
+        last = self.last
+        if last is None or not runlog.enabled:
+            return
+        if last.log_count is not None:
+            runlog.truncate(last.log_count)
+        else:  # this process became rank 0 after the mark: keep what the old rank 0 logged up to it
+            runlog.rewind(last.step)
+
+
+def _host_copy(tree: Any) -> Any:
+    """A copy of a nest of dicts, lists and tuples whose tensors are copied to the host: a mark does not
+    take device memory (one copy to the host per round)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {key: _host_copy(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_host_copy(value) for value in tree)
+    return copy.deepcopy(tree)
