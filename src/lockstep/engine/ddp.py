@@ -204,7 +204,8 @@ class DistributedDataParallel(JoinableReplica, TorchDDP):
         (_eager(replica.pre_forward) if compiling else replica.pre_forward)()
         if self.device_ids:
             inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", self.device_ids[0]))
-        output = self.module(*inputs, **kwargs)
+        module: nn.Module = self._modules["module"]  # type: ignore[assignment]  # self.module, no __getattr__
+        output = module(*inputs, **kwargs)
         return (_eager(replica.post_forward) if compiling else replica.post_forward)(output)
 
     @contextmanager
