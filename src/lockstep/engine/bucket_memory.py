@@ -39,6 +39,8 @@ class Bucket:
         )
         self.buffer = self.storage[:total] if self.storage is not None else torch.empty(0, dtype=dtype)
         self.status = self.storage[total:] if self.storage is not None and last else None
+        # the last element of what the built-in hook reduces (the status, or torch's layout's NaN flag)
+        self.last_element = self.storage[-1] if self.storage is not None and self.storage.numel() else None
         self.views = [] if self.solo else flat_views(self.buffer, self.params)
         self.eager = not self.solo and total >= EAGER_COPY_MIN_NUMEL * len(numels)
         # bf16/fp16 grads in an fp32 bucket: scale after the copy, in fp32 (torch.mul(out=) would round

@@ -98,14 +98,20 @@ class FastHooks:
             return
         batch = arrivals[:n]
         del arrivals[:n]
+        if torch.is_grad_enabled():  # backward(create_graph=True): keep the copies out of the graph
+            with torch.no_grad():
+                self._process(batch)
+        else:  # a backward runs its hooks without grad: no context to enter
+            self._process(batch)
+
+    def _process(self, batch: list[torch.Tensor]) -> None:
         r = self.reducer
+        if r.armed is not None and r.order is None:
+            self._drain_ready(batch)
+            return
         index_of = r.index_of
-        with torch.no_grad():
-            if r.armed is not None and r.order is None:
-                self._drain_ready(batch)
-                return
-            for p in batch:
-                r.arrived(index_of[id(p)])
+        for p in batch:
+            r.arrived(index_of[id(p)])
 
     def _drain_ready(self, batch: list[torch.Tensor]) -> None:
         """drain() for a synced step whose bucket order is settled: the reducer's `arrived` inlined for

@@ -251,7 +251,11 @@ class Reducer(GradientArrivals):
         verdict = self._agree_on_unused(missing)
         self._write_back()
         if verdict is None:  # the signal travelled in the last bucket
-            verdict = self._read_missing_signal(self.buckets[-1].hook_buffer, len(missing), missing)
+            last = self.buckets[-1]
+            reduced = last.hook_buffer
+            if last.last_element is not None and (reduced is last.buffer or reduced is last.storage):
+                reduced = last.last_element  # the same element, already a view: no reshape per step
+            verdict = self._read_missing_signal(reduced, len(missing), missing)
         self.optimizer_steps.end(self.buckets, ok=not verdict)
         self._finish_step(step, t_end_backward, missing)
         return verdict

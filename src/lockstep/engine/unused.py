@@ -91,8 +91,9 @@ class UnusedAgreement:
         return name_missing(self.names, missing, self.tag, self.group) if total else ""
 
     def read(self, reduced: torch.Tensor, count: int, missing: list[int], signal: str) -> str:
-        """The error message (or '') from the last bucket's reduced buffer, as `signal` says it was put."""
-        flag = reduced.reshape(-1)[-1].item()
+        """The error message (or '') from the last bucket's reduced buffer (or its last element, a 0-dim
+        view), as `signal` says it was put."""
+        flag = reduced.item() if reduced.dim() == 0 else reduced.reshape(-1)[-1].item()
         if signal == "status":
             total = int(flag)
         elif flag != flag:  # NaN: a rank flagged missing gradients (or a real NaN): count them
