@@ -57,11 +57,10 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _wrap(engine: str, where: str, module: nn.Module) -> tuple[nn.Module, Any]:
     """(the model to call, the object to register a comm hook on) for one engine and compile placement."""
     inner = torch.compile(module, backend="aot_eager") if where == "inner" else module
-    if engine == "replicate":
-        handle = lockstep.replicate(
-            inner, policy=lockstep.SyncPolicy(bucket_cap_mb=CAP_MB, first_bucket_mb=CAP_MB)
-        )
-        return inner, handle
+    if engine == "replicate":  # "outer": replicate(module), then torch.compile(module)
+        policy = lockstep.SyncPolicy(bucket_cap_mb=CAP_MB, first_bucket_mb=CAP_MB)
+        handle = lockstep.replicate(inner, policy=policy)
+        return (torch.compile(module, backend="aot_eager") if where == "outer" else inner), handle
     cls = lockstep.DistributedDataParallel if engine == "ours" else torch.nn.parallel.DistributedDataParallel
     ddp = cls(inner, bucket_cap_mb=CAP_MB)
     return (torch.compile(ddp, backend="aot_eager") if where == "outer" else ddp), ddp
@@ -116,7 +115,10 @@ def _launch_order(engine: str, where: str, optimize_ddp: bool) -> dict[str, Any]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("engine", "where"), [("ours", "inner"), ("ours", "outer"), ("replicate", "inner")])
+@pytest.mark.parametrize(
+    ("engine", "where"),
+    [("ours", "inner"), ("ours", "outer"), ("replicate", "inner"), ("replicate", "outer")],
+)
 def test_first_bucket_launches_before_the_compiled_backward_ends(engine: str, where: str) -> None:
     out = run_distributed(_launch_order, 2, args=(engine, where, True), timeout=180)
     for rank, result in enumerate(out):
@@ -168,7 +170,10 @@ def _compare(engine: str, where: str) -> dict[str, list[torch.Tensor]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("engine", "where"), [("ours", "inner"), ("ours", "outer"), ("replicate", "inner")])
+@pytest.mark.parametrize(
+    ("engine", "where"),
+    [("ours", "inner"), ("ours", "outer"), ("replicate", "inner"), ("replicate", "outer")],
+)
 def test_split_compiled_training_equals_torch_ddp_bit_for_bit(engine: str, where: str) -> None:
     out = run_distributed(_compare, 2, args=(engine, where), timeout=180)
     for rank, result in enumerate(out):
