@@ -180,3 +180,21 @@ def test_split_compiled_training_equals_torch_ddp_bit_for_bit(engine: str, where
         assert_tensors_close(
             result["ours"], result["torch"], 0, 0, what=f"rank {rank} {engine} compile {where}"
         )
+
+
+def _pieces_under_local_sgd() -> list[int]:
+    torch._dynamo.reset()
+    module = _model()
+    compiled = torch.compile(module, backend="aot_eager")
+    lockstep.replicate(compiled, policy=lockstep.SyncPolicy(sync="local_sgd", sync_every=2))
+    x, y = _batch(dist.get_rank(), 0)
+    pieces = len(_compiled_nodes(F.cross_entropy(compiled(x), y)))
+    torch._dynamo.reset()
+    return [pieces]
+
+
+@pytest.mark.slow
+def test_low_communication_modes_leave_the_compiled_graph_whole() -> None:
+    """local SGD communicates after the optimizer step, never in backward: nothing to overlap, no split."""
+    out = run_distributed(_pieces_under_local_sgd, 2, timeout=120)
+    assert out == [[1], [1]], out

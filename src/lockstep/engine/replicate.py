@@ -244,8 +244,11 @@ def replicate(
         module.register_forward_pre_hook(hooks.before),
         module.register_forward_hook(hooks.after),
     ]
-    # torch.compile: the module's compiled graphs split at bucket boundaries (compile_support.py)
-    return ReplicaHandle(replica, forward_hooks + SplitHooks(replica.policy).register(module))
+    # torch.compile: the module's compiled graphs split at bucket boundaries (compile_support.py), where
+    # backward communicates (low-communication modes never do: a split would only cost the compiler)
+    if not replica.policy.periodic:
+        forward_hooks += SplitHooks(replica.policy).register(module)
+    return ReplicaHandle(replica, forward_hooks)
 
 
 def overlap_optimizer(
