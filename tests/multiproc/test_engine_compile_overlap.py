@@ -182,19 +182,33 @@ def test_split_compiled_training_equals_torch_ddp_bit_for_bit(engine: str, where
         )
 
 
-def _pieces_under_local_sgd() -> list[int]:
+def _pieces(policy: dict[str, Any]) -> list[int]:
+    """Compiled graph pieces of replicate(torch.compile(module), policy=SyncPolicy(**policy)), 2 steps."""
     torch._dynamo.reset()
     module = _model()
     compiled = torch.compile(module, backend="aot_eager")
-    lockstep.replicate(compiled, policy=lockstep.SyncPolicy(sync="local_sgd", sync_every=2))
-    x, y = _batch(dist.get_rank(), 0)
-    pieces = len(_compiled_nodes(F.cross_entropy(compiled(x), y)))
+    lockstep.replicate(compiled, policy=lockstep.SyncPolicy(**policy))
+    pieces = []
+    for step in range(2):
+        x, y = _batch(dist.get_rank(), step)
+        loss = F.cross_entropy(compiled(x), y)
+        pieces.append(len(_compiled_nodes(loss)))
+        loss.backward()
+        module.zero_grad()
     torch._dynamo.reset()
-    return [pieces]
+    return pieces
 
 
 @pytest.mark.slow
 def test_low_communication_modes_leave_the_compiled_graph_whole() -> None:
     """local SGD communicates after the optimizer step, never in backward: nothing to overlap, no split."""
-    out = run_distributed(_pieces_under_local_sgd, 2, timeout=120)
-    assert out == [[1], [1]], out
+    out = run_distributed(_pieces, 2, args=({"sync": "local_sgd", "sync_every": 2},), timeout=120)
+    assert out == [[1, 1], [1, 1]], out
+
+
+@pytest.mark.slow
+def test_bucket_size_by_measurement_splits_at_the_default_cap() -> None:
+    """bucket_cap_mb="auto": dynamo splits at the first forward, before the tuner chooses: at 25 MiB
+    (a first piece of 1 MiB, the rest of this 4 MiB model in a second)."""
+    out = run_distributed(_pieces, 2, args=({"bucket_cap_mb": "auto"},), timeout=120)
+    assert out == [[2, 2], [2, 2]], out

@@ -28,16 +28,16 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from lockstep.engine.policy import SyncPolicy
 
-_MIB = 1024 * 1024
 # dynamo's first piece is torch's first bucket (1 MiB); it refuses a cap below that
-_DYNAMO_FIRST_BUCKET_BYTES = _MIB
+_DYNAMO_FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 class DynamoView:
-    """What dynamo reads of the DDP module it compiles for: the bucket cap (replicate's stand-in)."""
+    """What dynamo reads of the DDP module it compiles for: the bucket cap (replicate's stand-in). With
+    bucket_cap_mb="auto" the default's: dynamo splits once, at the first forward, before the tuner chooses."""
 
     def __init__(self, policy: SyncPolicy) -> None:
-        self.bucket_bytes_cap = max(int(policy.bucket_cap_mb * _MIB), _DYNAMO_FIRST_BUCKET_BYTES)
+        self.bucket_bytes_cap = max(policy.bucket_cap_bytes, _DYNAMO_FIRST_BUCKET_BYTES)
 
 
 @contextmanager
