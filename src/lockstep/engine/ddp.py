@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from lockstep.engine.bucket_launch import CommHook
+from lockstep.engine.compile_support import compiled_as_ddp
 from lockstep.engine.joinable import JoinableReplica
 from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, SyncPolicy
 from lockstep.engine.reducer import Reducer
@@ -196,17 +197,14 @@ class DistributedDataParallel(JoinableReplica, TorchDDP):
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
 
+    # Under torch.compile of the wrapper, as with torch's DDP, dynamo skips this frame and compiles the
+    # module's forward only, split at bucket boundaries; the engine's bookkeeping runs eagerly.
+    @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        replica = self._engine
-        compiling = torch.compiler.is_compiling()
-        # Under torch.compile of the wrapper the engine's bookkeeping runs eagerly (graph breaks around
-        # it) while dynamo compiles the user's module.
-        (_eager(replica.pre_forward) if compiling else replica.pre_forward)()
-        if self.device_ids:
-            inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", self.device_ids[0]))
-        module: nn.Module = self._modules["module"]  # type: ignore[assignment]  # self.module, no __getattr__
-        output = module(*inputs, **kwargs)
-        return (_eager(replica.post_forward) if compiling else replica.post_forward)(output)
+        module, inputs, kwargs = _before_module(self, inputs, kwargs)
+        with compiled_as_ddp(self):  # compile_support.py: what torch's forward sets for dynamo
+            output = module(*inputs, **kwargs)
+        return _after_module(self, output)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -370,7 +368,16 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def _eager(fn: Any) -> Any:
-    import torch._dynamo  # slow to import: only when compiling
+# The forward's engine work, never traced by dynamo (the wrapper's attributes are not a graph's inputs).
+@torch._disable_dynamo
+def _before_module(ddp: DistributedDataParallel, inputs: Any, kwargs: Any) -> tuple[nn.Module, Any, Any]:
+    ddp._engine.pre_forward()
+    if ddp.device_ids:
+        inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", ddp.device_ids[0]))
+    module: nn.Module = ddp._modules["module"]  # type: ignore[assignment]  # ddp.module, no __getattr__
+    return module, inputs, kwargs
 
-    return torch._dynamo.disable(fn)
+
+@torch._disable_dynamo
+def _after_module(ddp: DistributedDataParallel, output: Any) -> Any:
+    return ddp._engine.post_forward(output)

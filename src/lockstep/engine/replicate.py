@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.engine.bucket_launch import CommHook
+from lockstep.engine.compile_support import SplitHooks
 from lockstep.engine.joinable import JoinableReplica
 from lockstep.engine.outer_sync import OuterSync
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
@@ -239,9 +240,15 @@ def replicate(
         )
     replica = ReplicaState(module, policy or SyncPolicy(), process_group)
     hooks = _ForwardHooks(replica)
-    return ReplicaHandle(
-        replica, [module.register_forward_pre_hook(hooks.before), module.register_forward_hook(hooks.after)]
-    )
+    forward_hooks = [
+        module.register_forward_pre_hook(hooks.before),
+        module.register_forward_hook(hooks.after),
+    ]
+    # torch.compile: the module's compiled graphs split at bucket boundaries (compile_support.py), where
+    # backward communicates (low-communication modes never do: a split would only cost the compiler)
+    if not replica.policy.periodic:
+        forward_hooks += SplitHooks(replica.policy).register(module)
+    return ReplicaHandle(replica, forward_hooks)
 
 
 def overlap_optimizer(
