@@ -10,7 +10,8 @@ compiles then is split, walking the graph from its end, every `bucket_bytes_cap`
 (the first piece at 1 MiB). Each piece has its own backward node, so the last layers' gradients are
 ready, and their buckets launch, while the earlier pieces' backward still runs.
 
-lockstep sets the same attribute around its module's forward: the drop-in class names itself (torch's
+lockstep sets the same attribute around its module's forward: the drop-in class names itself (in
+its forward, written out there: a context manager per step costs more than the rest of its forward) (torch's
 cap, so dynamo splits exactly as for torch's DDP: the same compiled graphs, the same bits), `replicate`
 names a `DynamoView` of its policy's cap. Dynamo reads the attribute only when it compiles a frame,
 and only with `torch._dynamo.config.optimize_ddp` set (torch's default); frames compiled outside it
@@ -19,8 +20,6 @@ stay whole, as under torch's DDP.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -38,18 +37,6 @@ class DynamoView:
 
     def __init__(self, policy: SyncPolicy) -> None:
         self.bucket_bytes_cap = max(policy.bucket_cap_bytes, _DYNAMO_FIRST_BUCKET_BYTES)
-
-
-@contextmanager
-def compiled_as_ddp(owner: Any) -> Iterator[None]:
-    """Frames dynamo compiles inside the block are split at `owner`'s bucket cap (torch's DDP sets the
-    same attribute in its forward; nested replicas restore the outer one)."""
-    before = TorchDDP._active_ddp_module
-    TorchDDP._active_ddp_module = owner
-    try:
-        yield
-    finally:
-        TorchDDP._active_ddp_module = before
 
 
 class SplitHooks:

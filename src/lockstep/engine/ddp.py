@@ -12,10 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from lockstep.engine.bucket_launch import CommHook
-from lockstep.engine.compile_support import compiled_as_ddp
 from lockstep.engine.joinable import JoinableReplica
 from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, SyncPolicy
 from lockstep.engine.reducer import Reducer
@@ -201,10 +201,19 @@ class DistributedDataParallel(JoinableReplica, TorchDDP):
     # module's forward only, split at bucket boundaries; the engine's bookkeeping runs eagerly.
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        module, inputs, kwargs = _before_module(self, inputs, kwargs)
-        with compiled_as_ddp(self):  # compile_support.py: what torch's forward sets for dynamo
+        # Outside torch.compile of the wrapper no dynamo callback is set, nothing would trace the engine's
+        # calls, and they need no wrapper of their own (two fewer wrapped calls per step)
+        traced = get_eval_frame_callback() is not None
+        before, after = (_before_module, _after_module) if traced else (_plain_before, _plain_after)
+        module, inputs, kwargs = before(self, inputs, kwargs)
+        # what torch's forward sets for dynamo (compile_support.py), restored however the module returns
+        outer = TorchDDP._active_ddp_module
+        TorchDDP._active_ddp_module = self
+        try:
             output = module(*inputs, **kwargs)
-        return _after_module(self, output)
+        finally:
+            TorchDDP._active_ddp_module = outer
+        return after(self, output)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -368,9 +377,7 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-# The forward's engine work, never traced by dynamo (the wrapper's attributes are not a graph's inputs).
-@torch._disable_dynamo
-def _before_module(ddp: DistributedDataParallel, inputs: Any, kwargs: Any) -> tuple[nn.Module, Any, Any]:
+def _plain_before(ddp: DistributedDataParallel, inputs: Any, kwargs: Any) -> tuple[nn.Module, Any, Any]:
     ddp._engine.pre_forward()
     if ddp.device_ids:
         inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", ddp.device_ids[0]))
@@ -378,6 +385,11 @@ def _before_module(ddp: DistributedDataParallel, inputs: Any, kwargs: Any) -> tu
     return module, inputs, kwargs
 
 
-@torch._disable_dynamo
-def _after_module(ddp: DistributedDataParallel, output: Any) -> Any:
+def _plain_after(ddp: DistributedDataParallel, output: Any) -> Any:
     return ddp._engine.post_forward(output)
+
+
+# The forward's engine work under torch.compile of the wrapper, never traced by dynamo (the wrapper's
+# attributes are not a graph's inputs).
+_before_module = torch._disable_dynamo(_plain_before)
+_after_module = torch._disable_dynamo(_plain_after)
