@@ -1,5 +1,6 @@
-"""The overlapped step of a sharded optimizer: the owners' broadcasts of each bucket's updated parameters,
-launched during backward as soon as the owners stepped that bucket.
+"""The overlapped step of a sharded optimizer: each bucket's updated parameters sent from their owners in backward.
+
+The broadcasts of a bucket's parameters start during backward, as soon as the owners stepped that bucket.
 
 With `handle.overlap_optimizer(handle.shard_optimizer(optimizer))` the engine (optimizer_steps.py) steps,
 as each bucket's averaged gradients come back, the parameters of that bucket this rank owns
