@@ -102,6 +102,33 @@ def bench_worker(name: str, arms: list[str], rounds: int, warmup: int, steps: in
     return result
 
 
+def phases_worker(name: str, arms: list[str], steps: int) -> dict[str, dict[str, float]]:
+    """Where the time goes: each arm's median ms of forward, backward (the engine's reduction and, when
+    overlapped, the optimizer steps and broadcasts it starts) and optimizer step() (for `both`: the rest
+    of the share and the wait for the broadcasts), arms interleaved step by step, on this rank."""
+    state = build(name).state_dict()
+    engines = {arm: _Engine(arm, name, state) for arm in arms}
+    spent: dict[str, dict[str, list[float]]] = {arm: {"fwd": [], "bwd": [], "step": []} for arm in arms}
+    for i in range(steps + 1):  # the first step warms up
+        for arm in arms if i % 2 == 0 else arms[::-1]:
+            engine = engines[arm]
+            x, y = batch(name, dist.get_rank(), i)
+            dist.barrier()
+            t0 = time.perf_counter()
+            engine.opt.zero_grad(set_to_none=True)
+            value = loss(name, engine.model(x), y)
+            t1 = time.perf_counter()
+            value.backward()
+            t2 = time.perf_counter()
+            engine.opt.step()
+            engine.schedule.step()
+            t3 = time.perf_counter()
+            if i:
+                for key, seconds in (("fwd", t1 - t0), ("bwd", t2 - t1), ("step", t3 - t2)):
+                    spent[arm][key].append(seconds * 1e3)
+    return {arm: {k: statistics.median(v) for k, v in d.items()} for arm, d in spent.items()}
+
+
 def memory_worker(name: str, kind: str, steps: int) -> float:
     engine = _Engine(kind, name, build(name).state_dict())
     for i in range(steps):
@@ -138,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--memory-launches", type=int, default=1, help="launches per arm for peak RSS")
     parser.add_argument(
+        "--phases", type=int, default=0, help="also time forward/backward/step() of every arm over N steps"
+    )
+    parser.add_argument(
         "--out", default=None, help="report path (default benchmarks/results/<date>-combined_optimizer.md)"
     )
     args = parser.parse_args(argv)
@@ -156,6 +186,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(row, flush=True)
             rows.append(row)
+    phase_rows = []
+    for name in args.models if args.phases else []:
+        kinds = ["torch", "plain", "overlap", "shard", "both"]
+        per_rank = run_distributed(phases_worker, 2, args=(name, kinds, args.phases), timeout=3600)
+        for rank, spent in enumerate(per_rank):
+            for kind in kinds:
+                t = spent[kind]
+                phase_rows.append(
+                    f"| {name} | {rank} | {kind} | {t['fwd']:.1f} | {t['bwd']:.1f} | {t['step']:.1f} "
+                    f"| {t['fwd'] + t['bwd'] + t['step']:.1f} |"
+                )
+                print(phase_rows[-1], flush=True)
     for name in args.memory_models:
         kinds = [*arms, "torch"]
         rss = _peak_rss(name, kinds, args.memory_launches)
@@ -176,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         f"# The optimizer overlapped and sharded vs torch's DDP + AdamW ({datetime.date.today()})\n\n"
         f"Machine: {machine}\n\n## Step time\n\n{header}\n"
         + "\n".join(rows)
+        + (
+            "\n\n## Where the time goes (median ms per step, arms interleaved step by step)\n\n"
+            "| model | rank | arm | forward | backward | step() | sum |\n|---|---|---|---|---|---|---|\n"
+            + "\n".join(phase_rows)
+            if phase_rows
+            else ""
+        )
         + f"\n\n## Memory ({args.memory_launches} launch(es) per arm, median)\n\n{memory_header}\n"
         + "\n".join(memory_rows)
         + "\n"
