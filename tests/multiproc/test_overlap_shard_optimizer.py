@@ -250,6 +250,50 @@ def test_a_second_synced_backward_before_step_raises_on_every_rank() -> None:
         assert said.startswith(f"[rank {rank}/2] a synced backward began before optimizer.step()"), said
 
 
+def _failed_backward_then_on() -> dict[str, Any]:
+    """A backward that raises (a parameter without gradient, find_unused_parameters off) after buckets
+    stepped and their broadcasts started; then the loop goes on with every parameter used: the next
+    step() raises on every rank, and the steps after it still reach every rank alike (the broadcasts'
+    group kept the same sequence on every rank)."""
+    rank = dist.get_rank()
+    net = _Net(sleep=0.1, spare=True)  # spare unused: the engine reports it at the end of backward
+    handle = lockstep.replicate(net, policy=lockstep.SyncPolicy(**TINY_BUCKETS))
+    overlapped = handle.overlap_optimizer(handle.shard_optimizer(torch.optim.AdamW(net.parameters())))
+    x, y = _batch(rank, 0)
+    try:
+        F.cross_entropy(net(x), y).backward()
+        raised_in_backward = ""
+    except lockstep.errors.UnusedParameterError as error:
+        raised_in_backward = type(error).__name__
+    try:
+        overlapped.step()
+        said = "nothing raised"
+    except UsageError as error:
+        said = str(error)
+    net.use_spare = True
+    for step in range(2):
+        x, y = _batch(rank, step + 1)
+        overlapped.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x), y).backward()
+        overlapped.step()
+    return {
+        "raised_in_backward": raised_in_backward,
+        "said": said,
+        "params": [p.detach().clone() for p in net.parameters()],
+        "in_backward": handle.stats().extras["optimizer_broadcasts_launched_in_backward"],
+    }
+
+
+def test_a_failed_backward_breaks_the_step_on_every_rank_and_the_broadcasts_stay_in_step() -> None:
+    results = run_distributed(_failed_backward_then_on, 2, timeout=60)
+    for rank, out in enumerate(results):
+        assert out["raised_in_backward"] == "UnusedParameterError", (rank, out["raised_in_backward"])
+        assert out["said"].startswith(f"[rank {rank}/2] the previous backward raised after the engine"), out
+        assert out["in_backward"] >= 1, out["in_backward"]
+        for i, (mine, theirs) in enumerate(zip(out["params"], results[0]["params"])):
+            assert torch.equal(mine, theirs), f"rank {rank}: parameter {i} differs from rank 0's"
+
+
 def _live_mode_shard() -> str:
     rank = dist.get_rank()
     net = _Net()
