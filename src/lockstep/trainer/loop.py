@@ -135,13 +135,11 @@ class FitRun(LiveSide):
             if self.live is not None:  # the members may have changed meanwhile
                 self.topo = self.live.topology()
             return self.module
-        # shard_optimizer, the memory-saving option: the gradients are views of the buckets (one copy of
-        # them, not two; fit's own loop is all that touches them, in place or set to None)
         return DistributedDataParallel(
             self.module,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             bucket_cap_mb=cast("float | None", self.config.bucket_cap_mb),  # a number or None: torch's
-            gradient_as_bucket_view=self.config.shard_optimizer,
+            gradient_as_bucket_view=self.config.shard_optimizer,  # sharded: one copy of the gradients
         )
 
     # ---- phases -------------------------------------------------------------------------------------------
