@@ -372,6 +372,16 @@ def test_fit_overlapped_and_sharded_gives_the_plain_bits_and_resumes_both_ways(t
         assert verdict.equal, (name, verdict.describe())
 
 
+def test_fit_with_a_bucket_size_overlapped_and_sharded_gives_the_plain_bits(tmp_path: Path) -> None:
+    # bucket_cap_mb set: fit replicates the module through the handle (trainer/buckets.py), not the drop-in
+    sized = {"bucket_cap_mb": 0.001}
+    plain = _legs(tmp_path / "plain", [(sized, None)])
+    both = _legs(tmp_path / "both", [({**sized, **BOTH}, None)])
+    assert _hashes(both) == _hashes(plain) and both["warnings"] == []
+    verdict = compare_checkpoints(tmp_path / "plain", tmp_path / "both")
+    assert verdict.equal, verdict.describe()
+
+
 DETERMINISTIC = {"num_samples": 256, "global_batch_size": 24, "micro_batch_size": 4, "epochs": 2}
 
 
