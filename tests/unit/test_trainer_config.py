@@ -178,13 +178,12 @@ def test_shard_optimizer_is_a_flag_of_lockstep_train() -> None:
         resolve_config("toy", None, ["--shard-optimizer", "maybe"], None)
 
 
-def test_shard_optimizer_refuses_overlap_optimizer_and_periodic_sync() -> None:
+def test_shard_optimizer_refuses_periodic_sync() -> None:
+    # (overlap_optimizer combines with it: tests/multiproc/test_overlap_shard_optimizer.py)
     from lockstep.trainer.optim import maybe_sharded
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     assert maybe_sharded(optimizer, FitConfig(), live=False) is optimizer
-    with pytest.raises(ConfigError, match="shard_optimizer=True with overlap_optimizer=True"):
-        maybe_sharded(optimizer, FitConfig(shard_optimizer=True, overlap_optimizer=True), live=False)
     with pytest.raises(ConfigError, match="shard_optimizer=True with sync='diloco'"):
         maybe_sharded(optimizer, FitConfig(shard_optimizer=True, sync="diloco"), live=False)
 

@@ -35,6 +35,8 @@ from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.periodic_mode import PeriodicMode
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import Reducer
+from lockstep.engine.shard_optimizer import ShardedOptimizer
+from lockstep.engine.shard_overlap import BucketBroadcasts, side_group
 from lockstep.engine.stats import EngineStats
 from lockstep.errors import NotSupportedError, UsageError
 
@@ -101,7 +103,7 @@ class EngineMode(Protocol):
         ...
 
     def overlap_optimizer(
-        self, replica: Replica, optimizer: torch.optim.Optimizer, fallback: str | None
+        self, replica: Replica, optimizer: torch.optim.Optimizer | ShardedOptimizer, fallback: str | None
     ) -> OverlappedOptimizer:
         """`optimizer` stepped by the engine bucket by bucket (`fallback`: why it cannot be, or None)."""
         ...
@@ -203,7 +205,7 @@ class BucketedMode:
             )
 
     def overlap_optimizer(
-        self, replica: Replica, optimizer: torch.optim.Optimizer, fallback: str | None
+        self, replica: Replica, optimizer: torch.optim.Optimizer | ShardedOptimizer, fallback: str | None
     ) -> OverlappedOptimizer:
         if self._overlapped:
             raise UsageError(
@@ -212,6 +214,9 @@ class BucketedMode:
             )
         overlapped = OverlappedOptimizer(optimizer, fallback=fallback, tag=replica.tag)
         if fallback is None:
+            shard = overlapped.shard
+            if shard is not None and shard.world > 1:  # the owners' broadcasts, bucket by bucket
+                overlapped.broadcasts = BucketBroadcasts(shard, side_group(shard.group))
             self.reducer.optimizer_steps = OverlappedSteps(overlapped)
             self._overlapped = True
         return overlapped
@@ -292,7 +297,7 @@ class ExactMode:
         )
 
     def overlap_optimizer(
-        self, replica: Replica, optimizer: torch.optim.Optimizer, fallback: str | None
+        self, replica: Replica, optimizer: torch.optim.Optimizer | ShardedOptimizer, fallback: str | None
     ) -> OverlappedOptimizer:
         return OverlappedOptimizer(optimizer, fallback=DETERMINISTIC_REASON, tag=replica.tag)
 

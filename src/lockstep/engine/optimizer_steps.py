@@ -18,6 +18,11 @@ finalize: whether any rank used it, and so whether its `.grad` is written at all
 the ranks agree. A step that ends in an error after some buckets stepped marks the optimizer broken:
 its next step() raises: the model is half a step ahead, and no plain step can finish it.
 
+With a ShardedOptimizer, each bucket's step takes the parameters this rank owns, and the owners'
+broadcasts of that bucket's parameters start right after it (shard_overlap.py, on a group of their own);
+the optimizer's step() waits for them. A failed backward finishes the broadcasts on every rank alike and
+always marks the optimizer broken (whether some rank stepped a bucket is not known here without a collective).
+
 Which optimizers overlap: those whose step of one parameter reads nothing but that parameter's gradient
 and state (torch.optim.SGD, Adam, AdamW, exactly those classes: a subclass may override step). A step
 that needs every gradient first (clipping by global norm, the fp16 GradScaler's inf check) falls back.
@@ -128,6 +133,8 @@ class OverlappedSteps:
             return
         self._active = True
         self._deferred = {where[i][0].index for i in unused}
+        if self.optimizer.broadcasts is not None:
+            self.optimizer.broadcasts.begin()
 
     def poll(self, buckets: Sequence[Bucket], launched: int, write_back: Callable[[Bucket], None]) -> None:
         """During backward: step every launched bucket (but the last) whose all-reduce has completed."""
@@ -137,7 +144,7 @@ class OverlappedSteps:
             if b.written or b.future is None or b.index in self._deferred or not b.future.done():
                 continue
             write_back(b)
-            self._step(b)
+            self._step(b, in_backward=True)
             self.optimizer.buckets_stepped_in_backward += 1
 
     def reduced(self, b: Bucket, *, last: bool) -> None:
@@ -151,8 +158,11 @@ class OverlappedSteps:
         if not self._active:
             return
         self._active = False
+        broadcasts = self.optimizer.broadcasts
         if not ok:
-            if self.optimizer.pending:
+            if broadcasts is not None:
+                broadcasts.finish(buckets)
+            if self.optimizer.pending or broadcasts is not None:
                 self.optimizer.broke(
                     "the previous backward raised after the engine had stepped some buckets' parameters "
                     "(overlap_optimizer): the model is half a step ahead of its last good state, which no "
@@ -163,6 +173,8 @@ class OverlappedSteps:
             if b.written and b.index not in self._done:
                 self._step(b)
                 self.optimizer.buckets_stepped_at_finalize += 1
+        if broadcasts is not None:
+            broadcasts.flush(buckets)
 
     @contextmanager
     def suspended(self, reason: str) -> Iterator[None]:
@@ -176,12 +188,20 @@ class OverlappedSteps:
     def stats(self) -> dict[str, Any]:
         """For EngineStats.extras: how many buckets stepped during backward and at its end, so far."""
         optimizer = self.optimizer
+        broadcasts = (
+            {}
+            if optimizer.broadcasts is None
+            else {"optimizer_broadcasts_launched_in_backward": optimizer.broadcasts.launched_in_backward}
+        )
         return {
             "optimizer_buckets_stepped_in_backward": optimizer.buckets_stepped_in_backward,
             "optimizer_buckets_stepped_at_finalize": optimizer.buckets_stepped_at_finalize,
+            **broadcasts,
         }
 
-    def _step(self, b: Bucket) -> None:
+    def _step(self, b: Bucket, *, in_backward: bool = False) -> None:
         self._done.add(b.index)
         with torch.no_grad():
             self.optimizer.step_params(b.params)
+        if self.optimizer.broadcasts is not None:  # sharded: the bucket's parameters from their owners
+            self.optimizer.broadcasts.stepped(b, in_backward=in_backward)

@@ -20,6 +20,11 @@ What could make the result silently different is refused: a gradient changed aft
 stepped (clipping or unscaling that was not declared: the `.grad`'s version counter moved), a group's
 setting changed after some buckets stepped with the old one (a scheduler stepped before `step()`), a
 second synced backward before `step()`, or the wrapped optimizer stepped directly: each raises UsageError.
+
+A ShardedOptimizer (`handle.overlap_optimizer(handle.shard_optimizer(optimizer))`) overlaps too: the
+restricted steps take only the parameters this rank owns, and `broadcasts` (shard_overlap.py, set by the
+engine) sends each bucket's updated parameters from their owners as soon as they stepped; step() steps
+what is left of the share and waits for every broadcast. The fallback steps the ShardedOptimizer whole.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from typing import Any
 
 import torch
 
+from lockstep.engine.shard_optimizer import ShardedOptimizer
+from lockstep.engine.shard_overlap import BucketBroadcasts
 from lockstep.errors import UsageError
 
 _Stepped = tuple[torch.Tensor, "torch.Tensor | None", int]
@@ -50,10 +57,15 @@ class OverlappedOptimizer(torch.optim.Optimizer):
     the wrapped optimizer's: a step hook runs for each partial step (per bucket).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, fallback: str | None, tag: str = "") -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer | ShardedOptimizer, *, fallback: str | None, tag: str = ""
+    ) -> None:
         # torch.optim.Optimizer.__init__ is not called: the groups and the state are the wrapped one's
         # (as torch's PostLocalSGDOptimizer does), so there is one source of truth.
-        self.optimizer, self._tag = optimizer, tag
+        self.shard = optimizer if isinstance(optimizer, ShardedOptimizer) else None
+        self.optimizer = optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+        self._tag = tag
+        self.broadcasts: BucketBroadcasts | None = None  # sharded, overlapped, world > 1: set by the engine
         self._fallback = fallback
         self.fallback_reasons: list[str] = []  # every reason this optimizer stepped plainly for, once each
         self.buckets_stepped_in_backward = 0  # while backward ran (the reduction came back before its end)
@@ -67,7 +79,7 @@ class OverlappedOptimizer(torch.optim.Optimizer):
         if fallback is not None:
             self._say(fallback)
         ref = weakref.ref(self)
-        self._guard = optimizer.register_step_pre_hook(lambda opt, args, kwargs: _guard(ref, opt))
+        self._guard = self.optimizer.register_step_pre_hook(lambda opt, args, kwargs: _guard(ref, opt))
 
     # Read through, never copied: load_state_dict() gives the wrapped optimizer new groups and state.
     @property  # type: ignore[override]
@@ -110,11 +122,13 @@ class OverlappedOptimizer(torch.optim.Optimizer):
     def step_params(self, params: Iterable[torch.Tensor]) -> None:
         """Step `params` (those of this optimizer, each once per step) with the wrapped optimizer."""
         positions = self._positions
-        if positions is None:
+        if positions is None:  # this rank's parameters (its share, when sharded)
+            mine = self._mine()
             positions = self._positions = {
                 id(p): (g, k)
                 for g, group in enumerate(self.param_groups)
                 for k, p in enumerate(group["params"])
+                if mine is None or id(p) in mine
             }
         chosen = sorted(positions[id(p)] for p in params if id(p) in positions and id(p) not in self._stepped)
         if not chosen:
@@ -140,7 +154,7 @@ class OverlappedOptimizer(torch.optim.Optimizer):
 
     def check_no_pending(self) -> None:
         """A synced backward begins: the previous one's steps must have been finished by step()."""
-        if self._stepped:
+        if self._stepped or (self.broadcasts is not None and self.broadcasts.active):
             raise UsageError(
                 f"{self._tag}a synced backward began before optimizer.step() finished the previous one: with "
                 "overlap_optimizer the engine steps each bucket's parameters during the synced backward, so a "
@@ -156,35 +170,54 @@ class OverlappedOptimizer(torch.optim.Optimizer):
         if broken:
             self._reset()
             raise UsageError(f"{self._tag}{broken}")
-        if not self._stepped:
+        broadcasts = self.broadcasts if self.broadcasts is not None and self.broadcasts.active else None
+        if (
+            not self._stepped and broadcasts is None
+        ):  # sharded: every rank decides alike, even one owning none
             return self._plain(closure)
-        self._check_gradients_unchanged()
-        self._check_settings_unchanged()
-        if closure is not None:
-            self._reset()
-            raise UsageError(
-                f"{self._tag}optimizer.step(closure) re-evaluates the loss, but with overlap_optimizer the "
-                "parameters of the reduced buckets already stepped during backward; step without a closure, "
-                "or do not overlap this optimizer"
-            )
-        stepped = self._stepped
+        try:
+            self._check_gradients_unchanged()
+            self._check_settings_unchanged()
+            if closure is not None:
+                self._reset()
+                raise UsageError(
+                    f"{self._tag}optimizer.step(closure) re-evaluates the loss, but with overlap_optimizer the "
+                    "parameters of the reduced buckets already stepped during backward; step without a "
+                    "closure, or do not overlap this optimizer"
+                )
+        except UsageError:
+            if broadcasts is not None:  # the broadcasts in flight end on every rank alike
+                broadcasts.finish()
+            raise
+        stepped, mine = self._stepped, self._mine()
         rest = [
-            [p for p in group["params"] if id(p) not in stepped] for group in self.param_groups
+            [p for p in group["params"] if id(p) not in stepped and (mine is None or id(p) in mine)]
+            for group in self.param_groups
         ]  # parameters outside the replica, or whose bucket had not come back
         if any(rest):
             self._restricted_step(rest)
         self._order_new_state()
         self._reset()
+        if broadcasts is not None:
+            broadcasts.finish()  # every updated parameter from its owner, before the next forward
+        elif self.shard is not None:
+            self.shard.stepped_elsewhere()  # world 1: the share is everything
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        return (self.shard or self.optimizer).state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        (self.shard or self.optimizer).load_state_dict(state_dict)
+
+    @property
+    def consolidate_state_dict(self) -> Callable[..., None] | None:
+        """Sharded only: the ShardedOptimizer's; None when the state is not sharded (checkpoint/stateful.py's
+        `gathers_state` asks whether it is callable)."""
+        return self.shard.consolidate_state_dict if self.shard is not None else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
@@ -199,6 +232,9 @@ class OverlappedOptimizer(torch.optim.Optimizer):
     def _plain(self, closure: Callable[[], float] | None) -> float | None:
         self._inside = True
         try:
+            if self.shard is not None:  # this rank's share, then every parameter from its owner
+                self.shard.step(closure)
+                return None
             return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         finally:
             self._inside = False
@@ -268,6 +304,10 @@ class OverlappedOptimizer(torch.optim.Optimizer):
         entries = [(p, state[p]) for p in ordered]
         state.clear()  # in place: the wrapped optimizer's own dict
         state.update(entries)
+
+    def _mine(self) -> set[int] | None:
+        """`id()` of the parameters this rank steps: its share when sharded, None (all) otherwise."""
+        return self.shard.kept_ids() if self.shard is not None else None
 
     def _reset(self) -> None:
         self._stepped = {}

@@ -19,6 +19,7 @@ from lockstep.engine.outer_sync import OuterSync
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import Reducer
+from lockstep.engine.shard_optimizer import ShardedOptimizer
 from lockstep.engine.stats import EngineStats
 from lockstep.errors import NotSupportedError
 
@@ -69,7 +70,7 @@ class PeriodicMode:
         raise NotSupportedError(self._why("accumulate() and owned_micro_batches()"))
 
     def overlap_optimizer(
-        self, replica: Any, optimizer: torch.optim.Optimizer, fallback: str | None
+        self, replica: Any, optimizer: torch.optim.Optimizer | ShardedOptimizer, fallback: str | None
     ) -> OverlappedOptimizer:
         """The plain step, said once: no gradient is averaged in backward, so nothing overlaps with it."""
         return OverlappedOptimizer(optimizer, fallback=PERIODIC_REASON, tag=self._tag)

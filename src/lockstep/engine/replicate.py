@@ -165,7 +165,11 @@ class ReplicaHandle(JoinableReplica):
         return ShardedOptimizer(optimizer, process_group=self._replica.group)
 
     def overlap_optimizer(
-        self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: bool = False, scaler: Any = None
+        self,
+        optimizer: torch.optim.Optimizer | ShardedOptimizer,
+        *,
+        clip_grad_norm: bool = False,
+        scaler: Any = None,
     ) -> OverlappedOptimizer:
         """Overlap `optimizer` with communication: each bucket's parameters step during backward.
 
@@ -180,8 +184,15 @@ class ReplicaHandle(JoinableReplica):
         Use the returned optimizer in the loop (`backward()`, `step()`, `zero_grad()`; a scheduler or
         GradScaler may take either); accumulate over several backwards inside `no_sync()` only.
 
+        With sharded state, `overlap_optimizer(shard_optimizer(optimizer))`: each bucket's step takes the
+        parameters this rank owns, and their owners' broadcasts start right after it (on a second process
+        group of the same ranks, made here: call it on every rank); `step()` steps the rest of the share and
+        waits for every broadcast. The bits are the unsharded step's; `state_dict()` and
+        `consolidate_state_dict()` are the ShardedOptimizer's. A fallback takes the plain sharded step.
+
         Args:
-            optimizer: the torch optimizer over this module's parameters.
+            optimizer: the torch optimizer over this module's parameters, or the ShardedOptimizer that
+                `shard_optimizer()` returned for it.
             clip_grad_norm: True if the loop clips gradients (or edits `.grad`) between backward() and step().
             scaler: the loop's torch.amp.GradScaler, if any (enabled: fp16, the plain step).
 
@@ -189,7 +200,7 @@ class ReplicaHandle(JoinableReplica):
             An OverlappedOptimizer: the same param_groups, state and state_dict as `optimizer`.
 
         Raises:
-            ConfigError: `optimizer` is not a torch.optim.Optimizer.
+            ConfigError: `optimizer` is neither a torch.optim.Optimizer nor this replica's ShardedOptimizer.
             UsageError: an optimizer is already overlapped on this replica. Later, from step() or backward:
                 a gradient changed after its parameter stepped (undeclared clipping), a second synced
                 backward before step(), or `optimizer.step()` called instead of the returned one's.
@@ -252,7 +263,11 @@ def replicate(
 
 
 def overlap_optimizer(
-    model: JoinableReplica, optimizer: torch.optim.Optimizer, *, clip_grad_norm: bool, scaler: Any
+    model: JoinableReplica,
+    optimizer: torch.optim.Optimizer | ShardedOptimizer,
+    *,
+    clip_grad_norm: bool,
+    scaler: Any,
 ) -> OverlappedOptimizer:
     """`ReplicaHandle.overlap_optimizer` for either face: fit's use of the drop-in class, whose own
     methods keep torch's semantics (torch's DDP has no overlapped optimizer under its names)."""

@@ -69,7 +69,7 @@ def partition(sizes: Sequence[int], world: int) -> list[int]:
 SMALL_BYTES = 1024 * 1024  # smaller parameters travel packed, one flat message per owner, dtype, device
 
 
-class _Gather:
+class ParamGather:
     """Every parameter from its owner, all messages in flight at once: a large parameter broadcast in place
     (no copy, no extra memory), the small ones packed per (owner, device, dtype) into one flat message kept
     from step to step (a few hundred tiny layers would otherwise cost a collective each)."""
@@ -89,12 +89,20 @@ class _Gather:
             )
 
     def __call__(self, group: dist.ProcessGroup | None, src: Callable[[int], int]) -> None:
+        self.wait(self.launch(group, src))
+
+    def launch(self, group: dist.ProcessGroup | None, src: Callable[[int], int]) -> list[tuple[Any, Any]]:
+        """Start every message (the owner packs its small parameters first); `wait()` finishes them."""
         launched = []
         for owner, message, packed in self.messages:
             if packed and owner == self.rank:
                 torch.cat([p.detach().reshape(-1) for p in packed], out=message)
             record = PROGRESS.issue("broadcast (sharded optimizer: parameters)", (message,), group)
             launched.append((record, dist.broadcast(message, src=src(owner), group=group, async_op=True)))
+        return launched
+
+    def wait(self, launched: list[tuple[Any, Any]]) -> None:
+        """Wait for the messages `launch()` started; the receivers unpack the packed ones."""
         for (owner, message, packed), (record, work) in zip(self.messages, launched):
             wait_tracked(record, work)
             if packed and owner != self.rank:
@@ -159,7 +167,7 @@ class ShardedOptimizer:
         self.owners = partition([p.numel() * p.element_size() for p in self.params], self.world)
         copies = min(self.copies, self.world)
         self.kept = {i for i, owner in enumerate(self.owners) if (owner - self.rank) % self.world < copies}
-        self._gather = _Gather(self.params, self.owners, self.rank)
+        self._gather = ParamGather(self.params, self.owners, self.rank)
 
     # ---- what the optimizer's users read ------------------------------------------------------------------
 
@@ -187,6 +195,15 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def kept_ids(self) -> set[int]:
+        """`id()` of each parameter this rank steps (and holds the state of)."""
+        return {id(self.params[i]) for i in self.kept}
+
+    def stepped_elsewhere(self) -> None:
+        """The overlapped step (shard_overlap.py) stepped this rank's share and broadcast the parameters
+        itself: a consolidated state collected before it is stale."""
+        self._full = None
 
     # ---- the step -----------------------------------------------------------------------------------------
 
@@ -310,6 +327,10 @@ class ShardedOptimizer:
             kept.update({i: s for i, s in received.items() if i in self.kept})
         self.optimizer.load_state_dict({"state": kept, "param_groups": local["param_groups"]})
         self._pending, self._state_known, self._full, self._aside = False, True, None, None
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of `group_rank` in this optimizer's group (what broadcast's `src` takes)."""
+        return self._global(group_rank)
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank

@@ -20,6 +20,7 @@ from lockstep.engine.optimizer_steps import fallback_reason
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.reducer import Reducer
+from lockstep.engine.shard_optimizer import ShardedOptimizer
 from lockstep.engine.stats import EngineStats
 from lockstep.errors import ConfigError, NoProcessGroupError, NoTrainableParametersError, rank_tag
 from lockstep.runtime import watchdog
@@ -169,16 +170,35 @@ class ReplicaState:
         self.reducer.register_comm_hook(state, hook)
 
     def overlap_optimizer(
-        self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: bool, scaler: Any
+        self, optimizer: torch.optim.Optimizer | ShardedOptimizer, *, clip_grad_norm: bool, scaler: Any
     ) -> OverlappedOptimizer:
         """`optimizer`, stepped by the engine bucket by bucket where it can be (ReplicaHandle.overlap_optimizer)."""
-        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OverlappedOptimizer):
+        if isinstance(optimizer, ShardedOptimizer):
+            self._check_shard(optimizer)
+            inner = optimizer.optimizer
+        elif isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, OverlappedOptimizer):
+            inner = optimizer
+        else:
             raise ConfigError(
-                f"{self.tag}overlap_optimizer expects the torch.optim.Optimizer over this model's parameters, "
-                f"got {type(optimizer).__qualname__}; pass the optimizer itself (e.g. torch.optim.AdamW(...))"
+                f"{self.tag}overlap_optimizer expects the torch.optim.Optimizer over this model's parameters "
+                f"(or the ShardedOptimizer that shard_optimizer returned), got {type(optimizer).__qualname__}; "
+                "pass the optimizer itself (e.g. torch.optim.AdamW(...))"
             )
-        reason = fallback_reason(optimizer, clip_grad_norm=clip_grad_norm, scaler=scaler)
+        reason = fallback_reason(inner, clip_grad_norm=clip_grad_norm, scaler=scaler)
         return self.mode.overlap_optimizer(self, optimizer, reason)
+
+    def _check_shard(self, shard: ShardedOptimizer) -> None:
+        """A ShardedOptimizer the engine may step: over this replica's ranks, one owner per share, and
+        gathering in its step (live mode's copies and deferred gather are fit's, which takes the plain step)."""
+        ours = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
+        theirs = dist.get_process_group_ranks(shard.group if shard.group is not None else dist.group.WORLD)
+        if ours != theirs or shard.copies != 1 or shard.defer_gather:
+            raise ConfigError(
+                f"{self.tag}overlap_optimizer takes the ShardedOptimizer that this replica's "
+                f"shard_optimizer() returned (over ranks {ours}, one copy of each share); this one is over "
+                f"ranks {theirs} with copies={shard.copies}, defer_gather={shard.defer_gather}: pass "
+                "handle.shard_optimizer(optimizer) of this replica's handle"
+            )
 
     # torch's Joinable protocol (the DDP wrapper and the handle forward to these)
     def join_hook(self, **kwargs: Any) -> EngineJoinHook:

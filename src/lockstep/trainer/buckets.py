@@ -42,7 +42,8 @@ def fit_policy(config: FitConfig, *, live: bool) -> SyncPolicy:
             "bucket_cap_mb='auto' does not run in live mode (--min-world) yet: its trials are not made to "
             "survive a lost rank; pass a number of MiB or leave it unset (None)"
         )
-    return dataclasses.replace(policy, bucket_cap_mb=cap)
+    # shard_optimizer, the memory-saving option: the gradients as views of the buckets, as in loop.py
+    return dataclasses.replace(policy, bucket_cap_mb=cap, gradient_as_bucket_view=config.shard_optimizer)
 
 
 def bucket_summary(engine: Any) -> dict[str, Any]:

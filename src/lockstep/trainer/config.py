@@ -112,7 +112,8 @@ class FitConfig:
     micro_batch_size (default: batch_size) over all ranks and reduced exactly (SyncPolicy(deterministic)).
     shard_optimizer=True shards the optimizer's state over the ranks (ZeRO-1, engine/shard_optimizer.py):
     the same bits as without it for SGD and AdamW; checkpoints hold the full state; in live mode each
-    share is kept by two ranks. Not with overlap_optimizer or a sync other than allreduce.
+    share is kept by two ranks. Not with a sync other than allreduce. With overlap_optimizer too, the
+    engine steps this rank's share of each bucket during backward and the owners' broadcasts start then.
     overlap_optimizer=True steps each bucket's parameters as soon as its averaged gradients are back,
     while backward goes on: the same bits as without (sgd, adamw, any schedule); with clip_grad_norm, fp16
     precision, an optimizer other than SGD/Adam/AdamW, deterministic or live mode the step stays plain,

@@ -139,6 +139,7 @@ class FitRun(LiveSide):
             self.module,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             bucket_cap_mb=cast("float | None", self.config.bucket_cap_mb),  # a number or None: torch's
+            gradient_as_bucket_view=self.config.shard_optimizer,  # sharded: one copy of the gradients
         )
 
     # ---- phases -------------------------------------------------------------------------------------------

@@ -50,18 +50,13 @@ def maybe_sharded(
 ) -> torch.optim.Optimizer | ShardedOptimizer:
     """The optimizer fit's steps run: sharded over the ranks (ZeRO-1) with config.shard_optimizer. In live
     mode each share is kept by two ranks, and the all-gather waits until the step counted (fit's loop
-    calls `gather()` after the step, `regroup()` after a change of members)."""
+    calls `gather()` after the step, `regroup()` after a change of members). With overlap_optimizer too,
+    the engine steps this sharded optimizer bucket by bucket (trainer/steps.py, `Stepper.overlap`)."""
     if not config.shard_optimizer:
         return optimizer
-    if config.overlap_optimizer or config.sync != "allreduce":
-        other = "overlap_optimizer=True" if config.overlap_optimizer else f"sync={config.sync!r}"
+    if config.sync != "allreduce":
         raise ConfigError(
-            f"shard_optimizer=True with {other}: "
-            + (
-                "the engine would step every parameter during backward, not this rank's share"
-                if config.overlap_optimizer
-                else "each rank steps all of its own parameters between syncs; there is no shared step to shard"
-            )
-            + "; choose one of the two"
+            f"shard_optimizer=True with sync={config.sync!r}: each rank steps all of its own parameters "
+            "between syncs; there is no shared step to shard; choose one of the two"
         )
     return ShardedOptimizer(optimizer, copies=2 if live else 1, defer_gather=live)

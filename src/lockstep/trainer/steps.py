@@ -12,7 +12,9 @@ Two ways to run a step, chosen once per run (trainer/loop.py):
 
 With config.overlap_optimizer, `ddp_step`'s optimizer is an OverlappedOptimizer that the engine steps
 bucket by bucket during the synced backward (`Stepper.overlap`); `_update` is unchanged: its
-`scaler.step` finishes what is left, or takes the plain step where the engine fell back.
+`scaler.step` finishes what is left, or takes the plain step where the engine fell back. With
+config.shard_optimizer as well, it wraps the run's ShardedOptimizer: the engine steps this rank's share
+of each bucket and starts the owners' broadcasts; `scaler.step` waits for them.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class Stepper:
             return
         self.optimizer = overlap_optimizer(
             model,  # type: ignore[arg-type]  # the drop-in class (a JoinableReplica)
-            self.optimizer,  # the run's own (shard_optimizer is refused with overlap_optimizer)
+            self.optimizer,  # the run's own, sharded (a ShardedOptimizer) with config.shard_optimizer
             clip_grad_norm=self.config.clip_grad_norm is not None,
             scaler=state.scaler,
         )

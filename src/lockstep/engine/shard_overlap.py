@@ -1,0 +1,129 @@
+"""The overlapped step of a sharded optimizer: each bucket's updated parameters sent from their owners in backward.
+
+The broadcasts of a bucket's parameters start during backward, as soon as the owners stepped that bucket.
+
+With `handle.overlap_optimizer(handle.shard_optimizer(optimizer))` the engine (optimizer_steps.py) steps,
+as each bucket's averaged gradients come back, the parameters of that bucket this rank owns
+(overlapped_optimizer.py restricts the step to them); `BucketBroadcasts.stepped(b)` then starts the
+broadcast of every parameter of the bucket from its owner, and `finish()` (in the optimizer's step())
+starts whatever is left and waits for all of it, so the next forward sees every updated parameter.
+
+Why a second process group: the broadcasts start when a bucket's all-reduce is seen complete, which is a
+rank's own observation (`Future.done()`), while the engine keeps launching the later buckets' all-reduces
+on the replica's group. On one group the ranks would issue the two kinds of collective in different
+orders, and gloo (and NCCL) pair collectives by the order they are issued. On their own group, the
+broadcasts only need the same order among themselves on every rank: each bucket's broadcast starts only
+once every earlier bucket's has (a prefix, in bucket order), the stepped buckets still waiting at the
+end of backward then in bucket order (`flush`), and in `finish()` the buckets never stepped in the
+engine and the parameters outside every bucket, in a fixed order. Every rank thus issues the same
+sequence, whatever it observed when.
+
+The bits are the sharded step's: each parameter is stepped by its owner from the same averaged gradient
+and state, and every rank takes its value from the owner, in place; the waits all come before step()
+returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lockstep.engine.bucket_memory import Bucket
+from lockstep.engine.shard_optimizer import ParamGather, ShardedOptimizer
+
+
+def side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new group of the same ranks and backend as `group` (a collective of its members only)."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    backend = dist.get_backend(group)
+    made = dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
+    assert made is not None and made != dist.GroupMember.NON_GROUP_MEMBER
+    return made
+
+
+class BucketBroadcasts:
+    """The owners' broadcasts of a sharded optimizer's parameters, bucket by bucket (see the module doc)."""
+
+    def __init__(self, shard: ShardedOptimizer, group: dist.ProcessGroup) -> None:
+        self.shard, self.group = shard, group
+        self.active = False  # this backward's step is overlapped: step() must finish it
+        self.launched_in_backward = 0  # buckets whose broadcast started before the end of backward, so far
+        self._index = {id(p): i for i, p in enumerate(shard.params)}  # position in the optimizer's list
+        self._gathers: dict[int, tuple[Bucket, ParamGather]] = {}  # bucket index -> (bucket, its messages)
+        self._buckets: list[Bucket] = []  # the reducer's buckets at the last end of backward
+        self._rest: ParamGather | None = None  # the optimizer's parameters in no bucket (None: none)
+        self._stepped: dict[int, Bucket] = {}  # this backward's stepped buckets, by index
+        self._launched: set[int] = set()  # bucket indices whose broadcast started in this step
+        self._next = 0  # the lowest bucket index not launched yet (the prefix)
+        self._pending: list[tuple[ParamGather, list[tuple[Any, Any]]]] = []
+
+    def begin(self) -> None:
+        """A synced backward starts and the engine steps its buckets."""
+        self.active = True
+        self._stepped, self._launched, self._next, self._pending = {}, set(), 0, []
+
+    def stepped(self, b: Bucket, *, in_backward: bool) -> None:
+        """Bucket b's owned parameters stepped: start its broadcast, and any later one the prefix allows."""
+        self._stepped[b.index] = b
+        while self._next in self._stepped:
+            self._launch(self._stepped[self._next])
+            self.launched_in_backward += int(in_backward)
+            self._next += 1
+
+    def flush(self, buckets: Sequence[Bucket]) -> None:
+        """End of backward (every rank stepped the same buckets): start every stepped bucket's broadcast."""
+        self._see(buckets)
+        for b in self._buckets:
+            if b.index in self._stepped and b.index not in self._launched:
+                self._launch(b)
+
+    def finish(self, buckets: Sequence[Bucket] | None = None) -> None:
+        """In step(), after every owned parameter stepped (or after a failed backward, to keep the group's
+        sequence the same on every rank): start every broadcast not started yet, then wait for all."""
+        if buckets is not None:
+            self._see(buckets)
+        for b in self._buckets:
+            if b.index not in self._launched:
+                self._launch(b)
+        if self._rest is not None:
+            self._pending.append((self._rest, self._rest.launch(self.group, self.shard.global_rank)))
+        pending, self._pending, self.active = self._pending, [], False
+        with torch.no_grad():
+            for gather, launched in pending:
+                gather.wait(launched)
+        self.shard.stepped_elsewhere()
+
+    # ---------------------------------------------------------------- inside
+
+    def _launch(self, b: Bucket) -> None:
+        self._launched.add(b.index)
+        gather = self._gather(b)
+        if gather.messages:
+            with torch.no_grad():
+                self._pending.append((gather, gather.launch(self.group, self.shard.global_rank)))
+
+    def _gather(self, b: Bucket) -> ParamGather:
+        cached = self._gathers.get(b.index)
+        if cached is not None and cached[0] is b:
+            return cached[1]
+        params = [p for p in b.params if id(p) in self._index]
+        owners = [self.shard.owners[self._index[id(p)]] for p in params]
+        gather = ParamGather(params, owners, self.shard.rank)
+        self._gathers[b.index] = (b, gather)
+        return gather
+
+    def _see(self, buckets: Sequence[Bucket]) -> None:
+        """Take the reducer's buckets (rebuilt after the first steps): the messages are laid out again."""
+        if len(buckets) == len(self._buckets) and all(a is b for a, b in zip(buckets, self._buckets)):
+            return
+        self._buckets = list(buckets)
+        alive = {id(b) for b in buckets}
+        self._gathers = {i: g for i, g in self._gathers.items() if id(g[0]) in alive}
+        inside = {id(p) for b in buckets for p in b.params}
+        rest = [(p, self.shard.owners[i]) for i, p in enumerate(self.shard.params) if id(p) not in inside]
+        self._rest = (
+            ParamGather([p for p, _ in rest], [o for _, o in rest], self.shard.rank) if rest else None
+        )
