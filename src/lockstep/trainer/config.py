@@ -131,7 +131,9 @@ class FitConfig:
 
     run_dir: str = "runs/default"
     epochs: int = 1
-    max_steps: int | None = None  # optimizer steps; stops early when reached
+    # optimizer steps; stops early when reached. Also the LR schedule's horizon: a run resumed with
+    # another max_steps follows another schedule (exact resume keeps the setting)
+    max_steps: int | None = None
     batch_size: int = 32
     grad_accum_steps: int = 1
     optimizer: str = "adamw"
