@@ -63,30 +63,14 @@ def tracked(
     dog = watchdog.current()
     if publish and dog is not None:
         dog.publish_issued(rec)
-    with _waiting(dog, rec):
+    with _Waiting(dog, rec):
         yield rec
 
 
 def wait_tracked(rec: CollectiveRecord, work: Any) -> Any:
-    """Wait on an asynchronous collective issued earlier (an engine bucket): marked, reported if it raises.
-
-    `_waiting` written out: this runs once per bucket and step, where a generator-based context manager
-    costs more than the rest of the bookkeeping."""
-    dog = watchdog.current()
-    guard = dog.guard if dog is not None else None
-    if guard is not None:
-        guard.enter()
-    PROGRESS.begin_wait(rec)
-    try:
-        value = wait_watching_membership(work)
-        PROGRESS.end_wait()
-        return value
-    except (RuntimeError, dist.DistError) as exc:
-        collective_failed(rec, exc)
-        raise
-    finally:
-        if guard is not None:
-            guard.leave()
+    """Wait on an asynchronous collective issued earlier (an engine bucket): marked, reported if it raises."""
+    with _Waiting(watchdog.current(), rec):
+        return wait_watching_membership(work)
 
 
 def wait_watching_membership(work: Any) -> Any:
@@ -107,22 +91,30 @@ def wait_watching_membership(work: Any) -> Any:
     return work.wait()
 
 
-@contextmanager
-def _waiting(dog: watchdog.Watchdog | None, rec: CollectiveRecord) -> Iterator[None]:
-    """The main thread waits on `rec`: marked for the watchdog, SIGTERM held meanwhile, reported if it raises."""
-    guard = dog.guard if dog is not None else None
-    if guard is not None:
-        guard.enter()
-    PROGRESS.begin_wait(rec)
-    try:
-        yield
-        PROGRESS.end_wait()
-    except (RuntimeError, dist.DistError) as exc:
-        collective_failed(rec, exc)
-        raise
-    finally:
-        if guard is not None:
-            guard.leave()
+class _Waiting:
+    """The main thread waits on `rec`: marked for the watchdog, SIGTERM held meanwhile, reported if it
+    raises. A class, not a generator-based context manager: the engine enters one per bucket and step."""
+
+    __slots__ = ("guard", "rec")
+
+    def __init__(self, dog: watchdog.Watchdog | None, rec: CollectiveRecord) -> None:
+        self.guard = dog.guard if dog is not None else None
+        self.rec = rec
+
+    def __enter__(self) -> None:
+        if self.guard is not None:
+            self.guard.enter()
+        PROGRESS.begin_wait(self.rec)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
+        try:
+            if exc is None:
+                PROGRESS.end_wait()
+            elif isinstance(exc, (RuntimeError, dist.DistError)):
+                collective_failed(self.rec, exc)
+        finally:
+            if self.guard is not None:
+                self.guard.leave()
 
 
 def collective_failed(rec: CollectiveRecord, exc: BaseException) -> None:
