@@ -214,7 +214,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(args.device))
+        torch.cuda.set_device(torch.device(args.device).index or 0)  # "cuda" alone: device 0
     noop.init(args.world_size)
     rows = []
     for name in args.models:
