@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -411,3 +412,31 @@ def slurm_cli(cluster: SlurmCluster, *args: str, cwd: Path) -> subprocess.Comple
     return cluster.run(
         [sys.executable, "-m", "lockstep", "slurm", *args], cwd=cwd, env={"OMP_NUM_THREADS": "1"}
     )
+
+
+# ------------------------------------------------------------- the overlapped optimizer's tests (shared)
+
+
+def warmup_decay(step: int) -> float:
+    """An LR factor for LambdaLR: warm-up, then decay (the overlapped optimizer's tests)."""
+    return min(1.0, (step + 1) / 2) * 0.8**step
+
+
+class SleepInBackward(torch.autograd.Function):
+    """Identity whose backward waits: the buckets launched before it come back meanwhile."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def small_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """6 samples of 8 features and 3 classes, a function of (rank, step)."""
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 8, generator=gen), torch.randint(0, 3, (6,), generator=gen)

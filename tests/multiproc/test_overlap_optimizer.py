@@ -11,7 +11,6 @@ down the backward sees the last layer's weight already changed).
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +28,7 @@ from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.replicate import overlap_optimizer
 from lockstep.testing import run_distributed
 from lockstep.trainer.config import FitConfig
+from tests.helpers import SleepInBackward, small_batch, warmup_decay
 
 TINY_BUCKETS = {"bucket_cap_mb": 1e-4, "first_bucket_mb": 1e-4}  # about one parameter per bucket
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -37,24 +37,6 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
     "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=True),
 }
-
-
-def _schedule(step: int) -> float:
-    return min(1.0, (step + 1) / 2) * 0.8**step  # warm-up, then decay
-
-
-class _Sleep(torch.autograd.Function):
-    """Identity whose backward waits: the buckets launched before it come back meanwhile."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.seconds)
-        return grad, None
 
 
 class _Probe(torch.autograd.Function):
@@ -91,12 +73,7 @@ class _Net(nn.Module):
         h = torch.tanh(self.mid(h))
         if self.spare is not None and self.use_spare:
             h = h + self.spare(h)
-        return self.out(_Sleep.apply(h, self.sleep))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(6, 8, generator=gen), torch.randint(0, 3, (6,), generator=gen)
+        return self.out(SleepInBackward.apply(h, self.sleep))
 
 
 def _snapshot(net: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -135,13 +112,15 @@ def _train_both(name: str, unused: bool, steps: int) -> dict[str, Any]:
     handle = lockstep.replicate(net, policy=policy)
     plain = OPTIMIZERS[name](plain_net.parameters())
     inner = OPTIMIZERS[name](net.parameters())
-    plain_schedule = torch.optim.lr_scheduler.LambdaLR(plain, _schedule)
+    plain_schedule = torch.optim.lr_scheduler.LambdaLR(plain, warmup_decay)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         overlapped = handle.overlap_optimizer(inner)
-        schedule = torch.optim.lr_scheduler.LambdaLR(overlapped, _schedule)  # on the wrapper: the same groups
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            overlapped, warmup_decay
+        )  # on the wrapper: the same groups
         for step in range(steps):
-            x, y = _batch(rank, step)
+            x, y = small_batch(rank, step)
             # `spare`: used by rank 1 only in even steps (reduced with rank 0's zeros), by no rank in odd
             # ones (its .grad stays as it is, None after zero_grad: the optimizer skips it)
             plain_net.use_spare = net.use_spare = unused and rank == 1 and step % 2 == 0
@@ -207,10 +186,10 @@ def _train_with(option: str, overlap: bool, steps: int) -> dict[str, Any]:
         face.register_comm_hook(state, lockstep.hooks.powerSGD_hook)
     inner = OPTIMIZERS["adamw"](net.parameters())
     optimizer = overlap_optimizer(face, inner, clip_grad_norm=False, scaler=None) if overlap else inner
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_decay)
     with face.join() if option == "join" else contextlib.nullcontext():
         for step in range(steps + (2 * rank if option == "join" else 0)):
-            x, y = _batch(rank, step)
+            x, y = small_batch(rank, step)
             optimizer.zero_grad(set_to_none=option != "gradient_as_bucket_view")
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
@@ -297,12 +276,12 @@ def _backward(
 ) -> None:
     """One synced backward: a plain one, or a step of 4 micro-batches through accumulate()."""
     if kind not in ("accumulate", "deterministic"):
-        x, y = _batch(rank, step)
+        x, y = small_batch(rank, step)
         scaler.scale(F.cross_entropy(model(x), y)).backward()
         return
     handle.accumulate(
         lambda b: F.cross_entropy(model(b[0]), b[1]).backward(),
-        {k: _batch(k, step) for k in handle.owned_micro_batches(4)},
+        {k: small_batch(k, step) for k in handle.owned_micro_batches(4)},
         num_micro_batches=4,
         step=step,
     )
@@ -329,7 +308,7 @@ def _misuse(kind: str) -> str:
     handle = lockstep.replicate(net, policy=lockstep.SyncPolicy(**TINY_BUCKETS))
     inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
     overlapped = handle.overlap_optimizer(inner)
-    x, y = _batch(rank, 0)
+    x, y = small_batch(rank, 0)
     try:
         F.cross_entropy(net(x), y).backward()  # the engine steps every bucket by the end of it
     except lockstep.errors.UnusedParameterError:  # on every rank, after out's bucket stepped in finalize

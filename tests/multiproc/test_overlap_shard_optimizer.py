@@ -12,7 +12,6 @@ step and say why once; fit's checkpoints resume exactly into and out of an unsha
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ from lockstep.checkpoint import compare_checkpoints
 from lockstep.errors import ConfigError, UsageError
 from lockstep.jobs import catalog
 from lockstep.testing import run_distributed
+from tests.helpers import SleepInBackward, small_batch, warmup_decay
 
 TINY_BUCKETS = {"bucket_cap_mb": 1e-4, "first_bucket_mb": 1e-4}  # about one parameter per bucket
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -37,24 +37,6 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-2),  # not known to overlap: falls back
 }
-
-
-def _schedule(step: int) -> float:
-    return min(1.0, (step + 1) / 2) * 0.8**step  # warm-up, then decay
-
-
-class _Sleep(torch.autograd.Function):
-    """Identity whose backward waits: the buckets launched before it come back meanwhile."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.seconds)
-        return grad, None
 
 
 class _Net(nn.Module):
@@ -72,12 +54,7 @@ class _Net(nn.Module):
         h = torch.tanh(self.mid(torch.tanh(self.inp(x))))
         if self.spare is not None and self.use_spare:
             h = h + self.spare(h)
-        return self.out(_Sleep.apply(h, self.sleep))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(6, 8, generator=gen), torch.randint(0, 3, (6,), generator=gen)
+        return self.out(SleepInBackward.apply(h, self.sleep))
 
 
 def _flat(state: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -124,13 +101,13 @@ def _train_both(name: str, unused: bool, steps: int, kind: str = "") -> dict[str
         lockstep.replicate(net, policy=policy),
     )
     plain, inner = OPTIMIZERS[name](plain_net.parameters()), OPTIMIZERS[name](net.parameters())
-    schedules = [torch.optim.lr_scheduler.LambdaLR(opt, _schedule) for opt in (plain, inner)]
+    schedules = [torch.optim.lr_scheduler.LambdaLR(opt, warmup_decay) for opt in (plain, inner)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sharded = handle.shard_optimizer(inner)
         overlapped = handle.overlap_optimizer(sharded, clip_grad_norm=kind == "clip")
         for step in range(steps):
-            x, y = _batch(rank, step)
+            x, y = small_batch(rank, step)
             plain_net.use_spare = net.use_spare = unused and rank == 1 and step % 2 == 0
             for each, model, opt, schedule in (
                 (plain_handle, plain_net, plain, schedules[0]),
@@ -140,7 +117,7 @@ def _train_both(name: str, unused: bool, steps: int, kind: str = "") -> dict[str
                 if kind in ("accumulate", "deterministic"):
                     each.accumulate(
                         lambda b, m=model: F.cross_entropy(m(b[0]), b[1]).backward(),
-                        {k: _batch(k, step) for k in each.owned_micro_batches(4)},
+                        {k: small_batch(k, step) for k in each.owned_micro_batches(4)},
                         num_micro_batches=4,
                         step=step,
                     )
@@ -237,7 +214,7 @@ def _second_backward() -> str:
     overlapped = handle.overlap_optimizer(handle.shard_optimizer(torch.optim.AdamW(net.parameters())))
     try:
         for _ in range(2):  # a second synced backward before step()
-            x, y = _batch(rank, 0)
+            x, y = small_batch(rank, 0)
             F.cross_entropy(net(x), y).backward()
         overlapped.step()
     except UsageError as error:
@@ -259,7 +236,7 @@ def _failed_backward_then_on() -> dict[str, Any]:
     net = _Net(sleep=0.1, spare=True)  # spare unused: the engine reports it at the end of backward
     handle = lockstep.replicate(net, policy=lockstep.SyncPolicy(**TINY_BUCKETS))
     overlapped = handle.overlap_optimizer(handle.shard_optimizer(torch.optim.AdamW(net.parameters())))
-    x, y = _batch(rank, 0)
+    x, y = small_batch(rank, 0)
     try:
         F.cross_entropy(net(x), y).backward()
         raised_in_backward = ""
@@ -272,7 +249,7 @@ def _failed_backward_then_on() -> dict[str, Any]:
         said = str(error)
     net.use_spare = True
     for step in range(2):
-        x, y = _batch(rank, step + 1)
+        x, y = small_batch(rank, step + 1)
         overlapped.zero_grad(set_to_none=True)
         F.cross_entropy(net(x), y).backward()
         overlapped.step()
