@@ -37,7 +37,16 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from benchmarks.common import MODELS, batch, build, fmt_ratios, loss, machine_line, paired_rounds  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    MODELS,
+    batch,
+    build,
+    fmt_ratios,
+    loss,
+    machine_line,
+    paired_rounds,
+    write_report,
+)
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
 import lockstep  # noqa: E402
@@ -229,10 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         + "\n".join(memory_rows)
         + "\n"
     )
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"{datetime.date.today()}-combined_optimizer.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report)
-    print(f"\nwritten to {out}")
+    write_report(report, "combined_optimizer", args.out)
     return 0
 
 

@@ -16,6 +16,7 @@ module as `benchmarks.common`, and ranks started by lockstep.testing.run_distrib
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -289,3 +290,12 @@ def run_pair(
     if any(proc.returncode for proc in procs) or not out_json.exists():
         raise RuntimeError(f"link {rate or 'unshaped'}: workers failed: {[o[1][-2000:] for o in outputs]}")
     return dict(json.loads(out_json.read_text()))
+
+
+def write_report(report: str, name: str, out: str = "") -> Path:
+    """Write a benchmark's report to `out`, or to benchmarks/results/<today>-<name>.md; print where."""
+    path = Path(out) if out else Path(__file__).parent / "results" / f"{datetime.date.today()}-{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report)
+    print(f"\nwritten to {path}")
+    return path

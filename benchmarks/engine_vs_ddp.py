@@ -24,7 +24,16 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from benchmarks.common import MODELS, batch, build, fmt_ratios, loss, machine_line, paired_rounds  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    MODELS,
+    batch,
+    build,
+    fmt_ratios,
+    loss,
+    machine_line,
+    paired_rounds,
+    write_report,
+)
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
 import lockstep  # noqa: E402
@@ -156,10 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         + "\n".join(rows)
         + "\n"
     )
-    out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.date.today()}-engine_vs_ddp.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report)
-    print(f"\nwritten to {out}")
+    write_report(report, "engine_vs_ddp", args.out)
     return 0
 
 

@@ -33,7 +33,16 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from benchmarks.common import MODELS, batch, build, fmt_ratios, loss, machine_line, paired_rounds  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    MODELS,
+    batch,
+    build,
+    fmt_ratios,
+    loss,
+    machine_line,
+    paired_rounds,
+    write_report,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
@@ -190,10 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         + "\n".join(memory_rows)
         + "\n"
     )
-    out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.date.today()}-shard_optimizer.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report)
-    print(f"\nwritten to {out}")
+    write_report(report, "shard_optimizer", args.out)
     return 0
 
 
