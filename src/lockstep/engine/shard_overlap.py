@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from lockstep.engine.bucket_memory import Bucket
 from lockstep.engine.shard_optimizer import ParamGather, ShardedOptimizer
+from lockstep.errors import InternalError
 
 
 def side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -40,7 +41,8 @@ def side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     backend = dist.get_backend(group)
     made = dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
-    assert made is not None and made != dist.GroupMember.NON_GROUP_MEMBER
+    if made is None or made == dist.GroupMember.NON_GROUP_MEMBER:  # this rank is one of `ranks`: never
+        raise InternalError(f"lockstep bug: the broadcast group of ranks {ranks} left this rank out")
     return made
 
 
