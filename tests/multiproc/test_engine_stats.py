@@ -57,7 +57,8 @@ def _rebuild(name: str) -> dict:
     module = build("many_small", 0) if name == "many_small" else _Reversed()
     handle = lockstep.replicate(module, policy=lockstep.SyncPolicy(bucket_cap_mb=0.0005))
     reducer = handle._replica.reducer
-    before = [(id(b), b.indices, b.buffer.data_ptr()) for b in reducer.buckets]
+    old = list(reducer.buckets)  # held: an id() of a freed bucket may be reused by a new one
+    before = [(id(b), b.indices, b.buffer.data_ptr()) for b in old]
     for step in range(2):
         x = batch(dist.get_rank(), step)[0]
         module(x).square().mean().backward()

@@ -110,7 +110,16 @@ class BucketLauncher:
             return
         self._layout = layout
         status = not self.policy.torch_bucket_layout  # torch's layout has no room for the status element
+        # the old buckets' memory goes before the new is allocated: a rebuild never holds both (+1 model's
+        # worth of gradients at the peak otherwise)
+        for b in self.buckets:
+            b.release()
+        self.buckets, self.where = [], []
+        self._buckets_dropped()
         self.buckets, self.where = build_buckets(layout, self.params, self._planner.dtypes, status=status)
+
+    def _buckets_dropped(self) -> None:
+        """The buckets are about to be built again: drop every other reference to the old ones."""
 
     def layout_at(self, cap_bytes: int) -> list[BucketSpec]:
         """bucket_tuner.py: the buckets the last build's order gives at `cap_bytes`, not built."""

@@ -145,6 +145,10 @@ class FastHooks:
                 if not step.defer:
                     r.launch_completed(step)
 
+    def forget_buckets(self) -> None:
+        """The reducer builds its buckets again: the last choice's key must not keep the old ones alive."""
+        self._chosen_for = None
+
     def choose(self, buckets: Sequence[Bucket], *, allowed: bool) -> None:
         """After a synced step: fast hooks where they are safe (`allowed`: the reducer's settings permit
         them), Python hooks elsewhere (see the module docstring)."""

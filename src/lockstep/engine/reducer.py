@@ -115,6 +115,10 @@ class Reducer(GradientArrivals):
             raise InternalError(illegal_message(self.phase, phase))
         self.phase = phase
 
+    def _buckets_dropped(self) -> None:
+        if hasattr(self, "_hooks"):  # the first build comes before the hooks exist
+            self._hooks.forget_buckets()
+
     def _rebuild(self, order: Sequence[int] | None) -> None:
         self._build(order, solo_bytes=None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES)
 
