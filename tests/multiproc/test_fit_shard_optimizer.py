@@ -104,16 +104,20 @@ def _local_state_numel(run_dir: str) -> tuple[int, int]:
     """This rank's optimizer state elements in a sharded fit run, and the model's parameter elements."""
     config = catalog.ToyConfig(run_dir=run_dir, progress="none", max_steps=2, shard_optimizer=True)
     built = catalog.build("toy", config)
-    made: list[torch.optim.Optimizer] = []
+    seen: list[int] = []
+
+    def record(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # during the sharded step, the optimizer's state is this rank's share (engine/shard_optimizer.py)
+        seen.append(sum(t.numel() for s in opt.state.values() for t in s.values() if t.dim() > 0))
 
     def optimizer(params: Any) -> torch.optim.Optimizer:
-        made.append(torch.optim.AdamW(params, lr=1e-3))
-        return made[-1]
+        made = torch.optim.AdamW(params, lr=1e-3)
+        made.register_step_post_hook(record)
+        return made
 
     lockstep.fit(built.model, built.train_data, loss_fn=built.loss_fn, config=config, optimizer=optimizer)
-    state = made[0].state.values()
-    local = sum(t.numel() for s in state for t in s.values() if t.dim() > 0)  # exp_avg(_sq), not step
-    return local, sum(p.numel() for p in built.model.parameters())
+    assert len(seen) == 2, seen  # one step() per step
+    return seen[-1], sum(p.numel() for p in built.model.parameters())  # exp_avg(_sq), not step
 
 
 def test_each_rank_of_a_sharded_fit_holds_a_share_of_the_optimizer_state(tmp_path: Path) -> None:

@@ -104,7 +104,7 @@ def _train_both(name: str, unused: bool, steps: int, kind: str = "") -> dict[str
     schedules = [torch.optim.lr_scheduler.LambdaLR(opt, warmup_decay) for opt in (plain, inner)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sharded = handle.shard_optimizer(inner)
+        sharded = handle.shard_optimizer(inner, piece_numel=100)  # the 16x16 weights in 3 pieces
         overlapped = handle.overlap_optimizer(sharded, clip_grad_norm=kind == "clip")
         for step in range(steps):
             x, y = small_batch(rank, step)
@@ -128,14 +128,16 @@ def _train_both(name: str, unused: bool, steps: int, kind: str = "") -> dict[str
                 opt.step()
                 schedule.step()
     overlapped.consolidate_state_dict(to=None)  # the ShardedOptimizer's, through the wrapper
-    mine = sum(t.numel() for s in inner.state.values() for t in s.values() if t.dim() > 0)
+    mine = sum(t.numel() for s in sharded.state.values() for t in s.values() if t.dim() > 0)
+    units = sharded.units
     return {
         "plain": _bits(plain_net, plain.state_dict()),
         "overlapped": _bits(net, overlapped.state_dict()),
         "state_numel": mine,
         "plain_state_numel": sum(t.numel() for s in plain.state.values() for t in s.values() if t.dim() > 0),
-        "owned": sorted(i for i, p in enumerate(net.parameters()) if sharded.owner(p) == rank),
-        "with_state": sorted(i for i, p in enumerate(net.parameters()) if p in inner.state),
+        "owned": sorted(u for u, owner in enumerate(sharded.owners) if owner == rank),
+        "with_state": sorted(u for u, t in enumerate(units.tensors) if t in sharded.state),
+        "own_state_entries": len(inner.state),  # the optimizer's own: empty, its share is sharded.state
         "in_backward": overlapped.buckets_stepped_in_backward,
         "stepped": overlapped.buckets_stepped_in_backward + overlapped.buckets_stepped_at_finalize,
         "extras": handle.stats().extras,
@@ -151,6 +153,7 @@ def _check_bits(results: list[dict[str, Any]], what: str) -> None:
         _assert_same_bits(out["plain"], out["overlapped"], where)
         _assert_same_bits(results[0]["overlapped"], out["overlapped"], f"{where} against rank 0")
         assert out["with_state"] == out["owned"], f"{where}: optimizer state outside this rank's share"
+        assert out["own_state_entries"] == 0, where
     assert sum(out["state_numel"] for out in results) == results[0]["plain_state_numel"], what
     assert all(0 < out["state_numel"] < out["plain_state_numel"] for out in results), what
 

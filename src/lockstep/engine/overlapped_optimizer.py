@@ -88,7 +88,8 @@ class OverlappedOptimizer(torch.optim.Optimizer):
 
     @property  # type: ignore[override]
     def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
+        """The wrapped optimizer's state; sharded, this rank's share (keyed by its units)."""
+        return self.shard.state if self.shard is not None else self.optimizer.state
 
     @property  # type: ignore[override]
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
@@ -242,8 +243,14 @@ class OverlappedOptimizer(torch.optim.Optimizer):
 
     def _restricted_step(self, chosen: list[list[torch.Tensor]]) -> None:
         """One step of the wrapped optimizer over `chosen` (per group) only; the groups are restored after."""
-        saved = [group["params"] for group in self.param_groups]
         self._inside = True
+        if self.shard is not None:  # this rank's units of those parameters, with its share of the state
+            try:
+                self.shard.step_share(chosen)
+            finally:
+                self._inside = False
+            return
+        saved = [group["params"] for group in self.param_groups]
         try:
             for group, params in zip(self.param_groups, chosen):
                 group["params"] = params
@@ -292,7 +299,7 @@ class OverlappedOptimizer(torch.optim.Optimizer):
         """The state entries made in this step, in the order the whole step would have made them (the
         groups' order, after the older ones): state_dict() then lists them as the plain step does."""
         state = self.state
-        if len(state) == self._state_len:
+        if self.shard is not None or len(state) == self._state_len:  # sharded: consolidated in order
             return
         keys = list(state)
         made = {id(p) for p in keys[self._state_len :]}

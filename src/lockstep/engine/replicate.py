@@ -141,28 +141,35 @@ class ReplicaHandle(JoinableReplica):
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self._replica.register_comm_hook(state, hook)
 
-    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+    def shard_optimizer(
+        self, optimizer: torch.optim.Optimizer, *, piece_numel: int | None = None
+    ) -> ShardedOptimizer:
         """Shard `optimizer`'s state over the replica's ranks (ZeRO-1): each rank steps its share.
 
         Step the returned object instead of `optimizer` (`sharded.step()`, `sharded.zero_grad()`); build LR
         schedulers on `optimizer` itself. Every rank must step it at every step (not inside join()).
         Parameters and optimizer state stay bitwise equal to an unsharded run for optimizers that update
         each parameter from its own gradient and state (SGD, Adam, AdamW); each rank holds the state of
-        its share only. For a checkpoint,
-        `consolidate_state_dict()` on every rank, then `state_dict()` is the full state (lockstep's
-        CheckpointManager does both); `load_state_dict(full)` keeps this rank's share.
+        its share only, `sharded.state` (the optimizer's own `state` stays empty). For an elementwise
+        optimizer (SGD, Adam, AdamW, ...: shard_units.ELEMENTWISE) large parameters are cut into pieces,
+        so each rank holds about 1/world of the state even when one weight dominates the model. For a
+        checkpoint, `consolidate_state_dict()` on every rank, then `state_dict()` is the full state
+        (lockstep's CheckpointManager does both); `load_state_dict(full)` keeps this rank's share.
 
         Args:
             optimizer: a torch optimizer over the module's parameters, with no state yet or the same
                 state on every rank.
+            piece_numel: elements per piece of a cut parameter (default: about 1/32 of the model, at
+                least 2**18); only for an elementwise optimizer.
 
         Returns:
             A ShardedOptimizer (see lockstep.engine.shard_optimizer).
 
         Raises:
-            ConfigError: not a torch optimizer, or a parameter listed twice.
+            ConfigError: not a torch optimizer, a parameter listed twice, or piece_numel with an
+                optimizer that is not elementwise.
         """
-        return ShardedOptimizer(optimizer, process_group=self._replica.group)
+        return ShardedOptimizer(optimizer, process_group=self._replica.group, piece_numel=piece_numel)
 
     def overlap_optimizer(
         self,

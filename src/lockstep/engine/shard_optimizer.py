@@ -1,26 +1,30 @@
 """Sharded optimizer state (ZeRO-1): each rank steps, and keeps the state of, its share of the parameters.
 
 `ShardedOptimizer` wraps the user's own optimizer (any torch optimizer whose update of a parameter reads
-only that parameter's gradient and state: SGD with momentum, Adam, AdamW, ...). The parameters are
-partitioned over the ranks once, balanced by size and decided by the parameter order alone
-(`partition`). A step:
+only that parameter's gradient and state: SGD with momentum, Adam, AdamW, ...). What is partitioned over
+the ranks are units (shard_units.py): for an elementwise optimizer (SGD, Adam, AdamW and the other
+classes of shard_units.ELEMENTWISE) the large parameters are cut into 1-D pieces of about 1/32 of the
+model, so that every rank keeps about 1/world of the state even when one weight dominates the model;
+any other optimizer keeps whole parameters. The units are partitioned once, balanced by size and decided
+by the parameter sizes alone (`partition`). A step:
 
 1. the gradients are already averaged on every rank: the engine's all-reduce ran during backward (the
    same collective, the same bits, as without sharding);
-2. each rank hides the gradients of the parameters it does not keep (`.grad = None`) and steps the user's
-   optimizer, which skips a parameter without a gradient and creates no state for it: each rank updates,
-   and holds optimizer state for, its own parameters only (1/world of the state);
-3. the hidden gradients are put back, and every rank takes each updated parameter from its owner (a
-   broadcast per large parameter, in place; the small ones packed, one message per owner): an all-gather
-   without a padded buffer, so no memory beyond the parameters themselves.
+2. each rank steps the user's optimizer over its own units only: for the step's duration the optimizer's
+   param lists hold this rank's units (a piece's gradient a view of its parameter's) and its `state` is
+   this rank's share, so it updates, and holds optimizer state for, those units only (1/world of the
+   state); its hooks run and LR schedulers see it step, and its own objects are as before afterwards;
+3. every rank takes each updated unit from its owner (a broadcast per large unit, in place; the small
+   ones packed, one message per owner): an all-gather without a padded buffer, so no memory beyond the
+   parameters themselves.
 
-Each parameter is updated by the same optimizer code from the same gradient and state as in an unsharded
+Each element is updated by the same optimizer code from the same gradient and state as in an unsharded
 run, so the parameters and the state are bitwise equal to it. The optimizer object stays the user's, so
-LR schedulers work unchanged and its state_dict has the unsharded format: `consolidate_state_dict()`
-collects the full state (each owner broadcasts its parameters' state, tensors as raw bytes and the
-structure as JSON, never pickle: runtime/state_transfer.py) and `state_dict()` returns it;
-`load_state_dict(full)` keeps this rank's share of a full state. A checkpoint therefore holds the full
-state, which loads into a sharded run at any world size and into an unsharded optimizer alike.
+LR schedulers work unchanged, and the state_dict has the unsharded format: `consolidate_state_dict()`
+collects the full state (each owner broadcasts its units' state, tensors as raw bytes and the structure
+as JSON, never pickle: runtime/state_transfer.py; the pieces joined per parameter) and `state_dict()`
+returns it; `load_state_dict(full)` keeps this rank's share of a full state. A checkpoint therefore holds
+the full state, which loads into a sharded run at any world size and into an unsharded optimizer alike.
 
 Live mode (`copies=2, defer_gather=True`, what fit uses under `lockstep run --min-world`): each share is
 also stepped and kept by the rank before its owner, so the state takes 2/world of the memory, and a lost
@@ -40,85 +44,30 @@ top of the all-reduce (1.5 times its bytes; NCCL's reduce-scatter would make it 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from lockstep.engine.init_sync import broadcast_coalesced
+from lockstep.engine.shard_units import ELEMENTWISE, ParamGather, Units, default_piece_numel, partition
 from lockstep.errors import ConfigError, NotSupportedError, StateLostError, UsageError, rank_tag
 from lockstep.runtime.collectives import all_gather_object
-from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.state_transfer import broadcast_state
-from lockstep.runtime.waits import wait_tracked
-
-
-def partition(sizes: Sequence[int], world: int) -> list[int]:
-    """The owner rank of each parameter: the largest first, each to the rank with the fewest bytes so far
-    (the lowest rank on a tie). A pure function of the sizes in parameter order: every rank computes it."""
-    loads = [0] * world
-    owners = [0] * len(sizes)
-    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: ties keep parameter order
-        owner = min(range(world), key=lambda r: (loads[r], r))
-        owners[index] = owner
-        loads[owner] += sizes[index]
-    return owners
-
-
-SMALL_BYTES = 1024 * 1024  # smaller parameters travel packed, one flat message per owner, dtype, device
-
-
-class ParamGather:
-    """Every parameter from its owner, all messages in flight at once: a large parameter broadcast in place
-    (no copy, no extra memory), the small ones packed per (owner, device, dtype) into one flat message kept
-    from step to step (a few hundred tiny layers would otherwise cost a collective each)."""
-
-    def __init__(self, params: Sequence[torch.Tensor], owners: Sequence[int], rank: int) -> None:
-        self.rank = rank
-        self.messages: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []  # owner, message, packed
-        small: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for p, owner in zip(params, owners):
-            if p.numel() * p.element_size() >= SMALL_BYTES and p.is_contiguous():
-                self.messages.append((owner, p.detach(), []))
-            else:
-                small.setdefault((owner, p.device, p.dtype), []).append(p)
-        for (owner, device, dtype), packed in small.items():
-            self.messages.append(
-                (owner, torch.empty(sum(p.numel() for p in packed), dtype=dtype, device=device), packed)
-            )
-
-    def __call__(self, group: dist.ProcessGroup | None, src: Callable[[int], int]) -> None:
-        self.wait(self.launch(group, src))
-
-    def launch(self, group: dist.ProcessGroup | None, src: Callable[[int], int]) -> list[tuple[Any, Any]]:
-        """Start every message (the owner packs its small parameters first); `wait()` finishes them."""
-        launched = []
-        for owner, message, packed in self.messages:
-            if packed and owner == self.rank:
-                torch.cat([p.detach().reshape(-1) for p in packed], out=message)
-            record = PROGRESS.issue("broadcast (sharded optimizer: parameters)", (message,), group)
-            launched.append((record, dist.broadcast(message, src=src(owner), group=group, async_op=True)))
-        return launched
-
-    def wait(self, launched: list[tuple[Any, Any]]) -> None:
-        """Wait for the messages `launch()` started; the receivers unpack the packed ones."""
-        for (owner, message, packed), (record, work) in zip(self.messages, launched):
-            wait_tracked(record, work)
-            if packed and owner != self.rank:
-                views = message.split([p.numel() for p in packed])
-                torch._foreach_copy_(
-                    [p.detach() for p in packed], [v.view_as(p) for v, p in zip(views, packed)]
-                )
 
 
 class ShardedOptimizer:
     """The user's optimizer, stepped on this rank's share of the parameters (see the module doc).
 
-    `param_groups`, `state` (this rank's share), `defaults`, `zero_grad()` and `step()` behave as the
-    optimizer's own, so GradScaler and clip_grad_norm_ take it as they take the optimizer; LR schedulers
-    are built on the optimizer itself (`sharded.optimizer`). `copies`: how many ranks step and keep each
-    share (2 in live mode); `defer_gather`: step() leaves the all-gather of the parameters to `gather()`.
+    `param_groups`, `defaults`, `zero_grad()` and `step()` behave as the optimizer's own, so GradScaler and
+    clip_grad_norm_ take it as they take the optimizer; LR schedulers are built on the optimizer itself
+    (`sharded.optimizer`). `state` is this rank's share, keyed by its units (a parameter, or a 1-D piece of
+    one: shard_units.py). `copies`: how many ranks step and keep each share (2 in live mode);
+    `defer_gather`: step() leaves the all-gather of the parameters to `gather()`; `piece_numel`: the
+    elements per piece of a cut parameter (default: about 1/32 of the model, at least 1 MiB of fp32; an
+    optimizer not in shard_units.ELEMENTWISE keeps whole parameters).
     """
 
     def __init__(
@@ -128,16 +77,9 @@ class ShardedOptimizer:
         process_group: dist.ProcessGroup | None = None,
         copies: int = 1,
         defer_gather: bool = False,
+        piece_numel: int | None = None,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"ShardedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}; pass the "
-                "optimizer built on the replicated module's parameters"
-            )
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError("ShardedOptimizer needs a process group: call lockstep.init() first")
-        if copies not in (1, 2):
-            raise ConfigError(f"ShardedOptimizer(copies={copies!r}): expected 1 or 2 (live mode)")
+        _check_arguments(optimizer, copies, piece_numel)
         self.optimizer, self.group, self.copies, self.defer_gather = (
             optimizer,
             process_group,
@@ -150,24 +92,40 @@ class ShardedOptimizer:
                 "ShardedOptimizer: the optimizer lists a parameter twice; give each parameter to one "
                 "param group once"
             )
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._group_of = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
+        elementwise = type(optimizer) in ELEMENTWISE
+        self.units = Units(
+            self.params, (piece_numel or default_piece_numel(self.params)) if elementwise else None
+        )
+        self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)  # this rank's share
         self._layout()
-        for i, p in enumerate(self.params):
-            if i not in self.kept:
-                optimizer.state.pop(p, None)  # a state built before sharding: keep this rank's share only
+        self._adopt()  # a state built before sharding (Adagrad builds one at once): this rank's share of it
         self._full: dict[str, Any] | None = None  # the last consolidated full state (until the next step)
         self._pending = False  # stepped, not yet gathered (defer_gather)
         self._state_known = True  # False after a live-mode transfer, until regroup() brings the state
-        self._aside: dict[int, torch.Tensor] | None = (
-            None  # kept parameters' values, set aside by set_aside()
-        )
+        self._aside: dict[int, torch.Tensor] | None = None  # kept units' values, set aside by set_aside()
 
     def _layout(self) -> None:
         """The shares over the group as it is now: owners, what this rank keeps, the gather of parameters."""
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.owners = partition([p.numel() * p.element_size() for p in self.params], self.world)
+        self.owners = partition(self.units.sizes(), self.world)  # per unit
         copies = min(self.copies, self.world)
-        self.kept = {i for i, owner in enumerate(self.owners) if (owner - self.rank) % self.world < copies}
-        self._gather = ParamGather(self.params, self.owners, self.rank)
+        self.kept = {u for u, owner in enumerate(self.owners) if (owner - self.rank) % self.world < copies}
+        self._kept_params = {self.units.param_of[u] for u in self.kept}
+        self._gather = ParamGather(self.units.tensors, self.owners, self.rank)
+
+    def _adopt(self) -> None:
+        """Move the optimizer's own state entries (per parameter) into `state`, cut into this rank's kept
+        units; the optimizer's own state is left empty (it is never stepped over the whole parameters)."""
+        entries = self.optimizer.state
+        for i, p in enumerate(self.params):
+            entry = entries.pop(p, None)
+            if entry and i in self._kept_params:
+                kept = [u for u in self.units.of_param[i] if u in self.kept]
+                for u, piece in self.units.split_state(i, entry, kept).items():
+                    self.state[self.units.tensors[u]] = piece
+        entries.clear()
 
     # ---- what the optimizer's users read ------------------------------------------------------------------
 
@@ -176,29 +134,25 @@ class ShardedOptimizer:
         return self.optimizer.param_groups
 
     @property
-    def state(self) -> Any:
-        """This rank's share of the state (the optimizer's own `state`)."""
-        return self.optimizer.state
-
-    @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
-    def owner(self, param: torch.Tensor) -> int:
-        """The rank that steps `param`, holds its state and sends its value in the all-gather."""
-        for p, owner in zip(self.params, self.owners):
-            if p is param:
-                return owner
-        raise ConfigError(
-            f"{rank_tag(self.rank, self.world)}that tensor is not a parameter of this optimizer"
-        )
+    def owners_of(self, param: torch.Tensor) -> list[int]:
+        """The rank that steps each piece of `param` (one entry for a whole parameter), holds its state and
+        sends its value in the all-gather."""
+        index = self._index.get(id(param))
+        if index is None:
+            raise ConfigError(
+                f"{rank_tag(self.rank, self.world)}that tensor is not a parameter of this optimizer"
+            )
+        return [self.owners[u] for u in self.units.of_param[index]]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def kept_ids(self) -> set[int]:
-        """`id()` of each parameter this rank steps (and holds the state of)."""
-        return {id(self.params[i]) for i in self.kept}
+        """`id()` of each parameter this rank steps (some piece of it, or all) and holds the state of."""
+        return {id(self.params[i]) for i in self._kept_params}
 
     def stepped_elsewhere(self) -> None:
         """The overlapped step (shard_overlap.py) stepped this rank's share and broadcast the parameters
@@ -208,28 +162,53 @@ class ShardedOptimizer:
     # ---- the step -----------------------------------------------------------------------------------------
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:
-        """Step this rank's parameters with the optimizer, then all-gather every parameter (a collective;
-        with defer_gather, in `gather()`)."""
+        """Step this rank's units with the optimizer, then all-gather every parameter (a collective; with
+        defer_gather, in `gather()`)."""
         if closure is not None:
             raise NotSupportedError(
                 "ShardedOptimizer.step(closure): an optimizer that re-evaluates the loss (LBFGS) needs every "
                 "parameter's state on one rank; compute the loss before step(), or do not shard"
             )
         self._full = None
-        hidden = [(p, p.grad) for i, p in enumerate(self.params) if i not in self.kept]
-        for p, _ in hidden:
-            p.grad = None
-        try:
-            self.optimizer.step()
-        finally:
-            for p, grad in hidden:
-                p.grad = grad
+        chosen: list[list[int]] = [[] for _ in self.optimizer.param_groups]
+        for u in sorted(self.kept):
+            chosen[self._group_of[self.units.param_of[u]]].append(u)
+        self._step_units(chosen)
         self._pending = True
         if not self.defer_gather:
             self.gather()
 
+    def step_share(self, params: list[list[torch.Tensor]]) -> None:
+        """One step of the kept units of `params` (per param group) only: the overlapped step's, bucket by
+        bucket (overlapped_optimizer.py); the all-gather is the caller's (shard_overlap.py)."""
+        self._step_units(
+            [
+                [u for p in group for u in self.units.of_param[self._index[id(p)]] if u in self.kept]
+                for group in params
+            ]
+        )
+
+    def _step_units(self, chosen: list[list[int]]) -> None:
+        """The optimizer's step() over the units `chosen` (per param group) and this rank's `state`: its
+        param lists and state are swapped for the step's duration, so its hooks run and LR schedulers see
+        it step, and the user's objects are as they were after it."""
+        units = [u for group in chosen for u in group]
+        self.units.attach_grads(units)
+        opt = self.optimizer
+        saved, own_state = [group["params"] for group in opt.param_groups], opt.state
+        try:
+            for group, members in zip(opt.param_groups, chosen):
+                group["params"] = [self.units.tensors[u] for u in members]
+            opt.state = self.state
+            opt.step()
+        finally:
+            opt.state = own_state
+            for group, params in zip(opt.param_groups, saved):
+                group["params"] = params
+            self.units.detach_grads(units)
+
     def gather(self) -> None:
-        """Every rank takes each parameter's updated value from its owner (nothing when none is pending)."""
+        """Every rank takes each parameter's updated value from its owners (nothing when none is pending)."""
         if self._pending and self.world > 1:
             with torch.no_grad():
                 self._gather(self.group, self._global)
@@ -240,10 +219,10 @@ class ShardedOptimizer:
     def consolidate_state_dict(self, to: int | None = 0) -> None:
         """Collect the full optimizer state on group rank `to` (every rank: None); a collective.
 
-        Each owner broadcasts its parameters' state in turn; `state_dict()` on `to` then returns it.
+        Each owner broadcasts its units' state in turn; `state_dict()` on `to` then returns it, per parameter
+        (the pieces joined), in the optimizer's own format.
         """
-        local = self.optimizer.state_dict()
-        mine = {i: s for i, s in local["state"].items() if self.owners[i] == self.rank}
+        mine = {u: s for u, s in self._indexed_state().items() if self.owners[u] == self.rank}
         merged: dict[int, Any] = {}
         for owner in range(self.world):
             share = broadcast_state(
@@ -253,8 +232,8 @@ class ShardedOptimizer:
                 merged.update(share)
         if to is None or to == self.rank:
             self._full = {
-                "state": {i: merged[i] for i in sorted(merged)},
-                "param_groups": local["param_groups"],
+                "state": self._per_param(merged),
+                "param_groups": self.optimizer.state_dict()["param_groups"],
             }
 
     def state_dict(self) -> dict[str, Any]:
@@ -274,10 +253,26 @@ class ShardedOptimizer:
         saved = state_dict.get("state", {})
         if not isinstance(saved, dict):
             raise ConfigError(f"an optimizer state_dict's 'state' is a dict, got {type(saved).__name__}")
-        mine = {i: s for i, s in saved.items() if int(i) in self.kept}
+        mine = {i: s for i, s in saved.items() if int(i) in self._kept_params}
+        # through the optimizer's own load: its casts to each parameter's dtype and device, then cut
         self.optimizer.load_state_dict({"state": mine, "param_groups": state_dict["param_groups"]})
+        self.state.clear()
+        self._adopt()
         self._state_known = not state_dict.get(_FOLLOWS, False)
         self._full = None
+
+    def _indexed_state(self) -> dict[int, dict[str, Any]]:
+        """This rank's state entries by unit index."""
+        return {u: self.state[t] for u, t in enumerate(self.units.tensors) if t in self.state}
+
+    def _per_param(self, by_unit: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """Every unit's state entry (all of them) as the optimizer's per-parameter entries, in parameter order."""
+        out: dict[int, dict[str, Any]] = {}
+        for i, units in enumerate(self.units.of_param):
+            present = [u for u in units if u in by_unit]
+            if present:
+                out[i] = self.units.merge_state(i, [by_unit[u] for u in present])
+        return out
 
     # ---- live mode: a replacement's transfer, and the shares re-cut after a change of members -------------
 
@@ -288,45 +283,67 @@ class ShardedOptimizer:
 
     def set_aside(self) -> None:
         """Live mode, before the group changes: when a step's values have not been all-gathered yet, keep
-        this rank's kept parameters aside (the replica rebuilt on the new group takes rank 0's values, which
-        are stale for parameters rank 0 did not step); regroup() puts them back."""
+        this rank's kept units aside (the replica rebuilt on the new group takes rank 0's values, which
+        are stale for units rank 0 did not step); regroup() puts them back."""
         if self._pending and self._aside is None:
-            self._aside = {i: self.params[i].detach().clone() for i in self.kept}
+            self._aside = {u: self.units.tensors[u].detach().clone() for u in self.kept}
 
     def regroup(self) -> None:
         """After the group changed (a member lost, or replacements admitted; every member calls it on the
-        new group): the shares re-cut over the new members, each parameter's value and state taken from a
+        new group): the shares re-cut over the new members, each unit's value and state taken from a
         survivor that holds it (its owner or its copy). Raises StateLostError, on every rank, when the
         members that held a share were all lost."""
+        tensors = self.units.tensors
         if self._aside is not None:
             with torch.no_grad():
-                for i, value in self._aside.items():
-                    self.params[i].copy_(value)
-        fresh = [self._state_known and (not self._pending or i in self.kept) for i in range(len(self.params))]
-        known = [self._state_known and i in self.kept for i in range(len(self.params))]
+                for u, value in self._aside.items():
+                    tensors[u].copy_(value)
+        fresh = [self._state_known and (not self._pending or u in self.kept) for u in range(len(tensors))]
+        known = [self._state_known and u in self.kept for u in range(len(tensors))]
         self._layout()  # the new group's shares
         reports = all_gather_object({"fresh": fresh, "known": known}, group=self.group)
         values, states = _sources(reports, "fresh"), _sources(reports, "known")
-        lost = [i for i in range(len(self.params)) if values[i] is None or states[i] is None]
+        lost = [u for u in range(len(tensors)) if values[u] is None or states[u] is None]
         if lost:
             raise StateLostError(
                 f"{rank_tag(self.rank, self.world)}the members that held the optimizer state (and updated "
-                f"values) of {len(lost)} parameters were all lost together: those parameters cannot be "
-                "rebuilt from the survivors; resume from the last checkpoint"
+                f"values) of {len({self.units.param_of[u] for u in lost})} parameters were all lost together: "
+                "those parameters cannot be rebuilt from the survivors; resume from the last checkpoint"
             )
-        stale = [i for i in range(len(self.params)) if not all(r["fresh"][i] for r in reports)]
-        for src in sorted({cast(int, values[i]) for i in stale}):  # values the step left on their holders
+        stale = [u for u in range(len(tensors)) if not all(r["fresh"][u] for r in reports)]
+        for src in sorted({cast(int, values[u]) for u in stale}):  # values the step left on their holders
             broadcast_coalesced(
-                [self.params[i] for i in stale if values[i] == src], self._global(src), self.group
+                [tensors[u] for u in stale if values[u] == src], self._global(src), self.group
             )
-        local = self.optimizer.state_dict()
+        local = self._indexed_state()
         kept: dict[int, Any] = {}
         for src in sorted({cast(int, src) for src in states}):
-            sent = {i: s for i, s in local["state"].items() if states[i] == src} if src == self.rank else None
+            sent = {u: s for u, s in local.items() if states[u] == src} if src == self.rank else None
             received = broadcast_state(sent, src=self._global(src), group=self.group)
-            kept.update({i: s for i, s in received.items() if i in self.kept})
-        self.optimizer.load_state_dict({"state": kept, "param_groups": local["param_groups"]})
+            kept.update({u: s for u, s in received.items() if u in self.kept})
+        self.state.clear()
+        for u, entry in kept.items():
+            self.state[tensors[u]] = self._placed(u, entry)
         self._pending, self._state_known, self._full, self._aside = False, True, None, None
+
+    def _placed(self, unit: int, entry: dict[str, Any]) -> dict[str, Any]:
+        """A unit's state entry as received (on the group's device) put where the optimizer keeps it, as
+        torch's Optimizer.load_state_dict places it: the step count on the CPU (on the parameter's device
+        for a capturable or fused optimizer), the rest on the parameter's device and floating dtype."""
+        p = self.params[self.units.param_of[unit]]
+        group = self.optimizer.param_groups[self._group_of[self.units.param_of[unit]]]
+        on_device = bool(group.get("capturable") or group.get("fused"))
+        placed: dict[str, Any] = {}
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                placed[key] = value
+            elif key == "step":
+                placed[key] = value.to(device=p.device, dtype=torch.float32) if on_device else value.cpu()
+            elif p.is_floating_point() and value.is_floating_point():
+                placed[key] = value.to(device=p.device, dtype=p.dtype)
+            else:
+                placed[key] = value.to(device=p.device)
+        return placed
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of `group_rank` in this optimizer's group (what broadcast's `src` takes)."""
@@ -334,6 +351,24 @@ class ShardedOptimizer:
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+
+def _check_arguments(optimizer: Any, copies: int, piece_numel: int | None) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"ShardedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}; pass the "
+            "optimizer built on the replicated module's parameters"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("ShardedOptimizer needs a process group: call lockstep.init() first")
+    if copies not in (1, 2):
+        raise ConfigError(f"ShardedOptimizer(copies={copies!r}): expected 1 or 2 (live mode)")
+    if piece_numel is not None and (piece_numel < 1 or type(optimizer) not in ELEMENTWISE):
+        raise ConfigError(
+            f"ShardedOptimizer(piece_numel={piece_numel!r}): pieces take a positive element count, and an "
+            f"optimizer whose update is elementwise ({', '.join(c.__name__ for c in ELEMENTWISE)}); "
+            f"{type(optimizer).__name__} is stepped on whole parameters: leave piece_numel out"
+        )
 
 
 _FOLLOWS = "lockstep_state_follows"  # a live-mode transfer: the state comes from regroup()

@@ -25,6 +25,7 @@ returns.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from lockstep.engine.bucket_memory import Bucket
-from lockstep.engine.shard_optimizer import ParamGather, ShardedOptimizer
+from lockstep.engine.shard_optimizer import ShardedOptimizer
+from lockstep.engine.shard_units import ParamGather
 from lockstep.errors import InternalError
 
 
@@ -54,8 +56,9 @@ class BucketBroadcasts:
         self.active = False  # this backward's step is overlapped: step() must finish it
         self.launched_in_backward = 0  # buckets whose broadcast started before the end of backward, so far
         self._index = {id(p): i for i, p in enumerate(shard.params)}  # position in the optimizer's list
-        self._gathers: dict[int, tuple[Bucket, ParamGather]] = {}  # bucket index -> (bucket, its messages)
-        self._buckets: list[Bucket] = []  # the reducer's buckets at the last end of backward
+        # Weak references to the reducer's buckets: a rebuild frees the old ones' memory at once.
+        self._gathers: dict[int, tuple[weakref.ref[Bucket], ParamGather]] = {}  # index -> (bucket, messages)
+        self._buckets: list[weakref.ref[Bucket]] = []  # the reducer's buckets at the last end of backward
         self._rest: ParamGather | None = None  # the optimizer's parameters in no bucket (None: none)
         self._stepped: dict[int, Bucket] = {}  # this backward's stepped buckets, by index
         self._launched: set[int] = set()  # bucket indices whose broadcast started in this step
@@ -78,7 +81,7 @@ class BucketBroadcasts:
     def flush(self, buckets: Sequence[Bucket]) -> None:
         """End of backward (every rank stepped the same buckets): start every stepped bucket's broadcast."""
         self._see(buckets)
-        for b in self._buckets:
+        for b in buckets:
             if b.index in self._stepped and b.index not in self._launched:
                 self._launch(b)
 
@@ -87,12 +90,13 @@ class BucketBroadcasts:
         sequence the same on every rank): start every broadcast not started yet, then wait for all."""
         if buckets is not None:
             self._see(buckets)
-        for b in self._buckets:
+        for b in self._alive():
             if b.index not in self._launched:
                 self._launch(b)
         if self._rest is not None:
             self._pending.append((self._rest, self._rest.launch(self.group, self.shard.global_rank)))
         pending, self._pending, self.active = self._pending, [], False
+        self._stepped = {}  # no bucket kept alive past the step: a rebuild frees the old ones at once
         with torch.no_grad():
             for gather, launched in pending:
                 gather.wait(launched)
@@ -109,23 +113,31 @@ class BucketBroadcasts:
 
     def _gather(self, b: Bucket) -> ParamGather:
         cached = self._gathers.get(b.index)
-        if cached is not None and cached[0] is b:
+        if cached is not None and cached[0]() is b:
             return cached[1]
-        params = [p for p in b.params if id(p) in self._index]
-        owners = [self.shard.owners[self._index[id(p)]] for p in params]
-        gather = ParamGather(params, owners, self.shard.rank)
-        self._gathers[b.index] = (b, gather)
+        units = [u for p in b.params if id(p) in self._index for u in self._units_of(p)]
+        gather = self._units_gather(units)
+        self._gathers[b.index] = (weakref.ref(b), gather)
         return gather
+
+    def _alive(self) -> list[Bucket]:
+        """The buckets of the last `_see` (all alive: the reducer rebuilds only before a forward)."""
+        return [b for ref in self._buckets if (b := ref()) is not None]
 
     def _see(self, buckets: Sequence[Bucket]) -> None:
         """Take the reducer's buckets (rebuilt after the first steps): the messages are laid out again."""
-        if len(buckets) == len(self._buckets) and all(a is b for a, b in zip(buckets, self._buckets)):
+        if len(buckets) == len(self._buckets) and all(a() is b for a, b in zip(self._buckets, buckets)):
             return
-        self._buckets = list(buckets)
-        alive = {id(b) for b in buckets}
-        self._gathers = {i: g for i, g in self._gathers.items() if id(g[0]) in alive}
+        self._buckets = [weakref.ref(b) for b in buckets]
+        self._gathers = {i: g for i, g in self._gathers.items() if any(g[0]() is b for b in buckets)}
         inside = {id(p) for b in buckets for p in b.params}
-        rest = [(p, self.shard.owners[i]) for i, p in enumerate(self.shard.params) if id(p) not in inside]
-        self._rest = (
-            ParamGather([p for p, _ in rest], [o for _, o in rest], self.shard.rank) if rest else None
-        )
+        rest = [u for p in self.shard.params if id(p) not in inside for u in self._units_of(p)]
+        self._rest = self._units_gather(rest) if rest else None
+
+    def _units_of(self, p: torch.Tensor) -> list[int]:
+        return self.shard.units.of_param[self._index[id(p)]]
+
+    def _units_gather(self, units: list[int]) -> ParamGather:
+        """The messages that send `units` (the shard's) from their owners."""
+        tensors, owners = self.shard.units.tensors, self.shard.owners
+        return ParamGather([tensors[u] for u in units], [owners[u] for u in units], self.shard.rank)
