@@ -49,8 +49,9 @@ from lockstep.checkpoint import rng
 from lockstep.engine.outer_sync import due_fragments
 from lockstep.errors import LockstepError
 from lockstep.runtime.membership.group import LiveGroup
-from lockstep.runtime.micro_batches import owned_micro_batches
 from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery
+from lockstep.runtime.micro_batches import owned_micro_batches
+from lockstep.trainer.config import FitConfig
 from lockstep.trainer.run_state import RunState
 
 
@@ -121,6 +122,14 @@ class LiveRounds:
         self.dropped: dict[str, Any] | None = None  # streaming: what the last rollback dropped
         self.armed = False  # a change of members happened: the rebuilt replica gets the mark back
         self.closed = False  # the run ended (its last barrier): nothing is redone any more
+
+    @classmethod
+    def of_run(cls, group: LiveGroup | None, state: RunState, config: FitConfig) -> LiveRounds | None:
+        """A low-communication run's rounds in live mode, else None (streaming: by fragment syncs)."""
+        if group is None or config.sync == "allreduce":
+            return None
+        streaming = config.fragments if config.sync == "streaming_diloco" else None
+        return cls(group, state, config.sync_every, fragments=streaming)
 
     @property
     def active(self) -> bool:

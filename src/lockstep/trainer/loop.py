@@ -115,12 +115,7 @@ class FitRun(LiveSide):
         if self.periodic_run is not None:
             self.stepper.outer, self.state.extra = self.handle, self.periodic_run.entries
         # live mode, low-communication run: a round counts on every member or on none (live_rounds.py)
-        streaming = config.fragments if config.sync == "streaming_diloco" else None
-        self.rounds = (
-            LiveRounds(self.live, self.state, config.sync_every, fragments=streaming)
-            if self.live is not None and self.periodic
-            else None
-        )
+        self.rounds = LiveRounds.of_run(self.live, self.state, config)
         self.recovery = LiveRecovery(self.live, self) if self.live is not None else None
         if self.recovery is not None:
             self.record.faults = self.recovery.startup_faults()
