@@ -73,8 +73,10 @@ class PeriodicRun:
         self.outer.handle = handle
 
     def heal_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Live mode, what rank 0 sends a replacement (at a round boundary, every replica equal): its own
-        parameters and inner optimizer state, and the outer state; not the gathered `workers` entry."""
+        """Live mode, what rank 0 sends a replacement (at a round boundary: every replica equal, except in
+        streaming DiLoCo, whose replacement continues from rank 0's replica): its own parameters and inner
+        optimizer state, and the outer state (with a streaming mean in flight, waited for); not the
+        gathered `workers` entry."""
         return {key: value for key, value in state.items() if key != "workers"}
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
