@@ -18,13 +18,16 @@ that it joins before the run ends however slowly this machine starts a process; 
 takes 0.1 s longer, so that a test can act (take a link down) while the job runs; with "float", the run is
 not in deterministic mode (live mode's float step); with "shard", the optimizer's state is sharded over
 the ranks (shard_optimizer=True, each share kept by two ranks in live mode); with "diloco" or "local_sgd",
-low-communication training (FitConfig.sync) with a round of 4 steps ("h2": 2); with "stop6", the run
+low-communication training (FitConfig.sync) with a round of 4 steps ("h2": 2), "streaming_diloco" with 2
+fragments (synced after steps 2 and 4 of each round of 4); with "stop6", the run
 stops after 6 steps (max_steps, in the middle of a round) and a second launch resumes it. Every rank that finishes
-saves its final parameters to OUT_DIR/params-<launch rank>.pt.
+saves its final parameters to OUT_DIR/params-<launch rank>.pt and its summary's digests (params_sha256,
+outer_sha256, ...) to OUT_DIR/summary-<launch rank>.json.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -41,7 +44,8 @@ REPLACE = "replace" in sys.argv[5:]
 SLOW = "slow" in sys.argv[5:]  # 0.1 s per forward: a test has time to act while the job runs
 FLOAT = "float" in sys.argv[5:]  # live mode without deterministic mode
 SHARD = "shard" in sys.argv[5:]  # sharded optimizer state (ZeRO-1)
-SYNC = next((a for a in sys.argv[5:] if a in ("diloco", "local_sgd")), "allreduce")
+SYNC = next((a for a in sys.argv[5:] if a in ("diloco", "local_sgd", "streaming_diloco")), "allreduce")
+FRAGMENTS = 2 if SYNC == "streaming_diloco" else 1
 SYNC_EVERY = 2 if "h2" in sys.argv[5:] else 4
 MAX_STEPS = 6 if "stop6" in sys.argv[5:] else None
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
@@ -150,12 +154,13 @@ def main() -> None:
         shard_optimizer=SHARD,
         sync=SYNC,
         sync_every=SYNC_EVERY,
+        fragments=FRAGMENTS,
         max_steps=MAX_STEPS,
         log_every=4,
         progress="none",
     )
     net = Net()
-    lockstep.fit(
+    result = lockstep.fit(
         net,
         Numbers(),
         loss_fn=nn.functional.cross_entropy,
@@ -163,6 +168,8 @@ def main() -> None:
         optimizer=lambda params: DyingSGD(params, lr=0.1, momentum=0.9),
     )
     torch.save(net.body.state_dict(), os.path.join(OUT, f"params-{UID}.pt"))  # body: no fault hook
+    with open(os.path.join(OUT, f"summary-{UID}.json"), "w") as fh:
+        json.dump({k: v for k, v in result.summary.items() if k.endswith("sha256")}, fh)
     with open(os.path.join(OUT, f"done-{UID}"), "w") as fh:
         fh.write(str(os.getpid()))  # the same process that started: it was never restarted
     lockstep.shutdown()

@@ -7,6 +7,11 @@ restart; the survivors' parameters are bitwise equal after the final outer sync 
 every sample of every step went through a forward, and the only samples that went through twice are those
 of the round that was redone; the metric log holds each logged step once (what the abandoned round logged
 was cut back); a replacement joins at a round's end, heals from a peer and ends equal to the others.
+
+Streaming DiLoCo ("streaming_diloco", 2 fragments) goes back to the last fragment's sync instead: the lost
+member's inner progress since each fragment's last sync is dropped, counted in the fault's `dropped`
+(its samples there, trained once, checked against its seen file); the survivors' outer states (anchors,
+outer momentum, the mean in flight) end bitwise equal, as does a replacement's.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import pytest
 import torch
 
 from lockstep.data.sampler import epoch_order
-from lockstep.errors import ConfigError
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.low_comm import engine_policy
 from tests.helpers import run_cli
@@ -152,8 +156,90 @@ def test_a_member_lost_in_a_round_resumed_mid_way_fails_the_job_with_the_reason(
     assert [p.name for p in (out / "run" / "checkpoints").glob("step_*")] == ["step_000006"]
 
 
-def test_streaming_diloco_is_refused_in_live_mode_with_the_reason() -> None:
-    config = FitConfig(sync="streaming_diloco", fragments=2)
-    with pytest.raises(ConfigError, match="replicas never stand equal"):
-        engine_policy(config, live=True)
-    assert engine_policy(FitConfig(sync="diloco"), live=True).sync == "diloco"
+def _outer_equal(out: Path, members: list[int]) -> None:
+    """streaming_diloco: the parameters never are equal (a fragment's outer step is merged into each rank's
+    local values); the outer state is: every finishing member's anchors, outer momentum and last mean."""
+    digests = {json.loads((out / f"summary-{uid}.json").read_text())["outer_sha256"] for uid in members}
+    assert len(digests) == 1, digests
+
+
+def _victim_steps(out: Path, victim: int, steps: list[int]) -> set[int]:
+    """The samples the victim trained in `steps` (1-based; one micro-batch a step, one line each)."""
+    lines = (out / f"seen-{victim}.txt").read_text().splitlines()
+    samples: set[int] = set()
+    for step in range(steps[0], steps[1] + 1):
+        mine = {int(i) for i in lines[step - 1].split()}
+        assert mine <= _step_samples(step), step
+        samples |= mine
+    return samples
+
+
+@pytest.mark.parametrize(
+    ("fault", "at", "mark", "first"),
+    [
+        # F=2 fragments in rounds of 4: fragment 0 synced after steps 2, 6, 10, 14, fragment 1 after 4, 8, ...
+        # Rank 2 dies in the forward of step 7, after it launched fragment 0's mean at step 6: back to the
+        # mark of step 6, whose mean is taken again over the survivors; rank 2's progress since each
+        # fragment's last sync applied before (fragment 0: step 2) is dropped: steps 3 to 6.
+        pytest.param("forward", 7, 6, 3, marks=pytest.mark.smoke),
+        # Rank 2 dies in step 6's optimizer step, before launching its fragment 0 mean: the survivors' collective
+        # of step 6 is in flight when they learn of it (in the step's commit). Back to the mark of step 4
+        # (fragment 1's mean of step 4 sent again); dropped: steps 1 to 4 (fragment 1 never synced before).
+        ("optimizer", 6, 4, 1),
+    ],
+)
+def test_streaming_diloco_goes_back_to_the_last_fragment_sync_and_counts_what_it_drops(
+    tmp_path: Path, fault: str, at: int, mark: int, first: int
+) -> None:
+    out, result = _run(
+        tmp_path, "-n", "4", "--min-world", "2", fault=fault, victim=2, at=at, extra=("streaming_diloco",)
+    )
+    assert "lockstep run: rank 2 killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
+    assert "finished on 3 of 4 ranks, without a restart" in result.stderr, result.stderr
+    summary = _summary(out)
+    assert summary["sync"] == "streaming_diloco" and summary["steps"] == STEPS and summary["world_size"] == 3
+    assert summary["samples_this_run"] == STEPS * GLOBAL_BATCH
+    [record] = summary["faults"]
+    assert record["lost"] == [2] and record["step"] == mark, record  # back to the last fragment's sync
+    dropped = 4 * (mark - first + 1)  # rank 2 of 4: one micro-batch of 4 of the 6 in each step
+    assert record["dropped"] == {"members": [2], "steps": [first, mark], "samples": dropped}, record
+    assert summary["samples_dropped"] == dropped
+    assert len(_victim_steps(out, 2, [first, mark])) == dropped  # trained once, by rank 2 only
+    _outer_equal(out, [0, 1, 3])
+    # Every sample trained; only those of the steps redone after the mark (at most 2: the loss is found by
+    # the next fragment's sync at the latest) went through twice.
+    _nothing_lost_and_only_the_redone_round_twice(out, range(mark + 1, mark + 3))
+    assert _logged_steps(out) == [4, 8, 12, 16]
+    assert sorted(p.name for p in (out / "run" / "checkpoints").glob("step_*")) == [
+        "step_000008",
+        "step_000016",
+    ]
+
+
+def test_streaming_diloco_admits_a_replacement_at_a_rounds_end_with_the_members_outer_state(
+    tmp_path: Path,
+) -> None:
+    """Rank 2 dies in step 5; the survivors go back to step 4's mark and wait (in their forwards) until the
+    replacement process started; rank 0 admits it at a round's end, where fragment 1's mean is waited for
+    first, so that the replacement takes the same outer state as the members."""
+    out, result = _run(
+        tmp_path, "-n", "4", "--min-world", "2", "--max-restarts", "1",
+        fault="forward", victim=2, at=5, extra=("replace", "streaming_diloco"),
+    )  # fmt: skip
+    assert "finished on 4 of 4 ranks (1 of them replacements: ranks [4]), without a restart" in result.stderr
+    summary = _summary(out)
+    assert summary["world_size"] == 4 and summary["steps"] == STEPS
+    lost, joined = summary["faults"]
+    assert (lost["kind"], lost["lost"], lost["step"]) == ("lost", [2], 4), lost
+    assert lost["dropped"] == {"members": [2], "steps": [1, 4], "samples": 16}, lost
+    assert (joined["kind"], joined["joined"], joined["world_size"]) == ("joined", [4], 4), joined
+    assert joined["step"] % 4 == 0 and 8 <= joined["step"] < STEPS, joined  # at a round's end
+    assert len((out / "seen-4.txt").read_text().splitlines()) == STEPS - joined["step"]
+    _outer_equal(out, [0, 1, 3, 4])  # healed: rank 0's anchors, outer momentum and the mean in flight
+    _nothing_lost_and_only_the_redone_round_twice(out, range(5, 7))
+
+
+def test_every_sync_mode_runs_in_live_mode() -> None:
+    for sync in ("local_sgd", "diloco", "streaming_diloco"):
+        config = FitConfig(sync=sync, fragments=2 if sync == "streaming_diloco" else 1)
+        assert engine_policy(config, live=True).sync == sync

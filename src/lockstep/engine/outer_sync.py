@@ -22,7 +22,10 @@ float32 without deterministic mode it is one all-reduce (a sum, then / W). Eithe
 same bits; with gathering, the same bits run after run whatever the backend's reduction order.
 
 The state that a resume needs (inner steps counted, the anchor and the outer optimizer's momentum) is
-`state_dict()`; the rank's own parameters and inner optimizer state are the caller's (trainer/
+`state_dict()`; `state_dict(wait=False)` does not wait for a fragment's mean in flight and holds this
+rank's own contribution to it instead, which `load_state_dict` sends again over the group it is loaded
+into (live mode: a lost member's contribution is dropped, the survivors' mean is taken over themselves);
+the rank's own parameters and inner optimizer state are the caller's (trainer/
 worker_states.py saves every rank's). Every collective is numbered for the hang watchdog
 (runtime/waits.tracked, op "outer sync").
 """
@@ -62,12 +65,19 @@ def fragment_bounds(numels: Sequence[int], fragments: int) -> list[range]:
     return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
+def due_fragments(step: int, every: int, count: int) -> list[int]:
+    """The fragments of `count` synced (launched) after inner step `step` (1-based) with sync_every=`every`:
+    fragment f at (f + 1) H / F + kH."""
+    return [f for f in range(count) if step % every == ((f + 1) * every // count) % every]
+
+
 MIX = 0.5  # streaming_diloco: the local share when a delayed outer step is merged (Streaming DiLoCo's alpha)
 
 
 class _Mean:
     """A mean over the ranks, launched: `result()` waits, sums the gathered parts in rank order in float32
-    (or takes the all-reduced sum), divides by the world size, and keeps the answer."""
+    (or takes the all-reduced sum), divides by the world size, and keeps the answer. `contribution`: this
+    rank's own values, until the answer is back (what a rollback in live mode sends again)."""
 
     def __init__(
         self,
@@ -76,11 +86,18 @@ class _Mean:
         *,
         record: Any = None,
         parts: list[torch.Tensor] | None = None,
+        contribution: torch.Tensor | None = None,
+        unsent: bool = False,
     ) -> None:
         self.shapes, self.flat, self.record, self.parts = shapes, flat, record, parts
-        self.done = record is None
+        self.contribution = flat if unsent else contribution
+        self.done = record is None and not unsent
 
     def result(self, owner: OuterSync) -> list[torch.Tensor]:
+        if self.record is None and not self.done:  # not launched yet (loaded from a contribution)
+            launched = owner._start_mean([self.flat])
+            self.flat, self.record, self.parts = launched.flat, launched.record, launched.parts
+            self.done = launched.done
         if not self.done:
             wait_tracked(self.record, self.record.work)
             if self.parts is not None:
@@ -88,7 +105,7 @@ class _Mean:
                 for part in self.parts[1:]:
                     self.flat += part.float()  # in rank order: the same bits on every rank and in every run
             self.flat.div_(owner.world)
-            self.done, self.record, self.parts = True, None, None
+            self.done, self.record, self.parts, self.contribution = True, None, None, None
         out, offset = [], 0
         for shape in self.shapes:
             n = shape.numel()
@@ -130,8 +147,7 @@ class OuterSync:
 
     def due(self, step: int) -> list[int]:
         """The fragments synced after inner step `step` (1-based): fragment f of F at (f + 1) H / F + kH."""
-        every, count = self.policy.sync_every, len(self.fragments)
-        return [f for f in range(count) if step % every == ((f + 1) * every // count) % every]
+        return due_fragments(step, self.policy.sync_every, len(self.fragments))
 
     def after_optimizer_step(self) -> bool:
         """Count one inner step; sync the fragments it completes. True when something was synced (or, in
@@ -213,26 +229,32 @@ class OuterSync:
             return _Mean(shapes, flat)
         if wire == torch.float32 and not self.policy.deterministic:
             self.bytes_sent += flat.numel() * flat.element_size()
+            mine = flat.clone()  # the all-reduce sums in place
             record = PROGRESS.issue("outer sync (all_reduce)", [flat], self.group)
             record.work = dist.all_reduce(flat, group=self.group, async_op=True)
-            return _Mean(shapes, flat, record=record)
+            return _Mean(shapes, flat, record=record, contribution=mine)
         payload = flat.to(wire)
         parts = [torch.empty_like(payload) for _ in range(self.world)]
         self.bytes_sent += payload.numel() * payload.element_size()
         record = PROGRESS.issue("outer sync (all_gather)", [payload], self.group)
         record.work = dist.all_gather(parts, payload, group=self.group, async_op=True)
-        return _Mean(shapes, flat, record=record, parts=parts)
+        return _Mean(shapes, flat, record=record, parts=parts, contribution=flat)
 
     # ---------------------------------------------------------------- resume
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, wait: bool = True) -> dict[str, Any]:
         """What a resume needs beyond the rank's own parameters and inner optimizer: the counts, the
         anchor and the outer optimizers' momentum (the same on every rank), and in streaming mode the
-        mean in flight (waited for here, applied after the next inner step as it would have been)."""
+        mean in flight (waited for here, applied after the next inner step as it would have been). With
+        wait=False, a mean not back yet is not waited for: the state holds this rank's contribution to
+        it, sent again (over the group it is loaded into) when it is due."""
         pending: dict[str, Any] = {}
         if self.pending is not None:
             f, reduction = self.pending
-            pending = {"fragment": f, "mean": torch.cat([t.reshape(-1) for t in reduction.result(self)])}
+            if not wait and not reduction.done and reduction.contribution is not None:
+                pending = {"fragment": f, "contribution": reduction.contribution.clone()}
+            else:
+                pending = {"fragment": f, "mean": torch.cat([t.reshape(-1) for t in reduction.result(self)])}
         return {
             "sync": self.policy.sync,
             "inner_steps": self.inner_steps,
@@ -261,4 +283,7 @@ class OuterSync:
         if pending:
             f = int(pending["fragment"])
             shapes = [self.params[i].shape for i in self.fragments[f]]
-            self.pending = (f, _Mean(shapes, pending["mean"].float().clone()))
+            if "contribution" in pending:  # launched when it is merged, over this replica's group
+                self.pending = (f, _Mean(shapes, pending["contribution"].float().clone(), unsent=True))
+            else:
+                self.pending = (f, _Mean(shapes, pending["mean"].float().clone()))

@@ -119,11 +119,13 @@ class ReplicaHandle(JoinableReplica):
         (it would otherwise be applied after the next inner step). True when there was one."""
         return self._periodic("flush_sync()").flush()
 
-    def sync_state_dict(self) -> dict[str, Any]:
+    def sync_state_dict(self, *, wait: bool = True) -> dict[str, Any]:
         """Low-communication training: the outer state a resume needs (steps counted, the anchor, the outer
         optimizer's momentum); the same on every rank. The rank's parameters and inner optimizer state are
-        the caller's to save."""
-        return self._periodic("sync_state_dict()").state_dict()
+        the caller's to save. wait=False (streaming): a fragment's mean still in flight is not waited for;
+        the state holds this rank's contribution to it instead, sent again over the group of the replica
+        it is loaded into (live mode's rollback: engine/outer_sync.py)."""
+        return self._periodic("sync_state_dict()").state_dict(wait=wait)
 
     def load_sync_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what sync_state_dict() returned (on every rank)."""

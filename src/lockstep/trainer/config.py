@@ -126,7 +126,8 @@ class FitConfig:
     resumes exactly mid-round at the same world size, and from a round's end at any world size. In live
     mode (--min-world) local_sgd and diloco survive a lost rank: the survivors redo the round from its start
     (the last outer sync), and replacements join at a round's end (trainer/live_rounds.py, docs/live.md);
-    streaming_diloco is refused there.
+    streaming_diloco goes back to its last fragment's sync: the lost rank's progress since each fragment's
+    last sync is dropped (not redone; summary.json's faults[].dropped and samples_dropped count its samples).
     """
 
     run_dir: str = "runs/default"

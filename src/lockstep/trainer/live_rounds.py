@@ -18,6 +18,19 @@ final model. That is live mode's "redo the interrupted step" with the round as t
   from there. A growth (replacements admitted at a round boundary) goes back nowhere: the new replica
   only gets the outer state, and the replacements receive the run's state from rank 0.
 
+Streaming DiLoCo (`fragments` given) never has every replica equal: each fragment syncs at its own
+step, and its outer step is merged into local values that moved on. Its marks are taken at every
+fragment's sync (the step that launches a fragment's mean, once committed), and a rollback goes back to
+the last one: each survivor to its own state there, the outer state (anchors, outer momentum) the same on
+all. A mean still in flight at the mark is kept as this rank's contribution (`sync_state_dict(wait=False)`)
+and sent again over the survivors when it is due. What only the lost member held is dropped: its inner
+progress on each fragment since that fragment's last sync (the steps of `dropped_steps`); its samples
+there were trained once, by it, and are not trained again (the sampler's order and the sync schedule
+are functions of the step: re-queuing them would shift both). They are counted in the fault's record
+(`dropped`: the members, the steps and the number of samples). A replacement joins at a round's end
+(the last fragment's sync), after that fragment's mean is back (`settle`), so that it takes the same
+outer state as the members.
+
 Work that a round's steps did between its syncs (logs, evaluations, checkpoints mid-round) is redone
 too: the metric log on rank 0 is cut back to what it held at the mark. A lost member's metric rows not
 yet logged at the mark are not recovered (the logged means of that interval cover the survivors' samples
@@ -33,9 +46,12 @@ from typing import Any
 import torch
 
 from lockstep.checkpoint import rng
+from lockstep.engine.outer_sync import due_fragments
 from lockstep.errors import LockstepError
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery
+from lockstep.runtime.micro_batches import owned_micro_batches
+from lockstep.trainer.config import FitConfig
 from lockstep.trainer.run_state import RunState
 
 
@@ -47,11 +63,18 @@ class RoundMark:
     """This rank's state at a round boundary (or at the run's start), kept in memory for a redo."""
 
     def __init__(
-        self, state: RunState, outer: dict[str, Any], *, boundary: bool, log_count: int | None
+        self,
+        state: RunState,
+        outer: dict[str, Any],
+        *,
+        boundary: bool,
+        log_count: int | None,
+        members: tuple[int, ...] = (),
     ) -> None:
         self.step = state.counters.step
-        self.boundary = boundary  # every replica equal (a round's start), not a resume mid-round
+        self.boundary = boundary  # a point a redo can start from (not a diloco resume mid-round)
         self.log_count = log_count  # rank 0: the metric log's records at the mark
+        self.members = members  # the group's member ids when the mark was taken
         record = state.record
         self.tree = _host_copy(
             {
@@ -90,21 +113,49 @@ class RoundMark:
 class LiveRounds:
     """fit's rounds in live mode (see the module doc)."""
 
-    def __init__(self, group: LiveGroup, state: RunState, sync_every: int) -> None:
+    def __init__(
+        self, group: LiveGroup, state: RunState, sync_every: int, *, fragments: int | None = None
+    ) -> None:
         self.group, self.state, self.sync_every = group, state, sync_every
+        self.fragments = fragments  # streaming DiLoCo: marks at every fragment's sync (module doc)
         self.last: RoundMark | None = None
+        self.dropped: dict[str, Any] | None = None  # streaming: what the last rollback dropped
         self.armed = False  # a change of members happened: the rebuilt replica gets the mark back
         self.closed = False  # the run ended (its last barrier): nothing is redone any more
+
+    @classmethod
+    def of_run(cls, group: LiveGroup | None, state: RunState, config: FitConfig) -> LiveRounds | None:
+        """A low-communication run's rounds in live mode, else None (streaming: by fragment syncs)."""
+        if group is None or config.sync == "allreduce":
+            return None
+        streaming = config.fragments if config.sync == "streaming_diloco" else None
+        return cls(group, state, config.sync_every, fragments=streaming)
 
     @property
     def active(self) -> bool:
         return self.last is not None and not self.closed
 
     def mark(self, handle: Any, log_count: int | None) -> None:
-        """Keep this rank's state as the point a redo starts from."""
-        outer = handle.sync_state_dict()
-        boundary = int(outer["inner_steps"]) % self.sync_every == 0
-        self.last = RoundMark(self.state, outer, boundary=boundary, log_count=log_count)
+        """Keep this rank's state as the point a redo starts from (streaming: without waiting for the
+        fragment's mean in flight; its contribution is kept instead)."""
+        streaming = self.fragments is not None
+        outer = handle.sync_state_dict(wait=not streaming)
+        boundary = streaming or int(outer["inner_steps"]) % self.sync_every == 0
+        members = self.group.membership.members
+        self.last = RoundMark(self.state, outer, boundary=boundary, log_count=log_count, members=members)
+
+    def round_end(self, step: int) -> bool:
+        """After `step`: a round's end, where replacements may join (streaming: its last fragment's sync)."""
+        return step % self.sync_every == 0
+
+    def settle(self, handle: Any, step: int) -> None:
+        """Streaming, at a round's end, before its commit: wait for the fragment's mean in flight when a
+        replacement joins now (it takes the mean, the same as the members'), and always with one fragment
+        (whose next collective is no proof that rank 0 planned the growth: admission.py)."""
+        if self.fragments is None or not self.round_end(step):
+            return
+        if self.fragments == 1 or self.group.joiners_due(step, step + self.sync_every):
+            handle.sync_state_dict()  # waits: the mean stays pending, now back
 
     def commit(self, step: int) -> None:
         """At a round boundary (its sync done): return once every member's sync did, or raise
@@ -116,7 +167,7 @@ class LiveRounds:
         last = self.last
         if not self.active or last is None:
             return
-        if not last.boundary:
+        if not last.boundary:  # diloco / local SGD resumed mid-round (streaming's marks are all points)
             raise LockstepError(
                 f"{self.group.state.tag}a member was lost in the round this run resumed in the middle of "
                 f"(step {last.step}): its inner steps before the resume exist only in its own state, so the "
@@ -133,8 +184,37 @@ class LiveRounds:
         if self.armed and not self.closed:
             last.restore(self.state, handle)
             self.armed = False
+            self.dropped = self._dropped(last)
         else:
             handle.load_sync_state_dict(last.tree["outer"])
+
+    def _dropped(self, last: RoundMark) -> dict[str, Any] | None:
+        """Streaming, after a rollback to `last`: the lost members, the steps whose inner progress of
+        theirs some fragment's agreed outer steps lack, and their samples in those steps."""
+        count = self.fragments
+        lost = [m for m in last.members if m not in self.group.membership.members]
+        if count is None or not lost:
+            return None
+        pending = last.tree["outer"].get("pending") or {}
+        in_flight = int(pending["fragment"]) if "contribution" in pending else None
+        starts = []
+        for f in range(count):  # each fragment's last sync that every survivor applied (or holds the mean of)
+            s = last.step - 1 if f == in_flight else last.step
+            while s > 0 and f not in due_fragments(s, self.sync_every, count):
+                s -= 1
+            starts.append(s)
+        first = min(starts) + 1
+        sampler = self.state.sampler
+        world = len(last.members)
+        per_step = sum(
+            len(owned_micro_batches(sampler.num_micro_batches, world, last.members.index(m))) for m in lost
+        )
+        steps = max(0, last.step - first + 1)
+        return {
+            "members": lost,
+            "steps": [first, last.step] if steps else [],
+            "samples": steps * per_step * sampler.micro_batch_size,
+        }
 
     def run(self, recovery: LiveRecovery, work: Callable[[], Any]) -> Any:
         """work() with collectives; if a member is lost in it, re-form, go back to the mark and raise

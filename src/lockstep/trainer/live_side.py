@@ -3,7 +3,8 @@
 `LiveSide` is a mixin of FitRun (trainer/loop.py): the few methods through which live recovery reaches
 the run (release and rebuild the replica, progress marks, state_dict, reshard, take over rank 0's
 duties). A low-communication run (FitConfig.sync) goes back to its round's start on a loss
-(trainer/live_rounds.py): `discard_step` arms that, `rebuild_replica` does it on the new replica.
+(trainer/live_rounds.py): `discard_step` arms that, `rebuild_replica` does it on the new replica; a
+streaming DiLoCo run goes back to its last fragment's sync, and the fault's record says what it dropped.
 """
 
 from __future__ import annotations
@@ -65,12 +66,15 @@ class LiveSide:
         """After the step whose outer sync ended a round (and its logs, evaluation, checkpoint, the epoch's
         end): the round counts on every member or on none (a loss: RolledBack), a new mark, then the
         replacements join. True when the group grew."""
-        rounds, recovery = self.rounds, self.recovery
-        if rounds is None or recovery is None:
+        rounds, recovery, handle = self.rounds, self.recovery, self.handle
+        if rounds is None or recovery is None or handle is None:
             return False
         step = self.counters.step
+        rounds.run(recovery, lambda: rounds.settle(handle, step))  # streaming: before a growth
         rounds.run(recovery, lambda: rounds.commit(step))
         self.mark_round()
+        if not rounds.round_end(step):  # streaming: a fragment's sync inside the round
+            return False
         # A member lost while the group grows takes everyone back to this mark: where they stand anyway.
         return recovery.admit_joiners(step, next_step=step + self.config.sync_every)
 
@@ -126,6 +130,9 @@ class LiveSide:
         self.evaluation.reshard(topology)
 
     def regrouped(self, fault: Fault) -> None:
+        if self.rounds is not None and self.rounds.dropped is not None and self.record.faults:
+            self.record.faults[-1]["dropped"] = self.rounds.dropped  # streaming: what the rollback dropped
+            self.rounds.dropped = None
         if self.topo.rank == 0 and self.live is not None:
             take_over_rows(self.live, self.state.metrics, fault.lost)
             if not self.runlog.enabled:  # this rank became rank 0 (the old one was lost)

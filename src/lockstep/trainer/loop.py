@@ -115,11 +115,7 @@ class FitRun(LiveSide):
         if self.periodic_run is not None:
             self.stepper.outer, self.state.extra = self.handle, self.periodic_run.entries
         # live mode, low-communication run: a round counts on every member or on none (live_rounds.py)
-        self.rounds = (
-            LiveRounds(self.live, self.state, config.sync_every)
-            if self.live is not None and self.periodic
-            else None
-        )
+        self.rounds = LiveRounds.of_run(self.live, self.state, config)
         self.recovery = LiveRecovery(self.live, self) if self.live is not None else None
         if self.recovery is not None:
             self.record.faults = self.recovery.startup_faults()
@@ -169,6 +165,8 @@ class FitRun(LiveSide):
             comm_bytes=comm_bytes_so_far(self.handle or self.model) - start_bytes,
         )
         summary.update(bucket_summary(self.handle or self.model))
+        if self.periodic_run is not None:
+            summary.update(self.periodic_run.summary(self.record.faults))
         if self.topo.is_main:
             publish_summary(summary, self.run_dir, self.runlog, self.bar)
         if self.rounds is not None:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.checkpoint.compare import state_sha256
 from lockstep.engine.policy import SyncPolicy
 from lockstep.errors import ConfigError
 from lockstep.runtime.waits import tracked
@@ -35,16 +36,10 @@ _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def engine_policy(config: FitConfig, *, live: bool) -> SyncPolicy:
     """The replica's policy for fit's micro-batched steps (exact in deterministic mode, float sums
-    otherwise), or for low-communication training (deterministic: the outer sums in rank order)."""
+    otherwise), or for low-communication training (deterministic: the outer sums in rank order). Every
+    sync runs in live mode (`live`): trainer/live_rounds.py says what a lost member costs in each."""
     if config.sync == "allreduce":
         return SyncPolicy(deterministic=config.deterministic)
-    if live and config.sync == "streaming_diloco":
-        raise ConfigError(
-            "sync='streaming_diloco' does not run in live mode (--min-world): its replicas never stand equal "
-            "(each fragment's outer step is merged into values that moved on), so a lost member's round "
-            "cannot be redone from a common point; use sync='diloco' or 'local_sgd' there (trainer/live_rounds.py), "
-            "or launch without --min-world"
-        )
     return SyncPolicy(
         deterministic=config.deterministic,
         sync=config.sync,
@@ -78,13 +73,24 @@ class PeriodicRun:
         self.outer.handle = handle
 
     def heal_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Live mode, what rank 0 sends a replacement (at a round boundary, every replica equal): its own
-        parameters and inner optimizer state, and the outer state; not the gathered `workers` entry."""
+        """Live mode, what rank 0 sends a replacement (at a round boundary: every replica equal, except in
+        streaming DiLoCo, whose replacement continues from rank 0's replica): its own parameters and inner
+        optimizer state, and the outer state (with a streaming mean in flight, waited for); not the
+        gathered `workers` entry."""
         return {key: value for key, value in state.items() if key != "workers"}
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
         """A replacement: the outer state that came with the run's state (RunState loads the rest)."""
         self.handle.load_sync_state_dict(state["outer"])
+
+    def summary(self, faults: list[dict[str, Any]]) -> dict[str, Any]:
+        """summary.json's entries of a low-communication run: a digest of the outer state (anchors, outer
+        momentum, a mean in flight: the same bits on every rank), and in live mode the samples whose
+        contribution a lost member took with it (streaming DiLoCo: the faults' `dropped`)."""
+        outer = self.handle.sync_state_dict()
+        digest = state_sha256({key: outer[key] for key in ("inner_steps", "anchor", "outer", "pending")})
+        dropped = sum(int(fault.get("dropped", {}).get("samples", 0)) for fault in faults)
+        return {"outer_sha256": digest, "samples_dropped": dropped}
 
     def before_save(self) -> None:
         """On every rank: every rank's own state, to rank 0 (the replicas differ mid-round)."""
