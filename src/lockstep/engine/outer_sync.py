@@ -26,7 +26,7 @@ The state that a resume needs (inner steps counted, the anchor and the outer opt
 rank's own contribution to it instead, which `load_state_dict` sends again over the group it is loaded
 into (live mode: a lost member's contribution is dropped, the survivors' mean is taken over themselves);
 the rank's own parameters and inner optimizer state are the caller's (trainer/
-worker_states.py saves every rank's). Every collective is numbered for the hang watchdog
+low_comm.py's WorkerStates saves every rank's). Every collective is numbered for the hang watchdog
 (runtime/waits.tracked, op "outer sync").
 """
 
