@@ -84,7 +84,9 @@ class _Engine:
         """Bytes of the optimizer state this rank holds."""
         return sum(
             t.numel() * t.element_size()
-            for s in self.inner.state.values()
+            for s in (
+                self.opt if self.kind == "lockstep" else self.inner
+            ).state.values()  # lockstep: the share
             for t in s.values()
             if isinstance(t, torch.Tensor)
         )
