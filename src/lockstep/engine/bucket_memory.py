@@ -59,25 +59,12 @@ class Bucket:
         self.record: CollectiveRecord | None = None  # the hang watchdog's record of its latest launch
 
     def release(self) -> None:
-        """The reducer built new buckets: let this one's memory go now, whoever still holds the object (a
-        reference cycle through its future would otherwise keep it until the cyclic collector runs). A
-        gradient that is a view of it keeps the memory it views, as any tensor does."""
-        storage = self.storage
+        """The reducer built new buckets: let go of this one's memory now, whoever still holds the object
+        (the watchdog's recent records, a reference cycle through its future). A gradient that is a view of
+        it keeps the memory it views, as any tensor does."""
         self.storage = self.status = self.last_element = self.future = self.record = None
-        self.buffer = self.hook_buffer = self.buffer[:0]  # empty, on its device
+        self.buffer = self.hook_buffer = torch.empty(0, dtype=self.dtype, device=self.buffer.device)
         self.views = []
-        if storage is None:
-            return
-        # Something in C++ still holds the buffer after the step (measured on gloo: two references left
-        # once every Python one is gone, dropped only during the next backward), so its memory would stay
-        # beside the new buckets' through that backward: +1 model's worth of gradients at the run's peak.
-        # Freed only when no gradient is a view of it (those keep their values).
-        memory = storage.untyped_storage()
-        if not any(
-            p.grad is not None and p.grad.untyped_storage().data_ptr() == memory.data_ptr()
-            for p in self.params
-        ):
-            memory.resize_(0)
 
 
 def empty_sparse_grad(p: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ _NOT_THE_CALLER = (_PACKAGE_DIR, _TORCH_DIR, os.path.abspath(contextlib.__file__
 class CollectiveRecord:
     """One collective as this rank issued it. Shapes are copied at issue time (tensors are not kept)."""
 
-    __slots__ = ("seq", "op", "group", "shapes", "step", "phase", "site", "since", "work", "event")
+    __slots__ = ("seq", "op", "group", "shapes", "step", "phase", "site", "since", "work", "event", "done")
 
     def __init__(
         self, seq: int, op: str, group: str, shapes: list[str], step: int, phase: str, site: str
@@ -61,9 +61,12 @@ class CollectiveRecord:
         self.since = time.time()
         self.work: Any = None  # the Work or Future, when the op is asynchronous: polled, never waited on
         self.event: Any = None  # a CUDA event recorded before the op was queued (nccl), else None
+        self.done = False  # waited for (waits.wait_tracked): `work` is dropped then, and with it its tensors
 
     def state(self) -> str:
         """queued / in progress / done, as far as this process can tell without blocking."""
+        if self.done:
+            return "done"
         work = self.work
         try:
             if work is not None and (work.done() if hasattr(work, "done") else work.is_completed()):

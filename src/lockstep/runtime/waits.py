@@ -70,7 +70,11 @@ def tracked(
 def wait_tracked(rec: CollectiveRecord, work: Any) -> Any:
     """Wait on an asynchronous collective issued earlier (an engine bucket): marked, reported if it raises."""
     with _Waiting(watchdog.current(), rec):
-        return wait_watching_membership(work)
+        value = wait_watching_membership(work)
+    # The record stays among the recent ones (PROGRESS.recent, for hang reports): without its Work or
+    # Future, which hold the collective's tensors (a gradient bucket's whole buffer) for as long as it lives.
+    rec.work, rec.done = None, True
+    return value
 
 
 def wait_watching_membership(work: Any) -> Any:
