@@ -17,8 +17,8 @@ from tc. Instead of the bridge, the middle namespace ("wire") holds the two veth
 lockstep/testing/wire.py, a userspace forwarder that sends every frame out of the other side `delay_ms`
 after it arrived: `delay_ms` one way in each direction, a round trip of 2 x delay_ms, as netem's `delay`
 on each host's egress would give. The tbf stays on the hosts' egress, before the wire. Measured here
-(benchmarks/results/2026-11-26-link_delay.md, 100 Mbit/s, 10 ms): ping 20.6 ms median, TCP and gloo at
-about 93 and 86 Mbit/s, the forwarder about 13% of a core while the link is busy. `ping_ms` measures a
+(benchmarks/results/2026-11-26-link_delay.md, 100 Mbit/s, 10 ms): ping 20.3-20.6 ms median, TCP and
+gloo at about 93 and 86 Mbit/s, the forwarder 7-13% of a core while the link is busy. `ping_ms` measures a
 round trip (an ICMP raw socket: no ping binary needed), `wire_cpu_seconds` the forwarder's CPU.
 
 Commands enter a host with `nsenter --net=/run/netns/NAME` (unlike `ip netns exec`, it leaves /sys as it
