@@ -3,20 +3,24 @@
 The kernel here has no netem; netns_hosts(2, delay_ms=D) joins the hosts through a userspace AF_PACKET
 forwarder in a middle namespace (lockstep/testing/wire.py). Checked: an ICMP round trip takes about 2 D,
 bytes cross intact both ways through tbf and the wire, and the forwarder and the namespaces are gone after
-the block, also when the block raises. Skipped, with the reason, only where the machine cannot create
+the block, also when the block raises,
+and the forwarder dies with a process SIGKILLed before its cleanup could run. Skipped, with the reason, only where the machine cannot create
 namespaces (not root, no iproute2).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
 from lockstep.errors import ConfigError
-from tests.testbed.netns import netns_hosts, ping_ms, unavailable_reason, wire_pids
+from tests.helpers import child_env
+from tests.testbed.netns import netns_hosts, ping_ms, teardown, unavailable_reason, wire_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -94,6 +98,36 @@ def test_the_wire_is_killed_when_the_block_raises() -> None:
         raise RuntimeError("the benchmark failed")
     assert pids and not [pid for pid in pids if alive(pid)], pids
     assert hosts[0].netns not in namespaces()
+
+
+HOLDER = """
+import sys, time
+import lockstep.testing.netns as netns
+with netns.netns_hosts(2, delay_ms=10) as hosts:
+    print(" ".join([hosts[0].netns, hosts[1].netns, *map(str, netns.wire_pids(hosts))]), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_the_wire_dies_with_a_process_killed_before_its_cleanup() -> None:
+    """SIGKILL runs no `finally`: the forwarder goes by itself (PR_SET_PDEATHSIG); the namespaces stay (the
+    same as without a delay), and this test removes them."""
+    env = child_env(PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout is not None
+    first, second, *pids = holder.stdout.readline().split()
+    wire = "lsw" + first[len("lsh") :].split("n")[0]
+    try:
+        assert pids, "the holder saw no forwarder"
+        holder.kill()
+        holder.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(alive(int(pid)) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in pids if alive(int(pid))], pids
+    finally:
+        holder.kill()
+        teardown([wire, first, second])
 
 
 @pytest.mark.parametrize(("count", "delay"), [(3, 10.0), (2, -1.0)])
