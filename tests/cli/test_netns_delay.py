@@ -2,10 +2,9 @@
 
 The kernel here has no netem; netns_hosts(2, delay_ms=D) joins the hosts through a userspace AF_PACKET
 forwarder in a middle namespace (lockstep/testing/wire.py). Checked: an ICMP round trip takes about 2 D,
-bytes cross intact both ways through tbf and the wire, and the forwarder and the namespaces are gone after
-the block, also when the block raises,
-and the forwarder dies with a process SIGKILLed before its cleanup could run. Skipped, with the reason, only where the machine cannot create
-namespaces (not root, no iproute2).
+bytes cross intact both ways through tbf and the wire, the forwarder and the namespaces are gone after the
+block, also when the block raises, and the forwarder dies with a process SIGKILLed before its cleanup could
+run. Skipped, with the reason, only where the machine cannot create namespaces (not root, no iproute2).
 """
 
 from __future__ import annotations
