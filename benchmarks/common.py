@@ -255,17 +255,26 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run_pair(
-    script: str, rate: str | None, argv: Sequence[str], out_json: Path, *, port: int, timeout: float
+    script: str,
+    rate: str | None,
+    argv: Sequence[str],
+    out_json: Path,
+    *,
+    port: int,
+    timeout: float,
+    delay_ms: float = 0.0,
 ) -> dict[str, Any]:
     """`python SCRIPT --worker --out-json F ARGS` on each of two namespace hosts, on a link limited to
-    `rate` (None: unshaped); rank 0 writes its JSON result to F, returned here. Needs root.
+    `rate` (None: unshaped) and, with delay_ms > 0, delayed that long each way (lockstep.testing.netns's
+    delaying wire; its CPU seconds over the run come back as "wire_cpu_s"); rank 0 writes its JSON result
+    to F, returned here. Needs root.
 
     Each worker gets the env lockstep.init() reads (RANK, WORLD_SIZE, MASTER_ADDR on host 0) and gloo
     bound to its host's veth.
     """
-    from lockstep.testing.netns import netns_hosts
+    from lockstep.testing.netns import netns_hosts, wire_cpu_seconds
 
-    with netns_hosts(2, rate=rate) as hosts:
+    with netns_hosts(2, rate=rate, delay_ms=delay_ms) as hosts:
         procs = []
         for rank, host in enumerate(hosts):
             env = {
@@ -287,9 +296,10 @@ def run_pair(
                 )
             )
         outputs = [proc.communicate(timeout=timeout) for proc in procs]
+        wire_cpu = wire_cpu_seconds(hosts) if delay_ms else 0.0
     if any(proc.returncode for proc in procs) or not out_json.exists():
         raise RuntimeError(f"link {rate or 'unshaped'}: workers failed: {[o[1][-2000:] for o in outputs]}")
-    return dict(json.loads(out_json.read_text()))
+    return {**json.loads(out_json.read_text()), "wire_cpu_s": wire_cpu}
 
 
 def write_report(report: str, name: str, out: str = "") -> Path:

@@ -1,8 +1,9 @@
 """Benchmark: training over a slow link, synchronous against low-communication training (issue 28 item 4).
 
 Two network-namespace hosts (lockstep.testing.netns, as benchmarks/hooks.py does) on a link limited by tc
-to --rate (100 Mbit/s by default; the kernel here has no netem, so no delay can be added: see the
-report), each running one rank. The gpt job's model (a character-level GPT, --dim/--depth larger than
+to --rate (100 Mbit/s by default) and, with --delay-ms D, delayed D ms each way (a round trip of 2 D, as
+netem's `delay D` on each host would give; the kernel here has no netem, so lockstep.testing.netns's
+userspace wire adds it), each running one rank. The gpt job's model (a character-level GPT, --dim/--depth larger than
 the job's default, so that its gradients are what a slow link notices) trains for the same token budget
 (--steps optimizer steps of --batch sequences of --context characters per rank) in each arm:
 
@@ -18,6 +19,7 @@ by lockstep.testing.watch_collectives), the final eval loss (rank 0's model on a
 the eval loss against wall time, plotted to a PNG beside the table.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/low_comm.py                    # 100mbit, needs root
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/low_comm.py --delay-ms 10      # and 10 ms each way
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/low_comm.py --rate loopback --steps 60
 """
 
@@ -180,12 +182,20 @@ def bench_worker(args: argparse.Namespace) -> dict[str, Any]:
 def report(res: dict[str, Any], args: argparse.Namespace, plot: Path) -> str:
     arms = res["arms"]
     ddp = arms.get("ddp")
+    link = "tc tbf on each host's egress; no added delay"
+    if args.delay_ms:
+        link = (
+            f"tc tbf on each host's egress, then {args.delay_ms:g} ms one way in each direction (round trip "
+            f"{2 * args.delay_ms:g} ms) from lockstep.testing.netns's delaying wire, a userspace AF_PACKET "
+            f"forwarder in a middle namespace (the kernel has no netem); the wire used "
+            f"{res['wire_cpu_s']:.1f} CPU s over the whole run"
+        )
     tokens = args.steps * args.batch * 2 * args.context
     lines = [
         f"# Training over a slow link: synchronous against low-communication training ({datetime.date.today()})",
         "",
-        f"Machine: {machine_line()}. Two network-namespace hosts, one rank each, link {args.rate} (tc tbf; "
-        "no added delay: the kernel has no netem). Model: TinyGPT "
+        f"Machine: {machine_line()}. Two network-namespace hosts, one rank each, link {args.rate} ({link}). "
+        "Model: TinyGPT "
         f"dim {args.dim}, depth {args.depth}, context {args.context} ({res['params']:,} parameters). Token "
         f"budget: {args.steps} steps x {args.batch} sequences x 2 ranks = {tokens:,} tokens. AdamW lr {args.lr}; "
         f"H = {args.sync_every}, outer lr {args.outer_lr}, outer momentum {args.outer_momentum} (Nesterov), "
@@ -216,7 +226,7 @@ def report(res: dict[str, Any], args: argparse.Namespace, plot: Path) -> str:
     return "\n".join(lines)
 
 
-def draw(res: dict[str, Any], path: Path, rate: str) -> None:
+def draw(res: dict[str, Any], path: Path, link: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,7 +238,7 @@ def draw(res: dict[str, Any], path: Path, rate: str) -> None:
         ax.plot(walls, losses, marker="o", markersize=3, label=name)
     ax.set_xlabel("wall time (s), evaluation excluded")
     ax.set_ylabel("eval loss")
-    ax.set_title(f"TinyGPT, 2 ranks over {rate}")
+    ax.set_title(f"TinyGPT, 2 ranks over {link}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -237,6 +247,9 @@ def draw(res: dict[str, Any], path: Path, rate: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", default="100mbit", help="tc rate between the hosts, or 'loopback'")
+    parser.add_argument(
+        "--delay-ms", type=float, default=0.0, help="one-way delay each direction (round trip: twice this)"
+    )
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=16)
@@ -267,20 +280,30 @@ def main() -> None:
             Path(args.out_json).write_text(json.dumps(res))
         dist.destroy_process_group()
         return
+    if args.rate == "loopback" and args.delay_ms:
+        parser.error("--delay-ms needs the namespace hosts: give a --rate, not loopback")
     if args.rate == "loopback":
         res = run_distributed(bench_worker, 2, args=(args,), timeout=args.timeout)[0]
     else:
         forward = [a for a in sys.argv[1:]]
         with tempfile.TemporaryDirectory() as tmp:
             out_json = Path(tmp) / "low_comm.json"
-            res = run_pair(__file__, args.rate, forward, out_json, port=29533, timeout=args.timeout)
+            res = run_pair(
+                __file__,
+                args.rate,
+                forward,
+                out_json,
+                port=29533,
+                timeout=args.timeout,
+                delay_ms=args.delay_ms,
+            )
     out = (
         Path(args.out)
         if args.out
         else ROOT / "benchmarks" / "results" / f"{datetime.date.today()}-low_comm.md"
     )
     plot = out.with_suffix(".png")
-    draw(res, plot, args.rate)
+    draw(res, plot, f"{args.rate}, {args.delay_ms:g} ms each way" if args.delay_ms else args.rate)
     text = report(res, args, plot)
     out.write_text(text)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")

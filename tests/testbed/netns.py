@@ -7,7 +7,17 @@ use it too; this module adds the skip reason that names `make testbed` when its 
 from __future__ import annotations
 
 from lockstep.testing import netns as _netns
-from lockstep.testing.netns import IFNAME, Host, netns_hosts, rate_bits, shape, teardown
+from lockstep.testing.netns import (
+    IFNAME,
+    Host,
+    netns_hosts,
+    ping_ms,
+    rate_bits,
+    shape,
+    teardown,
+    wire_cpu_seconds,
+    wire_pids,
+)
 from tests.testbed.system import is_root, require_commands
 
 __all__ = [
@@ -16,10 +26,13 @@ __all__ = [
     "PACKAGES",
     "Host",
     "netns_hosts",
+    "ping_ms",
     "rate_bits",
     "shape",
     "teardown",
     "unavailable_reason",
+    "wire_cpu_seconds",
+    "wire_pids",
 ]
 
 COMMANDS = _netns.COMMANDS

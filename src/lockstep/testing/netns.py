@@ -1,4 +1,4 @@
-"""Several "hosts" on one machine: network namespaces joined by a bridge, with an optional tc rate limit.
+"""Several "hosts" on one machine: network namespaces on a bridge, with an optional rate limit and delay.
 
 For tests and benchmarks of multi-node jobs (tests/cli/test_multinode.py, benchmarks/multinode.py). Needs
 root, iproute2 (ip, tc) and util-linux (nsenter).
@@ -10,13 +10,23 @@ root, iproute2 (ip, tc) and util-linux (nsenter).
 Layout: a "switch" namespace holds a Linux bridge; each host namespace has one veth (`IFNAME`, address
 10.X.Y.(i+1)/24) whose peer is a port of that bridge, and `lo` up. Nothing is added to the machine's own
 network namespace, and the 10.X.Y.0/24 subnet is private to these namespaces (X, Y random per instance, so
-that concurrent test runs never share one). A rate limit is a `tc tbf` on each host's veth egress (the
-kernel here has tbf and htb but no netem: there is no added latency).
+that concurrent test runs never share one). A rate limit is a `tc tbf` on each host's veth egress.
+
+A delay (`delay_ms`, two hosts only): the kernel here has tbf and htb but no netem, so latency cannot come
+from tc. Instead of the bridge, the middle namespace ("wire") holds the two veth peers and runs
+lockstep/testing/wire.py, a userspace forwarder that sends every frame out of the other side `delay_ms`
+after it arrived: `delay_ms` one way in each direction, a round trip of 2 x delay_ms, as netem's `delay`
+on each host's egress would give. The tbf stays on the hosts' egress, before the wire. Measured here
+(benchmarks/results/2026-11-26-link_delay.md, 100 Mbit/s, 10 ms): ping 20.3-20.6 ms median, TCP and
+gloo at about 93 and 86 Mbit/s, the forwarder 7-13% of a core while the link is busy. `ping_ms` measures a
+round trip (an ICMP raw socket: no ping binary needed), `wire_cpu_seconds` the forwarder's CPU.
 
 Commands enter a host with `nsenter --net=/run/netns/NAME` (unlike `ip netns exec`, it leaves /sys as it
 is). Cleanup, always (also when the test fails): SIGKILL every process still inside the namespaces this
-instance created (`ip netns pids`: only processes the test started there), then delete the namespaces,
-which removes their veths and the bridge.
+instance created (`ip netns pids`: only processes the test started there, and the wire's forwarder, which
+is first asked to stop with SIGTERM), then delete the namespaces, which removes their veths and the
+bridge. The forwarder also dies with the process that started it (PR_SET_PDEATHSIG), when that one is
+killed before its cleanup can run.
 """
 
 from __future__ import annotations
@@ -24,12 +34,14 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import select
 import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from lockstep.errors import ConfigError, NetnsError
 
@@ -161,34 +173,130 @@ def shape(host: Host, rate: str | None) -> None:
 
 
 @contextlib.contextmanager
-def netns_hosts(count: int = 2, *, rate: str | None = None) -> Iterator[list[Host]]:
-    """Create `count` hosts on one bridge (optionally rate-limited); yield them; always tear everything down."""
+def netns_hosts(count: int = 2, *, rate: str | None = None, delay_ms: float = 0.0) -> Iterator[list[Host]]:
+    """Create `count` hosts on one bridge (optionally rate-limited); yield them; always tear everything down.
+
+    delay_ms > 0 (two hosts only): join them by a delaying wire instead of the bridge (see the module's
+    docstring): each direction `delay_ms` late, a round trip of 2 x delay_ms."""
+    if delay_ms < 0 or (delay_ms > 0 and count != 2):
+        raise ConfigError(
+            f"delay_ms={delay_ms!r} with count={count!r}: a delay needs delay_ms > 0 and exactly 2 hosts "
+            "(the wire joins two interfaces); use delay_ms=0 for a bridge of any size"
+        )
     tag = f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"
-    switch = f"lssw{tag}"
+    middle = f"lsw{tag}" if delay_ms else f"lssw{tag}"
     subnet = f"10.{random.randrange(100, 250)}.{random.randrange(0, 250)}"
     hosts = [Host(netns=f"lsh{tag}n{i}", addr=f"{subnet}.{i + 1}") for i in range(count)]
     created: list[str] = []
+    forwarder: subprocess.Popen[str] | None = None
     try:
-        _ip("netns", "add", switch)
-        created.append(switch)
-        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", switch, "link", "set", "br0", "up")
+        _ip("netns", "add", middle)
+        created.append(middle)
+        if not delay_ms:
+            _ip("-n", middle, "link", "add", "br0", "type", "bridge")
+            _ip("-n", middle, "link", "set", "br0", "up")
         for i, host in enumerate(hosts):
             _ip("netns", "add", host.netns)
             created.append(host.netns)
             port = f"p{i}"
             _ip(
-                "-n", switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", host.netns
+                "-n", middle, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", host.netns
             )
-            _ip("-n", switch, "link", "set", port, "master", "br0")
-            _ip("-n", switch, "link", "set", port, "up")
+            if not delay_ms:
+                _ip("-n", middle, "link", "set", port, "master", "br0")
+            _ip("-n", middle, "link", "set", port, "up")
             _ip("-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", IFNAME)
             _ip("-n", host.netns, "link", "set", IFNAME, "up")
             _ip("-n", host.netns, "link", "set", "lo", "up")
             shape(host, rate)
+        if delay_ms:
+            forwarder = _start_wire(middle, delay_ms)
         yield hosts
     finally:
+        if forwarder is not None:
+            _stop(forwarder)
         teardown(created)
+
+
+def _start_wire(netns: str, delay_ms: float) -> subprocess.Popen[str]:
+    """Run lockstep/testing/wire.py inside `netns` between p0 and p1; return once its sockets are open."""
+    argv = [sys.executable, str(Path(__file__).with_name("wire.py")), "--delay-ms", str(delay_ms), "p0", "p1"]
+    proc = subprocess.Popen(
+        ["nsenter", f"--net=/run/netns/{netns}", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 30.0)
+    line = proc.stdout.readline() if ready else ""
+    if line.strip() != "ready":
+        _stop(proc)
+        raise NetnsError(
+            f"the delaying wire in {netns} did not start (said {line.strip()!r}): "
+            f"{(proc.stderr.read() if proc.stderr else '')[-2000:]}"
+        )
+    return proc
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM the wire (it prints its counters), SIGKILL it after 5 s; reap it either way."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        proc.communicate(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+def wire_pids(hosts: Sequence[Host]) -> list[int]:
+    """The processes running in the delaying wire's namespace between `hosts` (none: no wire, or gone)."""
+    wire = "lsw" + hosts[0].netns[len("lsh") :].split("n")[0]
+    pids = subprocess.run(["ip", "netns", "pids", wire], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in pids]
+
+
+def wire_cpu_seconds(hosts: Sequence[Host]) -> float:
+    """CPU seconds (user + system) used so far by the delaying wire between `hosts` (0.0 with no wire)."""
+    total = 0
+    for pid in wire_pids(hosts):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+_PING = """
+import socket, struct, sys, time
+dst, count = sys.argv[1], int(sys.argv[2])
+sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+sock.settimeout(2.0)
+def checksum(data):
+    total = sum(struct.unpack("!%dH" % (len(data) // 2), data))
+    total = (total >> 16) + (total & 0xFFFF)
+    return ~(total + (total >> 16)) & 0xFFFF
+for seq in range(count):
+    body = struct.pack("!d", time.monotonic()) + bytes(48)
+    head = struct.pack("!BBHHH", 8, 0, 0, 0x4C53, seq)
+    sock.sendto(struct.pack("!BBHHH", 8, 0, checksum(head + body), 0x4C53, seq) + body, (dst, 0))
+    start = time.monotonic()
+    while True:
+        reply, (src, _) = sock.recvfrom(2048)
+        icmp = reply[(reply[0] & 15) * 4 :]
+        if src == dst and icmp[0] == 0 and struct.unpack("!HH", icmp[4:8]) == (0x4C53, seq):
+            print(f"{(time.monotonic() - start) * 1000:.3f}", flush=True)
+            break
+    time.sleep(0.05)
+"""
+
+
+def ping_ms(host: Host, addr: str, count: int = 10) -> list[float]:
+    """Round-trip times in ms of `count` ICMP echoes from `host` to `addr` (a raw socket: no ping binary)."""
+    out = host.run([sys.executable, "-c", _PING, addr, str(count)], timeout=10.0 + 3.0 * count)
+    if out.returncode != 0:
+        raise NetnsError(f"ping from {host.netns} to {addr} failed: {out.stderr.strip()[-2000:]}")
+    return [float(line) for line in out.stdout.split()]
 
 
 def teardown(namespaces: Sequence[str]) -> None:
