@@ -254,6 +254,21 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-json", default="", help=argparse.SUPPRESS)
 
 
+def run_worker(args: argparse.Namespace, work: Callable[[argparse.Namespace], Any]) -> bool:
+    """On a host that run_pair started (`--worker`): join the job, run `work(args)` on this rank, rank 0
+    writes its JSON result to --out-json. False (nothing done) in the driver process."""
+    if not args.worker:
+        return False
+    import lockstep  # here: the driver side of the benchmarks never needs a process group
+
+    lockstep.init()
+    result = work(args)
+    if dist.get_rank() == 0:
+        Path(args.out_json).write_text(json.dumps(result))
+    dist.destroy_process_group()
+    return True
+
+
 def run_pair(
     script: str,
     rate: str | None,

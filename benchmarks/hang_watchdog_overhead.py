@@ -23,7 +23,17 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from benchmarks.common import MODELS, abba, batch, build, fmt_ratios, loss, machine_line, slowest_rank_seconds  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    MODELS,
+    abba,
+    batch,
+    build,
+    fmt_ratios,
+    loss,
+    machine_line,
+    slowest_rank_seconds,
+    write_report,
+)
 
 import lockstep  # noqa: E402
 from lockstep.runtime import waits, watchdog  # noqa: E402
@@ -141,14 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
-    out = (
-        Path(args.out)
-        if args.out
-        else ROOT / "benchmarks" / "results" / f"{datetime.date.today()}-hang_watchdog_overhead.md"
-    )
-    out.write_text(text)
     print(text)
-    print(f"written to {out}")
+    write_report(text, "hang_watchdog_overhead", args.out)
     return 0
 
 

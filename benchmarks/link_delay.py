@@ -32,9 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from benchmarks.common import add_worker_flags, machine_line, run_pair  # noqa: E402
+from benchmarks.common import add_worker_flags, machine_line, run_pair, run_worker, write_report  # noqa: E402
 
-import lockstep  # noqa: E402
 from lockstep.testing.netns import netns_hosts, ping_ms, wire_cpu_seconds  # noqa: E402
 
 SINK = """
@@ -105,12 +104,7 @@ def main() -> None:
     parser.add_argument("--out", default="")
     add_worker_flags(parser)
     args = parser.parse_args()
-    if args.worker:
-        lockstep.init()
-        res = allreduce_worker(args)
-        if dist.get_rank() == 0:
-            Path(args.out_json).write_text(json.dumps(res))
-        dist.destroy_process_group()
+    if run_worker(args, allreduce_worker):
         return
     rows = []
     for delay in [0.0, *args.delay_ms]:
@@ -153,15 +147,9 @@ def main() -> None:
             f"{r['allreduce_mbit_s']:.1f} | {r['allreduce_wire_cpu_s']:.2f} of {r['allreduce_span_s']:.1f} s |"
         )
     text = "\n".join(lines) + "\n"
-    out = (
-        Path(args.out)
-        if args.out
-        else ROOT / "benchmarks" / "results" / f"{datetime.date.today()}-link_delay.md"
-    )
-    out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     print(text)
-    print(f"written to {out}")
+    out = write_report(text, "link_delay", args.out)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

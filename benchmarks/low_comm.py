@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from benchmarks.common import add_worker_flags, machine_line, run_pair  # noqa: E402
+from benchmarks.common import add_worker_flags, machine_line, run_pair, run_worker  # noqa: E402
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager  # noqa: E402
 from torch.distributed.optim import PostLocalSGDOptimizer  # noqa: E402
 
@@ -273,12 +273,7 @@ def main() -> None:
     )
     add_worker_flags(parser)
     args = parser.parse_args()
-    if args.worker:
-        lockstep.init()
-        res = bench_worker(args)
-        if dist.get_rank() == 0:
-            Path(args.out_json).write_text(json.dumps(res))
-        dist.destroy_process_group()
+    if run_worker(args, bench_worker):
         return
     if args.rate == "loopback" and args.delay_ms:
         parser.error("--delay-ms needs the namespace hosts: give a --rate, not loopback")

@@ -43,7 +43,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lockstep.errors import ConfigError, NetnsError
+from lockstep.errors import ConfigError, InternalError, NetnsError
 
 IFNAME = "lsnet0"
 COMMANDS = ("ip", "tc", "nsenter")
@@ -227,7 +227,8 @@ def _start_wire(netns: str, delay_ms: float) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None
+    if proc.stdout is None:  # stdout=PIPE was asked for: never
+        raise InternalError("lockstep bug: the wire forwarder was started without a pipe for its stdout")
     ready, _, _ = select.select([proc.stdout], [], [], 30.0)
     line = proc.stdout.readline() if ready else ""
     if line.strip() != "ready":
