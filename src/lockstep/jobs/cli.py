@@ -1,20 +1,24 @@
 """`lockstep train JOB -n N --run-dir DIR [--config FILE] [--key value ...]`: a built-in job, launched like `lockstep run`.
 
 The launcher process resolves the job's config (dataclass defaults, then the YAML/JSON file, then
-`--key value` overrides), saves it in the run directory, and starts N workers that each run
+`--key value` overrides), checks the run's plan (lockstep/plan.py: a pair of settings that does not
+combine is refused here, in one line with exit status 2, before torch is imported or a worker starts),
+saves the config in the run directory, and starts N workers that each run
 `python -m lockstep.jobs.worker JOB RUN_DIR/config.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from lockstep.errors import ConfigError
-from lockstep.jobs.catalog import JOBS, job
+from lockstep.jobs.configs import CONFIGS
+from lockstep.plan import Plan, RunSettings
 from lockstep.trainer.config import FitConfig, Source, config_to_dict
 from lockstep.trainer.config_sources import (
     bool_settings,
@@ -40,14 +44,14 @@ Show a job's settings with: lockstep train JOB --show-config
 
 
 def build_parser() -> argparse.ArgumentParser:
-    jobs = "\n".join(f"  {name:<8} {(cls.__doc__ or '').strip()}" for name, (cls, _) in JOBS.items())
+    jobs = "\n".join(f"  {name:<8} {(cls.__doc__ or '').strip()}" for name, cls in CONFIGS.items())
     parser = argparse.ArgumentParser(
         prog="lockstep train",
         description="Train a built-in job data-parallel on N processes, on data that ships with the install.",
         epilog=EPILOG.format(jobs=jobs),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("job", choices=sorted(JOBS), metavar="JOB", help="one of: " + ", ".join(JOBS))
+    parser.add_argument("job", choices=sorted(CONFIGS), metavar="JOB", help="one of: " + ", ".join(CONFIGS))
     parser.add_argument(
         "-n",
         "--nproc-per-node",
@@ -93,7 +97,9 @@ def resolve_config(
     job_name: str, config_file: str | None, overrides: list[str], run_dir: str | None
 ) -> FitConfig:
     """Defaults, then the file, then --key value overrides; run_dir from --run-dir. Errors name each value's source."""
-    config_cls, _ = job(job_name)
+    if job_name not in CONFIGS:
+        raise ConfigError(f"unknown job {job_name!r}; built-in jobs: {', '.join(CONFIGS)}")
+    config_cls = CONFIGS[job_name]
     values: dict[str, Any] = {}
     sources: dict[str, Source] = {}
     if config_file:
@@ -135,6 +141,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.nproc_per_node < 1:
         parser.error(f"-n {args.nproc_per_node}: need at least 1 process")
+    settings = RunSettings.of(
+        config,
+        world_size=args.nproc_per_node,
+        live=args.min_world is not None,
+        max_restarts=args.max_restarts,
+    )
+    plan = Plan.of(settings, flags=True)  # a refused pair: PlanRefused, one line and exit status 2 (cli.py)
+    for note in plan.notes():
+        print(f"lockstep train: note: {note}", file=sys.stderr)
+    config = dataclasses.replace(config, global_batch_size=plan.global_batch_size)
     run_dir = Path(config.run_dir)
     config_path = save_config(config, run_dir)
     from lockstep.launch.local import launch

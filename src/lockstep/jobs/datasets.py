@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from lockstep.errors import ConfigError
+from lockstep.jobs.configs import DEFAULT_MNIST_DIR
 
-DEFAULT_MNIST_DIR = "/usr/share/datasets/fashion-mnist/"
 IDX_FILES = {
     "train_images": "train-images-idx3-ubyte",
     "train_labels": "train-labels-idx1-ubyte",

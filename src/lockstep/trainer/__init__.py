@@ -12,8 +12,21 @@ rows and the log) and live_loop (LiveLoop). Live recovery itself is runtime/memb
 
 from __future__ import annotations
 
-from lockstep.trainer.api import FitResult, fit
-from lockstep.trainer.config import FitConfig
-from lockstep.trainer.live_loop import LiveLoop
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lockstep.trainer.api import FitResult, fit
+    from lockstep.trainer.config import FitConfig
+    from lockstep.trainer.live_loop import LiveLoop
 
 __all__ = ["FitConfig", "FitResult", "LiveLoop", "fit"]
+# Imported on first use: `lockstep train` reads a job's FitConfig (trainer/config.py, no torch) and checks
+# its plan before anything imports torch.
+_HOMES = {"FitConfig": "config", "FitResult": "api", "LiveLoop": "live_loop", "fit": "api"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'lockstep.trainer' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"lockstep.trainer.{_HOMES[name]}"), name)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lockstep.engine.policy import SYNC_MODES
 from lockstep.errors import ConfigError
+from lockstep.plan import SYNC_MODES
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")

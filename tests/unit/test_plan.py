@@ -1,0 +1,159 @@
+"""The run's plan (lockstep/plan.py): one table decides which pairs of run settings run, fall back or are
+refused; the refusal is one line naming both settings and what to do instead; docs/modes.md shows the table
+as the code writes it."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lockstep.errors import ConfigError
+from lockstep.plan import (
+    RULES,
+    SETTINGS,
+    Plan,
+    PlanRefused,
+    RunSettings,
+    Verdict,
+    markdown_table,
+    rule_for,
+)
+from lockstep.trainer.config import FitConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_docs_show_the_table_the_code_holds() -> None:
+    page = (ROOT / "docs" / "modes.md").read_text()
+    begin, end = "<!-- plan-table:begin -->\n", "<!-- plan-table:end -->"
+    shown = page[page.index(begin) + len(begin) : page.index(end)]
+    assert shown == markdown_table(), (
+        "docs/modes.md's table differs from lockstep.plan.markdown_table(): regenerate it"
+    )
+
+
+def test_every_rule_names_two_known_settings_once() -> None:
+    keys = [s.key for s in SETTINGS]
+    pairs = [frozenset((r.first, r.second)) for r in RULES]
+    assert len(pairs) == len(set(pairs)), "a pair of settings has two rules"
+    for rule in RULES:
+        assert rule.first in keys and rule.second in keys and rule.first != rule.second
+        assert rule.verdict is not Verdict.RUNS and rule.reason
+        assert rule.instead or rule.verdict is Verdict.FALLS_BACK, f"{rule} is refused without an alternative"
+
+
+def test_a_pair_not_in_the_table_runs_and_order_does_not_matter() -> None:
+    assert rule_for("live", "max_restarts").verdict is Verdict.RUNS
+    assert rule_for("sync=diloco", "shard_optimizer") is rule_for("shard_optimizer", "sync=diloco")
+    with pytest.raises(ConfigError, match="no run setting 'sync=ring'"):
+        rule_for("sync=ring", "live")
+
+
+def test_settings_map_to_the_table_keys() -> None:
+    assert RunSettings().keys() == []  # every default is no key: all-reduce, fp32, torch's bucket size
+    settings = RunSettings.of(
+        FitConfig(sync="diloco", bucket_cap_mb=4, precision="bf16", grad_accum_steps=2, clip_grad_norm=1.0),
+        world_size=2,
+        live=True,
+        max_restarts=1,
+    )
+    assert settings.keys() == [
+        "live",
+        "sync=diloco",
+        "bucket_cap_mb",
+        "grad_accum_steps",
+        "clip_grad_norm",
+        "precision=bf16",
+        "max_restarts",
+    ]
+    assert RunSettings(bucket_cap_mb="auto", precision="fp16").keys() == [
+        "bucket_cap_mb=auto",
+        "precision=fp16",
+    ]
+
+
+def _settings_for(keys: tuple[str, ...]) -> RunSettings:
+    values: dict[str, object] = {}
+    for key in keys:
+        name, _, value = key.partition("=")
+        if name == "bucket_cap_mb":
+            values[name] = value or 4.0
+        elif name in ("sync", "precision"):
+            values[name] = value
+        elif name == "grad_accum_steps":
+            values[name] = 2
+        elif name == "clip_grad_norm":
+            values[name] = 1.0
+        elif name == "max_restarts":
+            values[name] = 1
+        else:
+            values[name] = True
+    return RunSettings(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flags", [True, False])
+def test_every_pair_runs_falls_back_or_is_refused_in_one_line(flags: bool) -> None:
+    keys = [s.key for s in SETTINGS]
+    for pair in itertools.combinations(keys, 2):
+        if {k.partition("=")[0] for k in pair} in ({"sync"}, {"precision"}, {"bucket_cap_mb"}):
+            continue  # one setting, two values
+        settings = _settings_for(pair)
+        assert settings.keys() == list(pair)
+        rule = rule_for(*pair)
+        if rule.verdict is Verdict.REFUSED:
+            with pytest.raises(PlanRefused) as refused:
+                Plan.of(settings, flags=flags)
+            line = str(refused.value)
+            assert "\n" not in line and refused.value.rule is rule
+            assert line.endswith(rule.instead)
+            if flags:
+                for key in pair:
+                    flag = next(s.flag for s in SETTINGS if s.key == key).partition(" ")[0]
+                    assert flag in line, f"{line!r} does not name {flag}"
+        else:
+            plan = Plan.of(settings, flags=flags)
+            assert plan.fallbacks == ((rule,) if rule.verdict is Verdict.FALLS_BACK else ())
+
+
+def test_refusals_spell_the_settings_as_python_for_fit() -> None:
+    with pytest.raises(
+        PlanRefused, match=r"^shard_optimizer=True with sync='diloco': .*; choose one of the two"
+    ):
+        Plan.of(RunSettings(shard_optimizer=True, sync="diloco"))
+    with pytest.raises(PlanRefused, match=r"^bucket_cap_mb=4\.0 does not apply with deterministic=True: "):
+        Plan.of(RunSettings(bucket_cap_mb=4.0, deterministic=True))
+    with pytest.raises(PlanRefused, match=r"^--bucket-cap-mb 4\.0 does not apply with --deterministic: "):
+        Plan.of(RunSettings(bucket_cap_mb=4.0, deterministic=True), flags=True)
+
+
+def test_fallbacks_are_asked_by_the_setting_that_does_not_apply() -> None:
+    plan = Plan.of(RunSettings(overlap_optimizer=True, sync="local_sgd", clip_grad_norm=1.0))
+    first = plan.fallback("overlap_optimizer")
+    assert first is not None and first.second == "sync=local_sgd"
+    assert plan.fallback("sync=local_sgd") is None
+    assert len(plan.notes()) == 2 and all(
+        n.startswith("--overlap-optimizer true with ") for n in plan.notes()
+    )
+
+
+def test_deterministic_mode_gets_a_global_batch_fixed_at_launch() -> None:
+    plan = Plan.of(RunSettings(deterministic=True, batch_size=16, grad_accum_steps=2, world_size=3))
+    assert plan.global_batch_size == 96
+    assert any(
+        "the global batch is 96 (batch_size 16 x grad_accum_steps 2 x 3 ranks)" in n for n in plan.notes()
+    )
+    given = Plan.of(RunSettings(deterministic=True, global_batch_size=64, world_size=3))
+    assert given.global_batch_size == 64 and given.notes() == []
+    assert Plan.of(RunSettings(world_size=3)).global_batch_size is None  # the trainer's own rule
+
+
+def test_the_plan_and_the_configs_import_without_torch() -> None:
+    code = (
+        "import sys, lockstep.plan, lockstep.jobs.configs, lockstep.jobs.cli; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
