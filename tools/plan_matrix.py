@@ -23,7 +23,7 @@ import time
 # The settings of issue 34, each as the flags a user adds. Deterministic mode needs a global batch that does
 # not depend on the world size; the plan picks one (and says so) when the user gives none.
 SETTINGS: dict[str, list[str]] = {
-    "deterministic": ["--deterministic", "--global-batch-size", "64"],
+    "deterministic": ["--deterministic"],
     "live": ["--min-world", "1"],
     "overlap_optimizer": ["--overlap-optimizer", "true"],
     "shard_optimizer": ["--shard-optimizer", "true"],
@@ -64,6 +64,13 @@ def run_case(case: tuple[str, ...], steps: int, workdir: str) -> dict[str, objec
         "message": err_lines[-1] if done.returncode and err_lines else "",
         "stderr_lines": len(err_lines) if done.returncode else 0,
     }
+
+
+def _refused_well(row: dict[str, object]) -> bool:
+    """Exit 2 in under 2 seconds, one line, no worker started."""
+    wall = row["wall_s"]
+    assert isinstance(wall, float)
+    return row["rc"] == 2 and wall < 2.0 and not row["workers_started"] and row["stderr_lines"] == 1
 
 
 def main() -> int:
