@@ -61,6 +61,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("precision=bf16", "--precision bf16", "precision='bf16'"),
     Setting("precision=fp16", "--precision fp16", "precision='fp16'"),
     Setting("max_restarts", "--max-restarts {max_restarts}", "max_restarts"),
+    # The engine's own knobs (SyncPolicy, the drop-in class's arguments): no flag of `lockstep train`.
+    Setting("static_graph", "static_graph=True", "static_graph=True"),
+    Setting("gradient_as_bucket_view", "gradient_as_bucket_view=True", "gradient_as_bucket_view=True"),
+    Setting("find_unused_parameters", "find_unused_parameters=True", "find_unused_parameters=True"),
+    Setting("torch_bucket_layout", "torch_bucket_layout=True", "torch_bucket_layout=True"),
+    Setting("reduce_dtype", "reduce_dtype={reduce_dtype}", "reduce_dtype={reduce_dtype}"),
+)
+ENGINE_KNOBS = (
+    "static_graph",
+    "gradient_as_bucket_view",
+    "find_unused_parameters",
+    "torch_bucket_layout",
+    "reduce_dtype",
 )
 _BY_KEY = {s.key: s for s in SETTINGS}
 
@@ -89,7 +102,13 @@ def _name(setting: Setting, settings: RunSettings | None, flags: bool) -> str:
     return (setting.flag if flags else setting.python).format(**values)
 
 
-_PLACEHOLDERS = {"bucket_cap_mb": "MB", "grad_accum_steps": "K", "clip_grad_norm": "X", "max_restarts": "R"}
+_PLACEHOLDERS = {
+    "bucket_cap_mb": "MB",
+    "grad_accum_steps": "K",
+    "clip_grad_norm": "X",
+    "max_restarts": "R",
+    "reduce_dtype": "DTYPE",
+}
 
 
 _OVERLAP_MICRO = (
@@ -101,6 +120,8 @@ _OVERLAP_PERIODIC = (
 )
 _NO_BUCKETS = "that reduction has no gradient buckets to size"
 _NO_CAP = "leave the bucket size unset"
+_EXACT = "deterministic mode sums gradients exactly in its own format, without buckets"
+_NOT_IN_BACKWARD = "a periodic sync averages no gradient in backward"
 _NO_SHARED_STEP = "each rank steps all of its own parameters between syncs; there is no shared step to shard"
 
 
@@ -117,6 +138,22 @@ def _rules() -> Iterator[Rule]:
         yield Rule("overlap_optimizer", sync, falls_back, _OVERLAP_PERIODIC)
         for cap in ("bucket_cap_mb=auto", "bucket_cap_mb"):
             yield Rule(cap, sync, refused, _NO_BUCKETS, _NO_CAP, "does not apply with")
+        for knob in ("static_graph", "gradient_as_bucket_view", "find_unused_parameters"):
+            yield Rule(
+                knob, sync, refused, _NOT_IN_BACKWARD, f"leave {knob} at the default", "does not apply with"
+            )
+    for knob in ("static_graph", "gradient_as_bucket_view", "torch_bucket_layout", "reduce_dtype"):
+        yield Rule(
+            knob, "deterministic", refused, _EXACT, f"leave {knob} at the default", "does not apply with"
+        )
+    yield Rule(
+        "bucket_cap_mb=auto",
+        "torch_bucket_layout",
+        refused,
+        "torch's layout fixes the buckets: there are none of lockstep's to time",
+        "pass a number of MiB",
+        "does not apply with",
+    )
     for cap in ("bucket_cap_mb=auto", "bucket_cap_mb"):
         yield Rule(cap, "deterministic", refused, _NO_BUCKETS, _NO_CAP, "does not apply with")
     yield Rule(
@@ -187,6 +224,11 @@ class RunSettings:
     batch_size: int = 32
     global_batch_size: int | None = None
     world_size: int = 1
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    find_unused_parameters: bool = False
+    torch_bucket_layout: bool = False
+    reduce_dtype: object = None  # a torch.dtype (this module does not import torch)
 
     @classmethod
     def of(cls, config: object, *, world_size: int, live: bool = False, max_restarts: int = 0) -> RunSettings:
@@ -211,6 +253,8 @@ class RunSettings:
             "clip_grad_norm": self.clip_grad_norm is not None,
             f"precision={self.precision}": True,  # "precision=fp32" is none either
             "max_restarts": self.max_restarts > 0,
+            **{knob: bool(getattr(self, knob)) for knob in ENGINE_KNOBS[:-1]},
+            "reduce_dtype": self.reduce_dtype is not None,
         }
         return [s.key for s in SETTINGS if on.get(s.key)]
 
