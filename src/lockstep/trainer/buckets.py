@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from lockstep.engine.policy import AUTO, SyncPolicy
-from lockstep.errors import ConfigError
+from lockstep.plan import Plan, RunSettings
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.low_comm import engine_policy
 
@@ -31,17 +31,7 @@ def fit_policy(config: FitConfig, *, live: bool) -> SyncPolicy:
     cap = config.bucket_cap_mb
     if cap is None:
         return policy
-    if config.deterministic or policy.periodic:
-        what = "deterministic=True" if config.deterministic else f"sync={config.sync!r}"
-        raise ConfigError(
-            f"bucket_cap_mb={cap!r} does not apply with {what}: that reduction has no gradient buckets to "
-            "size; leave bucket_cap_mb unset (None)"
-        )
-    if live and cap == AUTO:
-        raise ConfigError(
-            "bucket_cap_mb='auto' does not run in live mode (--min-world) yet: its trials are not made to "
-            "survive a lost rank; pass a number of MiB or leave it unset (None)"
-        )
+    Plan.of(RunSettings.of(config, world_size=1, live=live))  # with deterministic, a sync or live: refused
     # shard_optimizer, the memory-saving option: the gradients as views of the buckets, as in loop.py
     return dataclasses.replace(policy, bucket_cap_mb=cap, gradient_as_bucket_view=config.shard_optimizer)
 
