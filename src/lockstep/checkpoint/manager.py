@@ -19,33 +19,23 @@ calls iter() at another step than the uninterrupted one, shifting every later ra
 
 from __future__ import annotations
 
-import io
 import json
 import os
+import time
 import uuid
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
-import torch
-from torch import nn
-
 from lockstep.checkpoint import layout as paths
 from lockstep.checkpoint import rng
+from lockstep.checkpoint.background import BackgroundWrite
 from lockstep.checkpoint.layout import CheckpointLayout, check_entry_name, step_dirname, steps_to_prune
-from lockstep.checkpoint.meta import FORMAT, describe, read_meta, validate
+from lockstep.checkpoint.meta import describe, read_meta, validate
+from lockstep.checkpoint.serialize import Entry, collect, encode, load_plan
+from lockstep.checkpoint.snapshot import CpuSnapshot
 from lockstep.checkpoint.stateful import (
-    for_safetensors,
     gather_state,
-    gathers_state,
-    is_stateful,
-    keyed_like,
-    module_mismatch,
-    placed_like,
-    resolve,
-    strip_prefix,
-    tensor_state,
 )
 from lockstep.checkpoint.storage import (
     explain_os_error,
@@ -72,6 +62,11 @@ class CheckpointManager:
         self.layout = CheckpointLayout(Path(run_dir))
         self.keep = keep
         self._log = get_logger("lockstep.checkpoint")
+        self.stall_s = 0.0  # seconds this rank spent blocked in save() and wait(), background or not
+        self.written = 0  # checkpoints known complete on every rank
+        self._snapshot = CpuSnapshot()  # a background save's CPU copy, reused from save to save
+        self._pending: int | None = None  # the step of a background write not yet settled (every rank)
+        self._writing: BackgroundWrite | None = None  # ... and its thread (the writer rank)
 
     @property
     def run_dir(self) -> Path:
@@ -87,34 +82,81 @@ class CheckpointManager:
     # ---- save -----------------------------------------------------------------------------------------
 
     @phase(CHECKPOINT)  # the hang watchdog allows a long save on rank 0 (the others wait for it)
-    def save(self, step: int, state: Mapping[str, Any]) -> Path:
-        """Write checkpoint `step` from rank 0 while the other ranks wait; returns its directory on every rank."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"{self._tag()}save expects an int step >= 0, got {step!r}")
-        if not isinstance(state, Mapping):
-            raise ConfigError(
-                f"{self._tag()}save expects a dict of name -> object, got {type(state).__name__}"
-            )
-        for name in state:
-            check_entry_name(name)
-        for obj in state.values():
-            gather_state(obj)  # a sharded optimizer's full state, collected on rank 0 (the writer)
-        rngs = all_gather_object(rng.capture())  # every rank's streams, to rank 0 (and the rest)
-        failure: BaseException | None = None
-        if get_rank() == 0:
-            try:
-                self._write(step, state, rngs)
-            except Exception as exc:  # reported to every rank below, so that nobody waits forever
-                failure = exc
+    def save(self, step: int, state: Mapping[str, Any], *, blocking: bool = True) -> Path:
+        """Write checkpoint `step` from rank 0; returns its directory on every rank.
+
+        blocking=True: the other ranks wait until the checkpoint is complete. blocking=False: rank 0 copies
+        the state to CPU memory and writes it on a background thread while training goes on; the next
+        save, `wait()` or `load()` waits for that write and raises its failure on every rank (at most one
+        write is in flight). Either way a failure leaves the checkpoints already there untouched.
+        """
+        start = time.monotonic()
+        try:
+            self._settle()
+            _check_save(step, state, self._tag())
+            for obj in state.values():
+                gather_state(obj)  # a sharded optimizer's full state, collected on rank 0 (the writer)
+            rngs = all_gather_object(rng.capture())  # every rank's streams, to rank 0 (and the rest)
+            if blocking:
+                self._agree(step, self._on_writer(lambda: self._write(step, collect(state), rngs)))
+                self.written += 1
+            else:
+                taken: list[list[Entry]] = []
+                self._agree(step, self._on_writer(lambda: taken.append(self._snapshot.take(collect(state)))))
+                if taken:
+                    self._writing = BackgroundWrite(
+                        step, lambda: self._write(step, taken[0], rngs), self._log
+                    )
+                self._pending = step
+            return self.layout.step_dir(step)
+        finally:
+            self.stall_s += time.monotonic() - start
+
+    @phase(CHECKPOINT)
+    def wait(self) -> None:
+        """Wait for the background write in flight, if any (every rank calls it, e.g. at the end of a run);
+        CheckpointError on every rank if it failed."""
+        start = time.monotonic()
+        try:
+            self._settle()
+        finally:
+            self.stall_s += time.monotonic() - start
+
+    @property
+    def cpu_copy_bytes(self) -> int:
+        """CPU memory kept for background saves (0 on ranks that do not write, and before the first)."""
+        return self._snapshot.nbytes
+
+    def _on_writer(self, work: Any) -> BaseException | None:
+        """Run `work` on rank 0; its exception (to be sent to every rank by _agree), or None."""
+        if get_rank() != 0:
+            return None
+        try:
+            work()
+        except Exception as exc:  # reported to every rank, so that nobody waits forever
+            return exc
+        return None
+
+    def _agree(self, step: int, failure: BaseException | None, *, background: bool = False) -> None:
+        """Every rank learns rank 0's outcome for checkpoint `step` and raises the same error on failure."""
         message = broadcast_object(None if failure is None else _describe(failure))
         if message is not None:
+            how = " (written in the background)" if background else ""
             raise CheckpointError(
-                f"{self._tag()}checkpoint {step_dirname(step)} was not saved: {message}"
+                f"{self._tag()}checkpoint {step_dirname(step)} was not saved{how}: {message}"
             ) from failure
-        return self.layout.step_dir(step)
 
-    def _write(self, step: int, state: Mapping[str, Any], rngs: list[Any]) -> None:
-        blobs, entries = _serialize(state)
+    def _settle(self) -> None:
+        """Collect the background write in flight (a collective: every rank knows one is pending)."""
+        if self._pending is None:
+            return
+        step, writing = self._pending, self._writing
+        self._pending = self._writing = None
+        self._agree(step, writing.join() if writing is not None else None, background=True)
+        self.written += 1
+
+    def _write(self, step: int, entries: list[Entry], rngs: list[Any]) -> None:
+        blobs, described = encode(entries)
         blobs[paths.RNG] = json.dumps(
             {"version": rng.RNG_VERSION, "world_size": len(rngs), "ranks": rngs}
         ).encode()
@@ -131,7 +173,7 @@ class CheckpointManager:
         try:
             temp.mkdir()
             files = {name: write_atomic(temp / name, data).to_json() for name, data in blobs.items()}
-            meta = describe(step, len(rngs), entries, files)
+            meta = describe(step, len(rngs), described, files)
             write_atomic(temp / paths.META, json.dumps(meta, indent=1).encode())
             publish_dir(temp, final, self.layout.old_dir(step, token))
         except OSError as exc:
@@ -183,6 +225,7 @@ class CheckpointManager:
 
         With required=True, finding no usable checkpoint raises CheckpointError instead of returning None.
         """
+        self._settle()  # a background write of this manager's first: load what it wrote
         choice = broadcast_object(self._choose_safely() if get_rank() == 0 else None)
         step = choice["step"]
         if choice.get("failed"):
@@ -260,7 +303,7 @@ class CheckpointManager:
             self._log.warning(
                 "checkpoint %s also holds %s, which this state does not ask for", directory, extra
             )
-        plan = _plan(directory, entries, state)
+        plan = load_plan(directory, entries, state)
         for name, target, loaded in plan:
             if target is None:
                 state[name] = loaded
@@ -299,101 +342,13 @@ class CheckpointManager:
         return rank_tag(get_rank(), world) if world > 1 else ""
 
 
-def _serialize(state: Mapping[str, Any]) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """Bytes of every file but meta.json and rng.json, and what meta.json says about each entry."""
-    blobs: dict[str, bytes] = {}
-    entries: dict[str, Any] = {}
-    pickled: dict[str, Any] = {}
-    for name, obj in state.items():
-        target = resolve(obj)
-        if not is_stateful(obj):
-            pickled[name] = obj
-            entries[name] = {"kind": "value", "file": paths.STATE}
-            continue
-        tensors = tensor_state(target)
-        if tensors is not None:
-            filename = paths.tensors_filename(name)
-            blobs[filename] = safetensors.torch.save(for_safetensors(tensors))
-            entries[name] = {"kind": "tensors", "file": filename, "type": type(target).__name__}
-        else:
-            saved = target.state_dict()
-            pickled[name] = strip_prefix(saved) if isinstance(target, nn.Module) else saved
-            entries[name] = {"kind": "stateful", "file": paths.STATE, "type": type(target).__name__}
-    if pickled:
-        blobs[paths.STATE] = _weights_only_bytes(pickled)
-    return blobs, entries
-
-
-def _weights_only_bytes(pickled: dict[str, Any]) -> bytes:
-    """torch.save bytes that torch.load(weights_only=True) can read; else name the entry that cannot be."""
-
-    def dump(obj: Any) -> bytes:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        return buffer.getvalue()
-
-    data = dump({"format": FORMAT, "entries": pickled})
-    if not _unsafe_globals(data):
-        return data
-    for name, obj in pickled.items():
-        unsafe = _unsafe_globals(dump(obj))
-        if unsafe:
-            raise CheckpointError(
-                f"state[{name!r}] holds objects that torch.load(weights_only=True) refuses to load ({', '.join(unsafe)}); "
-                "checkpoints must hold plain data: give that object a state_dict() of tensors, numbers, strings, "
-                "lists and dicts"
-            )
-    raise CheckpointError(
-        f"the training state holds objects torch.load(weights_only=True) refuses: {_unsafe_globals(data)}; "
-        "checkpoints must hold plain data (tensors, numbers, strings, lists, dicts, state_dict()s)"
-    )
-
-
-def _unsafe_globals(data: bytes) -> list[str]:
-    return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
-
-
-def _plan(directory: Path, entries: dict[str, Any], state: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(name, object or None for a plain value, state to load) for every entry; raises before changing anything."""
-    pickled: dict[str, Any] = {}
-    if any(info["file"] == paths.STATE for info in entries.values()):
-        loaded = torch.load(directory / paths.STATE, map_location="cpu", weights_only=True)
-        pickled = loaded["entries"]
-    plan: list[tuple[str, Any, Any]] = []
-    for name, obj in state.items():
-        info, target = entries[name], resolve(obj)
-        if info["kind"] == "value":
-            if is_stateful(obj):
-                raise CheckpointError(
-                    f"checkpoint {directory} saved {name!r} as a plain value, but state[{name!r}] "
-                    f"is a {type(target).__name__} with load_state_dict(); pass the kind of "
-                    "object it was saved from, or start a fresh run_dir"
-                )
-            plan.append((name, None, pickled[name]))
-            continue
-        if not is_stateful(obj):
-            raise CheckpointError(
-                f"checkpoint {directory} saved the state_dict() of a {info.get('type')} as "
-                f"{name!r}, but state[{name!r}] is a {type(obj).__name__} without load_state_dict(); "
-                "pass the object it was saved from, or start a fresh run_dir"
-            )
-        if info["kind"] == "tensors":
-            saved: Any = safetensors.torch.load_file(str(directory / info["file"]), device="cpu")
-        else:
-            saved = pickled[name]
-        if isinstance(target, nn.Module):
-            current = target.state_dict()
-            problem = module_mismatch(current, saved)
-            if problem:
-                raise CheckpointError(
-                    f"checkpoint {directory} does not fit state[{name!r}] ({type(target).__name__}): "
-                    f"{problem}. Load a checkpoint of this model, or start a fresh run_dir"
-                )
-            saved = keyed_like(saved, current)
-        elif not (isinstance(target, torch.optim.Optimizer) or gathers_state(target)):
-            saved = placed_like(saved, target.state_dict())  # optimizers move their state to their params
-        plan.append((name, target, saved))
-    return plan
+def _check_save(step: int, state: Mapping[str, Any], tag: str) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"{tag}save expects an int step >= 0, got {step!r}")
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"{tag}save expects a dict of name -> object, got {type(state).__name__}")
+    for name in state:
+        check_entry_name(name)
 
 
 def _describe(exc: BaseException) -> str:
