@@ -151,6 +151,9 @@ class FitConfig:
     log_every: int = 10
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0 = at the end of every epoch
     keep_checkpoints: int = 3
+    # rank 0 copies the state to CPU memory at the save and writes it on a background thread while training
+    # goes on (CheckpointManager.save(..., blocking=False)); summary.json's checkpoint_stall_s says what saves cost
+    checkpoint_async: bool = False
     resume: str = "auto"  # auto | never
     seed: int = 0
     num_workers: int = 0
