@@ -8,8 +8,9 @@ import re
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-# What a test module may import from this package: the one helpers module and the testbed harness.
-SHARED = ("tests.helpers", "tests.testbed")
+# What a test module may import from this package: the one helpers module, the testbed harness, and the
+# reader of src/lockstep's structure (stdlib only: the layering and structure tests need no torch helpers).
+SHARED = ("tests.helpers", "tests.testbed", "tests.structure")
 
 
 def _test_modules() -> list[Path]:
