@@ -2,14 +2,22 @@
 
 Tiers (`make test` runs `pytest -m "not slow"`; `make test-all` runs everything, as CI does):
 
-- tests/unit and tests/multiproc are in the fast tier unless marked `slow`. Mark `slow` a multi-process
-  test on 3 or more ranks (its 2-rank variant stays fast) and anything that trains for long.
+- A test that starts 3 or more ranks is `slow`, by rule: at collection, tests/tiers.py reads the world
+  sizes the test asks for (`run_distributed(fn, N)`, `run_parity(cases, N)`, `-n N` on a command line,
+  with N from a literal, a parametrize value, a module constant, a loop over literals or an argument of a
+  helper it calls) in its code, the helpers it calls and the fixtures it uses, and this hook adds the
+  mark. Nobody writes `slow` for a rank count (its 2-rank variant stays fast). The rule wins over `smoke`:
+  a smoke test on 3+ ranks runs in `make test-all` only.
+- Beyond that, tests/unit and tests/multiproc are in the fast tier unless marked `slow` by hand: only for
+  what costs for another reason (trains for long, compiles, tests the rank pool itself).
 - tests/cli (end to end) and tests/gpu are `slow` unless marked `smoke`: the fast tier keeps one smoke per
-  CLI feature (run, failure summary, hang, live kill, deterministic resize, train). A new end-to-end test
-  goes to `make test-all` unless it is made the smoke of a new feature.
+  CLI feature (run, failure summary, hang, deterministic resize, train; live mode's smokes start 4 ranks,
+  so the rule above keeps them in `make test-all` until one runs on 2). A new end-to-end test goes to
+  `make test-all` unless it is made the smoke of a new feature.
 
-So a test added without a marker lands where its directory's cost says. `smoke` outside tests/cli and
-tests/gpu, and `smoke` together with `slow`, are errors.
+So a test added without a marker lands where its directory's cost and its rank count say. `smoke` outside
+tests/cli and tests/gpu, and `smoke` together with a hand-written `slow`, are errors. A world size the
+source cannot tell (computed at run time) is not counted: write it as a literal or a parameter.
 
 Pool: run_distributed calls that a `lockstep.testing.RankPool` can serve (gloo, no `env`, up to 4 ranks)
 run on rank processes kept alive across tests instead of fresh interpreters (a fresh group on a fresh
@@ -29,6 +37,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from lockstep.testing import RankPool, use_pool  # noqa: E402  (after OMP_NUM_THREADS: it imports torch)
+from tests.tiers import MANY_RANKS, ranks_of_item  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 SLOW_UNLESS_SMOKE = (TESTS / "cli", TESTS / "gpu")
@@ -45,7 +54,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid}: `smoke` is for tests/cli and tests/gpu only")
         if smoke and slow:
             raise pytest.UsageError(f"{item.nodeid}: marked both `smoke` and `slow`")
-        if end_to_end and not smoke:
+        many_ranks = max(ranks_of_item(item), default=0) >= MANY_RANKS
+        if many_ranks or (end_to_end and not smoke):
             item.add_marker(pytest.mark.slow)
 
 

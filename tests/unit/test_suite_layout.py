@@ -9,8 +9,8 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 # What a test module may import from this package: the one helpers module, the testbed harness, and the
-# reader of src/lockstep's structure (stdlib only: the layering and structure tests need no torch helpers).
-SHARED = ("tests.helpers", "tests.testbed", "tests.structure")
+# readers behind the suite's rules (stdlib only): src/lockstep's structure, and a test's rank count (tiers).
+SHARED = ("tests.helpers", "tests.testbed", "tests.structure", "tests.tiers")
 
 
 def _test_modules() -> list[Path]:
