@@ -17,7 +17,9 @@ Tiers (`make test` runs `pytest -m "not slow"`; `make test-all` runs everything,
 
 So a test added without a marker lands where its directory's cost and its rank count say. `smoke` outside
 tests/cli and tests/gpu, and `smoke` together with a hand-written `slow`, are errors. A world size the
-source cannot tell (computed at run time) is not counted: write it as a literal or a parameter.
+source cannot tell (computed at run time) escapes the rule; run_distributed's calls (those without `env`)
+are also counted as they happen, and a fast-tier test that started 3 or more ranks that way fails, saying
+so: write its world size as a literal, a parameter or a constant (or teach tests/tiers.py the form).
 
 Pool: run_distributed calls that a `lockstep.testing.RankPool` can serve (gloo, no `env`, up to 4 ranks)
 run on rank processes kept alive across tests instead of fresh interpreters (a fresh group on a fresh
@@ -31,6 +33,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,6 +46,19 @@ TESTS = Path(__file__).resolve().parent
 SLOW_UNLESS_SMOKE = (TESTS / "cli", TESTS / "gpu")
 _CAPTURING = {"capfd", "capfdbinary", "capsys", "capsysbinary"}
 _POOL = RankPool(size=4) if os.environ.get("LOCKSTEP_TEST_POOL", "1") != "0" else None
+_SEEN = pytest.StashKey["_RanksSeen"]()
+
+
+class _RanksSeen:
+    """Where run_distributed routes its calls during one test (in place of the pool, to which it hands
+    each on, or to fresh processes with None): the most ranks the test started that way."""
+
+    def __init__(self, pool: RankPool | None) -> None:
+        self.pool, self.most = pool, 0
+
+    def try_run(self, fn: Any, world_size: int, **kwargs: Any) -> list[Any] | None:
+        self.most = max(self.most, world_size)
+        return self.pool.try_run(fn, world_size, **kwargs) if self.pool is not None else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -66,7 +82,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pooled = (
         _POOL is not None and item.get_closest_marker("fresh_ranks") is None and not fixtures & _CAPTURING
     )
-    use_pool(_POOL if pooled else None)
+    seen = item.stash[_SEEN] = _RanksSeen(_POOL if pooled else None)
+    use_pool(seen)  # type: ignore[arg-type]  # a RankPool's try_run, counted
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    """After the test (its fixtures' setup included): a fast-tier test must not have started 3+ ranks."""
+    result = yield
+    seen = item.stash.get(_SEEN, None)
+    if seen is not None and seen.most >= MANY_RANKS and item.get_closest_marker("slow") is None:
+        pytest.fail(
+            f"{item.nodeid} started {seen.most} ranks in the fast tier: tests/tiers.py did not read that "
+            "world size from its source; write it as a literal, a parameter or a module constant (or teach "
+            "tests/tiers.py the form it takes) so that the rule of tests/conftest.py marks the test slow"
+        )
+    return result
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
