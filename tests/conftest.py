@@ -2,14 +2,24 @@
 
 Tiers (`make test` runs `pytest -m "not slow"`; `make test-all` runs everything, as CI does):
 
-- tests/unit and tests/multiproc are in the fast tier unless marked `slow`. Mark `slow` a multi-process
-  test on 3 or more ranks (its 2-rank variant stays fast) and anything that trains for long.
+- A test that starts 3 or more ranks is `slow`, by rule: at collection, tests/tiers.py reads the world
+  sizes the test asks for (`run_distributed(fn, N)`, `run_parity(cases, N)`, `-n N` on a command line,
+  with N from a literal, a parametrize value, a module constant, a loop over literals or an argument of a
+  helper it calls) in its code, the helpers it calls and the fixtures it uses, and this hook adds the
+  mark. Nobody writes `slow` for a rank count (its 2-rank variant stays fast). The rule wins over `smoke`:
+  a smoke test on 3+ ranks runs in `make test-all` only.
+- Beyond that, tests/unit and tests/multiproc are in the fast tier unless marked `slow` by hand: only for
+  what costs for another reason (trains for long, compiles, tests the rank pool itself).
 - tests/cli (end to end) and tests/gpu are `slow` unless marked `smoke`: the fast tier keeps one smoke per
-  CLI feature (run, failure summary, hang, live kill, deterministic resize, train). A new end-to-end test
-  goes to `make test-all` unless it is made the smoke of a new feature.
+  CLI feature (run, failure summary, hang, deterministic resize, train; live mode's smokes start 4 ranks,
+  so the rule above keeps them in `make test-all` until one runs on 2). A new end-to-end test goes to
+  `make test-all` unless it is made the smoke of a new feature.
 
-So a test added without a marker lands where its directory's cost says. `smoke` outside tests/cli and
-tests/gpu, and `smoke` together with `slow`, are errors.
+So a test added without a marker lands where its directory's cost and its rank count say. `smoke` outside
+tests/cli and tests/gpu, and `smoke` together with a hand-written `slow`, are errors. A world size the
+source cannot tell (computed at run time) escapes the rule; run_distributed's calls (those without `env`)
+are also counted as they happen, and a fast-tier test that started 3 or more ranks that way fails, saying
+so: write its world size as a literal, a parameter or a constant (or teach tests/tiers.py the form).
 
 Pool: run_distributed calls that a `lockstep.testing.RankPool` can serve (gloo, no `env`, up to 4 ranks)
 run on rank processes kept alive across tests instead of fresh interpreters (a fresh group on a fresh
@@ -23,17 +33,32 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from lockstep.testing import RankPool, use_pool  # noqa: E402  (after OMP_NUM_THREADS: it imports torch)
+from tests.tiers import MANY_RANKS, ranks_of_item  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 SLOW_UNLESS_SMOKE = (TESTS / "cli", TESTS / "gpu")
 _CAPTURING = {"capfd", "capfdbinary", "capsys", "capsysbinary"}
 _POOL = RankPool(size=4) if os.environ.get("LOCKSTEP_TEST_POOL", "1") != "0" else None
+_SEEN = pytest.StashKey["_RanksSeen"]()
+
+
+class _RanksSeen:
+    """Where run_distributed routes its calls during one test (in place of the pool, to which it hands
+    each on, or to fresh processes with None): the most ranks the test started that way."""
+
+    def __init__(self, pool: RankPool | None) -> None:
+        self.pool, self.most = pool, 0
+
+    def try_run(self, fn: Any, world_size: int, **kwargs: Any) -> list[Any] | None:
+        self.most = max(self.most, world_size)
+        return self.pool.try_run(fn, world_size, **kwargs) if self.pool is not None else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -45,7 +70,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid}: `smoke` is for tests/cli and tests/gpu only")
         if smoke and slow:
             raise pytest.UsageError(f"{item.nodeid}: marked both `smoke` and `slow`")
-        if end_to_end and not smoke:
+        many_ranks = max(ranks_of_item(item), default=0) >= MANY_RANKS
+        if many_ranks or (end_to_end and not smoke):
             item.add_marker(pytest.mark.slow)
 
 
@@ -56,7 +82,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pooled = (
         _POOL is not None and item.get_closest_marker("fresh_ranks") is None and not fixtures & _CAPTURING
     )
-    use_pool(_POOL if pooled else None)
+    seen = item.stash[_SEEN] = _RanksSeen(_POOL if pooled else None)
+    use_pool(seen)  # type: ignore[arg-type]  # a RankPool's try_run, counted
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    """After the test (its fixtures' setup included): a fast-tier test must not have started 3+ ranks."""
+    result = yield
+    seen = item.stash.get(_SEEN, None)
+    if seen is not None and seen.most >= MANY_RANKS and item.get_closest_marker("slow") is None:
+        pytest.fail(
+            f"{item.nodeid} started {seen.most} ranks in the fast tier: tests/tiers.py did not read that "
+            "world size from its source; write it as a literal, a parameter or a module constant (or teach "
+            "tests/tiers.py the form it takes) so that the rule of tests/conftest.py marks the test slow"
+        )
+    return result
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

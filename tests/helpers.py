@@ -422,17 +422,67 @@ def warmup_decay(step: int) -> float:
     return min(1.0, (step + 1) / 2) * 0.8**step
 
 
-class SleepInBackward(torch.autograd.Function):
-    """Identity whose backward waits: the buckets launched before it come back meanwhile."""
+class ReductionsStarted:
+    """The asynchronous all-reduces this process starts inside `with watch:`, so that a backward can wait
+    for them (`WaitInBackward`): `dist.all_reduce` is replaced by a pass-through that keeps each one's
+    future, and the engine's buckets take `dist.all_reduce` while it is replaced (as under
+    lockstep.testing.watch_collectives), the same collective with the same bits. `expected`: a wait with
+    no reduction started before it is an error (where a test asserts a step during backward, such a wait
+    would prove nothing); False where the wait only gives the overlap a chance."""
+
+    TIMEOUT = 60.0  # a hard limit: reductions not back by then are a hang, not a slow machine
+
+    def __init__(self, *, expected: bool = True) -> None:
+        self.futures: list[torch.futures.Future[Any]] = []
+        self.expected = expected
+        self._real: Any = None
+
+    def __enter__(self) -> ReductionsStarted:
+        import torch.distributed as dist
+
+        self._real = real = dist.all_reduce
+
+        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            work = real(tensor, *args, **kwargs)
+            if work is not None:  # async_op=True: the Work whose future the engine polls
+                self.futures.append(work.get_future())
+            return work
+
+        dist.all_reduce = all_reduce  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce, self._real = self._real, None  # type: ignore[assignment]
+
+    def wait_all(self) -> None:
+        """Return once every all-reduce started so far has completed (those started meanwhile too)."""
+        if self.expected and not self.futures:  # the wait would prove nothing: no reduction was seen
+            raise RuntimeError("no all-reduce started through dist.all_reduce before this wait")
+        deadline = time.monotonic() + self.TIMEOUT
+        while not all(future.done() for future in list(self.futures)):
+            if time.monotonic() > deadline:
+                pending = sum(not future.done() for future in self.futures)
+                raise TimeoutError(f"{pending} all-reduce(s) not back after {self.TIMEOUT:.0f} s")
+            time.sleep(0.001)
+
+
+class WaitInBackward(torch.autograd.Function):
+    """Identity whose backward waits until the all-reduces started before it are back (`watch.wait_all`;
+    None: no wait): the buckets launched earlier in this backward have then completed, and an engine that
+    steps a bucket as soon as its reduction is back must step them at its next launch, while backward
+    goes on. An event, not a sleep: it holds on a loaded machine, and proves nothing by itself."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
+    def forward(ctx: Any, x: torch.Tensor, watch: ReductionsStarted | None) -> torch.Tensor:
+        ctx.watch = watch
         return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.seconds)
+        if ctx.watch is not None:
+            ctx.watch.wait_all()
         return grad, None
 
 

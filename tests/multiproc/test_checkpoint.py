@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 import safetensors.torch
 import torch
 from torch import nn
@@ -138,7 +137,6 @@ def _load_at_three(run_dir: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.slow  # 2 ranks, then 3: make test-all
 def test_resume_is_bitwise_exact_and_loads_at_another_world_size_wrapped_or_not(tmp_path: Path) -> None:
     run_dir = str(tmp_path / "run")
     two = run_distributed(_stop_and_resume, 2, args=(run_dir,), timeout=120)

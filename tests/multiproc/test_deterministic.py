@@ -81,7 +81,6 @@ def deterministic_runs() -> dict[int, list[dict[str, Any]]]:
     return {world: run_distributed(_train_deterministic, world, timeout=TIMEOUT) for world in (1, 2, 3, 4)}
 
 
-@pytest.mark.slow  # worlds 1-4: make test-all
 def test_parameters_buffers_and_optimizer_state_are_bitwise_equal_at_world_sizes_1_to_4(
     deterministic_runs: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -90,7 +89,6 @@ def test_parameters_buffers_and_optimizer_state_are_bitwise_equal_at_world_sizes
     assert len(set.union(*digests.values())) == 1, digests  # and across world sizes
 
 
-@pytest.mark.slow  # worlds 1-4: make test-all
 def test_each_micro_batch_loss_is_the_same_whichever_rank_computed_it(
     deterministic_runs: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -127,7 +125,6 @@ def _train_single_process_reference() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.mark.slow  # worlds 1-4: make test-all
 def test_the_numbers_match_one_process_running_the_micro_batches_in_order(
     deterministic_runs: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -199,7 +196,6 @@ def _overflowing() -> dict[str, Any]:
     }
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_a_step_that_overflows_its_scale_is_redone_with_the_same_bits_everywhere() -> None:
     one = run_distributed(_overflowing, 1, timeout=TIMEOUT)[0]
     three = run_distributed(_overflowing, 3, timeout=TIMEOUT)
@@ -277,7 +273,6 @@ def _branchy_grads() -> dict[str, Any]:
     }
 
 
-@pytest.mark.slow  # worlds 1-4: make test-all
 def test_buckets_launched_during_the_last_backward_give_the_same_bits_and_keep_grads_left_in() -> None:
     outcomes = {world: run_distributed(_branchy_grads, world, timeout=TIMEOUT) for world in (1, 2, 3, 4)}
     # the first bucket starts inside every rank's last backward of each of the 4 steps

@@ -171,7 +171,6 @@ def _all_cases() -> dict[str, list[str]]:
     return report
 
 
-@pytest.mark.slow  # 3 and 4 ranks (test_engine_dropin.py has the 2-rank checks): make test-all
 @pytest.mark.parametrize("world", [3, 4])
 def test_gradients_and_bucket_layout_equal_torchs_at_world_3_and_4(world: int) -> None:
     reports = run_distributed(_all_cases, world, timeout=240)

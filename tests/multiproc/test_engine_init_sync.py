@@ -61,7 +61,6 @@ def _broadcast_from_group_rank0() -> list:
     ]
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_process_group_subset_broadcasts_from_its_first_rank() -> None:
     out = run_distributed(_broadcast_from_group_rank0, 3, timeout=60)
     torch.manual_seed(1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -118,7 +117,6 @@ def _check_parity(out: list[dict[str, Any]], cases: list[str]) -> None:
                 )
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_three_ranks_with_3_5_7_batches_match_torch_join() -> None:
     cases = list(CASES)
     out = run_distributed(_parity, 3, args=([3, 5, 7], cases), timeout=TIMEOUT)
@@ -191,7 +189,6 @@ def _syncbn_model() -> nn.Module:
     return lockstep.nn.convert_sync_batchnorm(build("convbn", seed=0))
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_throw_on_early_termination_raises_on_every_rank() -> None:
     out = run_distributed(_throw, 3, args=([3, 5, 7], "ours", "mlp"), timeout=TIMEOUT)
     for rank, result in enumerate(out):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -115,7 +114,6 @@ def _matches_one_of(got: torch.Tensor, candidates: list[torch.Tensor]) -> torch.
     return ok
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_bf16_parameters_reduce_in_fp32_by_default_and_in_bf16_when_asked() -> None:
     world = 3
     out = run_distributed(_reduce_dtype_run, world, timeout=TIMEOUT)

@@ -15,7 +15,7 @@ STEPS = 4
     ("name", "kwargs", "world"),
     [
         ("mlp", {}, 2),
-        pytest.param("mlp", {"gradient_as_bucket_view": True}, 3, marks=pytest.mark.slow),  # make test-all
+        ("mlp", {"gradient_as_bucket_view": True}, 3),  # 3 ranks: slow by the rule of tests/conftest.py
         # a tiny cap: many buckets, bulk copy-in buckets, the rebuild after the first step
         ("many_small", {"bucket_cap_mb": 0.0005}, 2),
     ],

@@ -71,7 +71,6 @@ def test_a_parameter_unused_on_one_rank_only_raises_everywhere_instead_of_hangin
         assert "rank 0:" not in message, message
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_a_parameter_unused_on_one_rank_of_three_raises_everywhere() -> None:
     # torch's bucket layout (the drop-in class) carries the flag as a NaN in its last bucket: world 3
     # checks that every rank reads the same reduced flag and that the ranks without missing gradients

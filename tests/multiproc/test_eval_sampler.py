@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -66,7 +65,6 @@ def _all_cases() -> tuple[list[dict[str, Any]], str]:
     return [_sharded(size) for size in (10, 2)], _mismatch()
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_exact_metrics_on_three_ranks_and_a_mismatch_that_raises_instead_of_hanging() -> None:
     results = run_distributed(_all_cases, 3, timeout=90)
     _check_exact([cases for cases, _ in results])

@@ -66,7 +66,6 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return out
 
 
-@pytest.mark.slow  # worlds 1-4: make test-all
 def test_parameters_optimizer_state_and_metrics_are_bitwise_equal_at_world_sizes_1_to_4(
     runs: dict[int, Any],
 ) -> None:
@@ -81,7 +80,6 @@ def test_parameters_optimizer_state_and_metrics_are_bitwise_equal_at_world_sizes
         assert verdict.compared > 5
 
 
-@pytest.mark.slow  # worlds 4, 2, 3: make test-all
 def test_a_resize_from_4_to_2_to_3_mid_epoch_gives_the_uninterrupted_runs_bits(tmp_path: Path) -> None:
     settings = dict(JOBS["toy"])  # a constant learning rate: the legs' step budgets do not shape it
     run_dir = str(tmp_path / "resized")

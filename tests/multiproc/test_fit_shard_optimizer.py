@@ -94,7 +94,6 @@ def test_a_sharded_run_resumes_exactly_unsharded_at_another_world_size_and_back(
     _assert_resumed_exactly(tmp_path, legs)
 
 
-@pytest.mark.slow  # 4 and 3 ranks: make test-all
 def test_a_sharded_run_resumes_exactly_from_4_to_1_to_3_ranks_and_from_unsharded(tmp_path: Path) -> None:
     legs = [(2, False, 3), (4, True, STEPS_PER_EPOCH // 2), (1, True, STEPS_PER_EPOCH + 1), (3, True, None)]
     _assert_resumed_exactly(tmp_path, legs)

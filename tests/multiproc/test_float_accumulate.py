@@ -76,7 +76,7 @@ def _train_single_process_reference() -> dict[str, Any]:
     return {"state": model.state_dict(), "losses": losses}
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["world2", "world4"])
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])  # world4: slow by the rule
 def float_runs(request: pytest.FixtureRequest) -> dict[int, list[dict[str, Any]]]:
     """One world size's runs (each test checks every world it is given): 2, and 4 in make test-all."""
     world = request.param

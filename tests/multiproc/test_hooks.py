@@ -549,7 +549,6 @@ def test_bytes_handed_to_collectives_shrink_by_the_expected_factor(
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_hooks_on_three_ranks(grads3: list[dict[str, Any]], engine: str) -> None:
     for rank, out in enumerate(grads3):
         exact = out[engine, "none"]["grads"]

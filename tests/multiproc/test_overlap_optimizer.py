@@ -3,9 +3,10 @@ backward, every fallback with its reason said once, misuse raised, and fit with 
 
 Each rank trains two replicas of the same model on the same data in one process, one stepped plainly
 after backward and one through `handle.overlap_optimizer`, and compares parameters and optimizer state
-bit for bit. The overlapped model's backward sleeps between its last and middle layers, so the first
-buckets' all-reduces are back while backward goes on: the engine must step them then (a probe further
-down the backward sees the last layer's weight already changed).
+bit for bit. The overlapped model's backward waits between its last and middle layers until the first
+buckets' all-reduces are back (an event, tests.helpers.WaitInBackward, not a sleep that a loaded machine
+can outlast): the engine must step them at its next launch, while backward goes on (a probe further down
+the backward sees the last layer's weight already changed).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.replicate import overlap_optimizer
 from lockstep.testing import run_distributed
 from lockstep.trainer.config import FitConfig
-from tests.helpers import SleepInBackward, small_batch, warmup_decay
+from tests.helpers import ReductionsStarted, WaitInBackward, small_batch, warmup_decay
 
 TINY_BUCKETS = {"bucket_cap_mb": 1e-4, "first_bucket_mb": 1e-4}  # about one parameter per bucket
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -56,7 +57,7 @@ class _Probe(torch.autograd.Function):
 class _Net(nn.Module):
     """inp -> mid -> out; `spare` only where `use_spare` (per rank: find_unused_parameters)."""
 
-    def __init__(self, *, sleep: float = 0.0, spare: bool = False) -> None:
+    def __init__(self, *, watch: ReductionsStarted | None = None, spare: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         # Registered in this order, the buckets launch as out, spare, mid, inp: on a rank that leaves
@@ -65,7 +66,7 @@ class _Net(nn.Module):
         self.spare = nn.Linear(16, 16) if spare else None
         self.out = nn.Linear(16, 3)
         self.use_spare = False
-        self.sleep = sleep
+        self.watch = watch  # its backward waits for the reductions started before (None: it does not)
         self.changed_in_backward: list[bool] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +74,7 @@ class _Net(nn.Module):
         h = torch.tanh(self.mid(h))
         if self.spare is not None and self.use_spare:
             h = h + self.spare(h)
-        return self.out(SleepInBackward.apply(h, self.sleep))
+        return self.out(WaitInBackward.apply(h, self.watch))
 
 
 def _snapshot(net: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -107,13 +108,14 @@ def _overlap_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 def _train_both(name: str, unused: bool, steps: int) -> dict[str, Any]:
     rank = dist.get_rank()
     policy = lockstep.SyncPolicy(find_unused_parameters=unused, **TINY_BUCKETS)
-    plain_net, net = _Net(spare=unused), _Net(sleep=0.2, spare=unused)
+    watch = ReductionsStarted()
+    plain_net, net = _Net(spare=unused), _Net(watch=watch, spare=unused)
     lockstep.replicate(plain_net, policy=policy)
     handle = lockstep.replicate(net, policy=policy)
     plain = OPTIMIZERS[name](plain_net.parameters())
     inner = OPTIMIZERS[name](net.parameters())
     plain_schedule = torch.optim.lr_scheduler.LambdaLR(plain, warmup_decay)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, watch:
         warnings.simplefilter("always")
         overlapped = handle.overlap_optimizer(inner)
         schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -157,7 +159,7 @@ def test_the_overlapped_step_is_bitwise_the_plain_step(name: str, unused: bool) 
         assert out["extras"]["optimizer_buckets_stepped_in_backward"] == out["in_backward"], what
         assert out["extras"]["optimizer_buckets_stepped_at_finalize"] == out["at_finalize"], what
     _assert_same_bits(results[0]["overlapped"], results[1]["overlapped"], f"{name}: the ranks")
-    # the sleep in backward lets the last layer's buckets come back: they step while backward goes on
+    # backward waits until the last layer's buckets are back: they step at the next launch, in backward
     stepped_early = [out["in_backward"] for out in results]
     assert min(stepped_early) >= 1, f"{name}: no bucket stepped during backward: {stepped_early}"
     assert any(any(out["changed_in_backward"]) for out in results), name
@@ -171,7 +173,8 @@ ENGINE_OPTIONS = ("dropin", "fp16_hook", "gradient_as_bucket_view", "join", "pow
 def _train_with(option: str, overlap: bool, steps: int) -> dict[str, Any]:
     """One run of `steps` steps (rank 1 has two more in "join") with the engine set up as `option` says."""
     rank = dist.get_rank()
-    net = _Net(sleep=0.05 if overlap else 0.0)
+    watch = ReductionsStarted(expected=False)  # the drop-in class may launch nothing before it at first
+    net = _Net(watch=watch if overlap else None)
     model: nn.Module = net
     face: Any
     if option == "dropin":  # the drop-in class, overlapped through the engine as fit does it
@@ -187,7 +190,7 @@ def _train_with(option: str, overlap: bool, steps: int) -> dict[str, Any]:
     inner = OPTIMIZERS["adamw"](net.parameters())
     optimizer = overlap_optimizer(face, inner, clip_grad_norm=False, scaler=None) if overlap else inner
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_decay)
-    with face.join() if option == "join" else contextlib.nullcontext():
+    with face.join() if option == "join" else contextlib.nullcontext(), watch:
         for step in range(steps + (2 * rank if option == "join" else 0)):
             x, y = small_batch(rank, step)
             optimizer.zero_grad(set_to_none=option != "gradient_as_bucket_view")

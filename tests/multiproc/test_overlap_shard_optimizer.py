@@ -5,8 +5,9 @@ Each rank trains two replicas of the same model on the same data in one process:
 unsharded optimizer stepped after backward, one whose buckets the engine steps during backward on this
 rank's share, with the owners' broadcasts started right after. Parameters and the consolidated optimizer
 state must equal the plain run's bit for bit, the state must be split over the ranks, and the counters
-must show steps and broadcasts during backward (the overlapped model's backward sleeps between its last
-and middle layers, so the first buckets come back while it goes on). Fallbacks take the plain sharded
+must show steps and broadcasts during backward (the overlapped model's backward waits between its last
+and middle layers until the first buckets' all-reduces are back: an event, tests.helpers.WaitInBackward,
+not a sleep that a loaded machine can outlast). Fallbacks take the plain sharded
 step and say why once; fit's checkpoints resume exactly into and out of an unsharded, plain run.
 """
 
@@ -28,7 +29,7 @@ from lockstep.checkpoint import compare_checkpoints
 from lockstep.errors import ConfigError, UsageError
 from lockstep.jobs import catalog
 from lockstep.testing import run_distributed
-from tests.helpers import SleepInBackward, small_batch, warmup_decay
+from tests.helpers import ReductionsStarted, WaitInBackward, small_batch, warmup_decay
 
 TINY_BUCKETS = {"bucket_cap_mb": 1e-4, "first_bucket_mb": 1e-4}  # about one parameter per bucket
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -42,19 +43,19 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 class _Net(nn.Module):
     """inp -> mid -> out; `spare` only where `use_spare` (per rank: find_unused_parameters)."""
 
-    def __init__(self, *, sleep: float = 0.0, spare: bool = False) -> None:
+    def __init__(self, *, watch: ReductionsStarted | None = None, spare: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inp, self.mid = nn.Linear(8, 16), nn.Linear(16, 16)
         self.spare = nn.Linear(16, 16) if spare else None
         self.out = nn.Linear(16, 3)
-        self.use_spare, self.sleep = False, sleep
+        self.use_spare, self.watch = False, watch  # backward waits for the reductions started before
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.mid(torch.tanh(self.inp(x))))
         if self.spare is not None and self.use_spare:
             h = h + self.spare(h)
-        return self.out(SleepInBackward.apply(h, self.sleep))
+        return self.out(WaitInBackward.apply(h, self.watch))
 
 
 def _flat(state: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -95,14 +96,15 @@ def _train_both(name: str, unused: bool, steps: int, kind: str = "") -> dict[str
     policy = lockstep.SyncPolicy(find_unused_parameters=unused, deterministic=kind == "deterministic")
     if kind != "deterministic":
         policy = lockstep.SyncPolicy(find_unused_parameters=unused, **TINY_BUCKETS)
-    plain_net, net = _Net(spare=unused), _Net(sleep=0.0 if kind else 0.2, spare=unused)
+    watch = ReductionsStarted()
+    plain_net, net = _Net(spare=unused), _Net(watch=None if kind else watch, spare=unused)
     plain_handle, handle = (
         lockstep.replicate(plain_net, policy=policy),
         lockstep.replicate(net, policy=policy),
     )
     plain, inner = OPTIMIZERS[name](plain_net.parameters()), OPTIMIZERS[name](net.parameters())
     schedules = [torch.optim.lr_scheduler.LambdaLR(opt, warmup_decay) for opt in (plain, inner)]
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, watch:
         warnings.simplefilter("always")
         sharded = handle.shard_optimizer(inner, piece_numel=100)  # the 16x16 weights in 3 pieces
         overlapped = handle.overlap_optimizer(sharded, clip_grad_norm=kind == "clip")
@@ -172,8 +174,8 @@ def test_overlapped_sharded_steps_give_the_unsharded_plain_bits_on_2_ranks(name:
         assert out["warnings"] == [] and out["reasons"] == [], (what, out["warnings"])
         assert out["num_buckets"] >= 3, what
         assert out["stepped"] == steps * out["num_buckets"], (what, out["stepped"])
-        # the sleep in backward lets the last layer's buckets come back: they step, and their
-        # parameters start travelling from their owners, while backward goes on
+        # backward waits until the last layer's buckets are back: they step at the next launch, and
+        # their parameters start travelling from their owners, while backward goes on
         assert out["in_backward"] >= 1, f"{what}: no bucket stepped during backward"
         assert out["extras"]["optimizer_broadcasts_launched_in_backward"] >= 1, (what, out["extras"])
 
@@ -236,26 +238,28 @@ def _failed_backward_then_on() -> dict[str, Any]:
     step() raises on every rank, and the steps after it still reach every rank alike (the broadcasts'
     group kept the same sequence on every rank)."""
     rank = dist.get_rank()
-    net = _Net(sleep=0.1, spare=True)  # spare unused: the engine reports it at the end of backward
+    watch = ReductionsStarted()
+    net = _Net(watch=watch, spare=True)  # spare unused: the engine reports it at the end of backward
     handle = lockstep.replicate(net, policy=lockstep.SyncPolicy(**TINY_BUCKETS))
     overlapped = handle.overlap_optimizer(handle.shard_optimizer(torch.optim.AdamW(net.parameters())))
-    x, y = small_batch(rank, 0)
-    try:
-        F.cross_entropy(net(x), y).backward()
-        raised_in_backward = ""
-    except lockstep.errors.UnusedParameterError as error:
-        raised_in_backward = type(error).__name__
-    try:
-        overlapped.step()
-        said = "nothing raised"
-    except UsageError as error:
-        said = str(error)
-    net.use_spare = True
-    for step in range(2):
-        x, y = small_batch(rank, step + 1)
-        overlapped.zero_grad(set_to_none=True)
-        F.cross_entropy(net(x), y).backward()
-        overlapped.step()
+    with watch:
+        x, y = small_batch(rank, 0)
+        try:
+            F.cross_entropy(net(x), y).backward()
+            raised_in_backward = ""
+        except lockstep.errors.UnusedParameterError as error:
+            raised_in_backward = type(error).__name__
+        try:
+            overlapped.step()
+            said = "nothing raised"
+        except UsageError as error:
+            said = str(error)
+        net.use_spare = True
+        for step in range(2):
+            x, y = small_batch(rank, step + 1)
+            overlapped.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), y).backward()
+            overlapped.step()
     return {
         "raised_in_backward": raised_in_backward,
         "said": said,

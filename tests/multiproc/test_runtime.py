@@ -20,7 +20,6 @@ def _whoami() -> tuple[int, int, bool, str]:
     return topo.rank, topo.world_size, lockstep.is_main(), torch.distributed.get_backend()
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_init_gives_each_rank_its_place() -> None:
     assert run_distributed(_whoami, 3, timeout=60) == [
         (0, 3, True, "gloo"),
@@ -38,7 +37,6 @@ def _collectives() -> tuple[float, list[float], object, list[object]]:
     return mean, packed, obj, gathered
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_collectives_agree() -> None:
     out = run_distributed(_collectives, 3, timeout=60)
     for mean, packed, obj, gathered in out:
@@ -81,7 +79,6 @@ def _ordered_entries(directory: str) -> dict[str, object]:
     }
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_main_process_first_runs_rank0_before_the_others(tmp_path: Path) -> None:
     out = run_distributed(_ordered_entries, 3, args=(str(tmp_path),), timeout=60)
     for rank, result in enumerate(out):
@@ -158,7 +155,6 @@ def _send_state() -> dict[str, object]:
     }
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_broadcast_state_sends_the_source_rank_state_to_all() -> None:
     out = run_distributed(_send_state, 3, timeout=60)
     source = out[1]["mine"]

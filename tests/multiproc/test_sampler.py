@@ -10,7 +10,6 @@ import itertools
 import warnings
 from typing import Any
 
-import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
@@ -80,7 +79,6 @@ def _uninterrupted(world: int, epoch: int) -> list[list[int]]:
     return _global_batches(per_rank)
 
 
-@pytest.mark.slow  # 2 ranks, then 3 and 1: make test-all
 def test_stop_at_two_ranks_resume_at_three_and_one_on_the_same_global_batches() -> None:
     first = run_distributed(_train_part, 2, args=(4,), timeout=90)
     states = [state for _, state, _ in first]

@@ -138,7 +138,6 @@ def test_parameters_cut_into_pieces_give_the_unsharded_bits_and_an_even_share(na
     assert all(0.4 < share < 0.6 for share in shares), shares
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_sharded_steps_give_the_unsharded_bits_on_3_ranks(name: str) -> None:
     _check(run_distributed(_sharded_against_plain, 3, args=(name, 50_000), timeout=180), name)
@@ -279,7 +278,6 @@ def _a_lost_share_is_rebuilt_from_its_copy(lost: list[int]) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.slow  # 3 and 4 ranks: make test-all
 def test_live_mode_rebuilds_a_lost_share_from_its_copy_and_refuses_when_both_copies_are_lost() -> None:
     results = run_distributed(_a_lost_share_is_rebuilt_from_its_copy, 3, args=([1],), timeout=180)
     assert all(0 < out["kept_entries"] < out["units"] for out in results), results  # two of three shares

@@ -181,7 +181,6 @@ CASES_3 = {
 }
 
 
-@pytest.mark.slow  # 3 ranks: make test-all
 def test_three_ranks_with_unequal_and_empty_batches() -> None:
     names = list(CASES_3)
     out = run_distributed(_run_cases, 3, args=([CASES_3[n] for n in names],), timeout=90)
@@ -305,7 +304,6 @@ def _subgroups(pair_cases: list[dict[str, Any]], trio_case: dict[str, Any]) -> d
     return result
 
 
-@pytest.mark.slow  # 4 ranks: make test-all
 def test_process_subgroups() -> None:
     pair_cases = [_case((3, 2), [3, 4], seed=1), _case((3, 2), [5, 2], seed=2)]
     trio_case = _case((2, 3, 3), [2, 3, 1], seed=3)

@@ -171,13 +171,11 @@ SURFACE: dict[str, dict[str, str]] = {
         "shutdown": "def() -> 'None'",
     },
     "lockstep.testing": {
-        "Host": "class(netns: 'str', addr: 'str', ifname: 'str' = 'lsnet0') -> None",
         "ParityCase": "class(model: 'ModelFactory', data: 'DataFn', steps: 'int', ddp_kwargs: 'Mapping[str, Any]' = <factory>, no_sync_every: 'int' = 0, lr: 'float' = 0.1, momentum: 'float' = 0.9, rank_seeded: 'bool' = True, configure: 'Callable[[nn.Module, int], None] | None' = None, loss: 'LossFn' = <function cross_entropy_loss>, single_process: 'bool' = True) -> None",
         "ParityRun": "class(grads: 'list[list[Tensor | None]]', params: 'list[Tensor]', buffers: 'list[Tensor]') -> None",
         "RankPool": "class(size: 'int' = 4) -> 'None'",
         "assert_parity": "def(runs: 'Sequence[Mapping[str, ParityRun]]', single: 'ParityRun | None' = None, *, reference: 'str' = 'torch', exact: 'Collection[str]' = ('ours',), atol: 'float' = 1e-06, rtol: 'float' = 1e-05, what: 'str' = '') -> 'None'",
         "assert_tensors_close": "def(got: 'Sequence[Tensor | None]', expected: 'Sequence[Tensor | None]', atol: 'float' = 1e-06, rtol: 'float' = 1e-05, *, what: 'str' = '') -> 'None'",
-        "netns_hosts": "def(count: 'int' = 2, *, rate: 'str | None' = None, delay_ms: 'float' = 0.0) -> 'Iterator[list[Host]]'",
         "run_distributed": "def(fn: 'Callable[..., Any]', world_size: 'int' = 2, *, args: 'Sequence[Any]' = (), timeout: 'float' = 90.0, backend: 'str' = 'gloo', env: 'Mapping[str, str] | None' = None) -> 'list[Any]'",
         "run_parity": "def(cases: 'Mapping[str, ParityCase]', world: 'int', *, kinds: 'Sequence[str]' = ('ours', 'replicate', 'torch'), exact: 'Collection[str] | None' = None, setup: 'Callable[[], None] | None' = None, timeout: 'float' = 90.0, atol: 'float' = 1e-06, rtol: 'float' = 1e-05) -> 'dict[str, list[dict[str, ParityRun]]]'",
         "use_pool": "def(pool: 'RankPool | None') -> 'RankPool | None'",

@@ -8,8 +8,9 @@ import re
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-# What a test module may import from this package: the one helpers module and the testbed harness.
-SHARED = ("tests.helpers", "tests.testbed")
+# What a test module may import from this package: the one helpers module, the testbed harness, and the
+# readers behind the suite's rules (stdlib only): src/lockstep's structure, and a test's rank count (tiers).
+SHARED = ("tests.helpers", "tests.testbed", "tests.structure", "tests.tiers")
 
 
 def _test_modules() -> list[Path]:

@@ -25,6 +25,7 @@ import torch.distributed.nn.functional  # noqa: F401  isort: skip
 from lockstep.errors import BackendUnavailableError, ConfigError, InitTimeoutError, rank_tag
 from lockstep.runtime import watchdog
 from lockstep.runtime.env_contract import CUDA_VISIBLE_DEVICES_VAR
+from lockstep.runtime.live_host import ProcessHost
 from lockstep.runtime.membership.group import LiveGroup, form_live_group
 from lockstep.runtime.topology import (
     Topology,
@@ -100,7 +101,7 @@ class _FormedGroups:
 
     view: JoinedTopology | None = None
     count: int = 0
-    live: LiveGroup | None = None
+    live: LiveGroup[Topology] | None = None
 
     def current(self) -> JoinedTopology | None:
         """The view of the group now: in live mode, numbered as the current generation numbers ranks."""
@@ -115,7 +116,7 @@ class _FormedGroups:
 _formed = _FormedGroups()
 
 
-def live_group() -> LiveGroup | None:
+def live_group() -> LiveGroup[Topology] | None:
     """This worker's live membership (runtime/membership/) when init() formed a live-mode group, else None."""
     return _formed.live
 
@@ -258,12 +259,12 @@ def init(
         # `lockstep run --min-world`: the launcher's store; a replacement learns its rank when admitted
         _formed.live = form_live_group(
             topo,
+            ProcessHost(report_dir_from_env(os.environ)),
             backend,
             timeout,
             min_world=live.min_world,
             member_id=live.member_id,
             joining=live.joining,
-            report_dir=report_dir_from_env(os.environ),
         )
         topo = _formed.live.topology()
     else:

@@ -5,27 +5,24 @@ stack), `watch_collectives` (see every tensor handed to all_reduce/all_gather), 
 three-way check behind the engine's tests (`run_parity` trains `ParityCase`s with lockstep's class,
 `lockstep.replicate` and torch's DDP on every rank plus one process on the whole batch, returns
 `ParityRun`s and raises ParityError on the first difference: `assert_parity`, `assert_tensors_close`),
-from `netns` several "hosts" on one machine (`netns_hosts` yields `Host`s; needs root), and from `pool`
-`RankPool`, rank processes kept alive across calls (torch imported once, a fresh group per call; `use_pool`
-routes run_distributed through one).
+and from `pool` `RankPool`, rank processes kept alive across calls (torch imported once, a fresh group per
+call; `use_pool` routes run_distributed through one). The network-namespace "hosts" and the delaying wire
+of the multi-host tests and benchmarks are this repository's test bed, not the library's: tests/testbed/.
 """
 
 from __future__ import annotations
 
 from lockstep.testing.collectives import watch_collectives
-from lockstep.testing.netns import Host, netns_hosts
 from lockstep.testing.parity import ParityCase, ParityRun, assert_parity, assert_tensors_close, run_parity
 from lockstep.testing.pool import RankPool, use_pool
 from lockstep.testing.spawn import run_distributed
 
 __all__ = [
-    "Host",
     "ParityCase",
     "ParityRun",
     "RankPool",
     "assert_parity",
     "assert_tensors_close",
-    "netns_hosts",
     "run_distributed",
     "run_parity",
     "use_pool",

@@ -14,17 +14,17 @@ from __future__ import annotations
 import time
 
 from lockstep.errors import MembershipChanged
-from lockstep.runtime import waits
 from lockstep.runtime.membership import keys
 from lockstep.runtime.membership.core import GroupState
+from lockstep.runtime.membership.host import Host
 from lockstep.runtime.membership.phases import GenerationPhase
 
 
 class StepCommit:
     """This member's side of committing steps."""
 
-    def __init__(self, state: GroupState) -> None:
-        self.state = state
+    def __init__(self, state: GroupState, host: Host) -> None:
+        self.state, self.host = state, host
 
     def commit(self, step: int, rows: bytes | None = None) -> None:
         """After this rank's collectives of `step` completed: return once every member's did (the step
@@ -39,7 +39,7 @@ class StepCommit:
         done = [keys.done(m.generation, step, member) for member in m.members]
         # Waited on like a collective: a member stopped between its collectives and its key is judged by
         # the hang watchdog (its heartbeat), and evicted after the hang timeout like in any collective.
-        with waits.tracked(f"commit (step {step})", ()):
+        with self.host.tracked(f"commit (step {step})"):
             while not state.store.check(done):
                 if state.changed():
                     if state.store.check(done):

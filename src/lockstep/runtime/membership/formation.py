@@ -26,9 +26,9 @@ from typing import Any
 import torch.distributed as dist
 
 from lockstep.errors import MembershipChanged, WorldTooSmallError, rank_tag
-from lockstep.runtime import watchdog
 from lockstep.runtime.membership import keys
 from lockstep.runtime.membership.core import GroupState
+from lockstep.runtime.membership.host import Host
 from lockstep.runtime.membership.records import Fault, Membership, first_line
 
 EVICTED_EXIT_CODE = 75  # a worker the survivors left out (it was too late to check in): EX_TEMPFAIL
@@ -36,17 +36,20 @@ FORM_TIMEOUT_S = 30.0  # longest wait for a new group to form (below the 60 s ch
 CHECKIN_TIMEOUT_S = 60.0
 
 
-def form_timeout() -> timedelta:
-    """How long a new generation may take to form: 30 s, or the hang timeout when that is shorter."""
-    hang = watchdog.hang_timeout_setting()
+def form_timeout(hang: float) -> timedelta:
+    """How long a new generation may take to form: 30 s, or the hang timeout (`hang`, 0: off) when that
+    is shorter."""
     return timedelta(seconds=min(FORM_TIMEOUT_S, hang) if hang > 0 else FORM_TIMEOUT_S)
 
 
 class Formation:
     """Agreeing on and forming this worker's next generation."""
 
-    def __init__(self, state: GroupState, backend: str, timeout: timedelta, min_world: int) -> None:
-        self.state, self.backend, self.timeout, self.min_world = state, backend, timeout, min_world
+    def __init__(
+        self, state: GroupState, host: Host, backend: str, timeout: timedelta, min_world: int
+    ) -> None:
+        self.state, self.host = state, host
+        self.backend, self.timeout, self.min_world = backend, timeout, min_world
         self.checkin_timeout = CHECKIN_TIMEOUT_S
         self.graveyard: list[Any] = []  # abandoned groups (see leave_group); the process ends with os._exit
 
@@ -97,7 +100,7 @@ class Formation:
         re-form without it."""
         m = self.state.membership
         prefix = dist.PrefixStore(keys.generation_prefix(m.generation), self.state.store)
-        bounded = min(self.timeout, form_timeout())
+        bounded = min(self.timeout, form_timeout(self.host.hang_timeout()))
         try:
             dist.init_process_group(
                 self.backend, store=prefix, rank=m.rank, world_size=m.world_size, timeout=bounded

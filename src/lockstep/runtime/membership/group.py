@@ -7,8 +7,9 @@ on a survivor (its peer's sockets closed), the training loop's recovery (recover
 
 1. it leaves the broken group without waiting for it. Every rank learns of the change within 10 ms even
    when its own collective does not fail (it waits on a survivor, not on the dead rank): while a
-   collective is waited on, runtime/waits.py polls `check()`, which reads the change counter that the
-   launcher bumps when a rank dies and each survivor bumps as it checks in, and raises MembershipChanged;
+   collective is waited on, the waits poll `check()` (`Host.watch`), which reads the change counter
+   that the launcher bumps when a rank dies and each survivor bumps as it checks in, and raises
+   MembershipChanged;
 2. it checks in to generation g+1, agrees on its members and forms its group (formation.py);
 3. it restarts the hang watchdog over the new world; ranks are renumbered over the survivors in
    member-id order, while each worker keeps its member id.
@@ -18,6 +19,8 @@ hang timeout and its heartbeat stopped, that survivor's watchdog calls `evict`, 
 store: a membership change like any other; the launcher then kills it. Steps are committed on every member
 or none (commit.py); replacements are admitted at step boundaries (admission.py). The phases of a
 generation are an enum with asserted transitions (phases.py); docs/live.md draws the whole protocol.
+The watchdog, the waits and the progress marks are the process's, reached through the `Host` that
+init() hands in (host.py): nothing here imports the rest of lockstep.runtime.
 """
 
 from __future__ import annotations
@@ -26,46 +29,45 @@ import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, Generic, NoReturn, TypeVar
 
 import torch.distributed as dist
 
 from lockstep.errors import MembershipChanged
-from lockstep.runtime import waits, watchdog
 from lockstep.runtime.membership import keys
 from lockstep.runtime.membership.admission import Admission
 from lockstep.runtime.membership.commit import StepCommit
 from lockstep.runtime.membership.core import GroupState
 from lockstep.runtime.membership.formation import Formation
+from lockstep.runtime.membership.host import Host, Place
 from lockstep.runtime.membership.phases import GenerationPhase
 from lockstep.runtime.membership.records import Fault, Membership
-from lockstep.runtime.progress import PROGRESS
-from lockstep.runtime.topology import Topology
 
 P = GenerationPhase
+PlaceT = TypeVar("PlaceT", bound=Place)  # runtime's Topology: the group hands back what it was given
 
 
-class LiveGroup:
+class LiveGroup(Generic[PlaceT]):
     """This worker's live membership: the store, the current generation, the faults seen."""
 
     def __init__(
         self,
         store: Any,
-        topo: Topology,
+        topo: PlaceT,
+        host: Host,
         min_world: int,
         backend: str,
         timeout: timedelta,
         *,
         member_id: int | None = None,
         joining: bool = False,
-        report_dir: str | None = None,
     ) -> None:
-        self.topo, self.min_world, self.report_dir = topo, min_world, report_dir
+        self.topo, self.host, self.min_world = topo, host, min_world
         member_id = topo.rank if member_id is None else member_id
         launched = Membership(0, tuple(range(topo.world_size)), member_id)
         self.state = GroupState(store, launched, P.JOINING if joining else P.FORMING)
-        self.formation = Formation(self.state, backend, timeout, min_world)
-        self.commits = StepCommit(self.state)
+        self.formation = Formation(self.state, host, backend, timeout, min_world)
+        self.commits = StepCommit(self.state, host)
         self.admission = Admission(self.state)
         self.joining = joining  # a replacement: it queues, and its state comes from a peer
         self.needs_state = joining  # until the trainer received it (state_received)
@@ -91,15 +93,17 @@ class LiveGroup:
         """Groups left with work possibly stuck in them: the process must end with os._exit."""
         return len(self.formation.graveyard)
 
-    def topology(self) -> Topology:
+    def topology(self) -> PlaceT:
+        """The place this process was launched with, numbered as the current generation numbers it."""
         m = self.membership
-        return replace(self.topo, rank=m.rank, world_size=m.world_size)
+        # a dataclass (runtime's Topology) that mypy sees only as a TypeVar bound to a Protocol
+        return replace(self.topo, rank=m.rank, world_size=m.world_size)  # type: ignore[type-var]
 
     # ---- forming the first generation -------------------------------------------------------------------
 
     def form_first(self) -> None:
         """Generation 0 (or, for a replacement, the generation it is admitted to), then the watchdog."""
-        waits.watch_membership(self)
+        self.host.watch(self)
         if self.joining:
             self._join()
         else:
@@ -137,7 +141,7 @@ class LiveGroup:
         except MembershipChanged as exc:  # a member died as the group formed: the members go on without
             self.give_up(exc)  # this process, which has no state yet; the launcher may start another
 
-    # ---- what the waits and the watchdog ask (watchdog.MembershipWatch) ---------------------------------
+    # ---- what the waits and the watchdog ask (host.py's Watched) --------------------------------------
 
     def check(self) -> None:
         """Raise MembershipChanged when a member died or a survivor is re-forming (polled while waiting)."""
@@ -190,8 +194,7 @@ class LiveGroup:
             machine.enter(P.REFORMING)
         started = time.monotonic()
         first = self.membership
-        waited = time.time() - PROGRESS.wait_since if PROGRESS.waiting is not None else 0.0
-        watchdog.stop()
+        waited = self.host.stop_watchdog()
         if isinstance(cause, BaseException):
             # The failed call's frames hold its Work, and the Work holds the group: let them go.
             traceback.clear_frames(cause.__traceback__)
@@ -222,21 +225,19 @@ class LiveGroup:
     def _formed(self) -> None:
         """The new generation's group exists: its phase, and the watchdog over it."""
         self.state.phase.enter(P.TRAINING)
-        PROGRESS.failed = None
-        PROGRESS.waiting = None
-        watchdog.start(watchdog.hang_timeout_setting(), self.report_dir, membership=self)
+        self.host.start_watchdog(self)
 
 
 def form_live_group(
-    topo: Topology,
+    topo: PlaceT,
+    host: Host,
     backend: str,
     timeout: timedelta,
     *,
     min_world: int,
     member_id: int | None,
     joining: bool,
-    report_dir: str | None,
-) -> LiveGroup:
+) -> LiveGroup[PlaceT]:
     """Form generation 0 over every launched member, on the launcher's store (called by init())."""
     client = dist.TCPStore(
         topo.master_addr, topo.master_port, topo.world_size, False, timeout, wait_for_workers=False
@@ -244,12 +245,12 @@ def form_live_group(
     group = LiveGroup(
         client,
         topo,
+        host,
         min_world,
         backend,
         timeout,
         member_id=member_id,
         joining=joining,
-        report_dir=report_dir,
     )
     group.form_first()
     return group

@@ -22,24 +22,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch.distributed as dist
 
 from lockstep.errors import InternalError, MembershipChanged
-from lockstep.runtime.collectives import all_gather_object
-from lockstep.runtime.membership.group import LiveGroup
+from lockstep.runtime.membership.group import LiveGroup, PlaceT
+from lockstep.runtime.membership.host import Place
 from lockstep.runtime.membership.records import Fault
-from lockstep.runtime.state_transfer import broadcast_state
-from lockstep.runtime.topology import Topology
 
 T = TypeVar("T")
+PlaceIn = TypeVar("PlaceIn", bound=Place, contravariant=True)  # what the run is handed: runtime's Topology
 NO_STATE = -1  # the step a replacement reports before it received its state
 FAILURES = (RuntimeError, dist.DistError)  # how a lost member surfaces in a collective
 
 
-class Recoverable(Protocol):
-    """What live recovery needs of a training loop's run."""
+class Recoverable(Protocol[PlaceIn]):
+    """What live recovery needs of a training loop's run (PlaceIn: the group's Topology)."""
 
     @property
     def faults(self) -> list[dict[str, Any]]:
@@ -49,7 +48,7 @@ class Recoverable(Protocol):
         """Drop the replica: nothing may keep the old group alive (destroying it closes its sockets,
         which is how survivors still waiting in it learn of the death at once)."""
 
-    def rebuild_replica(self, topology: Topology) -> None:
+    def rebuild_replica(self, topology: PlaceIn) -> None:
         """Replicate the model over the group just formed (`topology`: this rank's place in it)."""
 
     def discard_step(self) -> None:
@@ -66,7 +65,7 @@ class Recoverable(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def reshard(self, topology: Topology) -> None:
+    def reshard(self, topology: PlaceIn) -> None:
         """Cut this rank's shard of the data (and of the evaluation) for the group's new world."""
 
     def regrouped(self, fault: Fault) -> None:
@@ -74,10 +73,10 @@ class Recoverable(Protocol):
         did (rank 0's duties), tell the user."""
 
 
-class LiveRecovery:
+class LiveRecovery(Generic[PlaceT]):
     """The loop's side of live mode for one run (see the module doc)."""
 
-    def __init__(self, group: LiveGroup, run: Recoverable) -> None:
+    def __init__(self, group: LiveGroup[PlaceT], run: Recoverable[PlaceT]) -> None:
         self.group, self.run = group, run
         self.changes = 0  # membership changes this run went through (lost or grown)
 
@@ -151,7 +150,7 @@ class LiveRecovery:
     def _converge(self) -> None:
         """Every member stands at the same step; a replacement receives the state from rank 0."""
         group, run = self.group, self.run
-        gathered = all_gather_object({"step": NO_STATE} if group.needs_state else run.marks())
+        gathered = group.host.all_gather_object({"step": NO_STATE} if group.needs_state else run.marks())
         members = [marks for marks in gathered if marks["step"] != NO_STATE]
         # A collective can complete on some ranks and fail on others: work that one member finished and
         # another did not (a save, an evaluation) is redone by all, so that they issue the same collectives.
@@ -167,13 +166,13 @@ class LiveRecovery:
             )
         if len(members) == len(gathered):
             return
-        tree = broadcast_state(run.state_dict() if group.membership.rank == 0 else None, src=0)
+        tree = group.host.broadcast_state(run.state_dict() if group.membership.rank == 0 else None, src=0)
         if group.needs_state:
             run.load_state_dict(tree)
             group.state_received()
 
 
-def retry_at_start(group: LiveGroup | None, work: Callable[[], T]) -> T:
+def retry_at_start(group: LiveGroup[Any] | None, work: Callable[[], T]) -> T:
     """work() with collectives at start-up (replicating a model, loading a checkpoint), done again over
     the survivors when a member is lost in it. Outside live mode (`group` None): work() once."""
     while True:

@@ -1,0 +1,63 @@
+"""What a live group needs from the process it runs in: the `Host` it is handed, and the `Place` it renumbers.
+
+Live membership sits below the rest of lockstep.runtime and imports none of it: runtime's process_group
+forms the group (init() under `lockstep run --min-world`) and hands it a Host, runtime/live_host.py's
+`ProcessHost`, which reaches the hang watchdog, the collective waits, this process's progress marks and
+two collectives for it. The group's Topology comes in the same way: any frozen dataclass with the fields
+of a `Place` (runtime's Topology), renumbered with `dataclasses.replace` for each generation.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+
+class Place(Protocol):
+    """This process's place in the job as the group reads it (runtime.topology.Topology has these)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def master_addr(self) -> str: ...
+
+    @property
+    def master_port(self) -> int: ...
+
+
+class Watched(Protocol):
+    """A live group as the waits and the hang watchdog see it (runtime.watchdog.MembershipWatch)."""
+
+    def check(self) -> None: ...
+
+    def evict(self, rank: int, why: str) -> None: ...
+
+
+class Host(Protocol):
+    """The process around a live group (see the module doc)."""
+
+    def hang_timeout(self) -> float:
+        """Seconds a rank may wait for a peer before the hang watchdog acts (0: off)."""
+
+    def tracked(self, op: str) -> AbstractContextManager[object]:
+        """A wait of the protocol's own (a step's commit), watched by the hang watchdog like a collective."""
+
+    def watch(self, group: Watched) -> None:
+        """From now on, every collective wait polls `group.check()` (a lost member ends it at once)."""
+
+    def stop_watchdog(self) -> float:
+        """Stop the hang watchdog before the group is left; the seconds the main thread had been waiting
+        in a collective (0.0 when it was not)."""
+
+    def start_watchdog(self, group: Watched) -> None:
+        """The next generation formed: forget the failed collective, watch the new group for hangs."""
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every member's `obj`, in rank order (a collective of the current generation)."""
+
+    def broadcast_state(self, state: Any, src: int) -> Any:
+        """`src`'s state (a tree of tensors and objects) on every member."""
