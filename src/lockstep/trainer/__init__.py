@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from lockstep.errors import UnknownNameError
+
 if TYPE_CHECKING:
     from lockstep.trainer.api import FitResult, fit
     from lockstep.trainer.config import FitConfig
@@ -28,5 +30,7 @@ _HOMES = {"FitConfig": "config", "FitResult": "api", "LiveLoop": "live_loop", "f
 
 def __getattr__(name: str) -> Any:
     if name not in _HOMES:
-        raise AttributeError(f"module 'lockstep.trainer' has no attribute {name!r}")
+        raise UnknownNameError(
+            f"module 'lockstep.trainer' has no attribute {name!r}; its public names are {', '.join(__all__)}"
+        )
     return getattr(importlib.import_module(f"lockstep.trainer.{_HOMES[name]}"), name)
