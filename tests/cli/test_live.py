@@ -108,6 +108,23 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {**_summary(out), "train_log": train_log}
 
 
+@pytest.mark.smoke
+def test_the_last_survivor_of_two_finishes_alone_without_a_restart(tmp_path: Path) -> None:
+    """The fast tier's live kill (2 ranks: the tier rule keeps 3 or more out of it): rank 1 dies in the
+    forward of its 3rd step, rank 0 finishes every step alone."""
+    out, result = _run(tmp_path, "live", "-n", "2", "--min-world", "1", fault="forward", victim=1, at=5)
+    assert result.returncode == 0, result.stderr
+    assert "lockstep run: rank 1 killed by SIGKILL; 1 of 2 ranks go on" in result.stderr, result.stderr
+    assert "finished on 1 of 2 ranks, without a restart" in result.stderr, result.stderr
+    summary = _summary(out)
+    assert summary["steps"] == EPOCHS * SAMPLES // GLOBAL_BATCH
+    assert summary["world_size"] == 1 and summary["restarts"] == 0
+    [record] = summary["faults"]
+    assert record["lost"] == [1] and record["how"] == {"1": "killed by SIGKILL"} and record["world_size"] == 1
+    _survivors_kept_their_processes(out, 1, world=2)
+    _every_sample_once_but_the_abandoned_step(out)
+
+
 @pytest.mark.parametrize(
     ("fault", "victim", "at"),
     [
@@ -174,8 +191,8 @@ def test_a_rank_lost_at_start_up_is_survived(
     _every_sample_once_but_the_abandoned_step(out)
 
 
-def _survivors_kept_their_processes(out: Path, victim: int) -> None:
-    for uid in (r for r in range(4) if r != victim):  # the same processes from start to end
+def _survivors_kept_their_processes(out: Path, victim: int, world: int = 4) -> None:
+    for uid in (r for r in range(world) if r != victim):  # the same processes from start to end
         assert (out / f"pid-{uid}").read_text() == (out / f"done-{uid}").read_text()
     assert not (out / f"done-{victim}").exists()
 
