@@ -2,7 +2,7 @@
 
 With `SyncPolicy(sync=...)` other than "allreduce", no gradient is averaged during backward; each replica
 takes its own (inner) optimizer steps on its own data, and `after_optimizer_step()` brings the replicas
-together every `sync_every` (H) steps:
+together every `sync_every` (H) steps, by the algorithm `sync` names (one class each, sync_algorithms.py):
 
 - local_sgd: the parameters are averaged (torch's PostLocalSGD, without its synchronous warm-up);
 - diloco: the outer gradient of each replica, anchor - local (the anchor: the parameters at the last
@@ -40,7 +40,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.engine.policy import SyncPolicy
-from lockstep.errors import ConfigError
+from lockstep.engine.sync_algorithms import MIX as MIX  # re-exported: streaming's merge share
+from lockstep.engine.sync_algorithms import SyncAlgorithm, parse_sync
+from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.waits import wait_tracked
 
@@ -69,9 +71,6 @@ def due_fragments(step: int, every: int, count: int) -> list[int]:
     """The fragments of `count` synced (launched) after inner step `step` (1-based) with sync_every=`every`:
     fragment f at (f + 1) H / F + kH."""
     return [f for f in range(count) if step % every == ((f + 1) * every // count) % every]
-
-
-MIX = 0.5  # streaming_diloco: the local share when a delayed outer step is merged (Streaming DiLoCo's alpha)
 
 
 class _Mean:
@@ -115,33 +114,36 @@ class _Mean:
 
 
 class OuterSync:
-    """One replica's periodic sync (see the module docstring)."""
+    """One replica's periodic sync (see the module docstring): the schedule and what the algorithms share;
+    the algorithm (sync_algorithms.py), chosen once from the policy, says what a fragment sends and what
+    the mean does to it."""
 
     def __init__(self, module: nn.Module, policy: SyncPolicy, group: Any, *, world: int) -> None:
         self.policy, self.group, self.world = policy, group, world
+        kind = policy.algorithm
+        if kind is None:
+            raise InternalError("OuterSync for SyncPolicy(sync='allreduce'): it has no periodic sync")
+        self.algorithm: SyncAlgorithm = kind()
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.buffers = [b for b in module.buffers() if b.is_floating_point()]
-        count = policy.fragments if policy.sync == "streaming_diloco" else 1
+        count = policy.fragments if kind.fragmented else 1
         self.fragments = fragment_bounds([p.numel() for p in self.params], count)
+        self.pieces = [
+            self.algorithm.fragment(
+                [self.params[i] for i in fragment],
+                outer_lr=policy.outer_lr,
+                outer_momentum=policy.outer_momentum,
+            )
+            for fragment in self.fragments
+        ]
         self.inner_steps = 0  # optimizer steps since the start (after_optimizer_step calls)
         self.outer_syncs = 0  # fragments synced so far
         self.bytes_sent = 0  # payload handed to the collectives (what comm_bytes counts)
-        self.anchor: list[torch.Tensor] = []
-        self.pending: tuple[int, _Mean] | None = None  # streaming: a fragment's mean on its way
-        self.outer: list[torch.optim.SGD] = []
-        if policy.sync != "local_sgd":
-            with torch.no_grad():
-                self.anchor = [p.detach().float().clone() for p in self.params]
-            self.outer = [self._outer_optimizer(fragment) for fragment in self.fragments]
-
-    def _outer_optimizer(self, fragment: range) -> torch.optim.SGD:
-        momentum = self.policy.outer_momentum
-        return torch.optim.SGD(
-            [self.anchor[i] for i in fragment],
-            lr=self.policy.outer_lr,
-            momentum=momentum,
-            nesterov=momentum > 0,
-        )
+        self.anchor = [
+            a for piece in self.pieces for a in piece.anchor
+        ]  # in parameter order (none: local SGD)
+        self.outer = [piece.outer for piece in self.pieces if piece.outer is not None]
+        self.pending: tuple[int, _Mean] | None = None  # delayed (streaming): a fragment's mean on its way
 
     # ---------------------------------------------------------------- the rounds
 
@@ -150,64 +152,36 @@ class OuterSync:
         return due_fragments(step, self.policy.sync_every, len(self.fragments))
 
     def after_optimizer_step(self) -> bool:
-        """Count one inner step; sync the fragments it completes. True when something was synced (or, in
-        streaming mode, started: it is applied after the next inner step)."""
+        """Count one inner step; sync the fragments it completes. True when something was synced (or, with
+        a delayed algorithm (streaming), started: it is applied after the next inner step)."""
         self.inner_steps += 1
-        streaming = self.policy.sync == "streaming_diloco"
-        if self.pending is not None:
-            self._merge(*self.pending)  # launched one inner step ago
+        self.flush()  # a mean launched one inner step ago
         due = self.due(self.inner_steps)
         for f in due:
-            if not streaming:
-                self._sync(f)
-                continue
-            if self.pending is not None:  # two fragments due at once (H < F): the earlier is applied first
-                self._merge(*self.pending)
-            self.pending = (f, self._start_mean(self._outer_grads(f)))
+            self.flush()  # two fragments due at once (H < F): the earlier is applied first
+            with torch.no_grad():
+                reduction = self._start_mean(self.algorithm.contribution(self.pieces[f]))
+            if self.algorithm.delayed:
+                self.pending = (f, reduction)
+            else:
+                self._apply(f, reduction)
         return bool(due)
 
     def flush(self) -> bool:
-        """streaming_diloco: apply the fragment still in flight now (at the end of training), instead of
-        after the next inner step. True when there was one."""
+        """A delayed algorithm (streaming_diloco): apply the fragment still in flight now (at the end of
+        training), instead of after the next inner step. True when there was one."""
         if self.pending is None:
             return False
-        self._merge(*self.pending)
+        f, reduction = self.pending
+        self.pending = None
+        self._apply(f, reduction)
         return True
 
-    def _outer_grads(self, f: int) -> list[torch.Tensor]:
-        return [self.anchor[i] - self.params[i].detach().float() for i in self.fragments[f]]
-
-    def _sync(self, f: int) -> None:
-        """local_sgd and diloco: average, step and take the result now."""
-        params = [self.params[i] for i in self.fragments[f]]
+    def _apply(self, f: int, reduction: _Mean) -> None:
+        """The fragment's mean, waited for, applied by the algorithm."""
         with torch.no_grad():
-            if self.policy.sync == "local_sgd":
-                for p, value in zip(params, self._mean([p.detach() for p in params])):
-                    p.copy_(value)
-            else:
-                self._outer_step(f, self._mean(self._outer_grads(f)))
-                for i, p in zip(self.fragments[f], params):
-                    p.copy_(self.anchor[i])
+            self.algorithm.apply(self.pieces[f], reduction.result(self))
         self._after_fragment(f)
-
-    def _merge(self, f: int, reduction: _Mean) -> None:
-        """streaming_diloco: a fragment's outer step, launched one inner step ago, merged into the local
-        values that moved on meanwhile: MIX * local + (1 - MIX) * global, as Streaming DiLoCo merges."""
-        self.pending = None
-        with torch.no_grad():
-            self._outer_step(f, reduction.result(self))
-            for i in self.fragments[f]:
-                p = self.params[i]
-                p.copy_(p.float().mul_(MIX).add_(self.anchor[i], alpha=1 - MIX))
-        self._after_fragment(f)
-
-    def _outer_step(self, f: int, outer_grads: list[torch.Tensor]) -> None:
-        anchor = [self.anchor[i] for i in self.fragments[f]]
-        for a, grad in zip(anchor, outer_grads):
-            a.grad = grad.view(a.shape)
-        self.outer[f].step()
-        for a in anchor:
-            a.grad = None
 
     def _after_fragment(self, f: int) -> None:
         if f == len(self.fragments) - 1 and self.buffers:  # buffers: with the last fragment of a round
@@ -266,7 +240,7 @@ class OuterSync:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["sync"] != self.policy.sync or len(state["outer"]) != len(self.outer):
+        if parse_sync(state["sync"]) is not type(self.algorithm) or len(state["outer"]) != len(self.outer):
             raise ConfigError(
                 f"this state was saved by sync={state['sync']!r} with {len(state['outer'])} fragment(s); this "
                 f"replica runs sync={self.policy.sync!r} with {len(self.outer)}: resume with the same settings"

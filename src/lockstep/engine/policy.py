@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
+from lockstep.engine.sync_algorithms import SYNC_MODES as SYNC_MODES  # re-exported: FitConfig's choices
+from lockstep.engine.sync_algorithms import SyncAlgorithm, parse_sync
 from lockstep.errors import ConfigError
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_MB = 1.0
 AUTO = "auto"  # bucket_cap_mb chosen by measurement (bucket_tuner.py)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-SYNC_MODES = ("allreduce", "local_sgd", "diloco", "streaming_diloco")
 
 
 @dataclass(frozen=True)
@@ -125,13 +126,17 @@ class SyncPolicy:
             )
 
     @property
+    def algorithm(self) -> type[SyncAlgorithm] | None:
+        """The periodic sync algorithm `sync` names (engine/sync_algorithms.py); None for "allreduce"."""
+        return parse_sync(self.sync, what="SyncPolicy.sync")
+
+    @property
     def periodic(self) -> bool:
         """True for the low-communication modes: the replicas meet every sync_every steps, not every step."""
-        return self.sync != "allreduce"
+        return self.algorithm is not None
 
     def _check_sync(self) -> None:
-        if self.sync not in SYNC_MODES:
-            raise ConfigError(f"SyncPolicy.sync must be one of {', '.join(SYNC_MODES)}; got {self.sync!r}")
+        algorithm = self.algorithm  # ConfigError naming the choices for an unknown name
         if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
             raise ConfigError(f"SyncPolicy.sync_every must be an int >= 1, got {self.sync_every!r}")
         if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
@@ -141,7 +146,7 @@ class SyncPolicy:
             )
         if not isinstance(self.fragments, int) or self.fragments < 1:
             raise ConfigError(f"SyncPolicy.fragments must be an int >= 1, got {self.fragments!r}")
-        if self.fragments > 1 and self.sync != "streaming_diloco":
+        if self.fragments > 1 and not (algorithm and algorithm.fragmented):
             raise ConfigError(
                 f"SyncPolicy.fragments={self.fragments} applies to sync='streaming_diloco' only"
             )

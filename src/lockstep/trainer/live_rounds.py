@@ -47,6 +47,7 @@ import torch
 
 from lockstep.checkpoint import rng
 from lockstep.engine.outer_sync import due_fragments
+from lockstep.engine.sync_algorithms import parse_sync
 from lockstep.errors import LockstepError
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery
@@ -126,9 +127,10 @@ class LiveRounds:
     @classmethod
     def of_run(cls, group: LiveGroup | None, state: RunState, config: FitConfig) -> LiveRounds | None:
         """A low-communication run's rounds in live mode, else None (streaming: by fragment syncs)."""
-        if group is None or config.sync == "allreduce":
+        algorithm = parse_sync(config.sync)
+        if group is None or algorithm is None:
             return None
-        streaming = config.fragments if config.sync == "streaming_diloco" else None
+        streaming = config.fragments if algorithm.delayed else None
         return cls(group, state, config.sync_every, fragments=streaming)
 
     @property

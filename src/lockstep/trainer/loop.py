@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from lockstep.checkpoint import CheckpointManager
 from lockstep.engine import DistributedDataParallel, replicate
+from lockstep.engine.sync_algorithms import is_periodic
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime import barrier, broadcast_object
@@ -73,7 +74,7 @@ class FitRun(LiveSide):
         self.plan = plan_batches(
             config, topo.world_size, live_world=self.live.launch_world_size if self.live else None
         )
-        self.periodic = config.sync != "allreduce"  # low-communication training: local steps, outer syncs
+        self.periodic = is_periodic(config.sync)  # low-communication training: local steps, outer syncs
         # a step: K micro-batches through accumulate() (the periodic modes step each rank's alone)
         self.micro_batched = self.plan.num_micro_batches > 0 and not self.periodic
         self.handle = None

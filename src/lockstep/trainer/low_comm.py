@@ -27,6 +27,7 @@ from torch import nn
 
 from lockstep.checkpoint.compare import state_sha256
 from lockstep.engine.policy import SyncPolicy
+from lockstep.engine.sync_algorithms import is_periodic
 from lockstep.errors import ConfigError
 from lockstep.runtime.waits import tracked
 from lockstep.trainer.config import FitConfig
@@ -38,7 +39,7 @@ def engine_policy(config: FitConfig, *, live: bool) -> SyncPolicy:
     """The replica's policy for fit's micro-batched steps (exact in deterministic mode, float sums
     otherwise), or for low-communication training (deterministic: the outer sums in rank order). Every
     sync runs in live mode (`live`): trainer/live_rounds.py says what a lost member costs in each."""
-    if config.sync == "allreduce":
+    if not is_periodic(config.sync):
         return SyncPolicy(deterministic=config.deterministic)
     return SyncPolicy(
         deterministic=config.deterministic,
@@ -65,7 +66,8 @@ class PeriodicRun:
         replicas never are, its fragments' outer steps being merged into values that moved on)."""
         policy = self.handle.policy
         inner_steps = int(self.handle.stats().extras["inner_steps"])
-        return policy.sync != "streaming_diloco" and inner_steps % policy.sync_every == 0
+        algorithm = policy.algorithm
+        return algorithm is not None and not algorithm.delayed and inner_steps % policy.sync_every == 0
 
     def rebind(self, handle: Any) -> None:
         """Live mode: the replica was rebuilt on a new group; the outer state lives in the new handle."""

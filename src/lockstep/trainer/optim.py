@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from lockstep.engine.shard_optimizer import ShardedOptimizer
+from lockstep.engine.sync_algorithms import is_periodic
 from lockstep.errors import ConfigError
 from lockstep.trainer.config import FitConfig
 
@@ -54,7 +55,7 @@ def maybe_sharded(
     the engine steps this sharded optimizer bucket by bucket (trainer/steps.py, `Stepper.overlap`)."""
     if not config.shard_optimizer:
         return optimizer
-    if config.sync != "allreduce":
+    if is_periodic(config.sync):
         raise ConfigError(
             f"shard_optimizer=True with sync={config.sync!r}: each rank steps all of its own parameters "
             "between syncs; there is no shared step to shard; choose one of the two"

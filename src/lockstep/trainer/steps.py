@@ -30,6 +30,7 @@ from torch import nn
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.periodic_mode import PERIODIC_REASON
 from lockstep.engine.replicate import overlap_optimizer
+from lockstep.engine.sync_algorithms import is_periodic
 from lockstep.errors import rank_tag
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.progress import OPTIMIZER, PROGRESS
@@ -75,7 +76,7 @@ class Stepper:
         if not self.config.overlap_optimizer:
             return
         state = self.state
-        if self.config.sync != "allreduce":  # no gradient is averaged in backward: nothing to overlap with
+        if is_periodic(self.config.sync):  # no gradient is averaged in backward: nothing to overlap with
             tag = rank_tag(dist.get_rank(), dist.get_world_size())
             self.optimizer = OverlappedOptimizer(self.optimizer, fallback=PERIODIC_REASON, tag=tag)
             return

@@ -1,0 +1,139 @@
+"""The periodic sync algorithms, one small class each, and `parse_sync`: the one place a `sync` name is read.
+
+`SyncPolicy.sync` and `FitConfig.sync` stay strings (the public API); `parse_sync` turns one into the
+algorithm's class (None: "allreduce", gradients averaged every step) and everything else asks that:
+`SyncPolicy.algorithm` / `.periodic`, the class's flags, and the instance OuterSync holds.
+
+An algorithm says what one fragment of the model contributes to a sync and what the mean over the ranks
+does to it; engine/outer_sync.py (OuterSync) does what they share: the fragments and their schedule, the
+float32 anchors, the mean (its wire dtype, the rank-order sum), the buffers, the counts and the state a
+resume needs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from lockstep.errors import ConfigError, InternalError
+
+EVERY_STEP = "allreduce"  # the default sync: no periodic algorithm, gradients averaged in backward
+MIX = 0.5  # streaming_diloco: the local share when a delayed outer step is merged (Streaming DiLoCo's alpha)
+
+
+@dataclass
+class Fragment:
+    """A piece of the model that syncs as one: its parameters, their float32 anchors (the values at the
+    last sync) and the outer optimizer that steps the anchors (none for local SGD)."""
+
+    params: list[torch.Tensor]
+    anchor: list[torch.Tensor]
+    outer: torch.optim.Optimizer | None = None
+
+
+class SyncAlgorithm(ABC):
+    """One periodic sync algorithm (the interface OuterSync holds).
+
+    - fragmented: the model syncs in `SyncPolicy.fragments` pieces (otherwise in one);
+    - delayed: a fragment's mean is applied one inner step after its launch, overlapping that step, so
+      the replicas are never all equal (live mode marks every fragment's sync, without waiting);
+    - fragment(): a piece of the model with the state the algorithm keeps for it;
+    - contribution(): what the piece sends (its mean over the ranks comes back to apply());
+    - apply(): the mean's effect on the piece (under torch.no_grad()).
+    """
+
+    name: ClassVar[str]
+    fragmented: ClassVar[bool] = False
+    delayed: ClassVar[bool] = False
+
+    def fragment(self, params: list[torch.Tensor], *, outer_lr: float, outer_momentum: float) -> Fragment:
+        return Fragment(params, [])
+
+    @abstractmethod
+    def contribution(self, fragment: Fragment) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def apply(self, fragment: Fragment, mean: list[torch.Tensor]) -> None: ...
+
+
+class LocalSGD(SyncAlgorithm):
+    """The parameters are averaged (torch's PostLocalSGD, without its synchronous warm-up)."""
+
+    name = "local_sgd"
+
+    def contribution(self, fragment: Fragment) -> list[torch.Tensor]:
+        return [p.detach() for p in fragment.params]
+
+    def apply(self, fragment: Fragment, mean: list[torch.Tensor]) -> None:
+        for p, value in zip(fragment.params, mean):
+            p.copy_(value)
+
+
+class DiLoCo(SyncAlgorithm):
+    """The outer gradient, anchor - local, is averaged; an outer SGD step (Nesterov momentum when
+    outer_momentum > 0) moves the anchor, and the replica starts the next round from it."""
+
+    name = "diloco"
+
+    def fragment(self, params: list[torch.Tensor], *, outer_lr: float, outer_momentum: float) -> Fragment:
+        with torch.no_grad():
+            anchor = [p.detach().float().clone() for p in params]
+        outer = torch.optim.SGD(anchor, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+        return Fragment(params, anchor, outer)
+
+    def contribution(self, fragment: Fragment) -> list[torch.Tensor]:
+        return [a - p.detach().float() for a, p in zip(fragment.anchor, fragment.params)]
+
+    def apply(self, fragment: Fragment, mean: list[torch.Tensor]) -> None:
+        if fragment.outer is None:
+            raise InternalError(
+                f"{self.name}: a fragment without its outer optimizer (not made by fragment())"
+            )
+        for a, grad in zip(fragment.anchor, mean):
+            a.grad = grad.view(a.shape)
+        fragment.outer.step()
+        for a in fragment.anchor:
+            a.grad = None
+        self.take(fragment)
+
+    def take(self, fragment: Fragment) -> None:
+        """The stepped anchor becomes the parameters."""
+        for p, a in zip(fragment.params, fragment.anchor):
+            p.copy_(a)
+
+
+class StreamingDiLoCo(DiLoCo):
+    """DiLoCo on fragments whose syncs are staggered over the round; a fragment's outer step lands one
+    inner step after its launch and is merged into the local values that moved on meanwhile:
+    MIX * local + (1 - MIX) * global (Streaming DiLoCo's merge)."""
+
+    name = "streaming_diloco"
+    fragmented = True
+    delayed = True
+
+    def take(self, fragment: Fragment) -> None:
+        for p, a in zip(fragment.params, fragment.anchor):
+            p.copy_(p.float().mul_(MIX).add_(a, alpha=1 - MIX))
+
+
+ALGORITHMS: dict[str, type[SyncAlgorithm]] = {cls.name: cls for cls in (LocalSGD, DiLoCo, StreamingDiLoCo)}
+SYNC_MODES = (EVERY_STEP, *ALGORITHMS)
+
+
+def parse_sync(sync: object, *, what: str = "sync") -> type[SyncAlgorithm] | None:
+    """The algorithm a `sync` name selects; None for "allreduce" (every step). ConfigError names the
+    choices for any other value (`what`: the setting, in the message)."""
+    if isinstance(sync, str):
+        if sync == EVERY_STEP:
+            return None
+        if sync in ALGORITHMS:
+            return ALGORITHMS[sync]
+    raise ConfigError(f"{what} must be one of {', '.join(SYNC_MODES)}; got {sync!r}")
+
+
+def is_periodic(sync: str) -> bool:
+    """True for the low-communication modes: the replicas meet every sync_every steps, not every step."""
+    return parse_sync(sync) is not None
