@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "errors": set(),
     "plan": {"errors"},
     "runtime": L0,
-    "engine": L0 | L1,
+    "engine": L0 | L1 | {"plan"},
     "data": L0 | L1,
     "checkpoint": L0 | L1,
     "nn": {"engine"},

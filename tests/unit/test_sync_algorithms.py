@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 import lockstep
+from lockstep import plan
 from lockstep.engine import policy as policy_module
 from lockstep.engine.outer_sync import OuterSync
 from lockstep.engine.sync_algorithms import (
     ALGORITHMS,
+    EVERY_STEP,
     MIX,
     SYNC_MODES,
     DiLoCo,
@@ -48,7 +50,8 @@ def test_the_parser_maps_each_name_to_its_class() -> None:
         "diloco",
         "streaming_diloco",
     )  # FitConfig's choices, in order
-    assert policy_module.SYNC_MODES is SYNC_MODES
+    assert policy_module.SYNC_MODES is SYNC_MODES is plan.SYNC_MODES  # one tuple of names, the launcher's too
+    assert (EVERY_STEP, *ALGORITHMS) == SYNC_MODES  # the classes' names are the plan's
     assert all(cls.name == name and issubclass(cls, SyncAlgorithm) for name, cls in ALGORITHMS.items())
     assert [is_periodic(name) for name in SYNC_MODES] == [False, True, True, True]
 

@@ -19,8 +19,11 @@ from typing import ClassVar
 import torch
 
 from lockstep.errors import ConfigError, InternalError
+from lockstep.plan import SYNC_MODES
 
-EVERY_STEP = "allreduce"  # the default sync: no periodic algorithm, gradients averaged in backward
+EVERY_STEP = SYNC_MODES[
+    0
+]  # "allreduce", the default sync: no periodic algorithm, gradients averaged in backward
 MIX = 0.5  # streaming_diloco: the local share when a delayed outer step is merged (Streaming DiLoCo's alpha)
 
 
@@ -119,8 +122,9 @@ class StreamingDiLoCo(DiLoCo):
             p.copy_(p.float().mul_(MIX).add_(a, alpha=1 - MIX))
 
 
+# The names are lockstep.plan's (the launcher reads them without torch); tests/unit/test_sync_algorithms.py
+# keeps the classes' names equal to them.
 ALGORITHMS: dict[str, type[SyncAlgorithm]] = {cls.name: cls for cls in (LocalSGD, DiLoCo, StreamingDiLoCo)}
-SYNC_MODES = (EVERY_STEP, *ALGORITHMS)
 
 
 def parse_sync(sync: object, *, what: str = "sync") -> type[SyncAlgorithm] | None:
