@@ -9,6 +9,7 @@ import torch
 from lockstep.engine.sync_algorithms import SYNC_MODES as SYNC_MODES  # re-exported: FitConfig's choices
 from lockstep.engine.sync_algorithms import SyncAlgorithm, parse_sync
 from lockstep.errors import ConfigError
+from lockstep.plan import Plan, RunSettings
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_MB = 1.0
@@ -82,7 +83,6 @@ class SyncPolicy:
 
     def __post_init__(self) -> None:
         self._check_sync()
-        self._check_auto()
         for name in ("bucket_cap_mb", "first_bucket_mb"):
             value = getattr(self, name)
             if name == "bucket_cap_mb" and value == AUTO:
@@ -96,34 +96,26 @@ class SyncPolicy:
             raise ConfigError(
                 f"SyncPolicy.reduce_dtype must be None or a floating torch.dtype, got {self.reduce_dtype!r}"
             )
+        # Which knobs combine (deterministic, the sync, "auto" against the bucket knobs): the plan's table
+        Plan.of(self.run_settings())
 
-        if self.deterministic:
-            conflicting = [
-                name
-                for name in ("static_graph", "gradient_as_bucket_view", "torch_bucket_layout")
-                if getattr(self, name)
-            ] + (["reduce_dtype"] if self.reduce_dtype is not None else [])
-            if conflicting:
-                raise ConfigError(
-                    f"SyncPolicy(deterministic=True) sums gradients exactly in its own format, without buckets; "
-                    f"{', '.join(conflicting)} cannot apply: leave {' and '.join(conflicting)} at the default"
-                )
+    def run_settings(self) -> RunSettings:
+        """The knobs the plan (lockstep/plan.py) decides from."""
+        return RunSettings(
+            deterministic=self.deterministic,
+            sync=self.sync,
+            bucket_cap_mb=AUTO if self.tune_buckets else None,
+            static_graph=self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            torch_bucket_layout=self.torch_bucket_layout,
+            reduce_dtype=self.reduce_dtype,
+        )
 
     @property
     def tune_buckets(self) -> bool:
         """bucket_cap_mb="auto": the bucket tuner picks the cap (bucket_tuner.py)."""
         return self.bucket_cap_mb == AUTO
-
-    def _check_auto(self) -> None:
-        if not self.tune_buckets:
-            return
-        conflicting = [n for n in ("torch_bucket_layout", "deterministic") if getattr(self, n)]
-        conflicting += [f"sync={self.sync!r}"] if self.periodic else []
-        if conflicting:
-            raise ConfigError(
-                f"SyncPolicy(bucket_cap_mb='auto') times lockstep's own buckets; {', '.join(conflicting)} "
-                "leaves none to time: pass a number of MiB (e.g. bucket_cap_mb=25) or leave those at the default"
-            )
 
     @property
     def algorithm(self) -> type[SyncAlgorithm] | None:
@@ -153,13 +145,6 @@ class SyncPolicy:
         if self.delta_dtype not in (None, torch.float32, *_LOW_PRECISION):
             raise ConfigError(
                 f"SyncPolicy.delta_dtype must be None, float32, bfloat16 or float16; got {self.delta_dtype!r}"
-            )
-        if self.periodic and (
-            self.static_graph or self.gradient_as_bucket_view or self.find_unused_parameters
-        ):
-            raise ConfigError(
-                f"SyncPolicy(sync={self.sync!r}) averages no gradient in backward: static_graph, "
-                "gradient_as_bucket_view and find_unused_parameters cannot apply; leave them at the default"
             )
 
     @property
