@@ -194,7 +194,7 @@ class BucketedMode:
         step: int,
         seed: int,
     ) -> dict[int, Any]:
-        with self.reducer.optimizer_steps.suspended(ACCUMULATE_REASON):
+        with self.reducer.stepper.suspended(ACCUMULATE_REASON):
             return self.micro_steps(replica).run(
                 FloatReduction(replica),
                 fn,
@@ -217,7 +217,7 @@ class BucketedMode:
             shard = overlapped.shard
             if shard is not None and shard.world > 1:  # the owners' broadcasts, bucket by bucket
                 overlapped.broadcasts = BucketBroadcasts(shard, side_group(shard.group))
-            self.reducer.optimizer_steps = OverlappedSteps(overlapped)
+            self.reducer.step_with(OverlappedSteps(overlapped))
             self._overlapped = True
         return overlapped
 
@@ -235,7 +235,7 @@ class BucketedMode:
             mean=r.stats.mean(),
             extras={
                 "bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets],
-                **r.optimizer_steps.stats(),
+                **r.stepper.stats(),
                 "bytes_communicated_total": r.stats.total_bytes,
                 **(self.tuner.stats() if self.tuner is not None else {}),
             },

@@ -31,13 +31,14 @@ that needs every gradient first (clipping by global norm, the fp16 GradScaler's 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Protocol
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from lockstep.engine.bucket_memory import Bucket
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.step import NoStepper, ParamStepper
 
 PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -72,45 +73,9 @@ def fallback_reason(optimizer: torch.optim.Optimizer, *, clip_grad_norm: bool, s
     return None
 
 
-class OptimizerSteps(Protocol):
-    """What the reducer calls (see the module docstring)."""
-
-    def begin(self, unused: Sequence[int], where: Sequence[tuple[Bucket, int]]) -> None: ...
-
-    def poll(
-        self, buckets: Sequence[Bucket], launched: int, write_back: Callable[[Bucket], None]
-    ) -> None: ...
-
-    def reduced(self, b: Bucket, *, last: bool) -> None: ...
-
-    def end(self, buckets: Sequence[Bucket], *, ok: bool) -> None: ...
-
-    def suspended(self, reason: str) -> AbstractContextManager[None]: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-
-class PlainSteps:
-    """The default: the engine never steps the optimizer."""
-
-    def begin(self, unused: Sequence[int], where: Sequence[tuple[Bucket, int]]) -> None:
-        pass
-
-    def poll(self, buckets: Sequence[Bucket], launched: int, write_back: Callable[[Bucket], None]) -> None:
-        pass
-
-    def reduced(self, b: Bucket, *, last: bool) -> None:
-        pass
-
-    def end(self, buckets: Sequence[Bucket], *, ok: bool) -> None:
-        pass
-
-    @contextmanager
-    def suspended(self, reason: str) -> Iterator[None]:
-        yield
-
-    def stats(self) -> dict[str, Any]:
-        return {}
+# The interface the reducer calls and its default (step.py), under the names they had here.
+OptimizerSteps = ParamStepper
+PlainSteps = NoStepper
 
 
 class OverlappedSteps:
