@@ -212,11 +212,11 @@ class BucketedMode:
                 f"{replica.tag}overlap_optimizer was already called on this replica: the engine steps one "
                 "optimizer; give it one optimizer over all the parameters (param_groups for different settings)"
             )
-        overlapped = OverlappedOptimizer(optimizer, fallback=fallback, tag=replica.tag)
+        broadcasts = None  # the owners' broadcasts, bucket by bucket: sharded, overlapped, world > 1
+        if fallback is None and isinstance(optimizer, ShardedOptimizer) and optimizer.world > 1:
+            broadcasts = BucketBroadcasts(optimizer, side_group(optimizer.group))
+        overlapped = OverlappedOptimizer(optimizer, fallback=fallback, tag=replica.tag, broadcasts=broadcasts)
         if fallback is None:
-            shard = overlapped.shard
-            if shard is not None and shard.world > 1:  # the owners' broadcasts, bucket by bucket
-                overlapped.broadcasts = BucketBroadcasts(shard, side_group(shard.group))
             self.reducer.step_with(OverlappedSteps(overlapped))
             self._overlapped = True
         return overlapped

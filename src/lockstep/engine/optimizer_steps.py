@@ -24,7 +24,8 @@ the optimizer's step() waits for them. A failed backward finishes the broadcasts
 always marks the optimizer broken (whether some rank stepped a bucket is not known here without a collective).
 
 Which optimizers overlap: those whose step of one parameter reads nothing but that parameter's gradient
-and state (torch.optim.SGD, Adam, AdamW, exactly those classes: a subclass may override step). A step
+and state, and whose overlapped step is tested (torch.optim.SGD, Adam, AdamW, exactly those classes: a
+subclass may override step; shard_units.ELEMENTWISE_OPTIMIZERS is the one table). A step
 that needs every gradient first (clipping by global norm, the fp16 GradScaler's inf check) falls back.
 """
 
@@ -38,13 +39,10 @@ import torch
 
 from lockstep.engine.bucket_memory import Bucket
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.shard_units import OVERLAPPED
 from lockstep.engine.step import NoStepper, ParamStepper
 
-PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-)
+PER_PARAMETER_OPTIMIZERS = OVERLAPPED  # shard_units.ELEMENTWISE_OPTIMIZERS, the one table
 ACCUMULATE_REASON = (
     "accumulate() scales the averaged gradients into the mean over the step's micro-batches only after "
     "the last backward"
@@ -98,8 +96,7 @@ class OverlappedSteps:
             return
         self._active = True
         self._deferred = {where[i][0].index for i in unused}
-        if self.optimizer.broadcasts is not None:
-            self.optimizer.broadcasts.begin()
+        self.optimizer.params_stepped.begin()
 
     def poll(self, buckets: Sequence[Bucket], launched: int, write_back: Callable[[Bucket], None]) -> None:
         """During backward: step every launched bucket (but the last) whose all-reduce has completed."""
@@ -123,11 +120,10 @@ class OverlappedSteps:
         if not self._active:
             return
         self._active = False
-        broadcasts = self.optimizer.broadcasts
+        params = self.optimizer.params_stepped
         if not ok:
-            if broadcasts is not None:
-                broadcasts.finish(buckets)
-            if self.optimizer.pending or broadcasts is not None:
+            broken_elsewhere = params.abandon(buckets)  # sharded: the broadcasts end alike on every rank
+            if self.optimizer.pending or broken_elsewhere:
                 self.optimizer.broke(
                     "the previous backward raised after the engine had stepped some buckets' parameters "
                     "(overlap_optimizer): the model is half a step ahead of its last good state, which no "
@@ -138,8 +134,7 @@ class OverlappedSteps:
             if b.written and b.index not in self._done:
                 self._step(b)
                 self.optimizer.buckets_stepped_at_finalize += 1
-        if broadcasts is not None:
-            broadcasts.flush(buckets)
+        params.flush(buckets)
 
     @contextmanager
     def suspended(self, reason: str) -> Iterator[None]:
@@ -153,20 +148,14 @@ class OverlappedSteps:
     def stats(self) -> dict[str, Any]:
         """For EngineStats.extras: how many buckets stepped during backward and at its end, so far."""
         optimizer = self.optimizer
-        broadcasts = (
-            {}
-            if optimizer.broadcasts is None
-            else {"optimizer_broadcasts_launched_in_backward": optimizer.broadcasts.launched_in_backward}
-        )
         return {
             "optimizer_buckets_stepped_in_backward": optimizer.buckets_stepped_in_backward,
             "optimizer_buckets_stepped_at_finalize": optimizer.buckets_stepped_at_finalize,
-            **broadcasts,
+            **optimizer.params_stepped.stats(),  # sharded: the broadcasts launched in backward
         }
 
     def _step(self, b: Bucket, *, in_backward: bool = False) -> None:
         self._done.add(b.index)
         with torch.no_grad():
             self.optimizer.step_params(b.params)
-        if self.optimizer.broadcasts is not None:  # sharded: the bucket's parameters from their owners
-            self.optimizer.broadcasts.stepped(b, in_backward=in_backward)
+        self.optimizer.params_stepped.stepped(b, in_backward=in_backward)  # sharded: the owners' broadcasts
