@@ -78,7 +78,7 @@ class GradientArrivals:
         ):
             self.arrived(i)
             return
-        # The common case, `arrived` and `_mark_ready` inlined (one Python frame per parameter, not four):
+        # The common case, `arrived` and `mark_ready` inlined (one Python frame per parameter, not four):
         # a step under way, settled buckets, first time ready, no graph to keep out.
         self.used[i] = step.ready[i] = 1
         launcher = self.launcher

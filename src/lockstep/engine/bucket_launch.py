@@ -2,7 +2,7 @@
 
 The launch phase of reducer.py's design note, and the waits at the end of finalize. Gradients reach a
 bucket's flat buffer scaled by 1/world on the way (one pass) when the built-in hook sums: an eager
-bucket (large gradients) is copied into by each parameter's hook (`_copy_in_one`), any other in one
+bucket (large gradients) is copied into by each parameter's hook (`copy_in`), any other in one
 `_foreach_copy_` at launch. A solo bucket hands `.grad` itself to the hook (or a copy when its dtype
 or memory layout differ); a sparse one its sparse gradient, divided (not multiplied) by the world as
 torch does. A complete bucket goes to the communication hook (torch's contract:

@@ -1,10 +1,11 @@
 """When the reducer steps the optimizer: never (plain), or each bucket as soon as its averages are back.
 
-The reducer (reducer.py) holds one of these, `Reducer.optimizer_steps`, and calls it at four points of
-its phases: `begin` when a synced backward starts (REDUCING), `poll` after each bucket launch while
-backward runs, `reduced` after each bucket's wait and write-back in finalize, and `end` once finalize
-knows whether the step stands. `PlainSteps` (the default) does nothing at any of them; the optimizer
-steps when the user calls it. `OverlappedSteps` (`handle.overlap_optimizer`) steps an
+The reducer (reducer.py) is handed one stepper (step.py's `ParamStepper`; its launcher holds it) and
+calls it at four points of its phases: `begin` when a synced backward starts (REDUCING), `poll` after
+each bucket launch while backward runs, `reduced` after each bucket's wait and write-back in finalize,
+and `end` once finalize knows whether the step stands. step.py's `NoStepper` (the default; `PlainSteps`
+here) does nothing at any of them; the optimizer steps when the user calls it. `OverlappedSteps`
+(`handle.overlap_optimizer`; engine/mode.py builds it and hands it to the reducer) steps an
 OverlappedOptimizer (overlapped_optimizer.py) bucket by bucket:
 
 - during backward, at each later bucket's launch, every earlier bucket whose all-reduce has completed
@@ -19,7 +20,8 @@ the ranks agree. A step that ends in an error after some buckets stepped marks t
 its next step() raises: the model is half a step ahead, and no plain step can finish it.
 
 With a ShardedOptimizer, each bucket's step takes the parameters this rank owns, and the owners'
-broadcasts of that bucket's parameters start right after it (shard_overlap.py, on a group of their own);
+broadcasts of that bucket's parameters start right after it (shard_overlap.py, on a group of their own;
+`OverlappedSteps` reaches them through the optimizer's `params_stepped`, whole or sharded alike);
 the optimizer's step() waits for them. A failed backward finishes the broadcasts on every rank alike and
 always marks the optimizer broken (whether some rank stepped a bucket is not known here without a collective).
 

@@ -55,7 +55,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lockstep.engine import unused
 from lockstep.engine.arrivals import GradientArrivals
 from lockstep.engine.bucket_launch import BucketLauncher, CommHook
 from lockstep.engine.bucket_layout import BucketSpec, complete_order
@@ -63,6 +62,7 @@ from lockstep.engine.bucket_memory import Bucket
 from lockstep.engine.phase import ARMED, FINALIZING, IDLE, LEGAL, REDUCING, SHADOWING, Phase, illegal_message
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.step import ArmedForward, ParamStepper, StepState
+from lockstep.engine.unused import unreached
 from lockstep.errors import InternalError, UnusedParameterError, UsageError
 from lockstep.runtime.progress import BACKWARD, PROGRESS
 
@@ -199,7 +199,7 @@ class Reducer:
         if arrivals.static_hits is not None:
             forward_unused = self._static_unused
         elif self.policy.find_unused_parameters and not self.launcher.static_graph:
-            forward_unused = unused.unreached(outputs, arrivals.index_of)
+            forward_unused = unreached(outputs, arrivals.index_of)
         else:
             forward_unused = []
         if self.phase in (REDUCING, FINALIZING):
