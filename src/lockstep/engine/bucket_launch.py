@@ -13,7 +13,7 @@ of the bucket (gradient_as_bucket_view).
 
 `BucketLauncher` holds this, the communication hook's settings, the missing-gradient agreement
 (unused.py) and the stepper (step.py's ParamStepper: who steps the parameters as buckets come back,
-handed in by engine/mode.py; none by default). The reducer (reducer.py) holds one, as `launcher`, next
+handed in at construction by engine/mode.py: NoStepper until an optimizer is overlapped). The reducer (reducer.py) holds one, as `launcher`, next
 to its GradientArrivals (arrivals.py), and drives both through the step's phases.
 """
 
@@ -41,7 +41,7 @@ from lockstep.engine.bucket_plan import BucketPlanner
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.shadow import mirror_backward
 from lockstep.engine.stats import StatsRecorder, union_ms
-from lockstep.engine.step import ArmedForward, NoStepper, ParamStepper, StepState
+from lockstep.engine.step import ArmedForward, ParamStepper, StepState
 from lockstep.engine.unused import UnusedAgreement
 from lockstep.errors import CommHookResultError, GradientError, InternalError, UsageError, rank_tag
 from lockstep.runtime.progress import PROGRESS
@@ -73,7 +73,7 @@ class BucketLauncher:
         sparse: Sequence[bool],
         device: torch.device,
         dropped: Callable[[], None],
-        stepper: ParamStepper | None = None,
+        stepper: ParamStepper,
     ) -> None:
         self.params, self.names, self.policy, self.group = list(params), list(names), policy, group
         self.rank, self.world, self.device = rank, world_size, device
@@ -93,13 +93,13 @@ class BucketLauncher:
         self.stats = StatsRecorder()
         self.planner = BucketPlanner(self.params, self.names, sparse, policy)
         self._layout: list[BucketSpec] | None = None
-        # the last _build's order and solo size: relayout builds again from them at another cap
+        # the last build's order and solo size: relayout builds again from them at another cap
         self._built_from: tuple[Sequence[int] | None, int | None] = (None, None)
         self.buckets: list[Bucket] = []
         self.where: list[tuple[Bucket, int]] = []  # per parameter: its bucket and its position there
         self.unused = UnusedAgreement(self.names, self.tag, group, device, world_size)
-        # who steps the optimizer: the user after backward (none), or each bucket once back (overlapped)
-        self.stepper: ParamStepper = stepper if stepper is not None else NoStepper()
+        # who steps the optimizer: the user after backward (NoStepper), or each bucket once back (overlapped)
+        self.stepper = stepper
 
     @property
     def layout(self) -> list[BucketSpec]:

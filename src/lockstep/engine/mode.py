@@ -38,6 +38,7 @@ from lockstep.engine.reducer import Reducer
 from lockstep.engine.shard_optimizer import ShardedOptimizer
 from lockstep.engine.shard_overlap import BucketBroadcasts, side_group
 from lockstep.engine.stats import EngineStats
+from lockstep.engine.step import NoStepper
 from lockstep.errors import NotSupportedError, UsageError
 
 
@@ -145,6 +146,7 @@ def choose_mode(
         world_size=replica.world,
         sparse=sparse,
         device=replica.comm_device,
+        stepper=NoStepper(),  # the user steps after backward; overlap_optimizer hands another (step_with)
     )
     reducer.attach_hooks()
     return BucketedMode(reducer, BucketTuner(reducer) if replica.policy.tune_buckets else None)

@@ -86,7 +86,7 @@ class Reducer:
         world_size: int,
         sparse: Sequence[bool],
         device: torch.device,
-        stepper: ParamStepper | None = None,
+        stepper: ParamStepper,
     ) -> None:
         self.launcher = launcher = BucketLauncher(
             params,
