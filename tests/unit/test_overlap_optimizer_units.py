@@ -205,3 +205,22 @@ def test_fit_setting_and_its_flag() -> None:
     assert config_from_mapping(FitConfig, values, sources).overlap_optimizer is True
     values, sources = read_overrides(["--overlap-optimizer"], switches={"overlap_optimizer"})
     assert config_from_mapping(FitConfig, values, sources).overlap_optimizer is True
+
+
+def test_a_plain_optimizer_is_stepped_as_whole_parameters_chosen_once() -> None:
+    from lockstep.engine.shard_overlap import WholeParams
+
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = OverlappedOptimizer(inner, fallback=None)
+    whole = opt.params_stepped
+    assert isinstance(whole, WholeParams) and whole.optimizer is inner
+    assert opt.consolidate_state_dict is None and opt.state is inner.state  # nothing sharded
+    assert not whole.in_flight() and whole.stats() == {} and not whole.abandon()  # nothing to broadcast
+    assert whole.mine() == {id(p) for p in model.parameters()}
+    _grads(model, 0)
+    opt.step_params(list(model.parameters())[4:])
+    opt.step()
+    assert opt.params_stepped is whole
+    assert all(g["params"] is not None for g in inner.param_groups)
+    assert [id(p) for p in inner.param_groups[0]["params"]] == [id(p) for p in model.parameters()]

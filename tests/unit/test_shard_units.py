@@ -97,3 +97,24 @@ def test_state_is_cut_and_joined_back_per_parameter() -> None:
     joined = units.merge_state(0, [pieces[u] for u in (0, 1, 2)])
     assert torch.equal(joined["exp_avg"], state["exp_avg"]) and joined["exp_avg"].shape == (4, 5)
     assert torch.equal(joined["step"], state["step"]) and joined["flag"] is True
+
+
+def test_one_table_says_what_is_cut_and_what_overlaps() -> None:
+    from lockstep.engine.optimizer_steps import PER_PARAMETER_OPTIMIZERS
+    from lockstep.engine.shard_units import ELEMENTWISE_OPTIMIZERS, OVERLAPPED
+
+    assert ELEMENTWISE == tuple(ELEMENTWISE_OPTIMIZERS)
+    assert OVERLAPPED == (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+    assert PER_PARAMETER_OPTIMIZERS is OVERLAPPED  # the overlapped step reads the same table
+
+
+def test_swapped_params_gives_back_the_lists_and_state_even_after_an_error() -> None:
+    from lockstep.engine.shard_units import swapped_params
+
+    a, b, c = (torch.nn.Parameter(torch.zeros(3)) for _ in range(3))
+    opt = torch.optim.SGD([{"params": [a, b]}, {"params": [c], "lr": 0.5}], lr=0.1)
+    lists, state, share = [g["params"] for g in opt.param_groups], opt.state, {}
+    with pytest.raises(RuntimeError, match="boom"), swapped_params(opt, [[b], []], share):
+        assert [g["params"] for g in opt.param_groups] == [[b], []] and opt.state is share
+        raise RuntimeError("boom")
+    assert all(g["params"] is saved for g, saved in zip(opt.param_groups, lists)) and opt.state is state

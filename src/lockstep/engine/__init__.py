@@ -6,7 +6,7 @@ Public: `DistributedDataParallel` (drop-in for torch's class) and `replicate` (n
 has the map): the faces (ddp, replicate, joinable, wrap_checks), the per-model state and its mode
 (state, mode), the bucketed reducer and its phases (reducer, phase, bucket_launch, bucket_plan,
 bucket_layout, bucket_memory, fast_hooks, step, unused, shadow, stats), the optimizer overlapped with
-communication (optimizer_steps, overlapped_optimizer), accumulate() and deterministic
+communication (optimizer_steps, overlapped_optimizer, shard_overlap), accumulate() and deterministic
 mode (micro_step, exact, exact_buckets, fixed_point, small_grads, running_stats), wrap-time sync
 (init_sync), uneven inputs (join), sharded optimizer state (shard_optimizer: `ShardedOptimizer`, what
 `ReplicaHandle.shard_optimizer()` returns), the settings (policy) and the old class path for pickles (api);

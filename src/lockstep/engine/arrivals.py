@@ -8,37 +8,57 @@ pass), and launches the bucket when it is complete. Everything else (the first g
 no_sync, static_graph's counts, a gradient that arrives twice, backward(create_graph=True)) goes
 through `arrived`.
 
-`GradientArrivals` sits between BucketLauncher (bucket_launch.py: copy-in, launch, write-back) and the
-Reducer (reducer.py: the step's phases), which provides `start_step`.
+`GradientArrivals` is a part the Reducer (reducer.py) holds, as `arrivals`, next to its BucketLauncher
+(bucket_launch.py: copy-in, launch, write-back), which it is handed. It owns what arrived when: the
+armed forward and the step under way (set by the Reducer's phases), the parameters used since the last
+synced step, the ready order recorded for the rebuild, static_graph's learned counts, and the hooks
+(fast_hooks.py). Of its owner it needs only the phase and `start_step` (`StepOwner`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from lockstep.engine.bucket_launch import BucketLauncher
+from lockstep.engine.fast_hooks import FastHooks
 from lockstep.engine.phase import REDUCING, Phase
 from lockstep.engine.step import ArmedForward, StepState
-from lockstep.errors import InternalError
 
 
-class GradientArrivals(BucketLauncher):
-    """The reducer's per-parameter hooks' side (see the module docstring); the Reducer sets the state."""
+class StepOwner(Protocol):
+    """What the arrivals need of the reducer that holds them."""
 
-    step: StepState | None
-    armed: ArmedForward | None
-    phase: Phase
-    order: list[int] | None
-    used: bytearray
-    _arrivals: list[torch.Tensor]
-    drain: Callable[[], None]
-    _static_hits: list[int] | None
+    @property
+    def phase(self) -> Phase: ...
 
     def start_step(self) -> StepState:
-        """ARMED -> REDUCING (the Reducer's): the first gradient of the armed forward's backward arrived."""
-        raise InternalError("lockstep bug: GradientArrivals without a Reducer's start_step")
+        """ARMED -> REDUCING: the first gradient of the armed forward's backward arrived."""
+        ...
+
+
+class GradientArrivals:
+    """The reducer's per-parameter hooks' side (see the module docstring)."""
+
+    def __init__(self, launcher: BucketLauncher, owner: StepOwner, params: Sequence[torch.Tensor]) -> None:
+        self.launcher, self._owner = launcher, owner
+        n = len(params)
+        # The step's data, set by the reducer's phases: `armed` from ARMED to the step's end, `step` from
+        # REDUCING on. The per-parameter path tests them, not the phase: it needs them anyway.
+        self.armed: ArmedForward | None = None
+        self.step: StepState | None = None
+        self.order: list[int] | None = (
+            None  # the ready order being recorded for the rebuild (the reducer's choice)
+        )
+        self.used = bytearray(n)  # parameters used since the last synced step (no_sync included)
+        self.static_hits: list[int] | None = None  # how often each parameter fires, learned by static_graph
+        self.index_of = {id(p): i for i, p in enumerate(params)}
+        self.start_step = owner.start_step
+        self.hooks = FastHooks(self, params)
+        self._reported = self.hooks.arrivals  # what fast hooks reported, not yet drained
+        self.drain = self.hooks.drain  # bound here: a trigger reaches it without a frame in between
 
     def post_accumulate_grad(self, i: int, _param: torch.Tensor | None = None) -> None:
         """The per-parameter Python hook: param i's .grad is complete for this backward.
@@ -46,7 +66,7 @@ class GradientArrivals(BucketLauncher):
         Registered as `functools.partial(post_accumulate_grad, i)`. Parameters reported by a fast hook
         before this one are processed first, in their order.
         """
-        if self._arrivals:
+        if self._reported:
             self.drain()
         step = self.step
         if (
@@ -58,23 +78,24 @@ class GradientArrivals(BucketLauncher):
         ):
             self.arrived(i)
             return
-        # The common case, `arrived` and `_mark_ready` inlined (one Python frame per parameter, not four):
+        # The common case, `arrived` and `mark_ready` inlined (one Python frame per parameter, not four):
         # a step under way, settled buckets, first time ready, no graph to keep out.
         self.used[i] = step.ready[i] = 1
-        b, pos = self.where[i]
-        if b.eager and self.communicates:
+        launcher = self.launcher
+        b, pos = launcher.where[i]
+        if b.eager and launcher.communicates:
             grad = b.params[pos].grad
-            if self._prescale and not b.widen and grad is not None and not grad.is_sparse:
-                torch.mul(grad, self._inv, out=b.views[pos])
+            if launcher.prescale and not b.widen and grad is not None and not grad.is_sparse:
+                torch.mul(grad, launcher.inv, out=b.views[pos])
             else:
-                self._copy_in_one(b, pos)
+                launcher.copy_in(b, pos)
         b.pending -= 1
         if b.pending == 0:
             b.last_ready = i
             if not step.defer:
-                self.launch_completed(step)
-                if self.phase is REDUCING:
-                    self.optimizer_steps.poll(self.buckets, step.next_bucket, self._write_back_one)
+                launcher.launch_completed(step)
+                if self._owner.phase is REDUCING:
+                    launcher.stepper.poll(launcher.buckets, step.next_bucket, launcher.write_back_one)
 
     def arrived(self, i: int) -> None:
         """Param i's gradient is complete (the common case, a step under way and first time ready, in
@@ -84,7 +105,7 @@ class GradientArrivals(BucketLauncher):
             return  # no_sync, eval, or a backward that did not follow a synced forward: accumulate locally
         step = self.step
         if step is not None and step.hits is None and not step.ready[i] and not torch.is_grad_enabled():
-            self._mark_ready(step, i)
+            self.mark_ready(step, i)
             return
         if torch.is_grad_enabled():  # backward(create_graph=True): keep the reduction out of the graph
             with torch.no_grad():
@@ -96,24 +117,28 @@ class GradientArrivals(BucketLauncher):
         step = self.step or self.start_step()
         if step.hits is not None:
             step.hits[i] += 1
-            if self._static_hits is not None and step.hits[i] < self._static_hits[i]:
+            if self.static_hits is not None and step.hits[i] < self.static_hits[i]:
                 return
         if step.ready[i]:
-            self._ready_again(i)
+            self.launcher.ready_again(i)
             return
-        self._mark_ready(step, i)
+        self.mark_ready(step, i)
 
-    def _mark_ready(self, step: StepState, i: int) -> None:
+    def mark_ready(self, step: StepState, i: int) -> None:
+        """Parameter i's gradient counts for this step (a missing one too, in finalize: zeros or no_sync's)."""
         step.ready[i] = 1
         if self.order is not None:
             self.order.append(i)
-        b, pos = self.where[i]
-        if b.eager and self.communicates:
-            self._copy_in_one(b, pos)
+        launcher = self.launcher
+        b, pos = launcher.where[i]
+        if b.eager and launcher.communicates:
+            launcher.copy_in(b, pos)
         b.pending -= 1
         if b.pending == 0:
             b.last_ready = i
         if b.pending == 0 and not step.defer:
-            self.launch_completed(step)
-            if self.phase is REDUCING:  # in finalize, buckets step after the ranks agree on unused ones
-                self.optimizer_steps.poll(self.buckets, step.next_bucket, self._write_back_one)
+            launcher.launch_completed(step)
+            if (
+                self._owner.phase is REDUCING
+            ):  # in finalize, buckets step after the ranks agree on unused ones
+                launcher.stepper.poll(launcher.buckets, step.next_bucket, launcher.write_back_one)

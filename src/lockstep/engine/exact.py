@@ -44,7 +44,6 @@ import torch.distributed as dist
 from lockstep.engine.exact_buckets import ExactBucket, ExactBuckets, known
 from lockstep.engine.fixed_point import (
     HEADROOM_BITS,
-    Quantizer,
     largest_magnitude,
     overflow_limits,
     powers_of_two,
@@ -67,9 +66,9 @@ class _Pending:
     small: torch.Tensor | None
 
 
-class ExactReducer(ExactBuckets):
+class ExactReducer:
     """Fixed-point sums for one replica's trainable parameters: the phases of the module's design note over
-    the accumulators of ExactBuckets (exact_buckets.py)."""
+    the accumulators it holds (`accumulators`, an ExactBuckets: exact_buckets.py)."""
 
     def __init__(
         self,
@@ -81,17 +80,18 @@ class ExactReducer(ExactBuckets):
         world_size: int,
         device: torch.device,
     ) -> None:
-        super().__init__(
+        self.params, self.names, self.group = list(params), list(names), group
+        self.rank, self.world, self.device = rank, world_size, device
+        self._n = len(self.params)
+        self.accumulators = ExactBuckets(
             params,
             group,
-            rank=rank,
             world_size=world_size,
             device=device,
             large_elements=LARGE_ELEMENTS,
             bucket_elements=BUCKET_ELEMENTS,
         )
-        self.names = list(names)
-        self._quantizer = Quantizer()
+        self.large, self.small = self.accumulators.large, self.accumulators.small  # fixed at construction
         # one all-reduce carries the small parameters' sums, then the flags
         self._flag_buffer = torch.zeros(self.small.size + 3 * self._n, dtype=torch.float64, device=device)
         self._small_sums = self._flag_buffer[: self.small.size]
@@ -110,17 +110,26 @@ class ExactReducer(ExactBuckets):
         self._maxima = torch.zeros(self._n, dtype=torch.float64, device=self.device)
         self._flags = self._flag_buffer[self.small.size :].view(3, self._n)  # used, over, nonfinite
         self._flag_buffer.zero_()
-        self._written = bytearray(self._n)  # a large parameter's accumulator holds this step's value
         self._spare: list[torch.Tensor | None] = [None] * self._n  # last micro-batch's grads, reused
         self._held: list[torch.Tensor | None] = [None] * self._n
         self._last = False
         self._agreement: tuple[torch.Tensor, Any] | None = None  # the scale broadcast in flight
         self._pending: _Pending | None = None  # the first micro-batch's gradients, until the scale is known
         self._waiting: dict[int, torch.Tensor] = {}  # its large ones, once the scale is known
-        self._next_bucket = 0
-        for b in self.buckets:
-            b.taken, b.record = 0, None
+        self.accumulators.reset()
         self._start_micro_batch()
+
+    @property
+    def buckets(self) -> list[ExactBucket]:
+        return self.accumulators.buckets
+
+    @property
+    def launched_in_backward(self) -> int:
+        return self.accumulators.launched_in_backward
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.accumulators.bytes_sent
 
     def _start_micro_batch(self) -> None:
         self._mb_max = torch.zeros(self._n, dtype=torch.float64, device=self.device)  # max |g| per parameter
@@ -171,7 +180,7 @@ class ExactReducer(ExactBuckets):
         shifts = scale_exponents(maxima, k, headroom)
         mult, factor = powers_of_two(shifts), powers_of_two(-shifts).mul_(1.0 / k)  # 2**s; 2**-s / K
         self._limit = overflow_limits(shifts, k)
-        large = self._large_index
+        large = self.accumulators.large_index
         self._mult = dict(zip(large.tolist(), mult[large].tolist()))
         self._factor = dict(zip(large.tolist(), factor[large].tolist()))
         self._small_mult, self._small_factor = mult[self.small.index], factor[self.small.index]
@@ -199,14 +208,11 @@ class ExactReducer(ExactBuckets):
         mult = known(self._mult, "the multipliers")[i]
         earlier = self._waiting.pop(i, None)  # the first micro-batch's, rounded in the same pass
         grads = [grad] if earlier is None else [earlier, grad]
-        largest = self._quantizer.add(self._accumulator(i), grads, mult, first=not self._written[i])
+        largest = self.accumulators.add(i, grads, mult)
         self._mb_max[i] = torch.maximum(self._mb_max[i], largest.to(self.device))
-        self._written[i] = 1
         if self._last:
             self._spare[i] = grad  # its buffer will hold the averaged gradient
-            b = self.buckets[self._bucket_of[i]]
-            b.taken += 1
-            self._launch_ready()
+            self.accumulators.taken(i)
 
     @torch.no_grad()
     def end_micro_batch(self) -> None:
@@ -230,7 +236,7 @@ class ExactReducer(ExactBuckets):
         self._fold_flags(self._mb_max, self._mb_used)
         self._take_waiting()
         if self._last:
-            self._launch_all()
+            self.accumulators.launch_all()
         self._start_micro_batch()
 
     def _measure_large_in_grad(self) -> None:
@@ -291,7 +297,7 @@ class ExactReducer(ExactBuckets):
         """
         if self._mult is None:  # this rank had no micro-batch: it still takes part in the scale broadcast
             self._agree()
-        self._launch_all()
+        self.accumulators.launch_all()
         if self.world > 1:
             with tracked(
                 "allreduce (exact gradients: flags and small parameters)", (self._flag_buffer,), self.group
@@ -308,8 +314,8 @@ class ExactReducer(ExactBuckets):
             keep = [used[i] for i in self.small.indices]
             nan = [used[i] and nonfinite[i] for i in self.small.indices]
             self.small.write(self._small_sums, factors, keep, nan)
-        for b in self.buckets:
-            self._write_bucket(b, used)
+        for b in self.accumulators.buckets:
+            self.accumulators.write(b, used, self._spare, self._factor)
         for i in range(self._n):
             p = self.params[i]
             if self.large[i] and nonfinite[i] and used[i]:
@@ -324,8 +330,7 @@ class ExactReducer(ExactBuckets):
         """The first micro-batch's large gradients whose parameters the next one did not use."""
         mult = known(self._mult, "the multipliers")
         for i, grad in self._waiting.items():
-            self._quantizer.add(self._accumulator(i), [grad], mult[i], first=not self._written[i])
-            self._written[i] = 1
+            self.accumulators.add(i, [grad], mult[i])
         self._waiting = {}
 
     def _finish(self) -> None:
@@ -333,8 +338,10 @@ class ExactReducer(ExactBuckets):
         self._spare, self._held, self._waiting = [None] * self._n, [None] * self._n, {}
 
     def _agreed_maxima(self) -> torch.Tensor:
-        for b in self.buckets:  # every rank waits for what it launched before the next collective
-            self._wait(b)
+        for (
+            b
+        ) in self.accumulators.buckets:  # every rank waits for what it launched before the next collective
+            self.accumulators.wait(b)
         maxima = self._maxima.clone()
         if self.world > 1:
             with tracked("allreduce max (gradient maxima)", (maxima,), self.group):
@@ -347,19 +354,6 @@ class ExactReducer(ExactBuckets):
         self.small.restore()
         self._finish()
         return maxima
-
-    def _write_bucket(self, b: ExactBucket, used: list[bool]) -> None:
-        self._wait(b)
-        for i in b.indices:
-            p = self.params[i]
-            if not used[i]:
-                p.grad = None
-                continue
-            spare = self._spare[i]
-            out = spare if spare is not None and spare.shape == p.shape and spare.dtype == p.dtype else None
-            p.grad = self._quantizer.write_mean(
-                out if out is not None else torch.empty_like(p), self._accumulator(i), self._factor[i]
-            )
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank

@@ -8,9 +8,10 @@ use and kept for the replica's life (allocating 100 MB afresh each step costs mo
 the arithmetic). The buckets hold the large parameters in reverse order, the order a backward usually
 produces their gradients, and their all-reduces launch strictly in bucket order, the same on every rank.
 
-`ExactBuckets` is the base class of exact.py's ExactReducer, which adds the step's phases. A base
-class rather than a member: the per-parameter hook reads `large`, and a large gradient's hook calls
-`_accumulator` and `_launch_ready`, where a member object would cost one more lookup each.
+`ExactBuckets` is a part that exact.py's ExactReducer holds (`ExactReducer.accumulators`): it owns the
+accumulators (which parameters are large, the buckets, which accumulators hold this step's value) and
+their arithmetic (the fixed-point Quantizer: a micro-batch added on the grid, the mean written back),
+and launches and waits for the buckets' all-reduces. The reducer owns the step's phases and scale.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from lockstep.engine.fixed_point import Quantizer
 from lockstep.engine.small_grads import SmallGradients
 from lockstep.errors import InternalError
 from lockstep.runtime.progress import PROGRESS
@@ -57,17 +59,17 @@ class ExactBuckets:
         params: Sequence[torch.Tensor],
         group: dist.ProcessGroup | None,
         *,
-        rank: int,
         world_size: int,
         device: torch.device,
         large_elements: int,
         bucket_elements: int,
     ) -> None:
         self.params, self.group = list(params), group
-        self.rank, self.world, self.device = rank, world_size, device
+        self.world, self.device = world_size, device
         self._n = len(self.params)
         self._plan_small(large_elements)
         self._plan_buckets(bucket_elements)
+        self._quantizer = Quantizer()
         self.launched_in_backward = 0  # buckets whose all-reduce started inside a backward (overlapped)
         self.bytes_sent = 0  # gradient payload handed to the all-reduces, over the replica's life
         self._written = bytearray(self._n)  # a large parameter's accumulator holds this step's value
@@ -83,7 +85,7 @@ class ExactBuckets:
         self.small = SmallGradients(
             self.params, [i for i in range(self._n) if not self.large[i]], self.device
         )
-        self._large_index = torch.tensor(
+        self.large_index = torch.tensor(
             [i for i in range(self._n) if self.large[i]], dtype=torch.long, device=self.device
         )
 
@@ -106,11 +108,45 @@ class ExactBuckets:
             b.offsets.append(b.numel)
             b.numel += numel
 
+    def reset(self) -> None:
+        """A step begins: no accumulator holds its value, no bucket is launched."""
+        self._written = bytearray(self._n)
+        self._next_bucket = 0
+        for b in self.buckets:
+            b.taken, b.record = 0, None
+
     def _accumulator(self, i: int) -> torch.Tensor:
         b = self.buckets[self._bucket_of[i]]
         if b.buffer is None:
             b.buffer = torch.empty(b.numel, dtype=torch.float64, device=self.device)
         return b.buffer[self._offset[i] : self._offset[i] + self.params[i].numel()]
+
+    def add(self, i: int, grads: list[torch.Tensor], mult: float) -> torch.Tensor:
+        """Large parameter i's accumulator (+)= `grads` rounded onto the grid of `mult`; their largest |element|."""
+        largest = self._quantizer.add(self._accumulator(i), grads, mult, first=not self._written[i])
+        self._written[i] = 1
+        return largest
+
+    def taken(self, i: int) -> None:
+        """In the rank's last micro-batch, large parameter i was taken: launch the buckets now complete."""
+        self.buckets[self._bucket_of[i]].taken += 1
+        self._launch_ready()
+
+    def write(
+        self, b: ExactBucket, used: list[bool], spare: list[torch.Tensor | None], factor: dict[int, float]
+    ) -> None:
+        """Wait for bucket b, then each used parameter's `.grad` = its sum * factor (into `spare` where it fits)."""
+        self.wait(b)
+        for i in b.indices:
+            p = self.params[i]
+            if not used[i]:
+                p.grad = None
+                continue
+            out = spare[i]
+            out = out if out is not None and out.shape == p.shape and out.dtype == p.dtype else None
+            p.grad = self._quantizer.write_mean(
+                out if out is not None else torch.empty_like(p), self._accumulator(i), factor[i]
+            )
 
     def _launch_ready(self) -> None:
         """Launch, in bucket order, every bucket whose gradients were all taken in the last micro-batch."""
@@ -121,7 +157,7 @@ class ExactBuckets:
             self._launch(b)
             self.launched_in_backward += 1
 
-    def _launch_all(self) -> None:
+    def launch_all(self) -> None:
         while self._next_bucket < len(self.buckets):
             self._launch(self.buckets[self._next_bucket])
 
@@ -137,7 +173,7 @@ class ExactBuckets:
             self.bytes_sent += buffer.numel() * buffer.element_size()
             b.record.work = dist.all_reduce(buffer, group=self.group, async_op=True)
 
-    def _wait(self, b: ExactBucket) -> None:
+    def wait(self, b: ExactBucket) -> None:
         if b.record is not None:
             wait_tracked(b.record, b.record.work)
             b.record = None

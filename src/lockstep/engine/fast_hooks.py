@@ -17,29 +17,27 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from lockstep.engine.bucket_memory import Bucket
 from lockstep.engine.step import ArmedForward, StepState
 
+if TYPE_CHECKING:
+    from lockstep.engine.bucket_launch import BucketLauncher
+
 
 class Arrivals(Protocol):
-    """What draining needs of the reducer (reducer.py): its step state and how it marks a gradient ready."""
+    """What draining needs of the reducer's arrivals (arrivals.py): the step state, how a gradient is
+    marked ready, and their bucket launcher (where each parameter goes, the scale, the copy, the launch)."""
 
     armed: ArmedForward | None
     step: StepState | None
     order: list[int] | None
     index_of: dict[int, int]
-    where: list[tuple[Bucket, int]]
     used: bytearray
-    _inv: torch.Tensor  # 1/world, as the copy into a bucket scales
-    _prescale: bool  # the built-in hook sums: gradients are scaled on their way into the bucket
-
-    def _copy_in_one(self, b: Bucket, pos: int) -> None:
-        """Copy parameter `pos` of bucket b into it (any case: None, widened, a user's hook)."""
-        ...
+    launcher: BucketLauncher
 
     def post_accumulate_grad(self, i: int, _param: torch.Tensor | None = None) -> None:
         """The Python hook of parameter i."""
@@ -53,16 +51,12 @@ class Arrivals(Protocol):
         """The first gradient of an armed forward: the step begins."""
         ...
 
-    def launch_completed(self, step: StepState) -> None:
-        """Launch the completed buckets that are next in order."""
-        ...
-
 
 class FastHooks:
     """One reducer's hook per parameter, Python or C, and the list the C ones append to."""
 
-    def __init__(self, reducer: Arrivals, params: Sequence[torch.Tensor]) -> None:
-        self.reducer, self.params = reducer, list(params)
+    def __init__(self, arrivals: Arrivals, params: Sequence[torch.Tensor]) -> None:
+        self.reducer, self.params = arrivals, list(params)
         self._n = len(self.params)
         self.handles: list[Any] = []  # one hook handle per parameter (attach)
         self.fast = bytearray(self._n)  # 1: parameter i's hook is the fast one
@@ -124,8 +118,9 @@ class FastHooks:
             for p in batch:
                 r.arrived(r.index_of[id(p)])
             return
-        index_of, where, used, ready = r.index_of, r.where, r.used, step.ready
-        inv, prescale = r._inv, r._prescale
+        launcher = r.launcher
+        index_of, where, used, ready = r.index_of, launcher.where, r.used, step.ready
+        inv, prescale = launcher.inv, launcher.prescale
         for p in batch:
             i = index_of[id(p)]
             b, pos = where[i]
@@ -138,12 +133,12 @@ class FastHooks:
                 if prescale and not b.widen and grad is not None and not grad.is_sparse:
                     torch.mul(grad, inv, out=b.views[pos])
                 else:
-                    r._copy_in_one(b, pos)
+                    launcher.copy_in(b, pos)
             b.pending -= 1
             if b.pending == 0:
                 b.last_ready = i
                 if not step.defer:
-                    r.launch_completed(step)
+                    launcher.launch_completed(step)
 
     def forget_buckets(self) -> None:
         """The reducer builds its buckets again: the last choice's key must not keep the old ones alive."""

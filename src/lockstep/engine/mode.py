@@ -38,6 +38,7 @@ from lockstep.engine.reducer import Reducer
 from lockstep.engine.shard_optimizer import ShardedOptimizer
 from lockstep.engine.shard_overlap import BucketBroadcasts, side_group
 from lockstep.engine.stats import EngineStats
+from lockstep.engine.step import NoStepper
 from lockstep.errors import NotSupportedError, UsageError
 
 
@@ -145,6 +146,7 @@ def choose_mode(
         world_size=replica.world,
         sparse=sparse,
         device=replica.comm_device,
+        stepper=NoStepper(),  # the user steps after backward; overlap_optimizer hands another (step_with)
     )
     reducer.attach_hooks()
     return BucketedMode(reducer, BucketTuner(reducer) if replica.policy.tune_buckets else None)
@@ -194,7 +196,7 @@ class BucketedMode:
         step: int,
         seed: int,
     ) -> dict[int, Any]:
-        with self.reducer.optimizer_steps.suspended(ACCUMULATE_REASON):
+        with self.reducer.stepper.suspended(ACCUMULATE_REASON):
             return self.micro_steps(replica).run(
                 FloatReduction(replica),
                 fn,
@@ -212,12 +214,12 @@ class BucketedMode:
                 f"{replica.tag}overlap_optimizer was already called on this replica: the engine steps one "
                 "optimizer; give it one optimizer over all the parameters (param_groups for different settings)"
             )
-        overlapped = OverlappedOptimizer(optimizer, fallback=fallback, tag=replica.tag)
+        broadcasts = None  # the owners' broadcasts, bucket by bucket: sharded, overlapped, world > 1
+        if fallback is None and isinstance(optimizer, ShardedOptimizer) and optimizer.world > 1:
+            broadcasts = BucketBroadcasts(optimizer, side_group(optimizer.group))
+        overlapped = OverlappedOptimizer(optimizer, fallback=fallback, tag=replica.tag, broadcasts=broadcasts)
         if fallback is None:
-            shard = overlapped.shard
-            if shard is not None and shard.world > 1:  # the owners' broadcasts, bucket by bucket
-                overlapped.broadcasts = BucketBroadcasts(shard, side_group(shard.group))
-            self.reducer.optimizer_steps = OverlappedSteps(overlapped)
+            self.reducer.step_with(OverlappedSteps(overlapped))
             self._overlapped = True
         return overlapped
 
@@ -235,7 +237,7 @@ class BucketedMode:
             mean=r.stats.mean(),
             extras={
                 "bucket_dtypes": [str(b.dtype).replace("torch.", "") for b in r.buckets],
-                **r.optimizer_steps.stats(),
+                **r.stepper.stats(),
                 "bytes_communicated_total": r.stats.total_bytes,
                 **(self.tuner.stats() if self.tuner is not None else {}),
             },

@@ -1,10 +1,11 @@
 """When the reducer steps the optimizer: never (plain), or each bucket as soon as its averages are back.
 
-The reducer (reducer.py) holds one of these, `Reducer.optimizer_steps`, and calls it at four points of
-its phases: `begin` when a synced backward starts (REDUCING), `poll` after each bucket launch while
-backward runs, `reduced` after each bucket's wait and write-back in finalize, and `end` once finalize
-knows whether the step stands. `PlainSteps` (the default) does nothing at any of them; the optimizer
-steps when the user calls it. `OverlappedSteps` (`handle.overlap_optimizer`) steps an
+The reducer (reducer.py) is handed one stepper (step.py's `ParamStepper`; its launcher holds it) and
+calls it at four points of its phases: `begin` when a synced backward starts (REDUCING), `poll` after
+each bucket launch while backward runs, `reduced` after each bucket's wait and write-back in finalize,
+and `end` once finalize knows whether the step stands. step.py's `NoStepper` (the default; `PlainSteps`
+here) does nothing at any of them; the optimizer steps when the user calls it. `OverlappedSteps`
+(`handle.overlap_optimizer`; engine/mode.py builds it and hands it to the reducer) steps an
 OverlappedOptimizer (overlapped_optimizer.py) bucket by bucket:
 
 - during backward, at each later bucket's launch, every earlier bucket whose all-reduce has completed
@@ -19,31 +20,31 @@ the ranks agree. A step that ends in an error after some buckets stepped marks t
 its next step() raises: the model is half a step ahead, and no plain step can finish it.
 
 With a ShardedOptimizer, each bucket's step takes the parameters this rank owns, and the owners'
-broadcasts of that bucket's parameters start right after it (shard_overlap.py, on a group of their own);
+broadcasts of that bucket's parameters start right after it (shard_overlap.py, on a group of their own;
+`OverlappedSteps` reaches them through the optimizer's `params_stepped`, whole or sharded alike);
 the optimizer's step() waits for them. A failed backward finishes the broadcasts on every rank alike and
 always marks the optimizer broken (whether some rank stepped a bucket is not known here without a collective).
 
 Which optimizers overlap: those whose step of one parameter reads nothing but that parameter's gradient
-and state (torch.optim.SGD, Adam, AdamW, exactly those classes: a subclass may override step). A step
+and state, and whose overlapped step is tested (torch.optim.SGD, Adam, AdamW, exactly those classes: a
+subclass may override step; shard_units.ELEMENTWISE_OPTIMIZERS is the one table). A step
 that needs every gradient first (clipping by global norm, the fp16 GradScaler's inf check) falls back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Protocol
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from lockstep.engine.bucket_memory import Bucket
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.shard_units import OVERLAPPED
+from lockstep.engine.step import NoStepper, ParamStepper
 
-PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-)
+PER_PARAMETER_OPTIMIZERS = OVERLAPPED  # shard_units.ELEMENTWISE_OPTIMIZERS, the one table
 ACCUMULATE_REASON = (
     "accumulate() scales the averaged gradients into the mean over the step's micro-batches only after "
     "the last backward"
@@ -72,45 +73,9 @@ def fallback_reason(optimizer: torch.optim.Optimizer, *, clip_grad_norm: bool, s
     return None
 
 
-class OptimizerSteps(Protocol):
-    """What the reducer calls (see the module docstring)."""
-
-    def begin(self, unused: Sequence[int], where: Sequence[tuple[Bucket, int]]) -> None: ...
-
-    def poll(
-        self, buckets: Sequence[Bucket], launched: int, write_back: Callable[[Bucket], None]
-    ) -> None: ...
-
-    def reduced(self, b: Bucket, *, last: bool) -> None: ...
-
-    def end(self, buckets: Sequence[Bucket], *, ok: bool) -> None: ...
-
-    def suspended(self, reason: str) -> AbstractContextManager[None]: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-
-class PlainSteps:
-    """The default: the engine never steps the optimizer."""
-
-    def begin(self, unused: Sequence[int], where: Sequence[tuple[Bucket, int]]) -> None:
-        pass
-
-    def poll(self, buckets: Sequence[Bucket], launched: int, write_back: Callable[[Bucket], None]) -> None:
-        pass
-
-    def reduced(self, b: Bucket, *, last: bool) -> None:
-        pass
-
-    def end(self, buckets: Sequence[Bucket], *, ok: bool) -> None:
-        pass
-
-    @contextmanager
-    def suspended(self, reason: str) -> Iterator[None]:
-        yield
-
-    def stats(self) -> dict[str, Any]:
-        return {}
+# The interface the reducer calls and its default (step.py), under the names they had here.
+OptimizerSteps = ParamStepper
+PlainSteps = NoStepper
 
 
 class OverlappedSteps:
@@ -133,8 +98,7 @@ class OverlappedSteps:
             return
         self._active = True
         self._deferred = {where[i][0].index for i in unused}
-        if self.optimizer.broadcasts is not None:
-            self.optimizer.broadcasts.begin()
+        self.optimizer.params_stepped.begin()
 
     def poll(self, buckets: Sequence[Bucket], launched: int, write_back: Callable[[Bucket], None]) -> None:
         """During backward: step every launched bucket (but the last) whose all-reduce has completed."""
@@ -158,11 +122,10 @@ class OverlappedSteps:
         if not self._active:
             return
         self._active = False
-        broadcasts = self.optimizer.broadcasts
+        params = self.optimizer.params_stepped
         if not ok:
-            if broadcasts is not None:
-                broadcasts.finish(buckets)
-            if self.optimizer.pending or broadcasts is not None:
+            broken_elsewhere = params.abandon(buckets)  # sharded: the broadcasts end alike on every rank
+            if self.optimizer.pending or broken_elsewhere:
                 self.optimizer.broke(
                     "the previous backward raised after the engine had stepped some buckets' parameters "
                     "(overlap_optimizer): the model is half a step ahead of its last good state, which no "
@@ -173,8 +136,7 @@ class OverlappedSteps:
             if b.written and b.index not in self._done:
                 self._step(b)
                 self.optimizer.buckets_stepped_at_finalize += 1
-        if broadcasts is not None:
-            broadcasts.flush(buckets)
+        params.flush(buckets)
 
     @contextmanager
     def suspended(self, reason: str) -> Iterator[None]:
@@ -188,20 +150,14 @@ class OverlappedSteps:
     def stats(self) -> dict[str, Any]:
         """For EngineStats.extras: how many buckets stepped during backward and at its end, so far."""
         optimizer = self.optimizer
-        broadcasts = (
-            {}
-            if optimizer.broadcasts is None
-            else {"optimizer_broadcasts_launched_in_backward": optimizer.broadcasts.launched_in_backward}
-        )
         return {
             "optimizer_buckets_stepped_in_backward": optimizer.buckets_stepped_in_backward,
             "optimizer_buckets_stepped_at_finalize": optimizer.buckets_stepped_at_finalize,
-            **broadcasts,
+            **optimizer.params_stepped.stats(),  # sharded: the broadcasts launched in backward
         }
 
     def _step(self, b: Bucket, *, in_backward: bool = False) -> None:
         self._done.add(b.index)
         with torch.no_grad():
             self.optimizer.step_params(b.params)
-        if self.optimizer.broadcasts is not None:  # sharded: the bucket's parameters from their owners
-            self.optimizer.broadcasts.stepped(b, in_backward=in_backward)
+        self.optimizer.params_stepped.stepped(b, in_backward=in_backward)  # sharded: the owners' broadcasts

@@ -22,9 +22,11 @@ setting changed after some buckets stepped with the old one (a scheduler stepped
 second synced backward before `step()`, or the wrapped optimizer stepped directly: each raises UsageError.
 
 A ShardedOptimizer (`handle.overlap_optimizer(handle.shard_optimizer(optimizer))`) overlaps too: the
-restricted steps take only the parameters this rank owns, and `broadcasts` (shard_overlap.py, set by the
-engine) sends each bucket's updated parameters from their owners as soon as they stepped; step() steps
-what is left of the share and waits for every broadcast. The fallback steps the ShardedOptimizer whole.
+restricted steps take only the parameters this rank owns, and its broadcasts (shard_overlap.py, made by
+the engine) send each bucket's updated parameters from their owners as soon as they stepped; step()
+steps what is left of the share and waits for every broadcast. The fallback steps the ShardedOptimizer
+whole. The two behaviours are one object each behind shard_overlap.py's `StepParams`, chosen once at
+construction: `WholeParams` or `ShardedParams`; the optimizer holds it as `params_stepped`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 
 from lockstep.engine.shard_optimizer import ShardedOptimizer
-from lockstep.engine.shard_overlap import BucketBroadcasts
+from lockstep.engine.shard_overlap import BucketBroadcasts, ShardedParams, StepParams, WholeParams
 from lockstep.errors import UsageError
 
 _Stepped = tuple[torch.Tensor, "torch.Tensor | None", int]
@@ -58,14 +60,23 @@ class OverlappedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer | ShardedOptimizer, *, fallback: str | None, tag: str = ""
+        self,
+        optimizer: torch.optim.Optimizer | ShardedOptimizer,
+        *,
+        fallback: str | None,
+        tag: str = "",
+        broadcasts: BucketBroadcasts | None = None,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called: the groups and the state are the wrapped one's
         # (as torch's PostLocalSGDOptimizer does), so there is one source of truth.
-        self.shard = optimizer if isinstance(optimizer, ShardedOptimizer) else None
-        self.optimizer = optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+        # What this rank steps, chosen once: every parameter, or its share (`broadcasts`: the owners'
+        # broadcasts of each stepped bucket, sharded and overlapped at world > 1, made by the engine).
+        self.params_stepped: StepParams
+        if isinstance(optimizer, ShardedOptimizer):
+            self.optimizer, self.params_stepped = optimizer.optimizer, ShardedParams(optimizer, broadcasts)
+        else:
+            self.optimizer, self.params_stepped = optimizer, WholeParams(optimizer)
         self._tag = tag
-        self.broadcasts: BucketBroadcasts | None = None  # sharded, overlapped, world > 1: set by the engine
         self._fallback = fallback
         self.fallback_reasons: list[str] = []  # every reason this optimizer stepped plainly for, once each
         self.buckets_stepped_in_backward = 0  # while backward ran (the reduction came back before its end)
@@ -89,7 +100,7 @@ class OverlappedOptimizer(torch.optim.Optimizer):
     @property  # type: ignore[override]
     def state(self) -> Any:  # type: ignore[override]
         """The wrapped optimizer's state; sharded, this rank's share (keyed by its units)."""
-        return self.shard.state if self.shard is not None else self.optimizer.state
+        return self.params_stepped.state
 
     @property  # type: ignore[override]
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
@@ -124,12 +135,12 @@ class OverlappedOptimizer(torch.optim.Optimizer):
         """Step `params` (those of this optimizer, each once per step) with the wrapped optimizer."""
         positions = self._positions
         if positions is None:  # this rank's parameters (its share, when sharded)
-            mine = self._mine()
+            mine = self.params_stepped.mine()
             positions = self._positions = {
                 id(p): (g, k)
                 for g, group in enumerate(self.param_groups)
                 for k, p in enumerate(group["params"])
-                if mine is None or id(p) in mine
+                if id(p) in mine
             }
         chosen = sorted(positions[id(p)] for p in params if id(p) in positions and id(p) not in self._stepped)
         if not chosen:
@@ -155,7 +166,7 @@ class OverlappedOptimizer(torch.optim.Optimizer):
 
     def check_no_pending(self) -> None:
         """A synced backward begins: the previous one's steps must have been finished by step()."""
-        if self._stepped or (self.broadcasts is not None and self.broadcasts.active):
+        if self._stepped or self.params_stepped.in_flight():
             raise UsageError(
                 f"{self._tag}a synced backward began before optimizer.step() finished the previous one: with "
                 "overlap_optimizer the engine steps each bucket's parameters during the synced backward, so a "
@@ -171,10 +182,8 @@ class OverlappedOptimizer(torch.optim.Optimizer):
         if broken:
             self._reset()
             raise UsageError(f"{self._tag}{broken}")
-        broadcasts = self.broadcasts if self.broadcasts is not None and self.broadcasts.active else None
-        if (
-            not self._stepped and broadcasts is None
-        ):  # sharded: every rank decides alike, even one owning none
+        # sharded: every rank decides alike (the broadcasts are in flight), even one owning none
+        if not self._stepped and not self.params_stepped.in_flight():
             return self._plain(closure)
         try:
             self._check_gradients_unchanged()
@@ -187,38 +196,34 @@ class OverlappedOptimizer(torch.optim.Optimizer):
                     "closure, or do not overlap this optimizer"
                 )
         except UsageError:
-            if broadcasts is not None:  # the broadcasts in flight end on every rank alike
-                broadcasts.finish()
+            self.params_stepped.abandon()  # the broadcasts in flight end on every rank alike
             raise
-        stepped, mine = self._stepped, self._mine()
+        stepped, mine = self._stepped, self.params_stepped.mine()
         rest = [
-            [p for p in group["params"] if id(p) not in stepped and (mine is None or id(p) in mine)]
+            [p for p in group["params"] if id(p) not in stepped and id(p) in mine]
             for group in self.param_groups
         ]  # parameters outside the replica, or whose bucket had not come back
         if any(rest):
             self._restricted_step(rest)
-        self._order_new_state()
+        self.params_stepped.order_new_state(self._state_len, self.param_groups)
         self._reset()
-        if broadcasts is not None:
-            broadcasts.finish()  # every updated parameter from its owner, before the next forward
-        elif self.shard is not None:
-            self.shard.stepped_elsewhere()  # world 1: the share is everything
+        self.params_stepped.finish()  # sharded: every updated parameter from its owner, before the next forward
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        return (self.shard or self.optimizer).state_dict()
+        return self.params_stepped.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        (self.shard or self.optimizer).load_state_dict(state_dict)
+        self.params_stepped.load_state_dict(state_dict)
 
     @property
     def consolidate_state_dict(self) -> Callable[..., None] | None:
         """Sharded only: the ShardedOptimizer's; None when the state is not sharded (checkpoint/stateful.py's
         `gathers_state` asks whether it is callable)."""
-        return self.shard.consolidate_state_dict if self.shard is not None else None
+        return self.params_stepped.consolidate_state_dict
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
@@ -233,10 +238,7 @@ class OverlappedOptimizer(torch.optim.Optimizer):
     def _plain(self, closure: Callable[[], float] | None) -> float | None:
         self._inside = True
         try:
-            if self.shard is not None:  # this rank's share, then every parameter from its owner
-                self.shard.step(closure)
-                return None
-            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            return self.params_stepped.step_all(closure)
         finally:
             self._inside = False
             self._reset()
@@ -244,21 +246,10 @@ class OverlappedOptimizer(torch.optim.Optimizer):
     def _restricted_step(self, chosen: list[list[torch.Tensor]]) -> None:
         """One step of the wrapped optimizer over `chosen` (per group) only; the groups are restored after."""
         self._inside = True
-        if self.shard is not None:  # this rank's units of those parameters, with its share of the state
-            try:
-                self.shard.step_share(chosen)
-            finally:
-                self._inside = False
-            return
-        saved = [group["params"] for group in self.param_groups]
         try:
-            for group, params in zip(self.param_groups, chosen):
-                group["params"] = params
-            self.optimizer.step()
+            self.params_stepped.step_some(chosen)
         finally:
             self._inside = False
-            for group, params in zip(self.param_groups, saved):
-                group["params"] = params
 
     def _check_gradients_unchanged(self) -> None:
         changed = [
@@ -294,27 +285,6 @@ class OverlappedOptimizer(torch.optim.Optimizer):
                 "bucket as soon as it is reduced). Change the settings after step() (a scheduler's step() "
                 "comes after optimizer.step())"
             )
-
-    def _order_new_state(self) -> None:
-        """The state entries made in this step, in the order the whole step would have made them (the
-        groups' order, after the older ones): state_dict() then lists them as the plain step does."""
-        state = self.state
-        if self.shard is not None or len(state) == self._state_len:  # sharded: consolidated in order
-            return
-        keys = list(state)
-        made = {id(p) for p in keys[self._state_len :]}
-        ordered = keys[: self._state_len] + [
-            p for group in self.param_groups for p in group["params"] if id(p) in made
-        ]
-        if len(ordered) != len(keys) or all(a is b for a, b in zip(ordered, keys)):
-            return
-        entries = [(p, state[p]) for p in ordered]
-        state.clear()  # in place: the wrapped optimizer's own dict
-        state.update(entries)
-
-    def _mine(self) -> set[int] | None:
-        """`id()` of the parameters this rank steps: its share when sharded, None (all) otherwise."""
-        return self.shard.kept_ids() if self.shard is not None else None
 
     def _reset(self) -> None:
         self._stepped = {}

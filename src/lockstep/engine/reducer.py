@@ -21,7 +21,7 @@ reducer's `phase` (phase.py: IDLE -> ARMED -> REDUCING -> FINALIZING -> IDLE) sa
 - launch: a complete bucket goes to the communication hook (torch's contract:
   hook(state, GradBucket) -> Future[Tensor]), strictly in bucket order on every rank: bucket 3 waits
   for bucket 2, or collectives would pair up differently on different ranks (bucket_launch.py: the
-  reducer's base class, from copy-in to write-back).
+  reducer's `launcher`, from copy-in to write-back).
 - finalize: an autograd engine callback at the end of the backward (queued from the outputs' gradient
   hooks, so that it belongs to the outermost backward even under reentrant checkpointing). A pass that
   started no step (an autograd.grad call) leaves the reducer ARMED. Otherwise (FINALIZING) parameters
@@ -29,10 +29,16 @@ reducer's `phase` (phase.py: IDLE -> ARMED -> REDUCING -> FINALIZING -> IDLE) sa
   launched, so that every rank issues the same collectives; the ranks agree on unused parameters
   (unused.py), wait, and write the averages back into `.grad`; then the reducer is IDLE again.
 
+The reducer holds two parts: `launcher` (a BucketLauncher, bucket_launch.py: the buckets, the
+communication hook, copy-in, launch, wait and write-back, the missing-gradient agreement) and `arrivals`
+(GradientArrivals, arrivals.py: the per-parameter hooks and what arrived when). The phases below drive
+both; the state the phases own (the phase, the rebuild's progress) is the reducer's own.
+
 The optimizer's step is the user's, after backward, unless an optimizer is overlapped
-(`handle.overlap_optimizer`): then `optimizer_steps` (optimizer_steps.py) steps each bucket's
-parameters once its averages are back: at a later bucket's launch (REDUCING), after its wait in
-finalize, and the last bucket once the missing-gradient verdict is read.
+(`handle.overlap_optimizer`): then the launcher's stepper (step.py's ParamStepper, handed in by
+engine/mode.py through `step_with`; this module imports no optimizer) steps each bucket's parameters
+once its averages are back: at a later bucket's launch (REDUCING), after its wait in finalize, and the
+last bucket once the missing-gradient verdict is read.
 
 All bucket arithmetic runs under no_grad: with backward(create_graph=True) gradients carry a graph of
 their own, which the reduction leaves alone (torch's DDP does not sync higher-order gradients either).
@@ -49,15 +55,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lockstep.engine import unused
 from lockstep.engine.arrivals import GradientArrivals
+from lockstep.engine.bucket_launch import BucketLauncher, CommHook
 from lockstep.engine.bucket_layout import BucketSpec, complete_order
-from lockstep.engine.bucket_memory import sum_hook
-from lockstep.engine.fast_hooks import FastHooks
+from lockstep.engine.bucket_memory import Bucket
 from lockstep.engine.phase import ARMED, FINALIZING, IDLE, LEGAL, REDUCING, SHADOWING, Phase, illegal_message
 from lockstep.engine.policy import SyncPolicy
-from lockstep.engine.shadow import mirror_backward
-from lockstep.engine.step import ArmedForward, StepState
+from lockstep.engine.step import ArmedForward, ParamStepper, StepState
+from lockstep.engine.unused import unreached
 from lockstep.errors import InternalError, UnusedParameterError, UsageError
 from lockstep.runtime.progress import BACKWARD, PROGRESS
 
@@ -66,9 +71,9 @@ from lockstep.runtime.progress import BACKWARD, PROGRESS
 SOLO_BUCKET_BYTES = 4 * 1024 * 1024
 
 
-class Reducer(GradientArrivals):
-    """The four phases of a step (see the module docstring) over a BucketLauncher's buckets; one StepState
-    per backward."""
+class Reducer:
+    """The four phases of a step (see the module docstring) over its launcher's buckets and its arrivals;
+    one StepState per backward."""
 
     def __init__(
         self,
@@ -81,33 +86,72 @@ class Reducer(GradientArrivals):
         world_size: int,
         sparse: Sequence[bool],
         device: torch.device,
+        stepper: ParamStepper,
     ) -> None:
-        super().__init__(
-            params, names, policy, group, rank=rank, world_size=world_size, sparse=sparse, device=device
+        self.launcher = launcher = BucketLauncher(
+            params,
+            names,
+            policy,
+            group,
+            rank=rank,
+            world_size=world_size,
+            sparse=sparse,
+            device=device,
+            dropped=lambda: self.arrivals.hooks.forget_buckets(),
+            stepper=stepper,
         )
+        self.arrivals = GradientArrivals(launcher, self, launcher.params)
+        # the launcher's fixed facts, read by join.py, ddp.py, the tuner and handle.stats()
+        self.params, self.policy, self.group, self.device = launcher.params, policy, group, device
+        self.world, self.stats, self._tag = world_size, launcher.stats, launcher.tag
+        self._n = len(self.params)
         self.rebuilt = False
         # ready order of the first synced step, for the rebuild; torch never rebuilds with find_unused_parameters
-        self.order: list[int] | None = (
-            None if self._planner.skips_rebuild(static_graph=self.static_graph) else []
-        )
+        self.arrivals.order = None if launcher.planner.skips_rebuild(static_graph=policy.static_graph) else []
         self._order_complete = False
-        self._static_hits: list[int] | None = None  # learned by static_graph in its first step
-        self._static_unused: list[int] = []
-        self.used = bytearray(self._n)  # parameters used since the last synced step (no_sync included)
-        # The phase and its data, changed in `_enter` and next to it only: `armed` is set from ARMED to the
-        # step's end, `step` from REDUCING on. The per-parameter path tests them, not the phase: it needs
-        # them anyway, and a test of the phase would cost one lookup more per parameter.
-        self.phase: Phase = IDLE
-        self.armed: ArmedForward | None = None
-        self.step: StepState | None = None
+        self._static_unused: list[int] = []  # learned by static_graph in its first step, with its counts
+        self.phase: Phase = IDLE  # changed in `_enter` only; `arrivals.armed` and `.step` next to it
         self._queued = False  # finalize is queued on the running backward
-        self.index_of = {id(p): i for i, p in enumerate(self.params)}
-        self._hooks = FastHooks(self, self.params)
-        self._arrivals = self._hooks.arrivals  # what fast hooks reported, not yet drained
-        self.drain = self._hooks.drain  # bound here: a trigger reaches it without a frame in between
+        self.drain = self.arrivals.drain
         self._t_output_grad = 0.0  # when this backward reached the outputs
         self._rebuild(None)
-        self.initial_layout: list[BucketSpec] = list(self._layout or [])
+        self.initial_layout: list[BucketSpec] = launcher.layout
+
+    # ---------------------------------------------------------------- the parts, as others read them
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.launcher.buckets
+
+    @property
+    def layout(self) -> list[BucketSpec]:
+        """The buckets now, in launch order."""
+        return self.launcher.layout
+
+    @property
+    def step(self) -> StepState | None:
+        """The backward under way (None outside one)."""
+        return self.arrivals.step
+
+    @property
+    def stepper(self) -> ParamStepper:
+        return self.launcher.stepper
+
+    def step_with(self, stepper: ParamStepper) -> None:
+        """engine/mode.py: from the next synced backward on, `stepper` steps the parameters bucket by bucket."""
+        self.launcher.stepper = stepper
+
+    def layout_at(self, cap_bytes: int) -> list[BucketSpec]:
+        return self.launcher.layout_at(cap_bytes)
+
+    def relayout(self, cap_bytes: int) -> None:
+        self.launcher.relayout(cap_bytes)
+
+    def set_divisor(self, num_ranks: int) -> None:
+        self.launcher.set_divisor(num_ranks)
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        self.launcher.register_comm_hook(state, hook)
 
     def _enter(self, phase: Phase) -> None:
         """The one place the phase changes (a few times per step); phase.py's LEGAL says what may follow."""
@@ -115,24 +159,21 @@ class Reducer(GradientArrivals):
             raise InternalError(illegal_message(self.phase, phase))
         self.phase = phase
 
-    def _buckets_dropped(self) -> None:
-        if hasattr(self, "_hooks"):  # the first build comes before the hooks exist
-            self._hooks.forget_buckets()
-
     def _rebuild(self, order: Sequence[int] | None) -> None:
-        self._build(order, solo_bytes=None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES)
+        solo = None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES
+        self.launcher.build(order, solo_bytes=solo)
 
     def enable_static_graph(self) -> None:
         """torch's _set_static_graph(): before the first backward, like static_graph=True."""
-        self.static_graph = True
-        if self.order is None and not self.rebuilt:
-            self.order = []  # torch rebuilds under a static graph, find_unused_parameters or not
+        self.launcher.static_graph = True
+        if self.arrivals.order is None and not self.rebuilt:
+            self.arrivals.order = []  # torch rebuilds under a static graph, find_unused_parameters or not
 
     # ---------------------------------------------------------------- pre_forward
 
     def will_rebuild(self) -> bool:
         """True when the next synced pre_forward rebuilds the buckets (once, after the first synced step)."""
-        return self.order is not None and self._order_complete
+        return self.arrivals.order is not None and self._order_complete
 
     def maybe_rebuild(self, *, force: bool = False) -> None:
         """pre_forward, once after the first synced step: every rank adopts rank 0's ready order.
@@ -140,30 +181,32 @@ class Reducer(GradientArrivals):
         `force`: a rank that ran out of inputs inside join() joins the others' rebuild (its own order may
         be incomplete; rank 0's is what counts, and it sends what it saw).
         """
-        if not force and (self.order is None or not self._order_complete):
+        arrivals = self.arrivals
+        if not force and (arrivals.order is None or not self._order_complete):
             return
         from lockstep.runtime.collectives import broadcast_object
 
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        order = broadcast_object(complete_order(self.order or [], self._n), src=src, group=self.group)
-        self.order = None
+        order = broadcast_object(complete_order(arrivals.order or [], self._n), src=src, group=self.group)
+        arrivals.order = None
         self._rebuild(order)
         self.rebuilt = True
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor], t_forward_start: float) -> None:
         """Arm for the backward of this forward (the last synced forward wins, like torch)."""
         self.drain()  # pre_forward drained too; this catches a backward run inside the forward itself
-        if self._static_hits is not None:
+        arrivals = self.arrivals
+        if arrivals.static_hits is not None:
             forward_unused = self._static_unused
-        elif self.policy.find_unused_parameters and not self.static_graph:
-            forward_unused = unused.unreached(outputs, self.index_of)
+        elif self.policy.find_unused_parameters and not self.launcher.static_graph:
+            forward_unused = unreached(outputs, arrivals.index_of)
         else:
             forward_unused = []
         if self.phase in (REDUCING, FINALIZING):
             raise UsageError(_abandoned_step_message(self._tag, self.phase))
         self._enter(ARMED)
         self._queued = False  # no backward of this model runs now: one that raised dropped its callback
-        self.armed, self.step = ArmedForward(forward_unused, t_forward_start), None
+        arrivals.armed, arrivals.step = ArmedForward(forward_unused, t_forward_start), None
         self._t_output_grad = 0.0
         for t in outputs:
             if t.requires_grad:
@@ -177,9 +220,9 @@ class Reducer(GradientArrivals):
     def _on_output_grad(self, _grad: object) -> None:
         # Queued from an output's gradient, the callback belongs to the outermost backward, even when
         # reentrant checkpointing runs nested backwards that fire parameter hooks.
-        if self.armed is not None and not self._queued:
+        if self.arrivals.armed is not None and not self._queued:
             self._queue_finalize()
-            if self.step is None:  # the backward starts here (a fast hook may be the first to fire)
+            if self.arrivals.step is None:  # the backward starts here (a fast hook may be the first to fire)
                 self._t_output_grad = time.perf_counter()
                 PROGRESS.set_phase(BACKWARD)
 
@@ -191,37 +234,40 @@ class Reducer(GradientArrivals):
 
     def attach_hooks(self) -> None:
         """Register a hook per parameter (the Python one: fast hooks are chosen after a synced step)."""
-        self._hooks.attach()
+        self.arrivals.hooks.attach()
 
     def detach_hooks(self) -> None:
-        self._hooks.detach()
+        self.arrivals.hooks.detach()
 
     @property
     def _fast(self) -> bytearray:
         """1 where parameter i has a fast hook now (fast_hooks.py)."""
-        return self._hooks.fast
+        return self.arrivals.hooks.fast
 
     def start_step(self) -> StepState:
         """ARMED -> REDUCING: the first gradient of the armed forward's backward arrived."""
+        arrivals, launcher = self.arrivals, self.launcher
+        forward_unused = arrivals.armed.unused if arrivals.armed is not None else ()
         # before REDUCING: an overlapped optimizer's step left unfinished raises with nothing reduced yet
-        self.optimizer_steps.begin(self.armed.unused if self.armed is not None else (), self.where)
+        launcher.stepper.begin(forward_unused, launcher.where)
         self._enter(REDUCING)
-        step = self.step = StepState(self._n, count_hits=self.static_graph, defer=self._first_static)
+        first_static = self._first_static
+        step = arrivals.step = StepState(self._n, count_hits=launcher.static_graph, defer=first_static)
         if self._t_output_grad:
             step.t_backward, self._t_output_grad = self._t_output_grad, 0.0
         PROGRESS.set_phase(BACKWARD)
-        for b in self.buckets:
+        for b in launcher.buckets:
             b.pending, b.future, b.hook_buffer, b.written = len(b.params), None, b.buffer, False
         if not self._queued:
             self._queue_finalize()
-        for i in self.armed.unused if self.armed is not None else ():
-            self._mark_ready(step, i)
+        for i in forward_unused:
+            arrivals.mark_ready(step, i)
         return step
 
     @property
     def _first_static(self) -> bool:
         # static_graph's first step reduces at the end: how often each parameter fires is not known yet.
-        return self.static_graph and self._static_hits is None
+        return self.launcher.static_graph and self.arrivals.static_hits is None
 
     # ---------------------------------------------------------------- finalize
 
@@ -229,7 +275,7 @@ class Reducer(GradientArrivals):
         """End of backward: fill in, launch the rest, agree on unused parameters, wait, write back."""
         self._queued = False
         self.drain()
-        step = self.step
+        step = self.arrivals.step
         if step is None:
             return  # a pass that accumulated no gradient (autograd.grad): stay armed for the real backward
         self._enter(FINALIZING)
@@ -242,63 +288,55 @@ class Reducer(GradientArrivals):
             raise UnusedParameterError(verdict)
 
     def _finalize(self, step: StepState) -> str:
+        launcher = self.launcher
         t_end_backward = time.perf_counter()
-        self._stamp_finished(step.next_bucket, t_end_backward)
+        launcher.stamp_finished(step.next_bucket, t_end_backward)
         missing = step.missing()
         step.missing_count = len(missing)
         step.defer = False
         for i in missing:
-            self._mark_ready(step, i)  # zeros or no_sync-accumulated grads: every rank launches every bucket
-        while step.next_bucket < len(self.buckets):
-            self._launch(step, self.buckets[step.next_bucket])
+            self.arrivals.mark_ready(
+                step, i
+            )  # zeros or no_sync-accumulated grads: every rank launches every bucket
+        while step.next_bucket < len(launcher.buckets):
+            launcher.launch(step, launcher.buckets[step.next_bucket])
             step.next_bucket += 1
-        verdict = self._agree_on_unused(missing)
-        self._write_back()
+        learned = self.arrivals.static_hits is not None
+        verdict = launcher.agree_on_unused(missing, self.arrivals.used, learned_static=learned)
+        launcher.write_back()
         if verdict is None:  # the signal travelled in the last bucket
-            last = self.buckets[-1]
+            last = launcher.buckets[-1]
             reduced = last.hook_buffer
             if last.last_element is not None and (reduced is last.buffer or reduced is last.storage):
                 reduced = last.last_element  # the same element, already a view: no reshape per step
-            verdict = self._read_missing_signal(reduced, len(missing), missing)
-        self.optimizer_steps.end(self.buckets, ok=not verdict)
+            verdict = launcher.read_missing_signal(reduced, len(missing), missing)
+        launcher.stepper.end(launcher.buckets, ok=not verdict)
         self._finish_step(step, t_end_backward, missing)
         return verdict
 
-    def _agree_on_unused(self, missing: list[int]) -> str | None:
-        """An error message (the same on every rank), '' when all is well, None: read the last bucket."""
-        return self._unused.agree(
-            missing,
-            self.used,
-            tolerant=self.policy.find_unused_parameters or self.static_graph,
-            learned_static=self._static_hits is not None,
-            signal=self._missing_signal(),
-        )
-
-    def _read_missing_signal(self, reduced: torch.Tensor, count: int, missing: list[int]) -> str:
-        return self._unused.read(reduced, count, missing, self._missing_signal())
-
     def _finish_step(self, step: StepState, t_end_backward: float, missing: list[int]) -> None:
         """FINALIZING -> IDLE: the step's statistics, the fast hooks' choice, the rebuild's order."""
+        arrivals, launcher = self.arrivals, self.launcher
         learned_static = self._first_static
         if learned_static:
-            self._static_hits = [max(h, 1) for h in step.hits or [0] * self._n]
+            arrivals.static_hits = [max(h, 1) for h in step.hits or [0] * self._n]
             self._static_unused = list(missing)
-        self._record_stats(step, self.armed, t_end_backward)
+        launcher.record_stats(step, arrivals.armed, t_end_backward)
         self._enter(IDLE)
-        self.armed = self.step = None
-        self.used = bytearray(self._n)
-        self._hooks.choose(
-            self.buckets,
-            allowed=self.communicates
-            and self.order is None
-            and not self.static_graph
+        arrivals.armed = arrivals.step = None
+        arrivals.used = bytearray(self._n)
+        arrivals.hooks.choose(
+            launcher.buckets,
+            allowed=launcher.communicates
+            and arrivals.order is None
+            and not launcher.static_graph
             and not self.policy.find_unused_parameters,
         )
         PROGRESS.end_step()
-        if learned_static and self.policy.torch_bucket_layout and self.order is not None:
-            self.order = []  # torch observes the ready order in the second step of a static graph
+        if learned_static and self.policy.torch_bucket_layout and arrivals.order is not None:
+            arrivals.order = []  # torch observes the ready order in the second step of a static graph
         else:
-            self._order_complete = self.order is not None
+            self._order_complete = arrivals.order is not None
 
     # ---------------------------------------------------------------- join's shadow step (shadow.py)
 
@@ -309,18 +347,12 @@ class Reducer(GradientArrivals):
             return
         came_from = self.phase
         self._enter(SHADOWING)
-        self.used = bytearray(self._n)  # this rank used nothing in the step it shadows
-        verdict = mirror_backward(
-            self.buckets,
-            self._call_hook,
-            op=self._hook_op + " (join shadow)",
-            group=self.group,
-            with_status=self.hook is sum_hook,
-            agree=lambda: self._agree_on_unused([]),
-            read_signal=lambda reduced: self._read_missing_signal(reduced, 0, []),
+        self.arrivals.used = bytearray(self._n)  # this rank used nothing in the step it shadows
+        verdict = self.launcher.shadow(
+            self.arrivals.used, learned_static=self.arrivals.static_hits is not None
         )
         if self._first_static:  # the training ranks learned their pattern in the step shadowed here
-            self._static_hits, self._static_unused = [1] * self._n, []
+            self.arrivals.static_hits, self._static_unused = [1] * self._n, []
         self._enter(came_from)
         if verdict:
             raise UnusedParameterError(verdict)

@@ -52,7 +52,14 @@ import torch
 import torch.distributed as dist
 
 from lockstep.engine.init_sync import broadcast_coalesced
-from lockstep.engine.shard_units import ELEMENTWISE, ParamGather, Units, default_piece_numel, partition
+from lockstep.engine.shard_units import (
+    ELEMENTWISE,
+    ParamGather,
+    Units,
+    default_piece_numel,
+    partition,
+    swapped_params,
+)
 from lockstep.errors import ConfigError, NotSupportedError, StateLostError, UsageError, rank_tag
 from lockstep.runtime.collectives import all_gather_object
 from lockstep.runtime.state_transfer import broadcast_state
@@ -194,17 +201,11 @@ class ShardedOptimizer:
         it step, and the user's objects are as they were after it."""
         units = [u for group in chosen for u in group]
         self.units.attach_grads(units)
-        opt = self.optimizer
-        saved, own_state = [group["params"] for group in opt.param_groups], opt.state
+        tensors = [[self.units.tensors[u] for u in members] for members in chosen]
         try:
-            for group, members in zip(opt.param_groups, chosen):
-                group["params"] = [self.units.tensors[u] for u in members]
-            opt.state = self.state
-            opt.step()
+            with swapped_params(self.optimizer, tensors, self.state):
+                self.optimizer.step()
         finally:
-            opt.state = own_state
-            for group, params in zip(opt.param_groups, saved):
-                group["params"] = params
             self.units.detach_grads(units)
 
     def gather(self) -> None:

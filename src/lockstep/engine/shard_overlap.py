@@ -1,4 +1,4 @@
-"""The overlapped step of a sharded optimizer: each bucket's updated parameters sent from their owners in backward.
+"""What an overlapped optimizer steps: whole parameters, or a share whose owners send each bucket in backward.
 
 The broadcasts of a bucket's parameters start during backward, as soon as the owners stepped that bucket.
 
@@ -21,20 +21,26 @@ sequence, whatever it observed when.
 The bits are the sharded step's: each parameter is stepped by its owner from the same averaged gradient
 and state, and every rank takes its value from the owner, in place; the waits all come before step()
 returns.
+
+The OverlappedOptimizer (overlapped_optimizer.py) holds one of two behaviours behind `StepParams`,
+chosen once at its construction: `WholeParams` for a plain torch optimizer (any parameter, restricted by
+swapping the param lists for one step; nothing to send after), `ShardedParams` for a ShardedOptimizer
+(this rank's share; its broadcasts are a BucketBroadcasts at world > 1 when the engine steps, or
+`NoBroadcasts`: a world of one, or the plain fallback step, where the ShardedOptimizer gathers itself).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from lockstep.engine.bucket_memory import Bucket
 from lockstep.engine.shard_optimizer import ShardedOptimizer
-from lockstep.engine.shard_units import ParamGather
+from lockstep.engine.shard_units import ParamGather, swapped_params
 from lockstep.errors import InternalError
 
 
@@ -102,6 +108,16 @@ class BucketBroadcasts:
                 gather.wait(launched)
         self.shard.stepped_elsewhere()
 
+    def abandon(self, buckets: Sequence[Bucket] | None = None) -> bool:
+        """A backward or a step() failed: the broadcasts in flight end on every rank alike. True: some rank
+        may have stepped some parameters, so the step is broken even where this rank stepped none."""
+        if self.active:
+            self.finish(buckets)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {"optimizer_broadcasts_launched_in_backward": self.launched_in_backward}
+
     # ---------------------------------------------------------------- inside
 
     def _launch(self, b: Bucket) -> None:
@@ -141,3 +157,230 @@ class BucketBroadcasts:
         """The messages that send `units` (the shard's) from their owners."""
         tensors, owners = self.shard.units.tensors, self.shard.owners
         return ParamGather([tensors[u] for u in units], [owners[u] for u in units], self.shard.rank)
+
+
+class StepParams(Protocol):
+    """What an OverlappedOptimizer steps, and what follows (WholeParams, ShardedParams: below)."""
+
+    consolidate_state_dict: Callable[..., None] | None  # None: the state is whole on every rank
+
+    @property
+    def state(self) -> Any: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+    def mine(self) -> set[int]:
+        """`id()` of the parameters this rank steps."""
+        ...
+
+    def step_some(self, chosen: list[list[torch.Tensor]]) -> None:
+        """One step of the wrapped optimizer over `chosen` (per param group) only."""
+        ...
+
+    def step_all(self, closure: Callable[[], float] | None) -> float | None:
+        """The plain step (the fallback, or no parameter stepped in the engine)."""
+        ...
+
+    def order_new_state(self, state_len: int, param_groups: list[dict[str, Any]]) -> None:
+        """After step(): the state entries made in it, in the order the whole step would have made them."""
+        ...
+
+    def in_flight(self) -> bool:
+        """Broadcasts of this step are in flight (step() must finish them)."""
+        ...
+
+    def begin(self) -> None:
+        """A synced backward starts and the engine steps its buckets (optimizer_steps.py)."""
+        ...
+
+    def stepped(self, b: Bucket, *, in_backward: bool) -> None:
+        """Bucket b's parameters stepped in the engine."""
+        ...
+
+    def flush(self, buckets: Sequence[Bucket]) -> None:
+        """End of a good backward."""
+        ...
+
+    def abandon(self, buckets: Sequence[Bucket] | None = None) -> bool:
+        """A backward or step() failed: end what is in flight alike on every rank; True: the step is
+        broken even where this rank stepped nothing."""
+        ...
+
+    def finish(self) -> None:
+        """End of step(): every parameter has its updated value on this rank."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """For EngineStats.extras."""
+        ...
+
+
+class WholeParams:
+    """What an OverlappedOptimizer of a plain torch optimizer steps: any of its parameters, restricted by
+    swapping the groups' param lists for one step (shard_units.swapped_params); nothing to send after."""
+
+    consolidate_state_dict: Callable[..., None] | None = None  # the state is whole on every rank
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def mine(self) -> set[int]:
+        return {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+
+    def step_some(self, chosen: list[list[torch.Tensor]]) -> None:
+        with swapped_params(self.optimizer, chosen, self.optimizer.state):
+            self.optimizer.step()
+
+    def step_all(self, closure: Callable[[], float] | None) -> float | None:
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def order_new_state(self, state_len: int, param_groups: list[dict[str, Any]]) -> None:
+        """state_dict() then lists the entries made in this step as the plain step does: the groups' order,
+        after the older ones."""
+        state = self.optimizer.state
+        if len(state) == state_len:
+            return
+        keys = list(state)
+        made = {id(p) for p in keys[state_len:]}
+        ordered = keys[:state_len] + [p for group in param_groups for p in group["params"] if id(p) in made]
+        if len(ordered) != len(keys) or all(a is b for a, b in zip(ordered, keys)):
+            return
+        entries = [(p, state[p]) for p in ordered]
+        state.clear()  # in place: the wrapped optimizer's own dict
+        state.update(entries)
+
+    def in_flight(self) -> bool:
+        return False
+
+    def begin(self) -> None:
+        pass
+
+    def stepped(self, b: Bucket, *, in_backward: bool) -> None:
+        pass
+
+    def flush(self, buckets: Sequence[Bucket]) -> None:
+        pass
+
+    def abandon(self, buckets: Sequence[Bucket] | None = None) -> bool:
+        return False
+
+    def finish(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class Broadcasts(Protocol):
+    """How a sharded overlapped step's updated parameters reach every rank (BucketBroadcasts, NoBroadcasts)."""
+
+    active: bool
+
+    def begin(self) -> None: ...
+
+    def stepped(self, b: Bucket, *, in_backward: bool) -> None: ...
+
+    def flush(self, buckets: Sequence[Bucket]) -> None: ...
+
+    def finish(self, buckets: Sequence[Bucket] | None = None) -> None: ...
+
+    def abandon(self, buckets: Sequence[Bucket] | None = None) -> bool: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class NoBroadcasts:
+    """Nothing to send: a world of one (the share is everything), or no overlapped step (the fallback steps
+    the ShardedOptimizer whole, which gathers the parameters itself)."""
+
+    active = False
+
+    def __init__(self, shard: ShardedOptimizer) -> None:
+        self.shard = shard
+
+    def begin(self) -> None:
+        pass
+
+    def stepped(self, b: Bucket, *, in_backward: bool) -> None:
+        pass
+
+    def flush(self, buckets: Sequence[Bucket]) -> None:
+        pass
+
+    def finish(self, buckets: Sequence[Bucket] | None = None) -> None:
+        self.shard.stepped_elsewhere()  # the share is everything: a consolidated state is stale
+
+    def abandon(self, buckets: Sequence[Bucket] | None = None) -> bool:
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class ShardedParams:
+    """What an OverlappedOptimizer of a ShardedOptimizer steps: this rank's share (a StepParams);
+    `broadcasts` bring every parameter from its owner after."""
+
+    def __init__(self, shard: ShardedOptimizer, broadcasts: Broadcasts | None) -> None:
+        self.shard = shard
+        self.broadcasts: Broadcasts = broadcasts or NoBroadcasts(shard)
+        self.consolidate_state_dict: Callable[..., None] | None = shard.consolidate_state_dict
+
+    @property
+    def state(self) -> Any:
+        """This rank's share of the state, keyed by its units."""
+        return self.shard.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.shard.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.shard.load_state_dict(state_dict)
+
+    def mine(self) -> set[int]:
+        return self.shard.kept_ids()
+
+    def step_some(self, chosen: list[list[torch.Tensor]]) -> None:
+        """This rank's units of those parameters, with its share of the state."""
+        self.shard.step_share(chosen)
+
+    def step_all(self, closure: Callable[[], float] | None) -> float | None:
+        """This rank's share, then every parameter from its owner."""
+        self.shard.step(closure)
+        return None
+
+    def order_new_state(self, state_len: int, param_groups: list[dict[str, Any]]) -> None:
+        pass  # consolidated in parameter order
+
+    def in_flight(self) -> bool:
+        return self.broadcasts.active
+
+    def begin(self) -> None:
+        self.broadcasts.begin()
+
+    def stepped(self, b: Bucket, *, in_backward: bool) -> None:
+        self.broadcasts.stepped(b, in_backward=in_backward)
+
+    def flush(self, buckets: Sequence[Bucket]) -> None:
+        self.broadcasts.flush(buckets)
+
+    def abandon(self, buckets: Sequence[Bucket] | None = None) -> bool:
+        return self.broadcasts.abandon(buckets)
+
+    def finish(self) -> None:
+        self.broadcasts.finish()
+
+    def stats(self) -> dict[str, Any]:
+        return self.broadcasts.stats()

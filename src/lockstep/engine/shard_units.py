@@ -15,11 +15,18 @@ of what it steps, 134 MiB for that weight at once, where a piece takes a few MiB
 The cut depends on the parameters alone (never on the world size), so a live-mode regroup keeps the same
 units. Any other optimizer (one reading a parameter's norm or shape: LAMB, Adafactor, a subclass that may
 change the math) keeps whole parameters.
+
+Two things every restricted step of the user's optimizer shares live here, once: the table of
+elementwise optimizers (`ELEMENTWISE_OPTIMIZERS`: which classes may be stepped in pieces, and which of
+them the engine also steps bucket by bucket during backward, overlapped_optimizer.py) and the swap of
+the optimizer's param lists (and state) for the duration of one step (`swapped_params`), used by the
+sharded step (shard_optimizer.py) and the overlapped one alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,17 +36,45 @@ from lockstep.errors import InternalError
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.waits import wait_tracked
 
-# Exactly these classes (not subclasses): their update is elementwise, so pieces step with the same bits.
-ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Adagrad,
-)
+# Exactly these classes (not subclasses): the update of each element reads only that element's gradient
+# and state (and per-parameter scalars of the step count), so a step over some parameters, or over 1-D
+# pieces of them, gives the whole step's bits (tests/unit/test_shard_units.py checks every class). The
+# value: whether the engine also steps the class bucket by bucket during backward (overlap_optimizer),
+# which is tested for those classes alone (tests/multiproc/test_overlap_optimizer.py); the others fall back.
+ELEMENTWISE_OPTIMIZERS: dict[type[torch.optim.Optimizer], bool] = {
+    torch.optim.SGD: True,
+    torch.optim.Adam: True,
+    torch.optim.AdamW: True,
+    torch.optim.Adamax: False,
+    torch.optim.NAdam: False,
+    torch.optim.RAdam: False,
+    torch.optim.RMSprop: False,
+    torch.optim.Adagrad: False,
+}
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(ELEMENTWISE_OPTIMIZERS)  # cut into pieces
+OVERLAPPED: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    cls for cls, overlaps in ELEMENTWISE_OPTIMIZERS.items() if overlaps
+)  # stepped bucket by bucket
+
+
+@contextmanager
+def swapped_params(
+    optimizer: torch.optim.Optimizer, params: Sequence[list[torch.Tensor]], state: Any
+) -> Iterator[None]:
+    """For the block, param_groups[g]['params'] is `params[g]` and the optimizer's `state` is `state` (its
+    own, or a share's); its lists and state are as they were after, whatever the block raised. lr, betas
+    and the rest of each group stay: a scheduler's lr applies, the optimizer's hooks run."""
+    saved, own_state = [group["params"] for group in optimizer.param_groups], optimizer.state
+    try:
+        for group, members in zip(optimizer.param_groups, params):
+            group["params"] = members
+        optimizer.state = state
+        yield
+    finally:
+        optimizer.state = own_state
+        for group, members in zip(optimizer.param_groups, saved):
+            group["params"] = members
+
 
 MIN_PIECE_NUMEL = 1 << 18  # 1 MiB of fp32: smaller pieces would cost more Python per step than they save
 PIECES_PER_MODEL = 32  # the model in about this many pieces: balanced shares up to a few dozen ranks

@@ -4,11 +4,22 @@ A `StepState` exists only while a real backward of the engine runs: the reducer 
 first parameter of an armed forward accumulates its gradient into `.grad`, and drops it in finalize.
 Calls of `torch.autograd.grad` (gradient penalties, meta-learning) never accumulate into `.grad`, so
 they never create one: the engine stays armed for the backward that follows, as torch's DDP does.
+
+`ParamStepper` is who steps the parameters during a step: the small interface the reducer is handed (it
+imports no optimizer module). `NoStepper` (the default) steps nothing: the user's optimizer steps after
+backward. optimizer_steps.py's `OverlappedSteps` steps each bucket as soon as its averages are back, over
+an OverlappedOptimizer of whole parameters or of this rank's share (engine/mode.py builds it).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from lockstep.engine.bucket_memory import Bucket
 
 
 class StepState:
@@ -40,3 +51,54 @@ class ArmedForward:
     def __init__(self, unused: list[int], t_start: float) -> None:
         self.unused = unused  # this rank's parameters not reached from the outputs (find_unused_parameters)
         self.t_start, self.t_end = t_start, time.perf_counter()
+
+
+class ParamStepper(Protocol):
+    """What the reducer calls at four points of its phases (optimizer_steps.py says what each does)."""
+
+    def begin(self, unused: Sequence[int], where: Sequence[tuple[Bucket, int]]) -> None:
+        """A synced backward starts (ARMED -> REDUCING); `unused`: parameters its forward did not reach."""
+        ...
+
+    def poll(self, buckets: Sequence[Bucket], launched: int, write_back: Callable[[Bucket], None]) -> None:
+        """During backward, after a launch: buckets whose reduction came back may step."""
+        ...
+
+    def reduced(self, b: Bucket, *, last: bool) -> None:
+        """In finalize: bucket b was waited for and written back."""
+        ...
+
+    def end(self, buckets: Sequence[Bucket], *, ok: bool) -> None:
+        """finalize knows whether the step stands (`ok`: no error from the missing-gradient verdict)."""
+        ...
+
+    def suspended(self, reason: str) -> AbstractContextManager[None]:
+        """The synced backwards inside step nothing in the engine (accumulate())."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """For EngineStats.extras."""
+        ...
+
+
+class NoStepper:
+    """The default: the engine never steps the optimizer."""
+
+    def begin(self, unused: Sequence[int], where: Sequence[tuple[Bucket, int]]) -> None:
+        pass
+
+    def poll(self, buckets: Sequence[Bucket], launched: int, write_back: Callable[[Bucket], None]) -> None:
+        pass
+
+    def reduced(self, b: Bucket, *, last: bool) -> None:
+        pass
+
+    def end(self, buckets: Sequence[Bucket], *, ok: bool) -> None:
+        pass
+
+    @contextmanager
+    def suspended(self, reason: str) -> Iterator[None]:
+        yield
+
+    def stats(self) -> dict[str, Any]:
+        return {}
