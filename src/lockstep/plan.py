@@ -170,13 +170,14 @@ def _rules() -> Iterator[Rule]:
         "overlap_optimizer",
         "clip_grad_norm",
         falls_back,
-        "gradient clipping by global norm needs every gradient before any parameter steps: the step stays plain",
+        "gradient clipping by global norm needs every gradient before any parameter steps",
     )
     yield Rule(
         "overlap_optimizer",
         "precision=fp16",
         falls_back,
-        "the fp16 GradScaler's inf check needs every gradient before any parameter steps: the step stays plain",
+        "the fp16 GradScaler's inf check needs every gradient before any parameter steps (a step with an inf or "
+        "NaN gradient is skipped as a whole)",
     )
     yield Rule(
         "grad_accum_steps",

@@ -43,6 +43,7 @@ from lockstep.engine.bucket_memory import Bucket
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.shard_units import OVERLAPPED
 from lockstep.engine.step import NoStepper, ParamStepper
+from lockstep.plan import Plan, RunSettings
 
 PER_PARAMETER_OPTIMIZERS = OVERLAPPED  # shard_units.ELEMENTWISE_OPTIMIZERS, the one table
 ACCUMULATE_REASON = (
@@ -63,14 +64,14 @@ def fallback_reason(optimizer: torch.optim.Optimizer, *, clip_grad_norm: bool, s
             f"lockstep does not know that {type(optimizer).__module__}.{type(optimizer).__qualname__} "
             f"steps each parameter from its own gradient alone (it overlaps {known})"
         )
-    if clip_grad_norm:
-        return "gradient clipping by global norm needs every gradient before any parameter steps"
-    if scaler is not None and scaler.is_enabled():
-        return (
-            "the fp16 GradScaler's inf check needs every gradient before any parameter steps (a step "
-            "with an inf or NaN gradient is skipped as a whole)"
-        )
-    return None
+    fp16 = scaler is not None and scaler.is_enabled()
+    settings = RunSettings(
+        overlap_optimizer=True,
+        clip_grad_norm=1.0 if clip_grad_norm else None,
+        precision="fp16" if fp16 else "fp32",
+    )
+    rule = Plan.of(settings).fallback("overlap_optimizer")  # the plan's table: clipping, the fp16 scaler
+    return None if rule is None else rule.reason
 
 
 # The interface the reducer calls and its default (step.py), under the names they had here.

@@ -8,8 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from lockstep.engine.shard_optimizer import ShardedOptimizer
-from lockstep.engine.sync_algorithms import is_periodic
-from lockstep.errors import ConfigError
+from lockstep.plan import Plan, RunSettings
 from lockstep.trainer.config import FitConfig
 
 
@@ -55,9 +54,5 @@ def maybe_sharded(
     the engine steps this sharded optimizer bucket by bucket (trainer/steps.py, `Stepper.overlap`)."""
     if not config.shard_optimizer:
         return optimizer
-    if is_periodic(config.sync):
-        raise ConfigError(
-            f"shard_optimizer=True with sync={config.sync!r}: each rank steps all of its own parameters "
-            "between syncs; there is no shared step to shard; choose one of the two"
-        )
+    Plan.of(RunSettings.of(config, world_size=1, live=live))  # with a periodic sync: refused by the table
     return ShardedOptimizer(optimizer, copies=2 if live else 1, defer_gather=live)
