@@ -29,6 +29,14 @@ SYNC_MODES = ("allreduce", "local_sgd", "diloco", "streaming_diloco")
 SYNC_KEYS = tuple(f"sync={mode}" for mode in SYNC_MODES[1:])
 
 
+class Reduction(enum.Enum):
+    """How a replica's gradients meet: the engine's mode, which the plan decides from the settings."""
+
+    BUCKETED = "bucketed"  # averaged during backward, bucket by bucket (torch's DDP, the default)
+    EXACT = "exact"  # deterministic mode: exact fixed-point sums of the step's micro-batches
+    PERIODIC = "periodic"  # not in backward: the replicas meet every sync_every steps (local SGD, DiLoCo)
+
+
 class Verdict(enum.Enum):
     RUNS = "runs"
     FALLS_BACK = "falls back"
@@ -280,6 +288,14 @@ class Plan:
             if rule.verdict is Verdict.FALLS_BACK:
                 fallbacks.append(rule)
         return cls(settings, tuple(fallbacks), _global_batch(settings))
+
+    @property
+    def reduction(self) -> Reduction:
+        """The engine's mode: a periodic sync (deterministic or not), else exact sums in deterministic mode,
+        else buckets."""
+        if f"sync={self.settings.sync}" in SYNC_KEYS:
+            return Reduction.PERIODIC
+        return Reduction.EXACT if self.settings.deterministic else Reduction.BUCKETED
 
     def fallback(self, key: str) -> Rule | None:
         """The first fallback whose first setting is `key` (the one that does not apply), or None."""

@@ -17,6 +17,7 @@ from lockstep.plan import (
     SETTINGS,
     Plan,
     PlanRefused,
+    Reduction,
     RunSettings,
     Verdict,
     markdown_table,
@@ -157,3 +158,16 @@ def test_the_plan_and_the_configs_import_without_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+def test_the_plan_decides_the_engine_s_mode() -> None:
+    assert Plan.of(RunSettings()).reduction is Reduction.BUCKETED
+    assert Plan.of(RunSettings(deterministic=True)).reduction is Reduction.EXACT
+    for sync in ("local_sgd", "diloco", "streaming_diloco"):  # deterministic or not: the periodic mode
+        assert Plan.of(RunSettings(sync=sync)).reduction is Reduction.PERIODIC
+        assert Plan.of(RunSettings(sync=sync, deterministic=True)).reduction is Reduction.PERIODIC
+    import lockstep  # the engine's policy holds its plan
+
+    assert lockstep.SyncPolicy(sync="diloco").plan.reduction is Reduction.PERIODIC
+    with pytest.raises(PlanRefused, match=r"^static_graph=True does not apply with deterministic=True: "):
+        lockstep.SyncPolicy(deterministic=True, static_graph=True)

@@ -40,6 +40,7 @@ from lockstep.engine.shard_overlap import BucketBroadcasts, side_group
 from lockstep.engine.stats import EngineStats
 from lockstep.engine.step import NoStepper
 from lockstep.errors import NotSupportedError, UsageError
+from lockstep.plan import Reduction
 
 
 class Replica(JoinReplica, FloatHost, Protocol):
@@ -118,11 +119,12 @@ def choose_mode(
     replica: Replica, params: Sequence[nn.Parameter], names: Sequence[str], sparse: Sequence[bool]
 ) -> EngineMode:
     """The mode the replica's policy asks for, over its trainable `params` (`sparse`: which get sparse grads)."""
-    if replica.policy.periodic:
+    reduction = replica.policy.plan.reduction
+    if reduction is Reduction.PERIODIC:
         return PeriodicMode(
             replica.module, replica.policy, replica.group, world=replica.world, tag=replica.tag
         )
-    if replica.policy.deterministic:
+    if reduction is Reduction.EXACT:
         if any(sparse):
             raise NotSupportedError(
                 f"{replica.tag}SyncPolicy(deterministic=True) sums dense gradients exactly; "

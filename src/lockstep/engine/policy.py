@@ -96,8 +96,15 @@ class SyncPolicy:
             raise ConfigError(
                 f"SyncPolicy.reduce_dtype must be None or a floating torch.dtype, got {self.reduce_dtype!r}"
             )
-        # Which knobs combine (deterministic, the sync, "auto" against the bucket knobs): the plan's table
-        Plan.of(self.run_settings())
+        # Which knobs combine (deterministic, the sync, "auto" against the bucket knobs) and which mode the
+        # engine runs: the plan's (kept beside the fields: the policy stays a frozen value of its knobs)
+        object.__setattr__(self, "_plan", Plan.of(self.run_settings()))
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of these knobs (lockstep/plan.py): its `reduction` is the engine's mode."""
+        plan: Plan = self.__dict__["_plan"]
+        return plan
 
     def run_settings(self) -> RunSettings:
         """The knobs the plan (lockstep/plan.py) decides from."""
