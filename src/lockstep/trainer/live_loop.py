@@ -35,6 +35,7 @@ from lockstep.runtime.membership.records import Fault
 from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery, retry_at_start
 from lockstep.runtime.process_group import live_group
 from lockstep.runtime.topology import Topology
+from lockstep.trainer.registry import StateRegistry, Use
 
 T = TypeVar("T")
 
@@ -105,6 +106,7 @@ class LiveLoop:
         self.policy = SyncPolicy(deterministic=deterministic)
         self.step = 0  # optimizer steps completed
         self.faults: list[dict[str, Any]] = []
+        self.registry = self._register()
         group = live_group()
         self.handle: ReplicaHandle | None = retry_at_start(
             group, lambda: replicate(model, policy=self.policy)
@@ -169,26 +171,42 @@ class LiveLoop:
 
     # ---- state ----------------------------------------------------------------------------------------------
 
+    def _register(self) -> StateRegistry:
+        """The loop's state entries (trainer/registry.py): what a replacement receives."""
+        registry = StateRegistry()
+        registry.register_state_dict_fn("model", self._load_model, self.model.state_dict, uses=Use.TRANSFER)
+        registry.register("optimizer", self.optimizer, uses=Use.TRANSFER)
+        registry.register("sampler", self.sampler, uses=Use.TRANSFER)
+        registry.register_state_dict_fn("step", self._load_step, lambda: self.step, uses=Use.TRANSFER)
+        registry.register_state_dict_fn("state", self._load_objects, self._save_objects, uses=Use.TRANSFER)
+        registry.register_state_dict_fn(
+            "faults", self._load_faults, lambda: self.faults, uses=Use.TRANSFER, required=False
+        )
+        return registry
+
     def state_dict(self) -> dict[str, Any]:
         """Everything a replacement (or a resume) needs to continue at this step boundary."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "step": self.step,
-            "state": {name: obj.state_dict() for name, obj in self.state.items()},
-            "faults": self.faults,
-        }
+        return self.registry.snapshot(Use.TRANSFER)
 
     def load_state_dict(self, tree: Mapping[str, Any]) -> None:
+        self.registry.restore(tree, Use.TRANSFER)
+
+    def _load_model(self, state: Mapping[str, Any]) -> None:
         with torch.no_grad():
-            self.model.load_state_dict(tree["model"])
-        self.optimizer.load_state_dict(tree["optimizer"])
-        self.sampler.load_state_dict(tree["sampler"])
-        self.step = int(tree["step"])
+            self.model.load_state_dict(state)
+
+    def _load_step(self, step: int) -> None:
+        self.step = int(step)
+
+    def _save_objects(self) -> dict[str, Any]:
+        return {name: obj.state_dict() for name, obj in self.state.items()}
+
+    def _load_objects(self, states: Mapping[str, Any]) -> None:
         for name, obj in self.state.items():
-            obj.load_state_dict(tree["state"][name])
-        self.faults = list(tree.get("faults", []))
+            obj.load_state_dict(states[name])
+
+    def _load_faults(self, faults: list[dict[str, Any]]) -> None:
+        self.faults = list(faults)
 
     # ---- live mode: what runtime/membership/recovery.py asks of the loop (its Recoverable) ---------------
 

@@ -26,6 +26,7 @@ from lockstep.trainer.live_rounds import LiveRounds
 from lockstep.trainer.live_takeover import describe_change, take_over_log, take_over_rows
 from lockstep.trainer.low_comm import PeriodicRun
 from lockstep.trainer.progress import ProgressBar
+from lockstep.trainer.registry import Use
 from lockstep.trainer.run_log import RunLog
 from lockstep.trainer.run_state import RunRecord, RunState, TrainCounters
 from lockstep.trainer.steps import Stepper
@@ -59,8 +60,8 @@ class LiveSide:
 
     def mark_round(self) -> None:
         """Keep this rank's state as where a lost member's round is redone from."""
-        if self.rounds is not None and self.handle is not None:
-            self.rounds.mark(self.handle, len(self.runlog.records) if self.runlog.enabled else None)
+        if self.rounds is not None:
+            self.rounds.mark(len(self.runlog.records) if self.runlog.enabled else None)
 
     def end_round(self) -> bool:
         """After the step whose outer sync ended a round (and its logs, evaluation, checkpoint, the epoch's
@@ -97,7 +98,7 @@ class LiveSide:
             self.periodic_run.rebind(self.handle)
             self.stepper.outer = self.handle
         if self.rounds is not None:  # after a loss: back to the round's start (after the replica's broadcast)
-            self.rounds.rebuilt(self.handle)
+            self.rounds.rebuilt()
 
     def discard_step(self) -> None:
         self.state.optimizer.zero_grad(set_to_none=True)
@@ -116,13 +117,10 @@ class LiveSide:
         self.state.reconcile(mark)
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.state.state_dict()
-        return state if self.periodic_run is None else self.periodic_run.heal_state(state)
+        return self.state.registry.snapshot(Use.TRANSFER)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state.load_state_dict(state)
-        if self.periodic_run is not None:
-            self.periodic_run.load_heal_state(state)
+        self.state.registry.restore(state, Use.TRANSFER)
 
     def reshard(self, topology: Topology) -> None:
         self.state.regroup()

@@ -113,7 +113,8 @@ class FitRun(LiveSide):
         )  # config.overlap_optimizer: the engine steps the buckets
         self.periodic_run = PeriodicRun(self.handle, self.module, optimizer) if self.periodic else None
         if self.periodic_run is not None:
-            self.stepper.outer, self.state.extra = self.handle, self.periodic_run.entries
+            self.stepper.outer = self.handle
+            self.state.register_outer_sync(self.periodic_run, streaming=config.sync == "streaming_diloco")
         # live mode, low-communication run: a round counts on every member or on none (live_rounds.py)
         self.rounds = LiveRounds.of_run(self.live, self.state, config)
         self.recovery = LiveRecovery(self.live, self) if self.live is not None else None
@@ -202,7 +203,7 @@ class FitRun(LiveSide):
                 f"{self.run_dir} already holds checkpoints (steps {self.checkpoints.steps()!r}) and resume='never'; "
                 "choose a new run_dir, delete the old checkpoints, or use resume='auto' to continue"
             )
-        entries = self.state.checkpoint_entries()
+        entries = self.state.registry.checkpoint_entries()
         step = self.checkpoints.load(entries) if self.config.resume == "auto" else None
         self.runlog.rewind(step or 0)
         if step is not None:
@@ -345,7 +346,7 @@ class FitRun(LiveSide):
             return  # the epoch's end and the run's end can fall on the same step
         if self.periodic_run is not None:
             self.periodic_run.before_save()
-        self.checkpoints.save(self.counters.step, self.state.checkpoint_entries())
+        self.checkpoints.save(self.counters.step, self.state.registry.checkpoint_entries())
         self.record.saved_step = self.counters.step
 
 
