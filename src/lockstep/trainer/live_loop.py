@@ -21,7 +21,8 @@ from rank 0. Outside live mode (a plain `lockstep run`, torchrun) the same progr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -32,10 +33,11 @@ from lockstep.engine import ReplicaHandle, ShardedOptimizer, replicate
 from lockstep.engine.policy import SyncPolicy
 from lockstep.errors import ConfigError, InternalError, NotSupportedError
 from lockstep.runtime.membership.records import Fault
-from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery, retry_at_start
+from lockstep.runtime.membership.recovery import LiveRecovery, retry_at_start
 from lockstep.runtime.process_group import live_group
 from lockstep.runtime.topology import Topology
 from lockstep.trainer.registry import StateRegistry, Use
+from lockstep.trainer.step_driver import Outcome, StepDriver
 
 T = TypeVar("T")
 
@@ -112,6 +114,7 @@ class LiveLoop:
             group, lambda: replicate(model, policy=self.policy)
         )
         self.recovery = LiveRecovery(group, self) if group is not None else None
+        self.driver = StepDriver(self.recovery)  # each step, and retry()'s work
         if self.recovery is not None:
             self.faults = self.recovery.startup_faults()  # members lost before this loop began
             if self.recovery.group.needs_state:
@@ -136,29 +139,29 @@ class LiveLoop:
             num = self.sampler.num_micro_batches
             owned = self._handle().owned_micro_batches(num)
             mine = dict(zip(owned, _take(batches, len(owned))))
-            try:
-                results = self._handle().accumulate(
-                    micro_step, mine, num_micro_batches=num, step=self.step, seed=self.seed
-                )
-                if self.recovery is not None:
-                    self.recovery.group.commit(self.step)  # the step counts on every member or on none
-                self.optimizer.step()
-            except FAILURES as exc:
-                if self.recovery is None or not self.recovery.recover(exc):
-                    raise
+            outcome, results = self.driver.attempt(partial(self._step, micro_step, mine))
+            if outcome is not Outcome.DONE:  # REDO (LiveLoop keeps no round marks to go back to)
                 batches, steps_left = self._cut()  # the same step again, cut for the survivors
                 continue
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             self.sampler.advance(self.sampler.step_size)
             steps_left -= 1
-            yield results
+            yield cast(dict[int, Any], results)
+
+    def _step(self, micro_step: Callable[[list[int]], Any], mine: dict[int, list[int]]) -> dict[int, Any]:
+        """One step's collectives: this rank's micro-batches through accumulate(), the commit, the optimizer."""
+        results = self._handle().accumulate(
+            micro_step, mine, num_micro_batches=self.sampler.num_micro_batches, step=self.step, seed=self.seed
+        )
+        if self.recovery is not None:
+            self.recovery.group.commit(self.step)  # the step counts on every member or on none
+        self.optimizer.step()
+        return results
 
     def retry(self, work: Callable[[], T]) -> T:
         """work() (collectives of your own between steps), done again if a member is lost in it."""
-        if self.recovery is None:
-            return work()
-        return self.recovery.retry(work)
+        return self.driver.run(work)
 
     def _handle(self) -> ReplicaHandle:
         if self.handle is None:

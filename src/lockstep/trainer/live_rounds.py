@@ -39,21 +39,15 @@ only); what is trained is unaffected.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from lockstep.engine.outer_sync import due_fragments
 from lockstep.errors import LockstepError
 from lockstep.runtime.membership.group import LiveGroup
-from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery
 from lockstep.runtime.micro_batches import owned_micro_batches
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.registry import Use
 from lockstep.trainer.run_state import RunState
-
-
-class RolledBack(LockstepError):  # noqa: N818 (not an error: control flow back to the loop's top)
-    """The run went back to its last round mark over a new group: the loop continues from there."""
 
 
 class RoundMark:
@@ -194,16 +188,6 @@ class LiveRounds:
             "steps": [first, last.step] if steps else [],
             "samples": steps * per_step * sampler.micro_batch_size,
         }
-
-    def run(self, recovery: LiveRecovery, work: Callable[[], Any]) -> Any:
-        """work() with collectives; if a member is lost in it, re-form, go back to the mark and raise
-        RolledBack (the loop carries on from the mark instead of retrying the work)."""
-        try:
-            return work()
-        except FAILURES as exc:
-            if not recovery.recover(exc):
-                raise
-            raise RolledBack from None
 
     def rewind_log(self, runlog: Any) -> None:
         """After a rollback on rank 0: the metric log as it was at the mark."""

@@ -29,6 +29,7 @@ from lockstep.trainer.progress import ProgressBar
 from lockstep.trainer.registry import Use
 from lockstep.trainer.run_log import RunLog
 from lockstep.trainer.run_state import RunRecord, RunState, TrainCounters
+from lockstep.trainer.step_driver import StepDriver
 from lockstep.trainer.steps import Stepper
 from lockstep.trainer.train_data import TrainData
 
@@ -55,6 +56,7 @@ class LiveSide:
     rounds: LiveRounds | None
 
     recovery: LiveRecovery | None
+    driver: StepDriver
 
     # ---- a low-communication run's rounds (live_rounds.py), called by the loop ------------------------------
 
@@ -65,14 +67,14 @@ class LiveSide:
 
     def end_round(self) -> bool:
         """After the step whose outer sync ended a round (and its logs, evaluation, checkpoint, the epoch's
-        end): the round counts on every member or on none (a loss: RolledBack), a new mark, then the
+        end): the round counts on every member or on none (a loss: RolledBack, step_driver.py), a new mark, then the
         replacements join. True when the group grew."""
         rounds, recovery, handle = self.rounds, self.recovery, self.handle
         if rounds is None or recovery is None or handle is None:
             return False
         step = self.counters.step
-        rounds.run(recovery, lambda: rounds.settle(handle, step))  # streaming: before a growth
-        rounds.run(recovery, lambda: rounds.commit(step))
+        self.driver.run(lambda: rounds.settle(handle, step))  # streaming: before a growth
+        self.driver.run(lambda: rounds.commit(step))
         self.mark_round()
         if not rounds.round_end(step):  # streaming: a fragment's sync inside the round
             return False

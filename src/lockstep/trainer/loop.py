@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sized
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,7 +28,7 @@ from lockstep.engine import DistributedDataParallel, replicate
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime import barrier, broadcast_object
-from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery, retry_at_start
+from lockstep.runtime.membership.recovery import LiveRecovery, retry_at_start
 from lockstep.runtime.process_group import live_group
 from lockstep.runtime.progress import DATA, PROGRESS
 from lockstep.runtime.topology import Topology
@@ -36,7 +37,7 @@ from lockstep.trainer.buckets import bucket_summary, fit_policy, tunes_buckets
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.device import choose_device
 from lockstep.trainer.evaluation import Evaluation
-from lockstep.trainer.live_rounds import LiveRounds, RolledBack
+from lockstep.trainer.live_rounds import LiveRounds
 from lockstep.trainer.live_side import LiveSide
 from lockstep.trainer.low_comm import PeriodicRun
 from lockstep.trainer.metrics import TrainMetrics
@@ -44,6 +45,7 @@ from lockstep.trainer.optim import build_optimizer, build_scheduler, maybe_shard
 from lockstep.trainer.progress import ProgressBar
 from lockstep.trainer.run_log import RunLog
 from lockstep.trainer.run_state import RunState
+from lockstep.trainer.step_driver import Outcome, RolledBack, StepDriver
 from lockstep.trainer.steps import LossFn, Stepper
 from lockstep.trainer.summary import build_summary, comm_bytes_so_far, publish_summary
 from lockstep.trainer.train_data import TrainData
@@ -118,6 +120,7 @@ class FitRun(LiveSide):
         # live mode, low-communication run: a round counts on every member or on none (live_rounds.py)
         self.rounds = LiveRounds.of_run(self.live, self.state, config)
         self.recovery = LiveRecovery(self.live, self) if self.live is not None else None
+        self.driver = StepDriver(self.recovery, self.rounds)  # every step and collective work goes through it
         if self.recovery is not None:
             self.record.faults = self.recovery.startup_faults()
 
@@ -239,13 +242,10 @@ class FitRun(LiveSide):
             if len(group) < wanted or not (group or self.micro_batched):
                 steps_left = 0  # the loader ended early (the dataset shrank under it): the epoch is done
                 break
-            try:
-                synced = self._step(group)
-            except FAILURES as exc:
-                if self.recovery is None or not self.recovery.recover(exc):  # live mode: the survivors go on
-                    raise
-                if self.rounds is not None:
-                    raise RolledBack from None  # back to the round's start, maybe in an earlier epoch
+            outcome, synced = self.driver.attempt(partial(self._step, group))
+            if outcome is Outcome.ROLLED_BACK:  # back to the round's start, maybe in an earlier epoch
+                raise RolledBack
+            if outcome is Outcome.REDO:  # live mode: the survivors go on
                 del group
                 micro_batches, steps_left, micro_left = self.data.iterate()  # the same step, re-cut
                 continue
@@ -255,7 +255,7 @@ class FitRun(LiveSide):
             self.bar.advance(self.counters.step)
             changed = self._retry(self._after_step)
             if self.rounds is not None:  # a round ends after its sync's step (at an epoch's end: below)
-                changed = synced and steps_left > 0 and self.end_round()
+                changed = bool(synced) and steps_left > 0 and self.end_round()
             elif self.recovery is not None:
                 changed = self.recovery.admit_joiners(self.counters.step) or changed
             if changed and steps_left > 0:  # the shards were cut again: iterate the rest of the epoch anew
@@ -292,15 +292,9 @@ class FitRun(LiveSide):
     def _retry(self, work: Callable[[], Any]) -> bool:
         """work(), done again over the survivors if a member is lost in its collectives (live mode).
         True when the group changed meanwhile (the loop re-cuts its iteration)."""
-        if self.recovery is None:
-            work()
-            return False
-        before = self.recovery.changes
-        if self.rounds is not None and self.rounds.active:
-            self.rounds.run(self.recovery, work)  # a loss: back to the round's start, RolledBack
-        else:
-            self.recovery.retry(work)
-        return self.recovery.changes != before
+        before = self.driver.changes
+        self.driver.run(work)  # a low-communication run's loss: back to the round's start, RolledBack
+        return self.driver.changes != before
 
     def _after_step(self) -> None:
         self.state.gather_parameters()  # live mode, sharded optimizer: the step counted, now its all-gather
