@@ -21,7 +21,8 @@ from rank 0. Outside live mode (a plain `lockstep run`, torchrun) the same progr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -32,9 +33,11 @@ from lockstep.engine import ReplicaHandle, ShardedOptimizer, replicate
 from lockstep.engine.policy import SyncPolicy
 from lockstep.errors import ConfigError, InternalError, NotSupportedError
 from lockstep.runtime.membership.records import Fault
-from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery, retry_at_start
+from lockstep.runtime.membership.recovery import LiveRecovery, retry_at_start
 from lockstep.runtime.process_group import live_group
 from lockstep.runtime.topology import Topology
+from lockstep.trainer.registry import StateRegistry, Use
+from lockstep.trainer.step_driver import Outcome, StepDriver
 
 T = TypeVar("T")
 
@@ -105,11 +108,13 @@ class LiveLoop:
         self.policy = SyncPolicy(deterministic=deterministic)
         self.step = 0  # optimizer steps completed
         self.faults: list[dict[str, Any]] = []
+        self.registry = self._register()
         group = live_group()
         self.handle: ReplicaHandle | None = retry_at_start(
             group, lambda: replicate(model, policy=self.policy)
         )
         self.recovery = LiveRecovery(group, self) if group is not None else None
+        self.driver = StepDriver(self.recovery)  # each step, and retry()'s work
         if self.recovery is not None:
             self.faults = self.recovery.startup_faults()  # members lost before this loop began
             if self.recovery.group.needs_state:
@@ -134,29 +139,29 @@ class LiveLoop:
             num = self.sampler.num_micro_batches
             owned = self._handle().owned_micro_batches(num)
             mine = dict(zip(owned, _take(batches, len(owned))))
-            try:
-                results = self._handle().accumulate(
-                    micro_step, mine, num_micro_batches=num, step=self.step, seed=self.seed
-                )
-                if self.recovery is not None:
-                    self.recovery.group.commit(self.step)  # the step counts on every member or on none
-                self.optimizer.step()
-            except FAILURES as exc:
-                if self.recovery is None or not self.recovery.recover(exc):
-                    raise
+            outcome, results = self.driver.attempt(partial(self._step, micro_step, mine))
+            if outcome is not Outcome.DONE:  # REDO (LiveLoop keeps no round marks to go back to)
                 batches, steps_left = self._cut()  # the same step again, cut for the survivors
                 continue
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             self.sampler.advance(self.sampler.step_size)
             steps_left -= 1
-            yield results
+            yield cast(dict[int, Any], results)
+
+    def _step(self, micro_step: Callable[[list[int]], Any], mine: dict[int, list[int]]) -> dict[int, Any]:
+        """One step's collectives: this rank's micro-batches through accumulate(), the commit, the optimizer."""
+        results = self._handle().accumulate(
+            micro_step, mine, num_micro_batches=self.sampler.num_micro_batches, step=self.step, seed=self.seed
+        )
+        if self.recovery is not None:
+            self.recovery.group.commit(self.step)  # the step counts on every member or on none
+        self.optimizer.step()
+        return results
 
     def retry(self, work: Callable[[], T]) -> T:
         """work() (collectives of your own between steps), done again if a member is lost in it."""
-        if self.recovery is None:
-            return work()
-        return self.recovery.retry(work)
+        return self.driver.run(work)
 
     def _handle(self) -> ReplicaHandle:
         if self.handle is None:
@@ -169,26 +174,42 @@ class LiveLoop:
 
     # ---- state ----------------------------------------------------------------------------------------------
 
+    def _register(self) -> StateRegistry:
+        """The loop's state entries (trainer/registry.py): what a replacement receives."""
+        registry = StateRegistry()
+        registry.register_state_dict_fn("model", self._load_model, self.model.state_dict, uses=Use.TRANSFER)
+        registry.register("optimizer", self.optimizer, uses=Use.TRANSFER)
+        registry.register("sampler", self.sampler, uses=Use.TRANSFER)
+        registry.register_state_dict_fn("step", self._load_step, lambda: self.step, uses=Use.TRANSFER)
+        registry.register_state_dict_fn("state", self._load_objects, self._save_objects, uses=Use.TRANSFER)
+        registry.register_state_dict_fn(
+            "faults", self._load_faults, lambda: self.faults, uses=Use.TRANSFER, required=False
+        )
+        return registry
+
     def state_dict(self) -> dict[str, Any]:
         """Everything a replacement (or a resume) needs to continue at this step boundary."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "step": self.step,
-            "state": {name: obj.state_dict() for name, obj in self.state.items()},
-            "faults": self.faults,
-        }
+        return self.registry.snapshot(Use.TRANSFER)
 
     def load_state_dict(self, tree: Mapping[str, Any]) -> None:
+        self.registry.restore(tree, Use.TRANSFER)
+
+    def _load_model(self, state: Mapping[str, Any]) -> None:
         with torch.no_grad():
-            self.model.load_state_dict(tree["model"])
-        self.optimizer.load_state_dict(tree["optimizer"])
-        self.sampler.load_state_dict(tree["sampler"])
-        self.step = int(tree["step"])
+            self.model.load_state_dict(state)
+
+    def _load_step(self, step: int) -> None:
+        self.step = int(step)
+
+    def _save_objects(self) -> dict[str, Any]:
+        return {name: obj.state_dict() for name, obj in self.state.items()}
+
+    def _load_objects(self, states: Mapping[str, Any]) -> None:
         for name, obj in self.state.items():
-            obj.load_state_dict(tree["state"][name])
-        self.faults = list(tree.get("faults", []))
+            obj.load_state_dict(states[name])
+
+    def _load_faults(self, faults: list[dict[str, Any]]) -> None:
+        self.faults = list(faults)
 
     # ---- live mode: what runtime/membership/recovery.py asks of the loop (its Recoverable) ---------------
 

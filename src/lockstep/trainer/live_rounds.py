@@ -39,76 +39,47 @@ only); what is trained is unaffected.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from lockstep.checkpoint import rng
 from lockstep.engine.outer_sync import due_fragments
 from lockstep.engine.sync_algorithms import parse_sync
 from lockstep.errors import LockstepError
 from lockstep.runtime.membership.group import LiveGroup
-from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery
 from lockstep.runtime.micro_batches import owned_micro_batches
 from lockstep.trainer.config import FitConfig
+from lockstep.trainer.registry import Use
 from lockstep.trainer.run_state import RunState
 
 
-class RolledBack(LockstepError):  # noqa: N818 (not an error: control flow back to the loop's top)
-    """The run went back to its last round mark over a new group: the loop continues from there."""
-
-
 class RoundMark:
-    """This rank's state at a round boundary (or at the run's start), kept in memory for a redo."""
+    """This rank's state at a round boundary (or at the run's start), kept in memory for a redo: the
+    run's registry's entries of a mark (trainer/registry.py), copied to the host."""
 
     def __init__(
         self,
         state: RunState,
-        outer: dict[str, Any],
         *,
-        boundary: bool,
+        sync_every: int,
+        streaming: bool,
         log_count: int | None,
         members: tuple[int, ...] = (),
     ) -> None:
         self.step = state.counters.step
-        self.boundary = boundary  # a point a redo can start from (not a diloco resume mid-round)
         self.log_count = log_count  # rank 0: the metric log's records at the mark
         self.members = members  # the group's member ids when the mark was taken
-        record = state.record
-        self.tree = _host_copy(
-            {
-                "model": state.module.state_dict(),
-                "optimizer": state.optimizer.state_dict(),
-                "scheduler": state.scheduler.state_dict(),
-                "scaler": state.scaler.state_dict(),
-                "sampler": state.sampler.state_dict(),
-                "counters": state.counters.state_dict(),
-                "record": (record.last_train, record.last_eval, record.saved_step, record.eval_step),
-                "metrics": (state.metrics.pending, state.metrics.unlogged),
-                "outer": outer,
-                "rng": rng.capture(),
-            }
-        )
+        self.tree = state.registry.snapshot(Use.MARK, host=True)
+        # a point a redo can start from (not a diloco resume mid-round; streaming's marks are all points)
+        self.boundary = streaming or int(self.outer["inner_steps"]) % sync_every == 0
 
-    def restore(self, state: RunState, handle: Any) -> None:
+    @property
+    def outer(self) -> dict[str, Any]:
+        """The outer sync state at the mark (streaming: a mean in flight kept as this rank's contribution)."""
+        return dict(self.tree["outer"])
+
+    def restore(self, state: RunState) -> None:
         """Put this rank back where it stood at the mark (copies: the mark may be restored again). The
         loads move each tensor to its parameter's device."""
-        tree = copy.deepcopy(self.tree)  # load_state_dict may keep the tensors it is given
-        with torch.no_grad():
-            state.module.load_state_dict(tree["model"])
-        state.optimizer.load_state_dict(tree["optimizer"])
-        state.scheduler.load_state_dict(tree["scheduler"])
-        if tree["scaler"]:
-            state.scaler.load_state_dict(tree["scaler"])
-        state.sampler.load_state_dict(tree["sampler"])
-        state.counters.load_state_dict(tree["counters"])
-        record = state.record
-        record.last_train, record.last_eval, record.saved_step, record.eval_step = tree["record"]
-        state.metrics.pending, state.metrics.unlogged = tree["metrics"]
-        handle.load_sync_state_dict(tree["outer"])
-        rng.restore(tree["rng"])
+        state.registry.restore(self.tree, Use.MARK, copied=True)
 
 
 class LiveRounds:
@@ -137,14 +108,16 @@ class LiveRounds:
     def active(self) -> bool:
         return self.last is not None and not self.closed
 
-    def mark(self, handle: Any, log_count: int | None) -> None:
+    def mark(self, log_count: int | None) -> None:
         """Keep this rank's state as the point a redo starts from (streaming: without waiting for the
-        fragment's mean in flight; its contribution is kept instead)."""
-        streaming = self.fragments is not None
-        outer = handle.sync_state_dict(wait=not streaming)
-        boundary = streaming or int(outer["inner_steps"]) % self.sync_every == 0
-        members = self.group.membership.members
-        self.last = RoundMark(self.state, outer, boundary=boundary, log_count=log_count, members=members)
+        fragment's mean in flight; its contribution is kept instead: the run's `outer` entry)."""
+        self.last = RoundMark(
+            self.state,
+            sync_every=self.sync_every,
+            streaming=self.fragments is not None,
+            log_count=log_count,
+            members=self.group.membership.members,
+        )
 
     def round_end(self, step: int) -> bool:
         """After `step`: a round's end, where replacements may join (streaming: its last fragment's sync)."""
@@ -177,18 +150,18 @@ class LiveRounds:
             )
         self.armed = True
 
-    def rebuilt(self, handle: Any) -> None:
+    def rebuilt(self) -> None:
         """The replica was rebuilt on a new group: after a loss, this rank's state from the mark; after a
         growth, the outer state carried over (the replicas stand at the boundary the mark was taken)."""
         last = self.last
         if last is None:
             return
         if self.armed and not self.closed:
-            last.restore(self.state, handle)
+            last.restore(self.state)
             self.armed = False
             self.dropped = self._dropped(last)
         else:
-            handle.load_sync_state_dict(last.tree["outer"])
+            self.state.registry.restore(last.tree, Use.MARK, keys=("outer",))
 
     def _dropped(self, last: RoundMark) -> dict[str, Any] | None:
         """Streaming, after a rollback to `last`: the lost members, the steps whose inner progress of
@@ -197,7 +170,7 @@ class LiveRounds:
         lost = [m for m in last.members if m not in self.group.membership.members]
         if count is None or not lost:
             return None
-        pending = last.tree["outer"].get("pending") or {}
+        pending = last.outer.get("pending") or {}
         in_flight = int(pending["fragment"]) if "contribution" in pending else None
         starts = []
         for f in range(count):  # each fragment's last sync that every survivor applied (or holds the mean of)
@@ -218,16 +191,6 @@ class LiveRounds:
             "samples": steps * per_step * sampler.micro_batch_size,
         }
 
-    def run(self, recovery: LiveRecovery, work: Callable[[], Any]) -> Any:
-        """work() with collectives; if a member is lost in it, re-form, go back to the mark and raise
-        RolledBack (the loop carries on from the mark instead of retrying the work)."""
-        try:
-            return work()
-        except FAILURES as exc:
-            if not recovery.recover(exc):
-                raise
-            raise RolledBack from None
-
     def rewind_log(self, runlog: Any) -> None:
         """After a rollback on rank 0: the metric log as it was at the mark."""
         last = self.last
@@ -237,15 +200,3 @@ class LiveRounds:
             runlog.truncate(last.log_count)
         else:  # this process became rank 0 after the mark: keep what the old rank 0 logged up to it
             runlog.rewind(last.step)
-
-
-def _host_copy(tree: Any) -> Any:
-    """A copy of a nest of dicts, lists and tuples whose tensors are copied to the host: a mark does not
-    take device memory (one copy to the host per round)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        return {key: _host_copy(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_host_copy(value) for value in tree)
-    return copy.deepcopy(tree)

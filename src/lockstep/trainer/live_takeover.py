@@ -9,11 +9,8 @@ without the fault. A process that became rank 0 also takes over the metric log a
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.records import Fault
-from lockstep.trainer.config import FitConfig
 from lockstep.trainer.metrics import OrderedMetrics, TrainMetrics
 from lockstep.trainer.progress import ProgressBar
 from lockstep.trainer.run_log import RunLog
@@ -32,16 +29,11 @@ def take_over_rows(group: LiveGroup, metrics: TrainMetrics, lost: list[int]) -> 
                 pending.add_packed(rows, names)
 
 
-def take_over_log(
-    run_dir: Path, total_steps: int, config: FitConfig, step: int
-) -> tuple[RunLog, ProgressBar]:
+def take_over_log(runlog: RunLog, bar: ProgressBar, step: int) -> None:
     """This process became rank 0 (the old one was lost): the metric log, rewound to what the lost rank 0
     wrote up to `step` (where the group stands), and the progress bar, from now on."""
-    runlog = RunLog(run_dir, enabled=True)
-    runlog.rewind(step)
-    bar = ProgressBar(total_steps, enabled=True, mode=config.progress)
-    bar.advance(step)
-    return runlog, bar
+    runlog.take_over(step)
+    bar.take_over(step)
 
 
 def describe_change(fault: Fault, step: int) -> str:

@@ -4,17 +4,20 @@ Every collective in here runs on every rank at the same point: the metric reduct
 evaluation reduction, and the checkpoint save. Progress and logging only print on rank 0 and never
 communicate, so no rank can be left waiting in a collective that rank 0 alone entered.
 
-The run's parts: its state with one state_dict (run_state.py), the steps (steps.py), evaluation
-(evaluation.py), metrics (metrics.py), the summary (summary.py). In live mode the run is a `Recoverable`
-(runtime/membership/recovery.py): live recovery reaches it only through those few methods (live_side.py).
-A low-communication run in live mode counts its rounds on every member or on none, and goes back to a
-round's start when a member is lost (live_rounds.py): the loop then carries on from there (`RolledBack`).
+The run's parts: the replica (replica.py), its state, each entry registered once (run_state.py), the
+steps (steps.py), evaluation (evaluation.py), metrics (metrics.py), the summary (summary.py), and its side
+of live mode (live_side.py: `FitLive` in live mode, `NotLive` otherwise), through whose driver every step
+and every collective work between steps runs (step_driver.py: DONE, REDO, ROLLED_BACK). In live mode the
+`FitLive` part is the run's `Recoverable` (runtime/membership/recovery.py). A low-communication run in
+live mode counts its rounds on every member or on none, and goes back to a round's start when a member is
+lost (live_rounds.py): the loop then carries on from there (`RolledBack`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sized
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,34 +26,33 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from lockstep.checkpoint import CheckpointManager
-from lockstep.engine import DistributedDataParallel, replicate
 from lockstep.engine.sync_algorithms import is_periodic
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime import barrier, broadcast_object
-from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery, retry_at_start
 from lockstep.runtime.process_group import live_group
 from lockstep.runtime.progress import DATA, PROGRESS
 from lockstep.runtime.topology import Topology
 from lockstep.trainer.batches import plan_batches
-from lockstep.trainer.buckets import bucket_summary, fit_policy, tunes_buckets
+from lockstep.trainer.buckets import bucket_summary, tunes_buckets
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.device import choose_device
 from lockstep.trainer.evaluation import Evaluation
-from lockstep.trainer.live_rounds import LiveRounds, RolledBack
-from lockstep.trainer.live_side import LiveSide
+from lockstep.trainer.live_side import FitLive, NotLive
 from lockstep.trainer.low_comm import PeriodicRun
 from lockstep.trainer.metrics import TrainMetrics
 from lockstep.trainer.optim import build_optimizer, build_scheduler, maybe_sharded
 from lockstep.trainer.progress import ProgressBar
+from lockstep.trainer.replica import FitReplica
 from lockstep.trainer.run_log import RunLog
 from lockstep.trainer.run_state import RunState
+from lockstep.trainer.step_driver import Outcome, RolledBack
 from lockstep.trainer.steps import LossFn, Stepper
 from lockstep.trainer.summary import build_summary, comm_bytes_so_far, publish_summary
 from lockstep.trainer.train_data import TrainData
 
 
-class FitRun(LiveSide):
+class FitRun:
     """One call of fit(): the objects it builds and the phases of the loop."""
 
     def __init__(
@@ -63,7 +65,7 @@ class FitRun(LiveSide):
         topo: Topology,
         make_optimizer: Callable[[Any], torch.optim.Optimizer] | None,
     ) -> None:
-        self.config, self.topo = config, topo
+        self.config = config
         self.device = choose_device(config.device)
         torch.manual_seed(config.seed + topo.rank)  # per-rank streams for dropout/augmentation
         self.module = (convert_sync_batchnorm(model) if config.sync_batchnorm else model).to(self.device)
@@ -77,13 +79,19 @@ class FitRun(LiveSide):
         self.periodic = is_periodic(config.sync)  # low-communication training: local steps, outer syncs
         # a step: K micro-batches through accumulate() (the periodic modes step each rank's alone)
         self.micro_batched = self.plan.num_micro_batches > 0 and not self.periodic
-        self.handle = None
-        self.model = self._replicate()
-        self.data = TrainData(train_data, config, self.plan, self.topo, pin=self.device.type == "cuda")
+        # The model the steps run: the module itself under accumulate() (deterministic and live mode),
+        # stepping alone (sync: the handle syncs every sync_every steps) or with its bucket size tuned
+        # (bucket_cap_mb="auto": the drop-in face keeps torch's), else torch's drop-in face.
+        in_place = self.micro_batched or self.periodic or tunes_buckets(config)
+        self.replica = FitReplica(self.module, config, self.device, topo, self.live, in_place=in_place)
+        self.model, handle = self.replica.model, self.replica.handle
+        self.data = TrainData(
+            train_data, config, self.plan, self.replica.topo, pin=self.device.type == "cuda"
+        )
         self.sampler = self.data.sampler
         metrics = TrainMetrics(config.task, ordered=self.micro_batched)
         self.evaluation = Evaluation(eval_data, config, metrics, loss_fn, self.device)
-        self.evaluation.reshard(self.topo)
+        self.evaluation.reshard(self.replica.topo)
         if self.data.steps_in_epoch() == 0:
             raise ConfigError(
                 f"the training set of {len(cast(Sized, train_data))} samples gives no full step of "
@@ -105,73 +113,57 @@ class FitRun(LiveSide):
         self.counters, self.record = self.state.counters, self.state.record
         self.run_dir = Path(config.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep_checkpoints)
-        self.runlog = RunLog(self.run_dir, enabled=self.topo.is_main)
-        self.bar = ProgressBar(self.total_steps, enabled=self.topo.is_main, mode=config.progress)
+        main = self.replica.topo.is_main
+        self.runlog = RunLog(self.run_dir, enabled=main)
+        self.bar = ProgressBar(self.total_steps, enabled=main, mode=config.progress)
         self.stepper = Stepper(self.state, config, self.plan, loss_fn, self.device, self.live)
-        self.stepper.replica = self.handle if tunes_buckets(config) else None  # no_sync() for ddp_step
-        self.stepper.overlap(
-            self.handle or self.model
-        )  # config.overlap_optimizer: the engine steps the buckets
-        self.periodic_run = PeriodicRun(self.handle, self.module, optimizer) if self.periodic else None
+        self.stepper.replica = handle if tunes_buckets(config) else None  # no_sync() for ddp_step
+        self.stepper.overlap(self.replica.engine)  # config.overlap_optimizer: the engine steps the buckets
+        self.periodic_run = PeriodicRun(handle, self.module, optimizer) if self.periodic else None
         if self.periodic_run is not None:
-            self.stepper.outer, self.state.extra = self.handle, self.periodic_run.entries
-        # live mode, low-communication run: a round counts on every member or on none (live_rounds.py)
-        self.rounds = LiveRounds.of_run(self.live, self.state, config)
-        self.recovery = LiveRecovery(self.live, self) if self.live is not None else None
-        if self.recovery is not None:
-            self.record.faults = self.recovery.startup_faults()
-
-    def _replicate(self) -> nn.Module:
-        """The model the steps run: the module itself under accumulate() (deterministic and live mode),
-        stepping alone (sync: the handle syncs every sync_every steps) or with its bucket size tuned
-        (bucket_cap_mb="auto": the drop-in face keeps torch's), else torch's drop-in face."""
-        if self.micro_batched or self.periodic or tunes_buckets(self.config):
-            policy = fit_policy(self.config, live=self.live is not None)
-            # Live mode: a member lost in the replica's start-up collectives is survived like any other.
-            self.handle = retry_at_start(self.live, lambda: replicate(self.module, policy=policy))
-            if self.live is not None:  # the members may have changed meanwhile
-                self.topo = self.live.topology()
-            return self.module
-        return DistributedDataParallel(
-            self.module,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            bucket_cap_mb=cast("float | None", self.config.bucket_cap_mb),  # a number or None: torch's
-            gradient_as_bucket_view=self.config.shard_optimizer,  # sharded: one copy of the gradients
-        )
+            self.stepper.outer = handle
+            self.replica.followers += [self.periodic_run, self.stepper]  # they follow a rebuilt handle
+            self.state.register_outer_sync(self.periodic_run, streaming=config.sync == "streaming_diloco")
+        # Live mode's side (live_side.py): recovery, replacements, a low-communication run's rounds; every
+        # step and every collective work between steps goes through its driver (step_driver.py).
+        self.live_side: FitLive | NotLive = NotLive()
+        if self.live is not None:
+            output, shards = (self.runlog, self.bar), (self.data, self.evaluation)
+            self.live_side = FitLive(
+                self.live, config, replica=self.replica, state=self.state, shards=shards, output=output
+            )
 
     # ---- phases -------------------------------------------------------------------------------------------
 
     def train(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Train to the end; (the summary, the logged history)."""
-        if self.recovery is not None and self.live is not None and self.live.needs_state:
-            self.recovery.receive_state()  # a replacement: the state comes from a peer, not a checkpoint
+        if self.live_side.receive_state():  # a replacement: the state comes from a peer, not a checkpoint
             self.bar.advance(self.counters.step)
             if self.sampler.epoch > self.counters.epoch:  # admitted after an epoch's last step: the members
                 self.counters.epoch += 1  # close that epoch now (checkpoint, evaluation), and so does it
                 self._retry(self._end_of_epoch)
         else:
             self._retry(self._maybe_resume)
-        self.mark_round()  # live mode, low-communication run: where a lost member's round is redone from
+        self.live_side.mark_round()  # live mode, low-communication run: where a lost member's round is redone from
         started, start_samples, start_step = time.monotonic(), self.counters.samples, self.counters.step
-        start_bytes = comm_bytes_so_far(self.handle or self.model)
+        start_bytes = comm_bytes_so_far(self.replica.engine)
         self._train_to_end()
         wall = time.monotonic() - started
         summary = build_summary(
             self.state,
             self.config,
-            world_size=self.topo.world_size,
+            world_size=self.replica.topo.world_size,
             plan=self.plan,
             live=self.live is not None,
             run=(wall, self.counters.samples - start_samples, self.counters.step - start_step),
-            comm_bytes=comm_bytes_so_far(self.handle or self.model) - start_bytes,
+            comm_bytes=comm_bytes_so_far(self.replica.engine) - start_bytes,
         )
-        summary.update(bucket_summary(self.handle or self.model))
+        summary.update(bucket_summary(self.replica.engine))
         if self.periodic_run is not None:
             summary.update(self.periodic_run.summary(self.record.faults))
-        if self.topo.is_main:
+        if self.replica.topo.is_main:
             publish_summary(summary, self.run_dir, self.runlog, self.bar)
-        if self.rounds is not None:
-            self.rounds.closed = True  # published: a loss in the last barrier goes back nowhere
+        self.live_side.close()  # published: a loss in the last barrier goes back nowhere
         self._retry(barrier)
         return summary, list(self.runlog.records)
 
@@ -185,8 +177,7 @@ class FitRun(LiveSide):
                 self._retry(self._end_of_run)
                 return
             except RolledBack:
-                if self.rounds is not None:
-                    self.rounds.rewind_log(self.runlog)
+                self.live_side.rolled_back()
                 self.bar.message(f"live: the round is redone from step {self.counters.step}")
                 self.bar.advance(self.counters.step)
 
@@ -203,7 +194,7 @@ class FitRun(LiveSide):
                 f"{self.run_dir} already holds checkpoints (steps {self.checkpoints.steps()!r}) and resume='never'; "
                 "choose a new run_dir, delete the old checkpoints, or use resume='auto' to continue"
             )
-        entries = self.state.checkpoint_entries()
+        entries = self.state.registry.checkpoint_entries()
         step = self.checkpoints.load(entries) if self.config.resume == "auto" else None
         self.runlog.rewind(step or 0)
         if step is not None:
@@ -239,13 +230,10 @@ class FitRun(LiveSide):
             if len(group) < wanted or not (group or self.micro_batched):
                 steps_left = 0  # the loader ended early (the dataset shrank under it): the epoch is done
                 break
-            try:
-                synced = self._step(group)
-            except FAILURES as exc:
-                if self.recovery is None or not self.recovery.recover(exc):  # live mode: the survivors go on
-                    raise
-                if self.rounds is not None:
-                    raise RolledBack from None  # back to the round's start, maybe in an earlier epoch
+            outcome, synced = self.live_side.driver.attempt(partial(self._step, group))
+            if outcome is Outcome.ROLLED_BACK:  # back to the round's start, maybe in an earlier epoch
+                raise RolledBack
+            if outcome is Outcome.REDO:  # live mode: the survivors go on
                 del group
                 micro_batches, steps_left, micro_left = self.data.iterate()  # the same step, re-cut
                 continue
@@ -254,29 +242,27 @@ class FitRun(LiveSide):
             self.counters.step += 1
             self.bar.advance(self.counters.step)
             changed = self._retry(self._after_step)
-            if self.rounds is not None:  # a round ends after its sync's step (at an epoch's end: below)
-                changed = synced and steps_left > 0 and self.end_round()
-            elif self.recovery is not None:
-                changed = self.recovery.admit_joiners(self.counters.step) or changed
+            # replacements join; a round ends after its sync's step (at an epoch's end: below)
+            changed = self.live_side.after_step(synced=bool(synced), more=steps_left > 0) or changed
             if changed and steps_left > 0:  # the shards were cut again: iterate the rest of the epoch anew
                 micro_batches, steps_left, micro_left = self.data.iterate()
         if steps_left > 0:
             return  # stopped by the step budget in the middle of an epoch: stay in it (resumable)
         self.counters.epoch += 1
         self._retry(self._end_of_epoch)
-        if self.rounds is not None and self.stepper.synced:
-            self.end_round()
+        self.live_side.end_of_epoch(synced=self.stepper.synced)
 
     def _step(self, group: list[Any]) -> bool:
         """One step; True when it ended with an outer sync (a low-communication run's round)."""
+        world_size = self.replica.topo.world_size
         if self.periodic:
-            return self.stepper.local_step(self.model, self.topo.world_size, group)
+            return self.stepper.local_step(self.model, world_size, group)
         if not self.micro_batched:
-            self.stepper.ddp_step(self.model, self.topo.world_size, group)
+            self.stepper.ddp_step(self.model, world_size, group)
             return False
-        if self.handle is None:
+        if self.replica.handle is None:
             raise InternalError("a micro-batched step ran without a replica")
-        self.stepper.micro_batched_step(self.handle, self.model, group)
+        self.stepper.micro_batched_step(self.replica.handle, self.model, group)
         return False
 
     def _end_of_epoch(self) -> None:
@@ -292,15 +278,10 @@ class FitRun(LiveSide):
     def _retry(self, work: Callable[[], Any]) -> bool:
         """work(), done again over the survivors if a member is lost in its collectives (live mode).
         True when the group changed meanwhile (the loop re-cuts its iteration)."""
-        if self.recovery is None:
-            work()
-            return False
-        before = self.recovery.changes
-        if self.rounds is not None and self.rounds.active:
-            self.rounds.run(self.recovery, work)  # a loss: back to the round's start, RolledBack
-        else:
-            self.recovery.retry(work)
-        return self.recovery.changes != before
+        driver = self.live_side.driver
+        before = driver.changes
+        driver.run(work)  # a low-communication run's loss: back to the round's start, RolledBack
+        return driver.changes != before
 
     def _after_step(self) -> None:
         self.state.gather_parameters()  # live mode, sharded optimizer: the step counted, now its all-gather
@@ -346,7 +327,7 @@ class FitRun(LiveSide):
             return  # the epoch's end and the run's end can fall on the same step
         if self.periodic_run is not None:
             self.periodic_run.before_save()
-        self.checkpoints.save(self.counters.step, self.state.checkpoint_entries())
+        self.checkpoints.save(self.counters.step, self.state.registry.checkpoint_entries())
         self.record.saved_step = self.counters.step
 
 

@@ -21,14 +21,28 @@ class ProgressBar:
         self, total_steps: int, *, enabled: bool, mode: str = "auto", stream: TextIO | None = None
     ) -> None:
         self.stream = stream or sys.stderr
+        self.requested = mode
         self.mode = choose_mode(mode, self.stream) if enabled else "none"
         self.total_steps = total_steps
         self.started = time.monotonic()
         self._bar: Any = None
         if self.mode == "bar":
-            from tqdm import tqdm
+            self._start_bar()
 
-            self._bar = tqdm(total=total_steps, file=self.stream, dynamic_ncols=True, unit="step")
+    def _start_bar(self) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=self.total_steps, file=self.stream, dynamic_ncols=True, unit="step")
+
+    def take_over(self, step: int) -> None:
+        """This process became rank 0 (live mode: the old one was lost): show progress from `step` on."""
+        if self.mode != "none":
+            return
+        self.mode = choose_mode(self.requested, self.stream)
+        self.started = time.monotonic()
+        if self.mode == "bar":
+            self._start_bar()
+        self.advance(step)
 
     def advance(self, step: int) -> None:
         if self._bar is not None:

@@ -13,13 +13,24 @@ class RunLog:
     """Append-only metric records, one per logged step or evaluation, written as they come."""
 
     def __init__(self, run_dir: Path, *, enabled: bool) -> None:
-        self.enabled = enabled
+        self.enabled = False
         self.run_dir = run_dir
         self.records: list[dict[str, Any]] = []
         self._tb: Any = None
         if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self._tb = _tensorboard_writer(run_dir / "tensorboard")
+            self._enable()
+
+    def _enable(self) -> None:
+        self.enabled = True
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._tb = _tensorboard_writer(self.run_dir / "tensorboard")
+
+    def take_over(self, step: int) -> None:
+        """This process became rank 0 (live mode: the old one was lost): log from now on, the history
+        rewound to what the lost rank 0 wrote up to `step` (where the group stands)."""
+        if not self.enabled:
+            self._enable()
+        self.rewind(step)
 
     @property
     def _jsonl(self) -> Path:

@@ -1,14 +1,20 @@
-"""The state of one `fit()` run, with one state_dict: what a checkpoint saves and what a replacement receives.
+"""The state of one `fit()` run, its entries registered once: what a checkpoint saves, what a replacement
+receives, what a rollback puts back.
 
 `RunState` holds everything a run must carry to continue exactly where it stands: the model, optimizer,
 LR scheduler, GradScaler and sampler (each through its own state_dict), the counters (steps, epochs,
 samples), and the run's record (last metrics, faults survived, what was saved and evaluated when, and in
-live mode the metric rows pending since the last log).
+live mode the metric rows pending since the last log). It registers each of them once in its
+`StateRegistry` (trainer/registry.py), which does every snapshot and restore:
 
-`state_dict()` is what live mode sends a replacement (runtime/membership/recovery.py). A checkpoint holds
-the same entries but the record (`checkpoint_entries()`: the objects, which CheckpointManager stores in
-safetensors and weights_only files under the names older checkpoints use too): a run resumed from disk is
-a new process lifetime that starts its record afresh, whereas a replacement joins the run in progress.
+- a checkpoint holds `model`, `optimizer`, `scheduler`, `scaler`, `sampler` and `progress` (the
+  counters; the names older checkpoints use too), and a low-communication run's `workers` and `outer`;
+- a replacement receives those (the optimizer's param groups only when it is sharded: its state follows
+  in regroup()), less `workers`, plus the record, the faults and the metric rows' positions: a run resumed
+  from disk is a new process lifetime that starts its record afresh, whereas a replacement joins the run
+  in progress;
+- a round mark (trainer/live_rounds.py) holds what a replacement receives but the faults (a rollback
+  keeps them), plus the metric sums pending and the random generators.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep.checkpoint import rng
 from lockstep.engine.shard_optimizer import ShardedOptimizer
 from lockstep.trainer.metrics import TrainMetrics
+from lockstep.trainer.registry import EVERY, LIVE, StateRegistry, Use
 
 
 class TrainCounters:
@@ -53,18 +61,21 @@ class RunRecord:
         self.eval_step: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
+        """Where the record stands (a rollback puts it back); the faults are an entry of their own, which
+        a rollback keeps."""
         return {
             "last_train": self.last_train,
             "last_eval": self.last_eval,
-            "faults": self.faults,
             "saved_step": self.saved_step,
             "eval_step": self.eval_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_train, self.last_eval = dict(state["last_train"]), dict(state["last_eval"])
-        self.faults = list(state["faults"])
         self.saved_step, self.eval_step = state["saved_step"], state["eval_step"]
+
+    def load_faults(self, faults: list[dict[str, Any]]) -> None:
+        self.faults = list(faults)
 
 
 class RunState:
@@ -83,9 +94,73 @@ class RunState:
         self.sampler, self.metrics = sampler, metrics
         self.counters = TrainCounters()
         self.record = RunRecord()
-        self.extra: dict[
-            str, Any
-        ] = {}  # entries of a low-communication run: every rank's state, the outer state
+        self.registry = StateRegistry()
+        self._register()
+
+    def _register(self) -> None:
+        """The run's entries (a low-communication run adds `workers` and `outer`: trainer/low_comm.py)."""
+        reg = self.registry
+        reg.register_state_dict_fn(
+            "model", self._load_model, self.module.state_dict, uses=EVERY, target=self.module
+        )
+        reg.register_state_dict_fn(
+            "optimizer",
+            self.optimizer.load_state_dict,
+            self._optimizer_state,
+            uses=EVERY,
+            target=self.optimizer,
+        )
+        reg.register("scheduler", self.scheduler)
+        reg.register_state_dict_fn(
+            "scaler", self._load_scaler, self.scaler.state_dict, uses=EVERY, target=self.scaler
+        )
+        reg.register("sampler", self.sampler)
+        reg.register(
+            "progress", self.counters
+        )  # the checkpoint's key for the counters: older ones use it too
+        reg.register("record", self.record, uses=LIVE)
+        reg.register_state_dict_fn(
+            "faults", self.record.load_faults, lambda: self.record.faults, uses=Use.TRANSFER
+        )
+        reg.register("metrics", self.metrics, uses=LIVE)
+        reg.register_state_dict_fn(
+            "metric_sums", self._load_pending, lambda: self.metrics.pending, uses=Use.MARK
+        )
+        reg.register_state_dict_fn("rng", rng.restore, rng.capture, uses=Use.MARK)
+
+    def register_outer_sync(self, periodic: Any, *, streaming: bool) -> None:
+        """A low-communication run's entries (`periodic`: trainer/low_comm.py's PeriodicRun), after model and optimizer (a rank's own
+        state in `workers` replaces rank 0's on a checkpoint's load): every rank's state, in checkpoints
+        only; the outer sync state (`outer`, an OuterState: its handle follows the rebuilt replica). A
+        streaming run's mean in flight is kept as this rank's contribution, not waited for (a mark is taken
+        at each fragment's sync); a replacement joins after that mean is back (LiveRounds.settle)."""
+        workers, outer = periodic.workers, periodic.outer
+        self.registry.register("workers", workers, uses=Use.CHECKPOINT)
+        self.registry.register_state_dict_fn(
+            "outer",
+            outer.load_state_dict,
+            lambda: dict(outer.handle.sync_state_dict(wait=not streaming)),
+            uses=EVERY,
+            target=outer,
+        )
+
+    def _load_model(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self.module.load_state_dict(state)
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        # A sharded optimizer's state reaches a replacement through regroup(), from the ranks that hold it
+        # (a low-communication run, whose marks hold the optimizer, never shards it: trainer/optim.py).
+        if isinstance(self.optimizer, ShardedOptimizer):
+            return self.optimizer.transfer_state_dict()
+        return self.optimizer.state_dict()
+
+    def _load_scaler(self, state: dict[str, Any]) -> None:
+        if state:  # a disabled GradScaler's state is empty, and it loads nothing
+            self.scaler.load_state_dict(state)
+
+    def _load_pending(self, pending: Any) -> None:
+        self.metrics.pending = pending
 
     def marks(self) -> dict[str, Any]:
         """Where the run stands, for live recovery to compare across members (runtime/membership/recovery.py)."""
@@ -104,18 +179,6 @@ class RunState:
             self.record.eval_step = None
         elif mark == "pending_metrics":
             self.metrics.drop_pending()
-
-    def checkpoint_entries(self) -> dict[str, Any]:
-        """The objects a checkpoint stores, by the names it stores them under."""
-        return {
-            "model": self.module,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "scaler": self.scaler,
-            "sampler": self.sampler,
-            "progress": self.counters,  # the checkpoint's key for the counters: older checkpoints use it too
-            **self.extra,  # after model and optimizer: a rank's own state replaces rank 0's on load
-        }
 
     # A sharded optimizer (FitConfig.shard_optimizer) is a collective's worth more work at a few points.
     def gather_parameters(self) -> None:
@@ -138,26 +201,3 @@ class RunState:
         """A sharded optimizer's full state collected on every rank (for the summary's hash)."""
         if isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer.consolidate_state_dict(to=None)
-
-    def state_dict(self) -> dict[str, Any]:
-        entries = self.checkpoint_entries()
-        optimizer = entries.pop("optimizer")
-        state = {name: obj.state_dict() for name, obj in entries.items()}
-        # A sharded optimizer's state reaches a replacement through regroup(), from the ranks that hold it.
-        sharded = isinstance(optimizer, ShardedOptimizer)
-        state["optimizer"] = optimizer.transfer_state_dict() if sharded else optimizer.state_dict()
-        state["record"] = self.record.state_dict()
-        state["metrics"] = self.metrics.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if state["scaler"]:  # a disabled GradScaler's state is empty, and it loads nothing
-            self.scaler.load_state_dict(state["scaler"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.counters.load_state_dict(state["progress"])
-        self.record.load_state_dict(state["record"])
-        self.metrics.load_state_dict(state["metrics"])

@@ -91,6 +91,10 @@ class Stepper:
             scaler=state.scaler,
         )
 
+    def rebind(self, handle: Any) -> None:
+        """Live mode, a low-communication run: the replica was rebuilt; its new handle syncs after each step."""
+        self.outer = handle
+
     def ddp_step(self, model: nn.Module, world_size: int, batches: list[Any], *, local: bool = False) -> None:
         """This rank's micro-batches of the step through the DDP wrapper `model` (or, `local`, the plain
         module), then the optimizer."""

@@ -1,0 +1,76 @@
+"""trainer/step_driver.py: a step's outcome (DONE / REDO / ROLLED_BACK), the except-recover sequence once."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from lockstep.runtime.membership.recovery import LiveRecovery
+from lockstep.trainer.step_driver import Outcome, RolledBack, StepDriver
+
+
+class FakeRecovery:
+    """Stands in for LiveRecovery: recover() re-forms (counts a change) unless nobody left."""
+
+    def __init__(self, *, survives: bool = True) -> None:
+        self.survives, self.changes, self.seen = survives, 0, []
+
+    def recover(self, exc: BaseException) -> bool:
+        self.seen.append(str(exc))
+        if self.survives:
+            self.changes += 1
+        return self.survives
+
+
+class Mark:
+    def __init__(self, active: bool) -> None:
+        self.active = active
+
+
+def _failing(times: int) -> Any:
+    calls = {"n": 0}
+
+    def work() -> int:
+        calls["n"] += 1
+        if calls["n"] <= times:
+            raise RuntimeError(f"peer lost {calls['n']}")
+        return calls["n"]
+
+    return work
+
+
+def _driver(recovery: FakeRecovery | None, rollback: Mark | None = None) -> StepDriver:
+    return StepDriver(cast(LiveRecovery, recovery), rollback)
+
+
+def test_outside_live_mode_a_step_is_done_or_its_failure_propagates() -> None:
+    driver = _driver(None)
+    assert driver.attempt(lambda: 7) == (Outcome.DONE, 7)
+    with pytest.raises(RuntimeError, match="peer lost 1"):
+        driver.attempt(_failing(1))
+    assert driver.changes == 0
+
+
+def test_a_lost_member_makes_the_step_redone_or_rolled_back() -> None:
+    recovery = FakeRecovery()
+    assert _driver(recovery).attempt(_failing(1)) == (Outcome.REDO, None)
+    assert _driver(recovery, Mark(active=False)).attempt(_failing(1)) == (Outcome.REDO, None)
+    assert _driver(recovery, Mark(active=True)).attempt(_failing(1)) == (Outcome.ROLLED_BACK, None)
+    assert recovery.changes == 3
+
+
+def test_run_redoes_work_until_done_and_raises_rolled_back_at_a_mark() -> None:
+    recovery = FakeRecovery()
+    driver = _driver(recovery)
+    assert driver.run(_failing(2)) == 3  # two losses, done on the third attempt
+    assert (driver.changes, recovery.seen) == (2, ["peer lost 1", "peer lost 2"])
+    with pytest.raises(RolledBack):
+        _driver(recovery, Mark(active=True)).run(_failing(1))
+
+
+def test_a_failure_no_loss_explains_is_the_programs_own() -> None:
+    with pytest.raises(RuntimeError, match="peer lost 1"):
+        _driver(FakeRecovery(survives=False)).attempt(_failing(1))
+    with pytest.raises(ValueError):
+        _driver(FakeRecovery()).attempt(lambda: int("x"))  # not a collective's failure: never recovered
