@@ -26,9 +26,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from lockstep.checkpoint import CheckpointManager
-from lockstep.engine.sync_algorithms import is_periodic
+from lockstep.engine.sync_algorithms import parse_sync
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError, InternalError
+from lockstep.plan import Plan, Reduction, RunSettings
 from lockstep.runtime import barrier, broadcast_object
 from lockstep.runtime.process_group import live_group
 from lockstep.runtime.progress import DATA, PROGRESS
@@ -76,7 +77,10 @@ class FitRun:
         self.plan = plan_batches(
             config, topo.world_size, live_world=self.live.launch_world_size if self.live else None
         )
-        self.periodic = is_periodic(config.sync)  # low-communication training: local steps, outer syncs
+        # Which settings combine and the engine's mode: the plan's (lockstep/plan.py; `lockstep train` checked
+        # it before launch, a program of your own meets its refusal here)
+        self.modes = Plan.of(RunSettings.of(config, world_size=topo.world_size, live=self.live is not None))
+        self.periodic = self.modes.reduction is Reduction.PERIODIC  # local steps, outer syncs
         # a step: K micro-batches through accumulate() (the periodic modes step each rank's alone)
         self.micro_batched = self.plan.num_micro_batches > 0 and not self.periodic
         # The model the steps run: the module itself under accumulate() (deterministic and live mode),
@@ -118,12 +122,16 @@ class FitRun:
         self.bar = ProgressBar(self.total_steps, enabled=main, mode=config.progress)
         self.stepper = Stepper(self.state, config, self.plan, loss_fn, self.device, self.live)
         self.stepper.replica = handle if tunes_buckets(config) else None  # no_sync() for ddp_step
-        self.stepper.overlap(self.replica.engine)  # config.overlap_optimizer: the engine steps the buckets
+        self.stepper.overlap(
+            self.replica.engine, self.modes
+        )  # overlap_optimizer: the engine steps the buckets
         self.periodic_run = PeriodicRun(handle, self.module, optimizer) if self.periodic else None
         if self.periodic_run is not None:
             self.stepper.outer = handle
             self.replica.followers += [self.periodic_run, self.stepper]  # they follow a rebuilt handle
-            self.state.register_outer_sync(self.periodic_run, streaming=config.sync == "streaming_diloco")
+            algorithm = parse_sync(config.sync)
+            fragmented = algorithm is not None and algorithm.fragmented
+            self.state.register_outer_sync(self.periodic_run, streaming=fragmented)
         # Live mode's side (live_side.py): recovery, replacements, a low-communication run's rounds; every
         # step and every collective work between steps goes through its driver (step_driver.py).
         self.live_side: FitLive | NotLive = NotLive()

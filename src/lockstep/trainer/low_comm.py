@@ -59,7 +59,6 @@ class PeriodicRun:
         self.handle = handle
         self.workers = WorkerStates(module, optimizer, at_round_end=self.at_round_end)
         self.outer = OuterState(handle)
-        self.entries = {"workers": self.workers, "outer": self.outer}
 
     def at_round_end(self) -> bool:
         """Every replica equal: the last inner step ended a round (local_sgd and diloco; streaming DiLoCo's
@@ -73,17 +72,6 @@ class PeriodicRun:
         """Live mode: the replica was rebuilt on a new group; the outer state lives in the new handle."""
         self.handle = handle
         self.outer.handle = handle
-
-    def heal_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Live mode, what rank 0 sends a replacement (at a round boundary: every replica equal, except in
-        streaming DiLoCo, whose replacement continues from rank 0's replica): its own parameters and inner
-        optimizer state, and the outer state (with a streaming mean in flight, waited for); not the
-        gathered `workers` entry."""
-        return {key: value for key, value in state.items() if key != "workers"}
-
-    def load_heal_state(self, state: dict[str, Any]) -> None:
-        """A replacement: the outer state that came with the run's state (RunState loads the rest)."""
-        self.handle.load_sync_state_dict(state["outer"])
 
     def summary(self, faults: list[dict[str, Any]]) -> dict[str, Any]:
         """summary.json's entries of a low-communication run: a digest of the outer state (anchors, outer

@@ -28,10 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
-from lockstep.engine.periodic_mode import PERIODIC_REASON
 from lockstep.engine.replicate import overlap_optimizer
-from lockstep.engine.sync_algorithms import is_periodic
-from lockstep.errors import rank_tag
+from lockstep.errors import InternalError, rank_tag
+from lockstep.plan import Plan, Reduction
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.progress import OPTIMIZER, PROGRESS
 from lockstep.trainer.batches import BatchPlan, batch_len, split_batch, to_device
@@ -41,10 +40,6 @@ from lockstep.trainer.metrics import MetricBuffer, OrderedMetrics
 from lockstep.trainer.run_state import RunState
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-MICRO_BATCHED_REASON = (
-    "fit's steps in deterministic and live mode run through accumulate(), which has the step's mean "
-    "only after its last backward"
-)
 
 
 class Stepper:
@@ -69,26 +64,25 @@ class Stepper:
         # holds every averaged gradient, so found_inf and the gradient norm agree across ranks)
         self.optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, state.optimizer)
 
-    def overlap(self, model: nn.Module) -> None:
+    def overlap(self, model: nn.Module, modes: Plan) -> None:
         """With config.overlap_optimizer, the engine steps the optimizer bucket by bucket during the
         backward of the drop-in `model` (the run's state keeps the optimizer itself: checkpoints and
-        the schedule see it). Deterministic and live mode take the plain step, said once."""
+        the schedule see it). Where fit's steps never reduce in backward (a periodic sync, deterministic
+        and live mode's micro-batches), the step stays plain, for the reason the plan gives, said once."""
         if not self.config.overlap_optimizer:
             return
-        state = self.state
-        if is_periodic(self.config.sync):  # no gradient is averaged in backward: nothing to overlap with
+        if modes.reduction is not Reduction.BUCKETED or self.plan.num_micro_batches:
+            rule = modes.fallback("overlap_optimizer")
+            if rule is None:
+                raise InternalError(f"the plan has no fallback for overlap_optimizer in {modes.settings}")
             tag = rank_tag(dist.get_rank(), dist.get_world_size())
-            self.optimizer = OverlappedOptimizer(self.optimizer, fallback=PERIODIC_REASON, tag=tag)
+            self.optimizer = OverlappedOptimizer(self.optimizer, fallback=rule.reason, tag=tag)
             return
-        if self.plan.num_micro_batches:  # accumulate()'s steps; live mode rebuilds the replica, too
-            tag = rank_tag(dist.get_rank(), dist.get_world_size())
-            self.optimizer = OverlappedOptimizer(self.optimizer, fallback=MICRO_BATCHED_REASON, tag=tag)
-            return
-        self.optimizer = overlap_optimizer(
+        self.optimizer = overlap_optimizer(  # the engine asks the plan too (clipping, the fp16 scaler)
             model,  # type: ignore[arg-type]  # the drop-in class (a JoinableReplica)
             self.optimizer,  # the run's own, sharded (a ShardedOptimizer) with config.shard_optimizer
             clip_grad_norm=self.config.clip_grad_norm is not None,
-            scaler=state.scaler,
+            scaler=self.state.scaler,
         )
 
     def rebind(self, handle: Any) -> None:

@@ -125,15 +125,6 @@ class LiveRecovery(Generic[PlaceT]):
             group.give_up(exc)  # no state to go on with: leave, so that the members need not wait for it
         self.run.reshard(group.topology())
 
-    def retry(self, work: Callable[[], T]) -> T:
-        """work() (collectives between steps), done again over the survivors if a member is lost in it."""
-        while True:
-            try:
-                return work()
-            except FAILURES as exc:
-                if not self.recover(exc):
-                    raise
-
     def _rejoin(self, fault: Fault) -> None:
         """After a new generation formed: the replica on it, the replacements' state, the shards re-cut."""
         self.changes += 1
