@@ -137,13 +137,12 @@ class CheckpointManager:
             return exc
         return None
 
-    def _agree(self, step: int, failure: BaseException | None, *, background: bool = False) -> None:
+    def _agree(self, step: int, failure: BaseException | None) -> None:
         """Every rank learns rank 0's outcome for checkpoint `step` and raises the same error on failure."""
         message = broadcast_object(None if failure is None else _describe(failure))
         if message is not None:
-            how = " (written in the background)" if background else ""
             raise CheckpointError(
-                f"{self._tag()}checkpoint {step_dirname(step)} was not saved{how}: {message}"
+                f"{self._tag()}checkpoint {step_dirname(step)} was not saved: {message}"
             ) from failure
 
     def _settle(self) -> None:
@@ -152,7 +151,31 @@ class CheckpointManager:
             return
         step, writing = self._pending, self._writing
         self._pending = self._writing = None
-        self._agree(step, writing.join() if writing is not None else None, background=True)
+        failure: BaseException | None = None
+        outcome: tuple[str, str] | None = None
+        if get_rank() == 0:
+            if writing is not None:
+                failure = writing.join()
+                outcome = None if failure is None else ("failed", _describe(failure))
+            else:  # live mode: the rank that was writing it is gone; what reached the disk decides
+                problem = validate(self.layout.step_dir(step), step)
+                outcome = None if problem is None else ("lost", problem)
+        outcome = broadcast_object(outcome)
+        if (
+            outcome is not None and outcome[0] == "lost"
+        ):  # not this run's error: the next save writes a newer one
+            self._log.warning(
+                "checkpoint %s was being written by a rank that is gone and is incomplete (%s); the "
+                "checkpoints before it are kept",
+                step_dirname(step),
+                outcome[1],
+            )
+            return
+        if outcome is not None:
+            raise CheckpointError(
+                f"{self._tag()}checkpoint {step_dirname(step)} was not saved (written in the background): "
+                f"{outcome[1]}"
+            ) from failure
         self.written += 1
 
     def _write(self, step: int, entries: list[Entry], rngs: list[Any]) -> None:

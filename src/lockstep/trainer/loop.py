@@ -49,7 +49,7 @@ from lockstep.trainer.run_log import RunLog
 from lockstep.trainer.run_state import RunState
 from lockstep.trainer.step_driver import Outcome, RolledBack
 from lockstep.trainer.steps import LossFn, Stepper
-from lockstep.trainer.summary import build_summary, comm_bytes_so_far, publish_summary
+from lockstep.trainer.summary import build_summary, checkpoint_summary, comm_bytes_so_far, publish_summary
 from lockstep.trainer.train_data import TrainData
 
 
@@ -167,6 +167,7 @@ class FitRun:
             comm_bytes=comm_bytes_so_far(self.replica.engine) - start_bytes,
         )
         summary.update(bucket_summary(self.replica.engine))
+        summary.update(checkpoint_summary(self.checkpoints))
         if self.periodic_run is not None:
             summary.update(self.periodic_run.summary(self.record.faults))
         if self.replica.topo.is_main:
@@ -194,6 +195,7 @@ class FitRun:
         if self.evaluation.enabled and self.record.eval_step != self.counters.step:
             self._evaluate()
         self._save_checkpoint()
+        self.checkpoints.wait()  # checkpoint_async: the last write is complete before the run ends
         self.state.consolidate_optimizer()  # a sharded optimizer's full state on every rank, for the summary
 
     def _maybe_resume(self) -> None:
@@ -335,7 +337,8 @@ class FitRun:
             return  # the epoch's end and the run's end can fall on the same step
         if self.periodic_run is not None:
             self.periodic_run.before_save()
-        self.checkpoints.save(self.counters.step, self.state.registry.checkpoint_entries())
+        entries = self.state.registry.checkpoint_entries()
+        self.checkpoints.save(self.counters.step, entries, blocking=not self.config.checkpoint_async)
         self.record.saved_step = self.counters.step
 
 

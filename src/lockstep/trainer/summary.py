@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lockstep.checkpoint import CheckpointManager
 from lockstep.checkpoint.compare import state_sha256
 from lockstep.runtime import get_logger
 from lockstep.trainer.batches import BatchPlan
@@ -13,6 +14,16 @@ from lockstep.trainer.config import FitConfig, config_to_dict
 from lockstep.trainer.progress import ProgressBar
 from lockstep.trainer.run_log import RunLog
 from lockstep.trainer.run_state import RunState
+
+
+def checkpoint_summary(checkpoints: CheckpointManager) -> dict[str, Any]:
+    """What saving cost this rank (rank 0's is published): seconds blocked in saves (blocking or background,
+    with the end's wait for the last write), checkpoints written, and the CPU copy a background save keeps."""
+    return {
+        "checkpoint_stall_s": round(checkpoints.stall_s, 4),
+        "checkpoints_written": checkpoints.written,
+        "checkpoint_cpu_copy_bytes": checkpoints.cpu_copy_bytes,
+    }
 
 
 def build_summary(
