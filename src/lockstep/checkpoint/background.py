@@ -1,4 +1,4 @@
-"""A checkpoint written on a thread of the writer rank while training goes on (one write at a time).
+"""Checkpoints written on a thread of the writer rank while training goes on (one write at a time).
 
 The thread encodes and writes a snapshot (snapshot.py) with the same atomic layout as a blocking save. Its
 outcome is collected by the next save, by `CheckpointManager.wait()` or by a load, which all ranks call:
@@ -12,6 +12,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
+
+from lockstep.checkpoint.layout import step_dirname
+from lockstep.checkpoint.meta import validate
+from lockstep.checkpoint.serialize import Entry
+from lockstep.checkpoint.snapshot import CpuSnapshot
+from lockstep.errors import CheckpointError
+from lockstep.runtime import broadcast_object, get_rank
 
 
 class BackgroundWrite:
@@ -39,3 +47,60 @@ class BackgroundWrite:
         """Wait for the write; its exception, or None when the checkpoint is complete."""
         self._thread.join()
         return self._failure
+
+
+class BackgroundSaves:
+    """A manager's background saves: its CPU copy (snapshot.py) and the one write in flight, settled by all."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.snapshot = CpuSnapshot()  # reused from save to save
+        self._log = log
+        self._pending: int | None = None  # the step of a write not yet settled (every rank knows it)
+        self._writing: BackgroundWrite | None = None  # ... and its thread (the writer rank)
+
+    def copy(self, entries: list[Entry]) -> list[Entry]:
+        """The entries in this manager's CPU copy (the writer rank, at the step boundary)."""
+        return self.snapshot.take(entries)
+
+    def start(self, step: int, write: Callable[[], None] | None) -> None:
+        """Every rank: checkpoint `step` is being written; the writer rank passes the write to run."""
+        self._pending = step
+        if write is not None:
+            self._writing = BackgroundWrite(step, write, self._log)
+
+    def settle(self, step_dir: Callable[[int], Path], tag: str) -> bool:
+        """Every rank: wait for the write in flight and agree on it; True when a checkpoint was completed.
+        A failed write raises CheckpointError on every rank; one whose writer is gone (live mode) counts if
+        it reached the disk whole, else a warning says it was dropped (the checkpoints before it stay)."""
+        if self._pending is None:
+            return False
+        step, writing = self._pending, self._writing
+        self._pending = self._writing = None
+        failure: BaseException | None = None
+        outcome: tuple[str, str] | None = None
+        if get_rank() == 0:
+            if writing is not None:
+                failure = writing.join()
+                outcome = None if failure is None else ("failed", describe_error(failure))
+            else:  # live mode: the rank that was writing it is gone; what reached the disk decides
+                problem = validate(step_dir(step), step)
+                outcome = None if problem is None else ("lost", problem)
+        outcome = broadcast_object(outcome)
+        if outcome is None:
+            return True
+        if outcome[0] == "lost":  # not an error of the run's: the next save writes a newer one
+            self._log.warning(
+                "checkpoint %s was being written by a rank that is gone and is incomplete (%s); the "
+                "checkpoints before it are kept",
+                step_dirname(step),
+                outcome[1],
+            )
+            return False
+        raise CheckpointError(
+            f"{tag}checkpoint {step_dirname(step)} was not saved (written in the background): {outcome[1]}"
+        ) from failure
+
+
+def describe_error(exc: BaseException) -> str:
+    """An exception as every rank is told it: a CheckpointError's own message, else its type and message."""
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"

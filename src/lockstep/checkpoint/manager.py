@@ -29,11 +29,10 @@ from typing import Any
 
 from lockstep.checkpoint import layout as paths
 from lockstep.checkpoint import rng
-from lockstep.checkpoint.background import BackgroundWrite
+from lockstep.checkpoint.background import BackgroundSaves, describe_error
 from lockstep.checkpoint.layout import CheckpointLayout, check_entry_name, step_dirname, steps_to_prune
 from lockstep.checkpoint.meta import describe, read_meta, validate
 from lockstep.checkpoint.serialize import Entry, collect, encode, load_plan
-from lockstep.checkpoint.snapshot import CpuSnapshot
 from lockstep.checkpoint.stateful import (
     gather_state,
 )
@@ -64,9 +63,7 @@ class CheckpointManager:
         self._log = get_logger("lockstep.checkpoint")
         self.stall_s = 0.0  # seconds this rank spent blocked in save() and wait(), background or not
         self.written = 0  # checkpoints known complete on every rank
-        self._snapshot = CpuSnapshot()  # a background save's CPU copy, reused from save to save
-        self._pending: int | None = None  # the step of a background write not yet settled (every rank)
-        self._writing: BackgroundWrite | None = None  # ... and its thread (the writer rank)
+        self.background = BackgroundSaves(self._log)  # the CPU copy and the write in flight
 
     @property
     def run_dir(self) -> Path:
@@ -102,12 +99,8 @@ class CheckpointManager:
                 self.written += 1
             else:
                 taken: list[list[Entry]] = []
-                self._agree(step, self._on_writer(lambda: taken.append(self._snapshot.take(collect(state)))))
-                if taken:
-                    self._writing = BackgroundWrite(
-                        step, lambda: self._write(step, taken[0], rngs), self._log
-                    )
-                self._pending = step
+                self._agree(step, self._on_writer(lambda: taken.append(self.background.copy(collect(state)))))
+                self.background.start(step, (lambda: self._write(step, taken[0], rngs)) if taken else None)
             return self.layout.step_dir(step)
         finally:
             self.stall_s += time.monotonic() - start
@@ -125,7 +118,7 @@ class CheckpointManager:
     @property
     def cpu_copy_bytes(self) -> int:
         """CPU memory kept for background saves (0 on ranks that do not write, and before the first)."""
-        return self._snapshot.nbytes
+        return self.background.snapshot.nbytes
 
     def _on_writer(self, work: Any) -> BaseException | None:
         """Run `work` on rank 0; its exception (to be sent to every rank by _agree), or None."""
@@ -139,44 +132,16 @@ class CheckpointManager:
 
     def _agree(self, step: int, failure: BaseException | None) -> None:
         """Every rank learns rank 0's outcome for checkpoint `step` and raises the same error on failure."""
-        message = broadcast_object(None if failure is None else _describe(failure))
+        message = broadcast_object(None if failure is None else describe_error(failure))
         if message is not None:
             raise CheckpointError(
                 f"{self._tag()}checkpoint {step_dirname(step)} was not saved: {message}"
             ) from failure
 
     def _settle(self) -> None:
-        """Collect the background write in flight (a collective: every rank knows one is pending)."""
-        if self._pending is None:
-            return
-        step, writing = self._pending, self._writing
-        self._pending = self._writing = None
-        failure: BaseException | None = None
-        outcome: tuple[str, str] | None = None
-        if get_rank() == 0:
-            if writing is not None:
-                failure = writing.join()
-                outcome = None if failure is None else ("failed", _describe(failure))
-            else:  # live mode: the rank that was writing it is gone; what reached the disk decides
-                problem = validate(self.layout.step_dir(step), step)
-                outcome = None if problem is None else ("lost", problem)
-        outcome = broadcast_object(outcome)
-        if (
-            outcome is not None and outcome[0] == "lost"
-        ):  # not this run's error: the next save writes a newer one
-            self._log.warning(
-                "checkpoint %s was being written by a rank that is gone and is incomplete (%s); the "
-                "checkpoints before it are kept",
-                step_dirname(step),
-                outcome[1],
-            )
-            return
-        if outcome is not None:
-            raise CheckpointError(
-                f"{self._tag()}checkpoint {step_dirname(step)} was not saved (written in the background): "
-                f"{outcome[1]}"
-            ) from failure
-        self.written += 1
+        """Collect the background write in flight, if any (a collective: every rank knows one is pending)."""
+        if self.background.settle(self.layout.step_dir, self._tag()):
+            self.written += 1
 
     def _write(self, step: int, entries: list[Entry], rngs: list[Any]) -> None:
         blobs, described = encode(entries)
@@ -263,7 +228,7 @@ class CheckpointManager:
             self._apply(step, state)
         except Exception as exc:
             failure = exc
-        errors = all_gather_object(None if failure is None else _describe(failure))
+        errors = all_gather_object(None if failure is None else describe_error(failure))
         mine = errors[get_rank()]
         if mine is not None:
             raise CheckpointError(f"{self._tag()}{mine}") from failure
@@ -279,7 +244,7 @@ class CheckpointManager:
         try:
             return self._choose()
         except Exception as exc:  # sent to every rank: the others are waiting for rank 0's choice
-            return {"step": None, "failed": True, "why": f"{self.layout.root}: {_describe(exc)}"}
+            return {"step": None, "failed": True, "why": f"{self.layout.root}: {describe_error(exc)}"}
 
     def _choose(self) -> dict[str, Any]:
         root = self.layout.root
@@ -372,7 +337,3 @@ def _check_save(step: int, state: Mapping[str, Any], tag: str) -> None:
         raise ConfigError(f"{tag}save expects a dict of name -> object, got {type(state).__name__}")
     for name in state:
         check_entry_name(name)
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
