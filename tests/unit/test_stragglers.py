@@ -32,7 +32,7 @@ class FakeTime:
 @pytest.fixture
 def clock_time(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeTime]:
     fake = FakeTime()
-    monkeypatch.setattr(phase_clock.time, "perf_counter", fake)
+    monkeypatch.setattr(phase_clock, "perf_counter", fake)
     yield fake
 
 

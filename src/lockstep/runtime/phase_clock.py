@@ -2,7 +2,7 @@
 
 The main thread calls `switch` on every phase change, `begin_wait`/`end_wait` around every collective it
 blocks on and `close_step` when a step begins (runtime/progress.py does, through `Progress`): each is a
-time.perf_counter() read and a few float additions into preallocated lists, nothing allocated per step.
+perf_counter() read and a few float additions into preallocated lists, nothing allocated per step.
 A step is what `Progress.step` counts (a synced forward starts one); the time from one step's start to the
 next one's is the step's time, whatever phases it passed through (data loading before the forward counts
 in the step before it, on every rank alike).
@@ -15,7 +15,7 @@ publishes it): medians over the last WINDOW closed steps, so a few slow steps do
 from __future__ import annotations
 
 import statistics
-import time
+from time import perf_counter
 from typing import Any
 
 MAX_PHASES = 16  # distinct phase names timed apart; later names share the last slot, OTHER
@@ -52,7 +52,7 @@ class PhaseClock:
         self._acc = list(_ZEROS)
         self.ring = [[-1.0] * _ROW for _ in range(RING)]
         self.closed = 0  # steps closed so far (the ring holds the last RING of them)
-        now = time.perf_counter()
+        now = perf_counter()
         self._cur = self.slot(phase)
         self._since = self._step_start = now
         self._wait_start = 0.0
@@ -71,23 +71,23 @@ class PhaseClock:
     # ------------------------------------------------------------------ the main thread
 
     def switch(self, name: str) -> None:
-        now = time.perf_counter()
+        now = perf_counter()
         self._acc[self._cur] += now - self._since
         self._since = now
         slot = self._slots.get(name)
         self._cur = slot if slot is not None else self.slot(name)
 
     def begin_wait(self) -> None:
-        self._wait_start = time.perf_counter()
+        self._wait_start = perf_counter()
 
     def end_wait(self) -> None:
         if self._wait_start:
-            self._acc[MAX_PHASES + self._cur] += time.perf_counter() - self._wait_start
+            self._acc[MAX_PHASES + self._cur] += perf_counter() - self._wait_start
             self._wait_start = 0.0
 
     def close_step(self, step: int) -> None:
         """`step` has ended (the next one begins now): its times go into the ring."""
-        now = time.perf_counter()
+        now = perf_counter()
         acc = self._acc
         acc[self._cur] += now - self._since
         row = self.ring[self.closed % RING]
