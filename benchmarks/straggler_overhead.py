@@ -62,14 +62,14 @@ def bench_worker(name: str, rounds: int, warmup: int, steps: int, timeout: float
     for r in range(rounds):
         spent: dict[str, list[float]] = {"on": [], "off": [], "off2": []}
         for mode in abba(("on", "off", "off2"), r):
-            PROGRESS.clock.enabled = mode == "on"
+            PROGRESS.clock.set_enabled(mode == "on")
             spent[mode].append(slowest_rank_seconds(step, warmup, steps // 2 or 1, start=100 * r))
         on, off, off2 = (sum(spent[m]) for m in ("on", "off", "off2"))
         result["on/off"].append(on / off)
         result["off/off"].append(off2 / off)
         result["on_ms"].append(on / 2 * 1e3)
         result["off_ms"].append(off / 2 * 1e3)
-    PROGRESS.clock.enabled = True
+    PROGRESS.clock.set_enabled(True)
     result["accounting_us"] = [_accounting_cost_us(model)]
     dog = watchdog.current()
     if dog is not None:
@@ -106,9 +106,9 @@ def _accounting_cost_us(model: Any) -> float:
 
     costs = {}
     for enabled in (True, False, True, False):
-        PROGRESS.clock.enabled = enabled
+        PROGRESS.clock.set_enabled(enabled)
         costs.setdefault(enabled, []).append(_per_call_us(one_step, 5000))
-    PROGRESS.clock.enabled = True
+    PROGRESS.clock.set_enabled(True)
     return min(costs[True]) - min(costs[False])
 
 

@@ -77,8 +77,10 @@ def _base(rank: int, step: int, name: str) -> float:
 def _judge(summaries: list[dict[str, Any] | None], world: int) -> tuple[StragglerLog, list[str]]:
     log = StragglerLog(world)
     by_rank = {r: s for r, s in enumerate(summaries) if s is not None}
-    lines = log.update(assess(by_rank), {r: f"h{r}" for r in by_rank})
-    return log, lines
+    hosts = {r: f"h{r}" for r in by_rank}
+    first = log.update(assess(by_rank), hosts)
+    assert first == [], first  # one judgement is not enough (policy.confirm): the next tick's confirms it
+    return log, log.update(assess(by_rank), hosts)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
@@ -153,7 +155,11 @@ def test_one_line_per_change_and_a_line_on_recovery() -> None:
 
     hosts = {0: "a", 1: "b"}
     slow = {0: summary(20.0, DATA, 30), 1: summary(50.0, DATA, 30)}
-    assert len(log.update(assess(slow), hosts)) == 1
+    assert log.update(assess(slow), hosts) == []  # a first slow window: not yet (confirm = 2)
+    assert log.update(assess({0: summary(20.0, DATA, 31), 1: summary(20.0, DATA, 31)}), hosts) == []
+    assert log.update(assess(slow), hosts) == []  # the streak was broken: counting again
+    lines = log.update(assess({0: summary(20.0, DATA, 32), 1: summary(50.0, DATA, 32)}), hosts)
+    assert len(lines) == 1 and "over steps 15-32" in lines[0], lines  # the streak's first window's start
     slow = {0: summary(20.0, DATA, 40), 1: summary(55.0, DATA, 40)}
     assert log.update(assess(slow), hosts) == []  # still one, same phase: silent, the report grows
     assert (log.reports[0].last_step, log.reports[0].factor) == (40, 2.75)
@@ -162,6 +168,7 @@ def test_one_line_per_change_and_a_line_on_recovery() -> None:
     lines = log.update(assess({0: summary(20.0, DATA, 60), 1: summary(20.5, DATA, 60)}), hosts)
     assert len(lines) == 1 and "rank 1 (host b) is no longer a straggler" in lines[0], lines
     assert [r.ongoing for r in log.reports] == [False]
+    assert [(r.first_step, r.last_step) for r in log.reports] == [(15, 50)]
     snap = log.snapshot()
     assert snap[0].as_dict()["rank"] == 1 and snap[0] is not log.reports[0]
 
@@ -185,3 +192,16 @@ def test_many_phase_names_share_the_last_slot(clock_time: FakeTime) -> None:
     for i in range(40):
         clock.switch(f"phase {i}")
     assert len(clock.names) == phase_clock.MAX_PHASES and clock.names[-1] == phase_clock.OTHER
+
+
+def test_a_step_under_way_when_the_clock_is_switched_on_is_not_recorded(clock_time: FakeTime) -> None:
+    clock = PhaseClock("startup")
+    clock.set_enabled(False)
+    clock_time.now += 5.0  # steps nobody timed
+    clock.set_enabled(True)
+    clock_time.now += 0.01
+    clock.close_step(7)
+    assert clock.closed == 0
+    clock_time.now += 0.02
+    clock.close_step(8)
+    assert clock.closed == 1 and clock.ring[0][:2] == [8.0, pytest.approx(0.02)]

@@ -33,6 +33,7 @@ class PhaseClock:
     __slots__ = (
         "_acc",
         "_cur",
+        "_partial",
         "_since",
         "_slots",
         "_step_start",
@@ -56,6 +57,7 @@ class PhaseClock:
         self._cur = self.slot(phase)
         self._since = self._step_start = now
         self._wait_start = 0.0
+        self._partial = False  # the current step began while the clock was off: not recorded
 
     def slot(self, name: str) -> int:
         slot = self._slots.get(name)
@@ -67,6 +69,13 @@ class PhaseClock:
             slot = self._slots[name] = len(self.names)
             self.names.append(name)
         return slot
+
+    def set_enabled(self, on: bool) -> None:
+        """Switch the accounting on or off (benchmarks/straggler_overhead.py). A step that was under way
+        when it was switched on is not recorded: part of it went untimed."""
+        if on and not self.enabled:
+            self._partial, self._wait_start = True, 0.0
+        self.enabled = on
 
     # ------------------------------------------------------------------ the main thread
 
@@ -89,6 +98,11 @@ class PhaseClock:
         """`step` has ended (the next one begins now): its times go into the ring."""
         now = perf_counter()
         acc = self._acc
+        if self._partial:
+            self._partial = False
+            acc[:] = _ZEROS
+            self._since = self._step_start = now
+            return
         acc[self._cur] += now - self._since
         row = self.ring[self.closed % RING]
         row[0] = -1.0  # a reader that copies the row meanwhile skips it

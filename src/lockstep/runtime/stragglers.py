@@ -15,7 +15,9 @@ slow (then there is no single straggler to name). A rank becomes a straggler whe
 `factor` times the reference's AND at least `min_excess_ms` more per step (the relative threshold ignores
 small steps' jitter, the absolute one small relative noise on big steps); it stays one until it drops below
 `leave_factor` or half the absolute excess (no flapping at the threshold). Each summary is a median over
-WINDOW steps: a spike shorter than half the window moves nothing. The phase named is the one with the
+WINDOW steps, so a spike shorter than half the window moves nothing, and a rank is named only when
+`confirm` judgements in a row (one per tick with new steps) find it slow: a burst of CPU contention on a
+shared machine that slows one rank for a moment is not a straggler. The phase named is the one with the
 largest per-step busy-time excess over the reference rank.
 
 The output: rank 0 prints one line to stderr (`[rank 0/W] WARNING lockstep.stragglers: ...`) when a rank becomes a straggler, when
@@ -43,6 +45,7 @@ class StragglerPolicy:
     factor: float = 1.2  # busy time at least this many times the reference rank's ...
     min_excess_ms: float = 5.0  # ... and at least this much more per step
     leave_factor: float = 1.1  # a straggler stays one until below this factor or half the excess
+    confirm: int = 2  # judgements in a row (each on a window with new steps) before a rank is named
 
 
 @dataclass(frozen=True)
@@ -123,14 +126,22 @@ class StragglerLog:
         self.policy = policy or StragglerPolicy()
         self.reports: list[StragglerReport] = []
         self._now: dict[int, StragglerReport] = {}  # rank -> its ongoing episode
+        self._streak: dict[int, tuple[int, int]] = {}  # rank -> (judgements in a row found slow, first step)
         self._lock = threading.Lock()  # written by the watchdog thread, read by the main thread
 
     def update(self, assessments: dict[int, Assessment], hosts: dict[int, str]) -> list[str]:
         lines = []
         with self._lock:
+            for rank in set(self._streak) - set(assessments):
+                del self._streak[rank]  # the reference now: compared with nobody
             for rank, a in sorted(assessments.items()):
                 ongoing = self._now.get(rank)
-                if is_straggler(a, self.policy, already=ongoing is not None):
+                slow = is_straggler(a, self.policy, already=ongoing is not None)
+                count, first = self._streak.pop(rank, (0, a.first_step))
+                if slow:
+                    self._streak[rank] = (count + 1, first)
+                    if ongoing is None and count + 1 < self.policy.confirm:
+                        continue
                     if ongoing is not None and ongoing.phase == a.phase:
                         ongoing.last_step = a.last_step
                         if a.factor > ongoing.factor:
@@ -143,13 +154,13 @@ class StragglerLog:
                         hosts.get(rank, "?"),
                         round(a.factor, 3),
                         a.phase,
-                        a.first_step,
+                        first,
                         a.last_step,
                         round(a.excess_ms, 3),
                     )
                     self.reports.append(report)
                     self._now[rank] = report
-                    lines.append(self.line(a, report.host))
+                    lines.append(self.line(a, report.host, first))
                 elif ongoing is not None:
                     ongoing.ongoing = False
                     del self._now[rank]
@@ -159,10 +170,10 @@ class StragglerLog:
                     )
         return lines
 
-    def line(self, a: Assessment, host: str) -> str:
+    def line(self, a: Assessment, host: str, first_step: int) -> str:
         return (
             f"rank {a.rank} (host {host}) is a straggler: {a.factor:.1f}x {reference_name(self.world)} "
-            f"busy time (rank {a.reference}) over steps {a.first_step}-{a.last_step}, "
+            f"busy time (rank {a.reference}) over steps {first_step}-{a.last_step}, "
             f"+{a.phase_excess_ms:.1f} ms/step in {a.phase}"
         )
 
