@@ -204,4 +204,4 @@ def test_a_step_under_way_when_the_clock_is_switched_on_is_not_recorded(clock_ti
     assert clock.closed == 0
     clock_time.now += 0.02
     clock.close_step(8)
-    assert clock.closed == 1 and clock.ring[0][:2] == [8.0, pytest.approx(0.02)]
+    assert clock.closed == 1 and list(clock.ring[0][:2]) == [8.0, pytest.approx(0.02)]

@@ -2,7 +2,7 @@
 
 The main thread calls `switch` on every phase change, `begin_wait`/`end_wait` around every collective it
 blocks on and `close_step` when a step begins (runtime/progress.py does, through `Progress`): each is a
-perf_counter() read and a few float additions into preallocated lists, nothing allocated per step.
+perf_counter() read and a few float additions into preallocated arrays, nothing allocated per step.
 A step is what `Progress.step` counts (a synced forward starts one); the time from one step's start to the
 next one's is the step's time, whatever phases it passed through (data loading before the forward counts
 in the step before it, on every rank alike).
@@ -15,6 +15,7 @@ publishes it): medians over the last WINDOW closed steps, so a few slow steps do
 from __future__ import annotations
 
 import statistics
+from array import array
 from time import perf_counter
 from typing import Any
 
@@ -24,7 +25,7 @@ RING = 64  # closed steps kept
 WINDOW = 15  # steps a summary covers (the latest ones); odd: a median is one step's value, not a mean of two
 SKIP_STEPS = 2  # the first steps (compilation, bucket rebuild) say nothing about a rank's speed
 _ROW = 2 + 2 * MAX_PHASES  # step number, step seconds, then per phase: seconds in it, seconds waited in it
-_ZEROS = [0.0] * (2 * MAX_PHASES)
+_ZEROS = array("d", [0.0] * (2 * MAX_PHASES))  # arrays of doubles: copied into, never reallocated
 
 
 class PhaseClock:
@@ -50,8 +51,8 @@ class PhaseClock:
         )
         self.names: list[str] = []  # slot -> phase name
         self._slots: dict[str, int] = {}
-        self._acc = list(_ZEROS)
-        self.ring = [[-1.0] * _ROW for _ in range(RING)]
+        self._acc = array("d", _ZEROS)
+        self.ring = [array("d", [-1.0] * _ROW) for _ in range(RING)]
         self.closed = 0  # steps closed so far (the ring holds the last RING of them)
         now = perf_counter()
         self._cur = self.slot(phase)
