@@ -1,4 +1,4 @@
-"""Straggler detection on synthetic windows (runtime/stragglers.py), and the phase clock that feeds it.
+"""Straggler detection on synthetic windows (runtime/straggler_reports.py), and the phase clock that feeds it.
 
 The windows are built step by step through a real PhaseClock (with its time source replaced by a counter of
 our own), so what is judged is exactly what a rank would publish: balanced ranks with CPU jitter name
@@ -16,7 +16,7 @@ import pytest
 
 from lockstep.runtime import phase_clock
 from lockstep.runtime.phase_clock import WINDOW, PhaseClock
-from lockstep.runtime.stragglers import StragglerLog, assess
+from lockstep.runtime.straggler_reports import StragglerLog, assess
 
 DATA, FORWARD, BACKWARD, OPT = "data loading", "forward", "backward", "optimizer"
 
@@ -205,3 +205,54 @@ def test_a_step_under_way_when_the_clock_is_switched_on_is_not_recorded(clock_ti
     clock_time.now += 0.02
     clock.close_step(8)
     assert clock.closed == 1 and list(clock.ring[0][:2]) == [8.0, pytest.approx(0.02)]
+
+
+def test_the_watch_publishes_reads_and_drops_a_silent_peer(
+    clock_time: FakeTime, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two ranks' watches over one real c10d store (a HashStore): rank 1 publishes, rank 0 reads and judges,
+    prints one line and returns the report; a peer whose summary stops changing is left out."""
+    import torch.distributed as dist
+
+    from lockstep.runtime import straggler_reports as module
+
+    store = dist.HashStore()
+    clocks = [PhaseClock("startup"), PhaseClock("startup")]
+    watches = [module.StragglerWatch(r, 2, clocks[r], f"h{r}", stale_after=2.0) for r in (0, 1)]
+    mono = [0.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: mono[0])
+    step, own_time = 0, [clock_time.now] * 2  # each rank's own timeline (no waits modelled)
+    for tick in range(4):
+        for _ in range(WINDOW + 3):
+            step += 1
+            for rank, clock in enumerate(clocks):
+                clock_time.now = own_time[rank]
+                clock.switch(DATA)
+                clock_time.now += 0.040 if rank == 1 else 0.005
+                clock.switch(FORWARD)
+                clock_time.now += 0.010
+                clock.close_step(step)
+                own_time[rank] = clock_time.now
+        watches[1].tick(store)
+        watches[0].tick(store)
+        mono[0] += 0.3
+        if tick == 0:
+            assert module.stragglers() == []  # one judgement: not yet
+    reports = module.stragglers()
+    assert [(r.rank, r.host, r.phase) for r in reports] == [(1, "h1", DATA)], reports
+    err = capsys.readouterr().err
+    assert err.count("[rank 0/2] WARNING lockstep.stragglers: rank 1 (host h1) is a straggler") == 1, err
+    # Rank 1 goes silent (its summary stops changing) and rank 0 becomes as slow: judged against the stale
+    # summary, rank 1 would be "no longer a straggler"; past stale_after it is left out, nothing is judged.
+    mono[0] += 5.0
+    clock_time.now = own_time[0]
+    for _ in range(WINDOW + 3):
+        step += 1
+        clocks[0].switch(DATA)
+        clock_time.now += 0.040
+        clocks[0].switch(FORWARD)
+        clock_time.now += 0.010
+        clocks[0].close_step(step)
+    watches[0].tick(store)
+    assert capsys.readouterr().err == ""
+    assert module.stragglers()[0].ongoing

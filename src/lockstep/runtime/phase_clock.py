@@ -8,7 +8,7 @@ next one's is the step's time, whatever phases it passed through (data loading b
 in the step before it, on every rank alike).
 
 Each phase's time is split into the time waited in collectives during it and the rest, the busy time:
-what a rank spends on its own work. The watchdog thread calls `summary` each tick (runtime/stragglers.py
+what a rank spends on its own work. The watchdog thread calls `summary` each tick (runtime/straggler_reports.py
 publishes it): medians over the last WINDOW closed steps, so a few slow steps do not move it.
 """
 

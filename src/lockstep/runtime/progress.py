@@ -15,7 +15,7 @@ known). `phase("evaluate")` marks a span of the user's own; CHECKPOINT and EVALU
 other ranks waiting for a while (the watchdog allows them longer).
 
 `Progress.clock` (runtime/phase_clock.py) times each phase of each step, waits apart, for the straggler
-reports (runtime/stragglers.py): a perf_counter read per phase change and per wait.
+reports (runtime/straggler_reports.py): a perf_counter read per phase change and per wait.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each tick (a tenth of the hang timeout, 0.2-2 s) the thread writes a heartbeat to the c10d store
 (`lockstep/watchdog/hb/<rank>`: step, phase, the collective the main thread waits in, its recent
-collectives, the main thread's stack) and its straggler summary (runtime/stragglers.py: `phases/<rank>`,
+collectives, the main thread's stack) and its straggler summary (runtime/straggler_reports.py: `phases/<rank>`,
 judged on rank 0), and checks one key, `verdict`. It talks to the store over a
 connection of its own, never through the process group, so a stuck collective cannot stop it.
 
@@ -43,7 +43,7 @@ from lockstep.runtime import hang_report, stall_verdict
 from lockstep.runtime.process_inspection import all_stacks, format_stack, gone, liveness
 from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user_site
 from lockstep.runtime.sigterm_guard import SigtermGuard
-from lockstep.runtime.stragglers import StragglerWatch
+from lockstep.runtime.straggler_reports import StragglerWatch
 from lockstep.runtime.topology import hang_timeout_from_env
 
 STALL_EXIT_CODE = 124  # like timeout(1): the job ran out of time waiting
@@ -101,7 +101,9 @@ class Watchdog:
         self._judged_a_failure = False  # the verdict came from a failed collective: its error propagates
         self._evicted: set[int] = set()  # live mode: silent ranks this thread named dead
         self.host, self.pid = socket.gethostname(), os.getpid()
-        self.stragglers = StragglerWatch(rank, world, self.progress.clock, self.host)
+        self.stragglers = StragglerWatch(
+            rank, world, self.progress.clock, self.host, stale_after=self.stale_after
+        )
         self._thread = threading.Thread(target=self._run, name="lockstep-watchdog", daemon=True)
         self.guard = SigtermGuard()
 

@@ -20,9 +20,10 @@ WINDOW steps, so a spike shorter than half the window moves nothing, and a rank 
 shared machine that slows one rank for a moment is not a straggler. The phase named is the one with the
 largest per-step busy-time excess over the reference rank.
 
-The output: rank 0 prints one line to stderr (`[rank 0/W] WARNING lockstep.stragglers: ...`) when a rank becomes a straggler, when
-its phase changes and when it is no longer one, and keeps a `StragglerReport` per episode. `stragglers()`
-returns them (rank 0; other ranks return an empty list): what fit's summary.json and metrics record.
+The output: rank 0 prints one line to stderr (`[rank 0/W] WARNING lockstep.stragglers: ...`) when a rank
+becomes a straggler, when its phase changes and when it is no longer one, and keeps a `StragglerReport` per
+episode. `stragglers()` returns them (rank 0; other ranks return an empty list): what fit's summary.json
+and metrics record.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -185,11 +187,13 @@ class StragglerLog:
 class StragglerWatch:
     """The watchdog thread's part: publish this rank's summary each tick; on rank 0, read all and judge."""
 
-    def __init__(self, rank: int, world: int, clock: PhaseClock, host: str) -> None:
+    def __init__(self, rank: int, world: int, clock: PhaseClock, host: str, *, stale_after: float) -> None:
         self.rank, self.world, self.clock, self.host = rank, world, clock, host
         self.log = StragglerLog(world)
+        self.stale_after = stale_after  # a peer's summary unchanged this long (s) is left out (stopped, gone)
         self._published = -1  # clock.closed at the last publication
         self._all_present = False
+        self._changed: dict[int, tuple[int, float]] = {}  # rank -> (its summary's last step, seen since)
         if rank == 0:
             _LOGS[:] = [self.log]
 
@@ -213,8 +217,14 @@ class StragglerWatch:
             if not self._all_present:
                 return
         summaries = {0: own}
+        now = time.monotonic()
         for rank, raw in enumerate(store.multi_get(keys), start=1):
-            summaries[rank] = json.loads(raw)
+            summary = json.loads(raw)
+            last, since = self._changed.get(rank, (-1, now))
+            if last != summary["last"]:
+                last, since = self._changed[rank] = summary["last"], now
+            if now - since <= self.stale_after:
+                summaries[rank] = summary
         hosts = {r: str(s.get("host", "?")) for r, s in summaries.items()}
         for line in self.log.update(assess(summaries), hosts):
             # Written as runtime/logging.py's loggers write a warning (that module imports process_group,
