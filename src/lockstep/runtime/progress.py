@@ -199,8 +199,9 @@ _UNTRACKED = CollectiveRecord(0, "untracked", "", [], 0, STARTUP, "")  # what is
 def phase(name: str) -> Iterator[None]:
     """Mark a span of the program: `with lockstep.phase("evaluate"): ...`.
 
-    Its time is reported under `name` in the straggler reports. The hang watchdog reports it, and it allows CHECKPOINT and EVALUATE ("checkpoint", "evaluate") to keep
-    the other ranks waiting longer than the hang timeout (a rank-0 save or evaluation is not a hang).
+    The hang watchdog reports it, and it allows CHECKPOINT and EVALUATE ("checkpoint", "evaluate") to keep
+    the other ranks waiting longer than the hang timeout (a rank-0 save or evaluation is not a hang). The
+    straggler reports time it under `name`.
     """
     prog = PROGRESS
     saved = prog.phase, prog.phase_since

@@ -2,9 +2,9 @@
 
 Each tick (a tenth of the hang timeout, 0.2-2 s) the thread writes a heartbeat to the c10d store
 (`lockstep/watchdog/hb/<rank>`: step, phase, the collective the main thread waits in, its recent
-collectives, the main thread's stack) and its straggler summary (runtime/straggler_reports.py: `phases/<rank>`,
-judged on rank 0), and checks one key, `verdict`. It talks to the store over a
-connection of its own, never through the process group, so a stuck collective cannot stop it.
+collectives, the main thread's stack) and its straggler summary (runtime/straggler_reports.py:
+`phases/<rank>`, judged on rank 0), and checks one key, `verdict`. It talks to the store over a connection
+of its own, never through the process group, so a stuck collective cannot stop it.
 
 When the main thread has waited in a collective longer than the timeout (or a collective raised), the
 thread reads every rank's heartbeat and asks stall_verdict.judge who is to blame. The first rank to
