@@ -152,6 +152,7 @@ SURFACE: dict[str, dict[str, str]] = {
     },
     "lockstep.runtime": {
         "JoinedTopology": "class(rank: 'int' = 0, local_rank: 'int' = 0, world_size: 'int' = 1, local_world_size: 'int' = 1, node_rank: 'int' = 0, num_nodes: 'int' = 1, master_addr: 'str' = '127.0.0.1', master_port: 'int' = 0, launcher: 'str' = 'none', agent_store_attempt: 'int | None' = None, formed_group: 'int | None' = None) -> None",
+        "StragglerReport": "class(rank: 'int', host: 'str', factor: 'float', phase: 'str', first_step: 'int', last_step: 'int', excess_ms: 'float', ongoing: 'bool' = True) -> None",
         "Topology": "class(rank: 'int' = 0, local_rank: 'int' = 0, world_size: 'int' = 1, local_world_size: 'int' = 1, node_rank: 'int' = 0, num_nodes: 'int' = 1, master_addr: 'str' = '127.0.0.1', master_port: 'int' = 0, launcher: 'str' = 'none', agent_store_attempt: 'int | None' = None) -> None",
         "all_gather_object": "def(obj: 'Any', group: 'dist.ProcessGroup | None' = None) -> 'list[Any]'",
         "all_reduce_mean": "def(value: 'float | torch.Tensor | Sequence[float]', group: 'dist.ProcessGroup | None' = None) -> 'Any'",
@@ -169,6 +170,7 @@ SURFACE: dict[str, dict[str, str]] = {
         "phase": "def(name: 'str') -> 'Iterator[None]'",
         "resolve_topology": "def(env: 'Mapping[str, str]', *, rank: 'int | None' = None, world_size: 'int | None' = None) -> 'Topology'",
         "shutdown": "def() -> 'None'",
+        "stragglers": "def() -> 'list[StragglerReport]'",
     },
     "lockstep.testing": {
         "ParityCase": "class(model: 'ModelFactory', data: 'DataFn', steps: 'int', ddp_kwargs: 'Mapping[str, Any]' = <factory>, no_sync_every: 'int' = 0, lr: 'float' = 0.1, momentum: 'float' = 0.9, rank_seeded: 'bool' = True, configure: 'Callable[[nn.Module, int], None] | None' = None, loss: 'LossFn' = <function cross_entropy_loss>, single_process: 'bool' = True) -> None",

@@ -13,6 +13,9 @@ FORWARD, BACKWARD, OPTIMIZER, DATA (loading a batch), CHECKPOINT, EVALUATE, and 
 a backward, before the next forward: optimizer, data loading or user code, when nothing more precise is
 known). `phase("evaluate")` marks a span of the user's own; CHECKPOINT and EVALUATE may legitimately keep
 other ranks waiting for a while (the watchdog allows them longer).
+
+`Progress.clock` (runtime/phase_clock.py) times each phase of each step, waits apart, for the straggler
+reports (runtime/straggler_reports.py): a perf_counter read per phase change and per wait.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from lockstep.runtime.phase_clock import PhaseClock
 
 STARTUP = "startup"
 FORWARD = "forward"
@@ -109,6 +114,7 @@ class Progress:
         self._group_names: dict[int, str] = {}
         self.main_thread = threading.main_thread().ident
         self.enabled = True  # off only to measure what tracking costs (benchmarks/hang_watchdog_overhead.py)
+        self.clock = PhaseClock(STARTUP)  # time per phase per step, for the straggler reports
 
     # ------------------------------------------------------------------ phases
 
@@ -117,9 +123,13 @@ class Progress:
         if self.enabled and not self.pinned and self.phase != name:
             self.phase, self.phase_since = name, time.time()
             self.marker += 1
+            if self.clock.enabled:
+                self.clock.switch(name)
 
     def begin_step(self) -> None:
         """A synced forward starts a training step."""
+        if self.enabled and self.clock.enabled:
+            self.clock.close_step(self.step)
         self.step += 1
         self.set_phase(FORWARD)
 
@@ -149,10 +159,14 @@ class Progress:
 
     def begin_wait(self, rec: CollectiveRecord) -> None:
         self.waiting, self.wait_since = rec, time.time()
+        if self.clock.enabled:
+            self.clock.begin_wait()
 
     def end_wait(self) -> None:
         self.waiting = None
         self.marker += 1
+        if self.clock.enabled:
+            self.clock.end_wait()
 
     def fail(self, rec: CollectiveRecord, exc: BaseException) -> None:
         """A collective raised on this rank: remember why (the watchdog reports what it can)."""
@@ -186,19 +200,25 @@ def phase(name: str) -> Iterator[None]:
     """Mark a span of the program: `with lockstep.phase("evaluate"): ...`.
 
     The hang watchdog reports it, and it allows CHECKPOINT and EVALUATE ("checkpoint", "evaluate") to keep
-    the other ranks waiting longer than the hang timeout (a rank-0 save or evaluation is not a hang).
+    the other ranks waiting longer than the hang timeout (a rank-0 save or evaluation is not a hang). The
+    straggler reports time it under `name`.
     """
     prog = PROGRESS
     saved = prog.phase, prog.phase_since
     prog.pinned += 1
     prog.phase, prog.phase_since = name, time.time()
     prog.marker += 1
+    clock = prog.clock
+    if clock.enabled:
+        clock.switch(name)
     try:
         yield
     finally:
         prog.pinned -= 1
         prog.phase, prog.phase_since = saved[0], time.time()
         prog.marker += 1
+        if clock.enabled:
+            clock.switch(saved[0])
 
 
 def call_site() -> str:

@@ -2,8 +2,9 @@
 
 Each tick (a tenth of the hang timeout, 0.2-2 s) the thread writes a heartbeat to the c10d store
 (`lockstep/watchdog/hb/<rank>`: step, phase, the collective the main thread waits in, its recent
-collectives, the main thread's stack) and checks one key, `verdict`. It talks to the store over a
-connection of its own, never through the process group, so a stuck collective cannot stop it.
+collectives, the main thread's stack) and its straggler summary (runtime/straggler_reports.py:
+`phases/<rank>`, judged on rank 0), and checks one key, `verdict`. It talks to the store over a connection
+of its own, never through the process group, so a stuck collective cannot stop it.
 
 When the main thread has waited in a collective longer than the timeout (or a collective raised), the
 thread reads every rank's heartbeat and asks stall_verdict.judge who is to blame. The first rank to
@@ -42,6 +43,7 @@ from lockstep.runtime import hang_report, stall_verdict
 from lockstep.runtime.process_inspection import all_stacks, format_stack, gone, liveness
 from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user_site
 from lockstep.runtime.sigterm_guard import SigtermGuard
+from lockstep.runtime.straggler_reports import StragglerWatch
 from lockstep.runtime.topology import hang_timeout_from_env
 
 STALL_EXIT_CODE = 124  # like timeout(1): the job ran out of time waiting
@@ -99,6 +101,9 @@ class Watchdog:
         self._judged_a_failure = False  # the verdict came from a failed collective: its error propagates
         self._evicted: set[int] = set()  # live mode: silent ranks this thread named dead
         self.host, self.pid = socket.gethostname(), os.getpid()
+        self.stragglers = StragglerWatch(
+            rank, world, self.progress.clock, self.host, stale_after=self.stale_after
+        )
         self._thread = threading.Thread(target=self._run, name="lockstep-watchdog", daemon=True)
         self.guard = SigtermGuard()
 
@@ -214,6 +219,8 @@ class Watchdog:
         if self._marker[0] != prog.marker:
             self._marker = (prog.marker, time.time())
         self.store.set(f"hb/{self.rank}", json.dumps(self._state(exited=exited)))
+        if not exited:
+            self.stragglers.tick(self.store)
 
     # ------------------------------------------------------------------ judging
 
