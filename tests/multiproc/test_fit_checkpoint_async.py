@@ -60,6 +60,7 @@ def test_background_checkpoints_hold_the_blocking_bits_and_resume_exactly(tmp_pa
     assert zero["checkpoints_written"] == blocking["checkpoints_written"] == len(saved)
     assert zero["checkpoint_stall_s"] > 0 and blocking["checkpoint_stall_s"] > 0
     assert zero["checkpoint_cpu_copy_bytes"] > 0 and blocking["checkpoint_cpu_copy_bytes"] == 0  # the copy
+    assert isinstance(zero["stragglers"], list)  # rank 0's straggler reports (runtime/straggler_reports.py)
     # Stopped after an asynchronous save (max_steps), then resumed: the uninterrupted run's bits.
     stopped = {**background_settings, "max_steps": 9}
     run_distributed(_train, 2, args=(str(tmp_path / "resumed"), stopped), timeout=TIMEOUT)

@@ -49,7 +49,13 @@ from lockstep.trainer.run_log import RunLog
 from lockstep.trainer.run_state import RunState
 from lockstep.trainer.step_driver import Outcome, RolledBack
 from lockstep.trainer.steps import LossFn, Stepper
-from lockstep.trainer.summary import build_summary, checkpoint_summary, comm_bytes_so_far, publish_summary
+from lockstep.trainer.summary import (
+    build_summary,
+    checkpoint_summary,
+    comm_bytes_so_far,
+    publish_summary,
+    straggler_summary,
+)
 from lockstep.trainer.train_data import TrainData
 
 
@@ -167,7 +173,7 @@ class FitRun:
             comm_bytes=comm_bytes_so_far(self.replica.engine) - start_bytes,
         )
         summary.update(bucket_summary(self.replica.engine))
-        summary.update(checkpoint_summary(self.checkpoints))
+        summary.update(checkpoint_summary(self.checkpoints), **straggler_summary())
         if self.periodic_run is not None:
             summary.update(self.periodic_run.summary(self.record.faults))
         if self.replica.topo.is_main:

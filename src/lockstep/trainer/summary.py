@@ -8,12 +8,18 @@ from typing import Any
 
 from lockstep.checkpoint import CheckpointManager
 from lockstep.checkpoint.compare import state_sha256
-from lockstep.runtime import get_logger
+from lockstep.runtime import get_logger, stragglers
 from lockstep.trainer.batches import BatchPlan
 from lockstep.trainer.config import FitConfig, config_to_dict
 from lockstep.trainer.progress import ProgressBar
 from lockstep.trainer.run_log import RunLog
 from lockstep.trainer.run_state import RunState
+
+
+def straggler_summary() -> dict[str, Any]:
+    """summary.json's `stragglers`: each rank that was persistently slower than the others (rank, host,
+    factor, phase, steps), as rank 0's watchdog judged them (runtime/straggler_reports.py)."""
+    return {"stragglers": [report.as_dict() for report in stragglers()]}
 
 
 def checkpoint_summary(checkpoints: CheckpointManager) -> dict[str, Any]:
