@@ -194,8 +194,7 @@ class StragglerWatch:
         self._published = -1  # clock.closed at the last publication
         self._all_present = False
         self._changed: dict[int, tuple[int, float]] = {}  # rank -> (its summary's last step, seen since)
-        if rank == 0:
-            _LOGS[:] = [self.log]
+        _CURRENT.log = self.log if rank == 0 else None  # a new watchdog: this job's reports, or none
 
     def tick(self, store: Any) -> None:
         clock = self.clock
@@ -232,11 +231,19 @@ class StragglerWatch:
             print(f"[rank 0/{self.world}] WARNING lockstep.stragglers: {line}", file=sys.stderr, flush=True)
 
 
-_LOGS: list[StragglerLog] = []  # rank 0's log of the current (or last) watchdog
+class _Current:
+    """Rank 0's log of the current (or last) watchdog, for stragglers() on the main thread (an object's
+    attribute: the process-wide state lives in objects, as runtime/progress.py's PROGRESS)."""
+
+    log: StragglerLog | None = None
+
+
+_CURRENT = _Current()
 
 
 def stragglers() -> list[StragglerReport]:
     """The straggler reports of this job so far (copies): one per episode in which a rank was persistently
     slower than the reference rank, as rank 0's watchdog saw them. Only rank 0 judges: on other ranks, and
     without a watchdog (world of 1, hang timeout 0), an empty list. `report.as_dict()` is JSON-ready."""
-    return _LOGS[0].snapshot() if _LOGS else []
+    log = _CURRENT.log
+    return log.snapshot() if log is not None else []
