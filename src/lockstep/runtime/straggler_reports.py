@@ -194,7 +194,8 @@ class StragglerWatch:
         self._published = -1  # clock.closed at the last publication
         self._all_present = False
         self._changed: dict[int, tuple[int, float]] = {}  # rank -> (its summary's last step, seen since)
-        _CURRENT.log = self.log if rank == 0 else None  # a new watchdog: this job's reports, or none
+        if rank == 0:  # the rank that judges: stragglers() returns its reports
+            _CURRENT.log = self.log
 
     def tick(self, store: Any) -> None:
         clock = self.clock
