@@ -120,8 +120,8 @@ _PLACEHOLDERS = {
 
 
 _OVERLAP_MICRO = (
-    "its steps run through accumulate()'s micro-batches, which reduce at the end of the step: the optimizer "
-    "steps once after backward (the same bits)"
+    "fit's steps in deterministic and live mode run through accumulate(), which has the step's mean only "
+    "after its last backward: the optimizer steps once after it (the same bits)"
 )
 _OVERLAP_PERIODIC = (
     "no gradient is averaged in backward: there is nothing to overlap the step with (the same bits)"
