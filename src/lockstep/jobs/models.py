@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -106,13 +108,27 @@ class _GPTBlock(nn.Module):
         self.attn = _Attention(dim, heads)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
+    def residual_projections(self) -> list[nn.Linear]:
+        """The linears whose outputs are added into the residual stream."""
+        contract = self.mlp[2]
+        assert isinstance(contract, nn.Linear)
+        return [self.attn.proj, contract]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
+INIT_STD = 0.02  # GPT-2's initialisation: weights N(0, 0.02), biases zero
+
+
 class TinyGPT(nn.Module):
-    """A character-level GPT: token + position embeddings, causal blocks, a head tied to the embedding."""
+    """A character-level GPT: token + position embeddings, causal blocks, a head tied to the embedding.
+
+    Initialised as GPT-2: linear and embedding weights N(0, 0.02), biases zero, the projections that add
+    into the residual stream (attention's proj, the MLP's second linear) scaled by 1 / sqrt(2 depth).
+    torch's defaults (the embedding N(0, 1), tied to the head) give logits of std about sqrt(dim) and a
+    first loss ten times a uniform guess's; with these the untrained model's loss is about ln(vocab)."""
 
     def __init__(
         self, vocab_size: int, *, context: int = 64, dim: int = 64, depth: int = 2, heads: int = 4
@@ -124,7 +140,19 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.token.weight  # tied weights: one parameter used twice
-        nn.init.normal_(self.position, std=0.02)
+        self._init_weights(depth)
+
+    def _init_weights(self, depth: int) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=INIT_STD)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        nn.init.normal_(self.position, std=INIT_STD)
+        for block in self.blocks.children():  # the residual projections: 2 depth adds keep the scale
+            assert isinstance(block, _GPTBlock)
+            for residual in block.residual_projections():
+                nn.init.normal_(residual.weight, std=INIT_STD / math.sqrt(2 * depth))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.token(tokens) + self.position[: tokens.shape[1]]
