@@ -104,6 +104,9 @@ class _Arm:
                 outer_momentum=args.outer_momentum,
                 fragments=args.fragments if name == "streaming_diloco" else 1,
                 delta_dtype=None if name == "local_sgd" else DTYPES[args.sync_dtype],
+                outer_momentum_warmup=args.outer_momentum_warmup,
+                mix=args.fragment_mix,
+                fragment_layout=args.fragment_layout,
             )
             handle = lockstep.replicate(self.module, policy=policy)
             self.after_step = handle.after_optimizer_step
@@ -134,13 +137,14 @@ def bench_worker(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"arms": {}, "params": sum(p.numel() for p in _model(args, vocab).parameters())}
     for name in args.arms:
         arm = _Arm(name, args, vocab, warm)
-        counted = [0]
+        counted, peak = [0], [0]
         curve: list[tuple[float, float]] = []
         wall = 0.0
 
-        def count(t: torch.Tensor, counted: list[int] = counted) -> None:
+        def count(t: torch.Tensor, counted: list[int] = counted, peak: list[int] = peak) -> None:
             if t.is_floating_point():
                 counted[0] += t.numel() * t.element_size()
+                peak[0] = max(peak[0], t.numel() * t.element_size())  # the largest single collective
 
         dist.barrier()
         for step in range(args.steps + 1):
@@ -167,6 +171,7 @@ def bench_worker(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": float(walls),
             "bytes": counted[0],
             "bytes_per_sample": counted[0] / samples,
+            "peak_collective_bytes": peak[0],
             "final_eval_loss": curve[-1][1],
             "curve": curve,
         }
@@ -261,6 +266,10 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--fragments", type=int, default=4)
+    defaults = lockstep.SyncPolicy()
+    parser.add_argument("--outer-momentum-warmup", type=int, default=defaults.outer_momentum_warmup)
+    parser.add_argument("--fragment-mix", type=float, default=defaults.mix, help="streaming's alpha")
+    parser.add_argument("--fragment-layout", default=defaults.fragment_layout, help="streaming's fragments")
     parser.add_argument(
         "--sync-dtype", default="fp32", choices=list(DTYPES), help="diloco's deltas on the wire"
     )

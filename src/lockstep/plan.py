@@ -27,6 +27,8 @@ from lockstep.errors import ConfigError
 # The sync modes' names (SyncPolicy.sync, FitConfig.sync): every step, then the periodic ones.
 SYNC_MODES = ("allreduce", "local_sgd", "diloco", "streaming_diloco")
 SYNC_KEYS = tuple(f"sync={mode}" for mode in SYNC_MODES[1:])
+# streaming_diloco's fragment layouts (SyncPolicy.fragment_layout, FitConfig.fragment_layout; engine/fragments.py)
+FRAGMENT_LAYOUTS = ("strided", "sliced", "contiguous")
 
 
 class Reduction(enum.Enum):

@@ -77,14 +77,23 @@ def _rank_run(sync: str, extra: dict[str, Any], resume_at: int | None) -> dict[s
     }
 
 
-def _reference(sync: str, world: int, wire: torch.dtype | None) -> list[dict[str, torch.Tensor]]:
+# streaming's fragments of _model() (fragments=2): the strided layout deals its layers (Linear, Linear,
+# BatchNorm) out in turn, the contiguous one cuts runs of about equal size
+STRIDED = [[0, 1, 4, 5], [2, 3]]
+
+
+def _reference(
+    sync: str, world: int, wire: torch.dtype | None, layout: str = "strided"
+) -> list[dict[str, torch.Tensor]]:
     """Every worker in this process; the outer math written out (see the module docstring)."""
     models = [_model() for _ in range(world)]
     opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in models]
     params = [[p for p in m.parameters()] for m in models]
     anchor = [p.detach().float().clone() for p in params[0]]
     count = 2 if sync == "streaming_diloco" else 1
-    frags = fragment_bounds([p.numel() for p in params[0]], count)
+    frags: list[Any] = fragment_bounds([p.numel() for p in params[0]], count)
+    if count > 1 and layout == "strided":
+        frags = STRIDED
     outer = [torch.optim.SGD([anchor[i] for i in f], lr=0.7, momentum=0.9, nesterov=True) for f in frags]
 
     def mean(per_worker: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -164,11 +173,19 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wh
         assert torch.equal(got[name], value), f"{where}: {name} differs by {(got[name] - value).abs().max()}"
 
 
-@pytest.mark.parametrize("sync", ["local_sgd", "diloco", "streaming_diloco"])
-def test_each_mode_gives_the_reference_bits_and_reports_its_bytes(sync: str) -> None:
+@pytest.mark.parametrize(
+    ("sync", "layout"),
+    [
+        ("local_sgd", "strided"),
+        ("diloco", "strided"),
+        ("streaming_diloco", "strided"),
+        ("streaming_diloco", "contiguous"),
+    ],
+)
+def test_each_mode_gives_the_reference_bits_and_reports_its_bytes(sync: str, layout: str) -> None:
     world = 2
-    outs = run_distributed(_rank_run, world, args=(sync, {}, None), timeout=120)
-    want = _reference(sync, world, None)
+    outs = run_distributed(_rank_run, world, args=(sync, {"fragment_layout": layout}, None), timeout=120)
+    want = _reference(sync, world, None, layout)
     numel = sum(p.numel() for p in _model().parameters())
     buffers = sum(b.numel() for b in _model().buffers() if b.is_floating_point())
     rounds = STEPS // EVERY

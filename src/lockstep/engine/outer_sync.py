@@ -8,7 +8,8 @@ together every `sync_every` (H) steps, by the algorithm `sync` names (one class 
 - diloco: the outer gradient of each replica, anchor - local (the anchor: the parameters at the last
   sync, in float32), is averaged; an outer SGD step (Nesterov momentum when outer_momentum > 0, as in
   DiLoCo) moves the anchor, and every replica starts the next round from it;
-- streaming_diloco: the parameters in `fragments` contiguous pieces of about equal size, each synced
+- streaming_diloco: the parameters in `fragments` pieces (engine/fragments.py: strided layers by
+  default, or every parameter's rows sliced, or contiguous runs), each synced
   DiLoCo's way every H steps, the fragments' syncs staggered evenly over the round (fragment f at steps
   (f + 1) H / F + kH), so that the traffic of a round is spread over it instead of peaking at its end.
   A fragment's collective overlaps the next inner step: launched after step t, it is waited for after
@@ -32,45 +33,20 @@ low_comm.py's WorkerStates saves every rank's). Every collective is numbered for
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.engine.fragments import Part, due_fragments, layout_fragments
+from lockstep.engine.fragments import fragment_bounds as fragment_bounds  # re-exported (tests)
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.sync_algorithms import MIX as MIX  # re-exported: streaming's merge share
 from lockstep.engine.sync_algorithms import SyncAlgorithm, parse_sync
 from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.waits import wait_tracked
-
-
-def fragment_bounds(numels: Sequence[int], fragments: int) -> list[range]:
-    """Parameter index ranges, contiguous and in order, of about equal total size and at least one
-    parameter each: fragment f ends at the first parameter where the running total reaches (f + 1) T / F."""
-    n = len(numels)
-    if not 1 <= fragments <= n:
-        raise ConfigError(
-            f"SyncPolicy(fragments={fragments}) needs 1 to {n} fragments: the model has {n} parameters"
-        )
-    total, cuts, running, i = sum(numels), [0], 0, 0
-    for f in range(1, fragments):
-        i = max(i, cuts[-1] + 1)
-        running = sum(numels[:i])
-        while i < n - (fragments - f) and running < f * total / fragments:
-            running += numels[i]
-            i += 1
-        cuts.append(i)
-    cuts.append(n)
-    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
-
-
-def due_fragments(step: int, every: int, count: int) -> list[int]:
-    """The fragments of `count` synced (launched) after inner step `step` (1-based) with sync_every=`every`:
-    fragment f at (f + 1) H / F + kH."""
-    return [f for f in range(count) if step % every == ((f + 1) * every // count) % every]
 
 
 class _Mean:
@@ -123,19 +99,24 @@ class OuterSync:
         kind = policy.algorithm
         if kind is None:
             raise InternalError("OuterSync for SyncPolicy(sync='allreduce'): it has no periodic sync")
-        self.algorithm: SyncAlgorithm = kind()
+        self.algorithm: SyncAlgorithm = kind(mix=policy.mix, momentum_warmup=policy.outer_momentum_warmup)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.buffers = [b for b in module.buffers() if b.is_floating_point()]
         count = policy.fragments if kind.fragmented else 1
-        self.fragments = fragment_bounds([p.numel() for p in self.params], count)
+        self.fragments: list[list[Part]] = layout_fragments(
+            module, self.params, count, policy.fragment_layout
+        )
         self.pieces = [
             self.algorithm.fragment(
-                [self.params[i] for i in fragment],
+                [part.view(self.params) for part in fragment],
                 outer_lr=policy.outer_lr,
                 outer_momentum=policy.outer_momentum,
             )
             for fragment in self.fragments
         ]
+        # the data-parallel warm-up's steps: the policy's, or on resume the saved run's (fit's default
+        # follows the run's length, which a resumed run may change)
+        self.warmup_steps = policy.warmup_steps
         self.inner_steps = 0  # optimizer steps since the start (after_optimizer_step calls)
         self.outer_syncs = 0  # fragments synced so far
         self.bytes_sent = 0  # payload handed to the collectives (what comm_bytes counts)
@@ -148,13 +129,37 @@ class OuterSync:
     # ---------------------------------------------------------------- the rounds
 
     def due(self, step: int) -> list[int]:
-        """The fragments synced after inner step `step` (1-based): fragment f of F at (f + 1) H / F + kH."""
-        return due_fragments(step, self.policy.sync_every, len(self.fragments))
+        """The fragments synced after inner step `step` (1-based): fragment f of F at (f + 1) H / F + kH,
+        counted from the end of the warm-up (none during it)."""
+        warmup = self.warmup_steps
+        if step <= warmup:
+            return []
+        return due_fragments(step - warmup, self.policy.sync_every, len(self.fragments))
+
+    def warming_up(self) -> bool:
+        """True while the next optimizer step is one of the data-parallel warm-up's."""
+        return self.inner_steps < self.warmup_steps
+
+    def before_optimizer_step(self) -> bool:
+        """The data-parallel warm-up (SyncPolicy.warmup_steps): average the gradients before each of the
+        first optimizer steps, as the every-step sync does, in float32 (in rank order in deterministic
+        mode). True when it did; after the warm-up, nothing to do."""
+        if not self.warming_up() or self.world == 1:
+            return False
+        with torch.no_grad():
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            for p, mean in zip(self.params, self._mean(grads, wire=torch.float32)):
+                p.grad = mean.to(p.dtype).view(p.shape).clone()
+        return True
 
     def after_optimizer_step(self) -> bool:
         """Count one inner step; sync the fragments it completes. True when something was synced (or, with
-        a delayed algorithm (streaming), started: it is applied after the next inner step)."""
+        a delayed algorithm (streaming), started: it is applied after the next inner step). The warm-up's
+        last step restarts the anchors from the (equal) replicas: the first round starts there."""
         self.inner_steps += 1
+        if self.inner_steps == self.warmup_steps:
+            self._restart_anchors()
+            return True
         self.flush()  # a mean launched one inner step ago
         due = self.due(self.inner_steps)
         for f in due:
@@ -190,15 +195,27 @@ class OuterSync:
                     b.copy_(value)
         self.outer_syncs += 1
 
-    def _mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The float32 mean over the ranks of each tensor (the same bits on every rank; module doc)."""
-        return self._start_mean(tensors).result(self)
+    def _restart_anchors(self) -> None:
+        """The end of the warm-up: the anchors take the replicas' values (equal on every rank: the same
+        averaged gradients stepped the same optimizers), the buffers their mean; no outer momentum yet."""
+        with torch.no_grad():
+            for piece in self.pieces:
+                for a, p in zip(piece.anchor, piece.params):
+                    a.copy_(p.detach().float())
+            if self.buffers:
+                for b, value in zip(self.buffers, self._mean([b.detach() for b in self.buffers])):
+                    b.copy_(value)
 
-    def _start_mean(self, tensors: list[torch.Tensor]) -> _Mean:
-        """Launch the collective of a mean (module doc); `result()` waits for it."""
+    def _mean(self, tensors: list[torch.Tensor], *, wire: torch.dtype | None = None) -> list[torch.Tensor]:
+        """The float32 mean over the ranks of each tensor (the same bits on every rank; module doc)."""
+        return self._start_mean(tensors, wire=wire).result(self)
+
+    def _start_mean(self, tensors: list[torch.Tensor], *, wire: torch.dtype | None = None) -> _Mean:
+        """Launch the collective of a mean (module doc); `result()` waits for it. `wire`: the dtype the
+        values travel in (default: the policy's delta_dtype)."""
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
         shapes = [t.shape for t in tensors]
-        wire = self.policy.delta_dtype or torch.float32
+        wire = wire or self.policy.delta_dtype or torch.float32
         if self.world == 1:
             return _Mean(shapes, flat)
         if wire == torch.float32 and not self.policy.deterministic:
@@ -232,6 +249,7 @@ class OuterSync:
         return {
             "sync": self.policy.sync,
             "inner_steps": self.inner_steps,
+            "warmup_steps": self.warmup_steps,
             "outer_syncs": self.outer_syncs,
             "bytes_sent": self.bytes_sent,
             "anchor": [a.clone() for a in self.anchor],
@@ -246,6 +264,7 @@ class OuterSync:
                 f"replica runs sync={self.policy.sync!r} with {len(self.outer)}: resume with the same settings"
             )
         self.inner_steps, self.outer_syncs = int(state["inner_steps"]), int(state["outer_syncs"])
+        self.warmup_steps = int(state.get("warmup_steps", 0))  # saved before warm-ups existed: none
         self.bytes_sent = int(state["bytes_sent"])
         with torch.no_grad():
             for a, saved in zip(self.anchor, state["anchor"]):
@@ -256,7 +275,7 @@ class OuterSync:
         self.pending = None
         if pending:
             f = int(pending["fragment"])
-            shapes = [self.params[i].shape for i in self.fragments[f]]
+            shapes = [p.shape for p in self.pieces[f].params]
             if "contribution" in pending:  # launched when it is merged, over this replica's group
                 self.pending = (f, _Mean(shapes, pending["contribution"].float().clone(), unsent=True))
             else:

@@ -91,6 +91,7 @@ class PeriodicMode:
                 "sync": self._sync,
                 "inner_steps": outer.inner_steps,
                 "outer_syncs": outer.outer_syncs,
+                "warmup_steps": outer.warmup_steps,
                 "fragments": [len(f) for f in outer.fragments],
                 "bytes_communicated_total": outer.bytes_sent,
             },

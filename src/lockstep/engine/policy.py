@@ -59,6 +59,14 @@ class SyncPolicy:
       outer Nesterov SGD step on the averaged outer gradient, anchor - local), "streaming_diloco" (DiLoCo
       on `fragments` pieces of the model, their syncs staggered over the round).
     - sync_every (H), outer_lr, outer_momentum, fragments: the rounds' settings.
+    - warmup_steps: data-parallel steps before the first round (gradients averaged before each optimizer
+      step, through handle.before_optimizer_step()); the rounds start after them, from equal replicas.
+    - outer_momentum_warmup: the outer momentum rises linearly from 0 at each fragment's first outer step
+      to outer_momentum at its (outer_momentum_warmup + 1)-th (0: outer_momentum from the first).
+    - fragment_layout (streaming_diloco): "strided" (layer i in fragment i mod F), "sliced" (every
+      parameter's rows cut in F blocks: equal fragments) or "contiguous" (engine/fragments.py).
+    - mix (streaming_diloco): the local share when a fragment's outer step is merged, mix * local +
+      (1 - mix) * global (Streaming DiLoCo's alpha; the anchor is the global value, saved before the mix).
     - delta_dtype: the dtype the averaged values travel in (None: float32); the sum is in float32.
     With deterministic=True the average is gathered and summed in rank order (the same bits run after
     run); accumulate(), buckets, hooks and join() do not apply.
@@ -78,6 +86,10 @@ class SyncPolicy:
     sync_every: int = 50
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    warmup_steps: int = 0
+    mix: float = 0.5
+    outer_momentum_warmup: int = 10
+    fragment_layout: str = "strided"
     fragments: int = 1
     delta_dtype: torch.dtype | None = None
 
@@ -143,6 +155,14 @@ class SyncPolicy:
                 f"SyncPolicy needs outer_lr > 0 and 0 <= outer_momentum < 1; got {self.outer_lr!r} and "
                 f"{self.outer_momentum!r}"
             )
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"SyncPolicy.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if not isinstance(self.outer_momentum_warmup, int) or self.outer_momentum_warmup < 0:
+            raise ConfigError(
+                f"SyncPolicy.outer_momentum_warmup must be an int >= 0, got {self.outer_momentum_warmup!r}"
+            )
+        if not 0 <= self.mix < 1:
+            raise ConfigError(f"SyncPolicy.mix must be in [0, 1), got {self.mix!r}")
         if not isinstance(self.fragments, int) or self.fragments < 1:
             raise ConfigError(f"SyncPolicy.fragments must be an int >= 1, got {self.fragments!r}")
         if self.fragments > 1 and not (algorithm and algorithm.fragmented):

@@ -114,6 +114,11 @@ class ReplicaHandle(JoinableReplica):
         """
         return self._periodic("after_optimizer_step()").after_optimizer_step()
 
+    def before_optimizer_step(self) -> bool:
+        """Low-communication training: call before each optimizer step (after backward, before clipping).
+        During the data-parallel warm-up (SyncPolicy.warmup_steps) it averages the gradients; True then."""
+        return self._periodic("before_optimizer_step()").before_optimizer_step()
+
     def flush_sync(self) -> bool:
         """Low-communication training, at the end of training: apply a streaming fragment still in flight
         (it would otherwise be applied after the next inner step). True when there was one."""

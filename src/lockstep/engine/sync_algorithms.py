@@ -24,7 +24,7 @@ from lockstep.plan import SYNC_MODES
 EVERY_STEP = SYNC_MODES[
     0
 ]  # "allreduce", the default sync: no periodic algorithm, gradients averaged in backward
-MIX = 0.5  # streaming_diloco: the local share when a delayed outer step is merged (Streaming DiLoCo's alpha)
+MIX = 0.5  # streaming_diloco: the default local share when a delayed outer step is merged (SyncPolicy.mix)
 
 
 @dataclass
@@ -51,6 +51,12 @@ class SyncAlgorithm(ABC):
     name: ClassVar[str]
     fragmented: ClassVar[bool] = False
     delayed: ClassVar[bool] = False
+
+    def __init__(self, *, mix: float = MIX, momentum_warmup: int = 0) -> None:
+        self.mix = mix  # streaming_diloco's local share in a merge (SyncPolicy.mix)
+        self.momentum_warmup = (
+            momentum_warmup  # DiLoCo's outer momentum ramp (SyncPolicy.outer_momentum_warmup)
+        )
 
     def fragment(self, params: list[torch.Tensor], *, outer_lr: float, outer_momentum: float) -> Fragment:
         return Fragment(params, [])
@@ -85,7 +91,18 @@ class DiLoCo(SyncAlgorithm):
         with torch.no_grad():
             anchor = [p.detach().float().clone() for p in params]
         outer = torch.optim.SGD(anchor, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+        for group in outer.param_groups:  # kept in the optimizer's state_dict: a resume ramps on from there
+            group["target_momentum"], group["outer_steps"] = outer_momentum, 0
         return Fragment(params, anchor, outer)
+
+    def momentum_at(self, step: int, target: float) -> float:
+        """The outer momentum of a fragment's `step`-th outer step (1-based): rising linearly from 0 at the
+        first to `target` after momentum_warmup steps. Early outer gradients are large and change fast
+        (the model is far from trained); a momentum of 0.9 from the first one sums them into an overshoot
+        (benchmarks/results/2026-11-27-diloco_defaults.md)."""
+        if self.momentum_warmup <= 0:
+            return target
+        return target * min(1.0, (step - 1) / self.momentum_warmup)
 
     def contribution(self, fragment: Fragment) -> list[torch.Tensor]:
         return [a - p.detach().float() for a, p in zip(fragment.anchor, fragment.params)]
@@ -97,6 +114,9 @@ class DiLoCo(SyncAlgorithm):
             )
         for a, grad in zip(fragment.anchor, mean):
             a.grad = grad.view(a.shape)
+        for group in fragment.outer.param_groups:
+            group["outer_steps"] += 1
+            group["momentum"] = self.momentum_at(group["outer_steps"], group["target_momentum"])
         fragment.outer.step()
         for a in fragment.anchor:
             a.grad = None
@@ -111,7 +131,9 @@ class DiLoCo(SyncAlgorithm):
 class StreamingDiLoCo(DiLoCo):
     """DiLoCo on fragments whose syncs are staggered over the round; a fragment's outer step lands one
     inner step after its launch and is merged into the local values that moved on meanwhile:
-    MIX * local + (1 - MIX) * global (Streaming DiLoCo's merge)."""
+    mix * local + (1 - mix) * global (Streaming DiLoCo's merge, alpha = SyncPolicy.mix). The anchor stays
+    the global value (the outer step's result, before the mix): the fragment's next outer gradient is
+    taken against it, and the local progress the mix keeps is part of that gradient."""
 
     name = "streaming_diloco"
     fragmented = True
@@ -119,7 +141,7 @@ class StreamingDiLoCo(DiLoCo):
 
     def take(self, fragment: Fragment) -> None:
         for p, a in zip(fragment.params, fragment.anchor):
-            p.copy_(p.float().mul_(MIX).add_(a, alpha=1 - MIX))
+            p.copy_(p.float().mul_(self.mix).add_(a, alpha=1 - self.mix))
 
 
 # The names are lockstep.plan's (the launcher reads them without torch); tests/unit/test_sync_algorithms.py

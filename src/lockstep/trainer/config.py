@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from lockstep.errors import ConfigError
-from lockstep.plan import SYNC_MODES
+from lockstep.plan import FRAGMENT_LAYOUTS, SYNC_MODES
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -171,6 +171,13 @@ class FitConfig:
     sync_every: int = 50  # H: inner steps between syncs (a fragment's, for streaming_diloco)
     outer_lr: float = 0.7  # DiLoCo's outer SGD learning rate
     outer_momentum: float = 0.9  # its Nesterov momentum (0: plain SGD)
+    # data-parallel steps (gradients averaged) before the first outer round (not in live mode)
+    sync_warmup: int = 0
+    # DiLoCo: the outer momentum rises linearly from 0 to outer_momentum over a fragment's first
+    # outer_momentum_warmup outer steps (0: outer_momentum from the first)
+    outer_momentum_warmup: int = 10
+    fragment_mix: float = 0.5  # streaming_diloco: the local share of a merge (alpha)
+    fragment_layout: str = "strided"  # streaming_diloco: strided | sliced | contiguous (engine/fragments.py)
     fragments: int = 1  # streaming_diloco: pieces of the model synced in turn
     sync_dtype: str = "fp32"  # what the synced values travel in (fp32, bf16, fp16); summed in fp32
     shard_optimizer: bool = (
@@ -209,6 +216,10 @@ class FitConfig:
         "sync_every": at_least(1),
         "outer_lr": positive(),
         "outer_momentum": at_least(0),
+        "sync_warmup": at_least(0),
+        "outer_momentum_warmup": at_least(0),
+        "fragment_mix": at_least(0),
+        "fragment_layout": one_of(*FRAGMENT_LAYOUTS),
         "fragments": at_least(1),
         "sync_dtype": one_of(*PRECISIONS),
         "bucket_cap_mb": Bound(minimum=0, strict=True, choices=("auto",)),

@@ -257,6 +257,8 @@ class FitRun:
             steps_left -= 1
             self.counters.step += 1
             self.bar.advance(self.counters.step)
+            if self.periodic_run is not None and self.counters.step == self.total_steps:
+                self._retry(self.periodic_run.finish)  # before the last checkpoint and evaluation
             changed = self._retry(self._after_step)
             # replacements join; a round ends after its sync's step (at an epoch's end: below)
             changed = self.live_side.after_step(synced=bool(synced), more=steps_left > 0) or changed

@@ -41,12 +41,21 @@ def engine_policy(config: FitConfig, *, live: bool) -> SyncPolicy:
     sync runs in live mode (`live`): trainer/live_rounds.py says what a lost member costs in each."""
     if not is_periodic(config.sync):
         return SyncPolicy(deterministic=config.deterministic)
+    if live and config.sync_warmup:
+        raise ConfigError(
+            f"sync_warmup={config.sync_warmup} does not apply in live mode (--min-world): its rounds go back "
+            "to the last outer sync, which a warm-up does not have; leave sync_warmup at 0"
+        )
     return SyncPolicy(
         deterministic=config.deterministic,
         sync=config.sync,
         sync_every=config.sync_every,
         outer_lr=config.outer_lr,
         outer_momentum=config.outer_momentum,
+        warmup_steps=config.sync_warmup,
+        outer_momentum_warmup=config.outer_momentum_warmup,
+        mix=config.fragment_mix,
+        fragment_layout=config.fragment_layout,
         fragments=config.fragments,
         delta_dtype=_DTYPES[config.sync_dtype],
     )
@@ -59,6 +68,7 @@ class PeriodicRun:
         self.handle = handle
         self.workers = WorkerStates(module, optimizer, at_round_end=self.at_round_end)
         self.outer = OuterState(handle)
+        self.final_merge_applied = False
 
     def at_round_end(self) -> bool:
         """Every replica equal: the last inner step ended a round (local_sgd and diloco; streaming DiLoCo's
@@ -66,7 +76,20 @@ class PeriodicRun:
         policy = self.handle.policy
         inner_steps = int(self.handle.stats().extras["inner_steps"])
         algorithm = policy.algorithm
-        return algorithm is not None and not algorithm.delayed and inner_steps % policy.sync_every == 0
+        warmup = int(self.handle.stats().extras["warmup_steps"])
+        if inner_steps <= warmup:
+            return True  # the data-parallel warm-up: every step keeps the replicas equal
+        return (
+            algorithm is not None
+            and not algorithm.delayed
+            and (inner_steps - warmup) % policy.sync_every == 0
+        )
+
+    def finish(self) -> None:
+        """After the run's last step: a streaming fragment's mean still in flight is applied now, so that
+        the last checkpoint, the evaluation and the model fit returns hold it (summary.json's
+        final_merge_applied says whether there was one)."""
+        self.final_merge_applied = bool(self.handle.flush_sync())
 
     def rebind(self, handle: Any) -> None:
         """Live mode: the replica was rebuilt on a new group; the outer state lives in the new handle."""
@@ -80,7 +103,11 @@ class PeriodicRun:
         outer = self.handle.sync_state_dict()
         digest = state_sha256({key: outer[key] for key in ("inner_steps", "anchor", "outer", "pending")})
         dropped = sum(int(fault.get("dropped", {}).get("samples", 0)) for fault in faults)
-        return {"outer_sha256": digest, "samples_dropped": dropped}
+        return {
+            "outer_sha256": digest,
+            "samples_dropped": dropped,
+            "final_merge_applied": self.final_merge_applied,
+        }
 
     def before_save(self) -> None:
         """On every rank: every rank's own state, to rank 0 (the replicas differ mid-round)."""

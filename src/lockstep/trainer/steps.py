@@ -159,6 +159,8 @@ class Stepper:
         """The optimizer's part of a step, after the gradients are averaged; `samples` over all ranks."""
         state = self.state
         PROGRESS.set_phase(OPTIMIZER)
+        if self.outer is not None:
+            self.outer.before_optimizer_step()  # a low-communication run's warm-up: averaged gradients
         if self.config.clip_grad_norm is not None:
             state.scaler.unscale_(self.optimizer)  # the object step() gets: the scaler tracks it by id
             torch.nn.utils.clip_grad_norm_(state.module.parameters(), self.config.clip_grad_norm)
