@@ -3,7 +3,7 @@
 The reference runs every worker in one process, one after the other, with the same inner math (each its
 own model copy, AdamW and data) and the outer math written out plainly: the mean of the parameters
 (local SGD), or the mean of the outer gradients anchor - local fed to torch's SGD with Nesterov momentum
-on the anchor (DiLoCo), fragment by fragment on their staggered steps, each applied one inner step
+(rising from 0 to 0.9 over the first outer steps, the default) on the anchor (DiLoCo), fragment by fragment on their staggered steps, each applied one inner step
 after its launch and merged with the local values (streaming). The ranks must end
 with the reference's parameters bit for bit; the bytes they report must be what the mode sends; a
 resume from sync_state_dict() mid-round must continue exactly.
@@ -110,9 +110,14 @@ def _reference(
             offset += t.numel()
         return out
 
+    ramp = lockstep.SyncPolicy().outer_momentum_warmup  # the default: momentum 0 -> 0.9 over 10 outer steps
+    taken = [0] * len(frags)
+
     def outer_step(f: int, grads: list[torch.Tensor]) -> None:
         for i, g in zip(frags[f], grads):
             anchor[i].grad = g
+        taken[f] += 1
+        outer[f].param_groups[0]["momentum"] = 0.9 * min(1.0, (taken[f] - 1) / ramp)
         outer[f].step()
         for i in frags[f]:
             anchor[i].grad = None

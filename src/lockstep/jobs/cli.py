@@ -40,6 +40,14 @@ Any setting of the job's config can be given as --key value (or --key=value), e.
 The resolved config is saved as RUN_DIR/config.json (and config.yaml when pyyaml is installed).
 A run directory that already holds checkpoints resumes from the newest valid one (--resume never to start over).
 Show a job's settings with: lockstep train JOB --show-config
+
+Slow links (--sync local_sgd | diloco | streaming_diloco, each rank steps alone and syncs every
+--sync-every H steps): DiLoCo's outer momentum (--outer-momentum, default 0.9) rises from 0 over the
+first --outer-momentum-warmup outer steps (default 10), so a short run is not far behind all-reduce
+and a long one keeps the paper's 0.9; --sync-warmup N averages gradients for N steps first (default
+0). streaming_diloco: --fragments F, --fragment-layout strided|sliced|contiguous (default strided:
+layer i in fragment i mod F; sliced: equal fragments), --fragment-mix (default 0.5: a merge keeps
+half of the local values).
 """
 
 
