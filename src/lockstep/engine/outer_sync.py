@@ -7,14 +7,19 @@ together every `sync_every` (H) steps, by the algorithm `sync` names (one class 
 - local_sgd: the parameters are averaged (torch's PostLocalSGD, without its synchronous warm-up);
 - diloco: the outer gradient of each replica, anchor - local (the anchor: the parameters at the last
   sync, in float32), is averaged; an outer SGD step (Nesterov momentum when outer_momentum > 0, as in
-  DiLoCo) moves the anchor, and every replica starts the next round from it;
+  DiLoCo, rising from 0 over the first outer_momentum_warmup outer steps) moves the anchor, and every
+  replica starts the next round from it;
 - streaming_diloco: the parameters in `fragments` pieces (engine/fragments.py: strided layers by
   default, or every parameter's rows sliced, or contiguous runs), each synced
   DiLoCo's way every H steps, the fragments' syncs staggered evenly over the round (fragment f at steps
   (f + 1) H / F + kH), so that the traffic of a round is spread over it instead of peaking at its end.
   A fragment's collective overlaps the next inner step: launched after step t, it is waited for after
   step t + 1, and the outer step's result is merged into the local values that moved on meanwhile,
-  MIX * local + (1 - MIX) * global (Streaming DiLoCo's merge, MIX = 0.5).
+  mix * local + (1 - mix) * global (Streaming DiLoCo's merge, SyncPolicy.mix, 0.5 by default).
+
+With SyncPolicy.warmup_steps = N, the first N steps are data-parallel: before_optimizer_step() averages
+the gradients (float32, counted in bytes_sent), and the rounds start after step N from the (equal)
+replicas, whose values become the anchors.
 
 Floating buffers (BatchNorm statistics) are averaged with the last fragment of each round. The average
 is computed in float32 on every rank in rank order: the values travel in `delta_dtype` (float32, or

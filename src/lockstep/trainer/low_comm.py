@@ -89,7 +89,8 @@ class PeriodicRun:
         """After the run's last step: a streaming fragment's mean still in flight is applied now, so that
         the last checkpoint, the evaluation and the model fit returns hold it (summary.json's
         final_merge_applied says whether there was one)."""
-        self.final_merge_applied = bool(self.handle.flush_sync())
+        applied = bool(self.handle.flush_sync())  # live mode may reach the last step twice (a rollback)
+        self.final_merge_applied = self.final_merge_applied or applied
 
     def rebind(self, handle: Any) -> None:
         """Live mode: the replica was rebuilt on a new group; the outer state lives in the new handle."""
