@@ -63,7 +63,14 @@ def test_the_data_parallel_warmup_is_counted_and_leaves_equal_replicas(tmp_path:
 
 def test_the_fragment_in_flight_at_the_last_step_is_applied_before_the_end(tmp_path: Path) -> None:
     # strided, 2 fragments of the toy model: net1 (fragment 0, synced after steps 2, 7, 12) and net2
-    settings = {**TOY, "sync": "streaming_diloco", "fragments": 2, "fragment_mix": 0.0, "checkpoint_every": 0}
+    settings = {
+        **TOY,
+        "sync": "streaming_diloco",
+        "fragments": 2,
+        "fragment_layout": "strided",
+        "fragment_mix": 0.0,
+        "checkpoint_every": 0,
+    }
     short = run_distributed(
         _train, 2, args=("toy", str(tmp_path / "a"), {**settings, "max_steps": 12}), timeout=TIMEOUT
     )
