@@ -6,7 +6,7 @@ the defaults' quality on the gpt job.
 - a streaming run whose last fragment is in flight at its last step applies it before the last
   checkpoint and evaluation: with fragment_mix=0 the merged fragment is the outer step's result alone,
   which the run one step longer applies after its step 13, so the two hold the same bits there;
-- the defaults (outer momentum warm-up, strided fragments): the gpt job's 60-step run with `--sync diloco
+- the defaults (outer momentum warm-up, sliced fragments): the gpt job's 60-step run with `--sync diloco
   --sync-every 10` (and streaming with 4 fragments) within 1.10x of all-reduce's eval loss, with >= 5x
   fewer comm_bytes (benchmarks/results/2026-11-27-diloco_defaults.md).
 """

@@ -105,9 +105,12 @@ def test_outer_sync_holds_the_algorithm_chosen_once_and_its_fragments() -> None:
         assert type(outer.algorithm) is cls
         assert len(outer.fragments) == len(outer.pieces) == fragments
         anchored = cls is not LocalSGD
-        assert len(outer.anchor) == (4 if anchored else 0) and len(outer.outer) == (
+        parts = sum(len(f) for f in outer.fragments)  # sliced (the default): rows of each parameter
+        assert len(outer.anchor) == (parts if anchored else 0) and len(outer.outer) == (
             fragments if anchored else 0
         )
+        if anchored:  # every parameter's values anchored once
+            assert sum(a.numel() for a in outer.anchor) == sum(p.numel() for p in _model().parameters())
         assert all(a.dtype == torch.float32 for a in outer.anchor)
         assert outer.state_dict()["sync"] == name
     with pytest.raises(ConfigError, match="resume with the same settings"):

@@ -9,8 +9,8 @@ together every `sync_every` (H) steps, by the algorithm `sync` names (one class 
   sync, in float32), is averaged; an outer SGD step (Nesterov momentum when outer_momentum > 0, as in
   DiLoCo, rising from 0 over the first outer_momentum_warmup outer steps) moves the anchor, and every
   replica starts the next round from it;
-- streaming_diloco: the parameters in `fragments` pieces (engine/fragments.py: strided layers by
-  default, or every parameter's rows sliced, or contiguous runs), each synced
+- streaming_diloco: the parameters in `fragments` pieces (engine/fragments.py: every parameter's
+  rows sliced by default, or strided layers, or contiguous runs), each synced
   DiLoCo's way every H steps, the fragments' syncs staggered evenly over the round (fragment f at steps
   (f + 1) H / F + kH), so that the traffic of a round is spread over it instead of peaking at its end.
   A fragment's collective overlaps the next inner step: launched after step t, it is waited for after

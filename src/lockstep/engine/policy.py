@@ -63,8 +63,8 @@ class SyncPolicy:
       step, through handle.before_optimizer_step()); the rounds start after them, from equal replicas.
     - outer_momentum_warmup: the outer momentum rises linearly from 0 at each fragment's first outer step
       to outer_momentum at its (outer_momentum_warmup + 1)-th (0: outer_momentum from the first).
-    - fragment_layout (streaming_diloco): "strided" (layer i in fragment i mod F), "sliced" (every
-      parameter's rows cut in F blocks: equal fragments) or "contiguous" (engine/fragments.py).
+    - fragment_layout (streaming_diloco): "sliced" (the default: every parameter's rows cut in F blocks,
+      equal fragments), "strided" (layer i in fragment i mod F) or "contiguous" (engine/fragments.py).
     - mix (streaming_diloco): the local share when a fragment's outer step is merged, mix * local +
       (1 - mix) * global (Streaming DiLoCo's alpha; the anchor is the global value, saved before the mix).
     - delta_dtype: the dtype the averaged values travel in (None: float32); the sum is in float32.
@@ -89,7 +89,7 @@ class SyncPolicy:
     warmup_steps: int = 0
     mix: float = 0.5
     outer_momentum_warmup: int = 10
-    fragment_layout: str = "strided"
+    fragment_layout: str = "sliced"
     fragments: int = 1
     delta_dtype: torch.dtype | None = None
 

@@ -45,9 +45,9 @@ Slow links (--sync local_sgd | diloco | streaming_diloco, each rank steps alone 
 --sync-every H steps): DiLoCo's outer momentum (--outer-momentum, default 0.9) rises from 0 over the
 first --outer-momentum-warmup outer steps (default 10), so a short run is not far behind all-reduce
 and a long one keeps the paper's 0.9; --sync-warmup N averages gradients for N steps first (default
-0). streaming_diloco: --fragments F, --fragment-layout strided|sliced|contiguous (default strided:
-layer i in fragment i mod F; sliced: equal fragments), --fragment-mix (default 0.5: a merge keeps
-half of the local values).
+0). streaming_diloco: --fragments F, --fragment-layout sliced|strided|contiguous (default sliced:
+every parameter's rows cut in F equal blocks; strided: layer i in fragment i mod F), --fragment-mix
+(default 0.5: a merge keeps half of the local values).
 """
 
 

@@ -177,7 +177,7 @@ class FitConfig:
     # outer_momentum_warmup outer steps (0: outer_momentum from the first)
     outer_momentum_warmup: int = 10
     fragment_mix: float = 0.5  # streaming_diloco: the local share of a merge (alpha)
-    fragment_layout: str = "strided"  # streaming_diloco: strided | sliced | contiguous (engine/fragments.py)
+    fragment_layout: str = "sliced"  # streaming_diloco: sliced | strided | contiguous (engine/fragments.py)
     fragments: int = 1  # streaming_diloco: pieces of the model synced in turn
     sync_dtype: str = "fp32"  # what the synced values travel in (fp32, bf16, fp16); summed in fp32
     shard_optimizer: bool = (
