@@ -91,3 +91,6 @@ def test_train_help_reads_well() -> None:
     assert proc.returncode == 0
     for word in ("digits", "mnist", "resnet", "gpt", "toy", "--run-dir", "-n", "--key value"):
         assert word in proc.stdout
+    # the slow-link settings and their defaults (issue 35)
+    for words in ("--outer-momentum-warmup", "(default 10)", "--fragment-layout", "default sliced"):
+        assert words in proc.stdout, words
