@@ -20,7 +20,10 @@ not in deterministic mode (live mode's float step); with "shard", the optimizer'
 the ranks (shard_optimizer=True, each share kept by two ranks in live mode); with "diloco" or "local_sgd",
 low-communication training (FitConfig.sync) with a round of 4 steps ("h2": 2), "streaming_diloco" with 2
 fragments (synced after steps 2 and 4 of each round of 4); with "stop6", the run
-stops after 6 steps (max_steps, in the middle of a round) and a second launch resumes it. Every rank that finishes
+stops after 6 steps (max_steps, in the middle of a round) and a second launch resumes it; with "long", the run
+has 8 epochs (64 steps) instead of 2; with "paced", each forward takes 20 ms longer, and FAULT "straggle"
+makes launch rank VICTIM's forwards take 40 ms longer instead, from its AT-th forward on (a rank persistently
+about 2x slower than the others, for `--evict-stragglers`). Every rank that finishes
 saves its final parameters to OUT_DIR/params-<launch rank>.pt and its summary's digests (params_sha256,
 outer_sha256, ...) to OUT_DIR/summary-<launch rank>.json.
 """
@@ -48,9 +51,18 @@ SYNC = next((a for a in sys.argv[5:] if a in ("diloco", "local_sgd", "streaming_
 FRAGMENTS = 2 if SYNC == "streaming_diloco" else 1
 SYNC_EVERY = 2 if "h2" in sys.argv[5:] else 4
 MAX_STEPS = 6 if "stop6" in sys.argv[5:] else None
+EPOCHS = 8 if "long" in sys.argv[5:] else 2
+PACE_S = 0.020 if "paced" in sys.argv[5:] else 0.0  # a step is not all noise on a loaded machine
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_MEMBER_ID", os.environ["RANK"]))
 calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0, "replicate": 0}
+forwards = [0]
+
+
+def pace() -> None:
+    forwards[0] += 1
+    straggling = FAULT == "straggle" and UID == VICTIM and forwards[0] >= AT
+    time.sleep(2 * PACE_S if straggling else PACE_S)
 
 
 def maybe_die(where: str) -> None:
@@ -103,6 +115,7 @@ class Net(nn.Module):
             time.sleep(0.05)
         if SLOW:
             time.sleep(0.1)
+        pace()
         self.seen.write(" ".join(str(int(i)) for i in x[:, -1]) + "\n")
         self.seen.flush()
         return self.body(x[:, :-1])
@@ -147,7 +160,7 @@ def main() -> None:
     torch.manual_seed(0)
     config = lockstep.FitConfig(
         run_dir=os.path.join(OUT, "run"),
-        epochs=2,
+        epochs=EPOCHS,
         global_batch_size=24,
         micro_batch_size=4,
         deterministic=not FLOAT,

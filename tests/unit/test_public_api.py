@@ -262,6 +262,7 @@ RUN_FLAGS = {
     "--env",
     "--verbose",
     "--hang-timeout",
+    "--evict-stragglers",
 }
 
 
