@@ -10,7 +10,8 @@ the next without it), "replicate" (in the model's start-up collectives inside fi
 call of a checkpoint save: rank 0 writes while the others wait), "stop" (SIGSTOP in a forward: it
 stops answering without dying), "heal" (VICTIM dies in a forward as for "forward"; then, once the world
 is back to 4, launch rank 0 dies in the state_dict() call that gathers the state for the replacement: the
-peer it heals from is lost while it heals), or "none". Every rank appends the sample ids that reached its forward to
+peer it heals from is lost while it heals), "write" (with "async": VICTIM's background checkpoint thread
+writes half of the first file of the checkpoint of step AT, then SIGKILLs the process while training goes on), or "none". Every rank appends the sample ids that reached its forward to
 OUT_DIR/seen-<launch rank>.txt; the summary is in OUT_DIR/run. A replacement (`--max-restarts`) has
 launch rank N, N+1, ... (LOCKSTEP_MEMBER_ID); RANK is the rank it replaces. With a fifth argument
 "replace", the survivors of a smaller world slow down until the replacement process has started, so
@@ -52,6 +53,7 @@ FRAGMENTS = 2 if SYNC == "streaming_diloco" else 1
 SYNC_EVERY = 2 if "h2" in sys.argv[5:] else 4
 MAX_STEPS = 6 if "stop6" in sys.argv[5:] else None
 EPOCHS = 8 if "long" in sys.argv[5:] else 2
+ASYNC = "async" in sys.argv[5:]  # checkpoints written in the background, every one of them kept
 PACE_S = 0.020 if "paced" in sys.argv[5:] else 0.0  # a step is not all noise on a loaded machine
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_MEMBER_ID", os.environ["RANK"]))
@@ -139,6 +141,22 @@ def _die_before_commit() -> None:
     LiveGroup.commit = dying_commit  # type: ignore[method-assign]
 
 
+def _die_while_writing() -> None:
+    from lockstep.checkpoint import storage
+
+    write_all = storage._write_all
+
+    def dying_write(fd: int, data: bytes) -> None:
+        if f"step_{AT:06d}" in os.readlink(
+            f"/proc/self/fd/{fd}"
+        ):  # checkpoint AT's first file: half, then gone
+            os.write(fd, data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        write_all(fd, data)
+
+    storage._write_all = dying_write
+
+
 def _die_while_forming() -> None:
     from lockstep.runtime.membership.formation import Formation
 
@@ -151,6 +169,8 @@ def _die_while_forming() -> None:
 def main() -> None:
     if FAULT == "commit":
         _die_before_commit()
+    if FAULT == "write" and UID == VICTIM:
+        _die_while_writing()
     if UID == VICTIM and FAULT == "startup":
         os.kill(os.getpid(), signal.SIGKILL)
     if UID == VICTIM and FAULT == "forming":
@@ -169,6 +189,8 @@ def main() -> None:
         sync_every=SYNC_EVERY,
         fragments=FRAGMENTS,
         max_steps=MAX_STEPS,
+        checkpoint_async=ASYNC,
+        keep_checkpoints=8 if ASYNC else 3,
         log_every=4,
         progress="none",
     )
