@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.pages import DOCS, blocks
-from tests.helpers import child_env
+from tests.helpers import DOCS, child_env, code_blocks
 
 QUICKSTART = DOCS / "quickstart.md"
 RUN_TIMEOUT = 240  # seconds: torch's import on 2 loaded cores dominates (about 40 s each here)
@@ -26,20 +25,20 @@ _NAME = re.compile(r"#\s*(\w+\.py):")
 def programs() -> dict[str, str]:
     """name -> source of each ```python block that names its file on its first line."""
     found = {}
-    for block in blocks(QUICKSTART):
-        match = _NAME.match(block.text) if block.language == "python" else None
+    for language, text in code_blocks(QUICKSTART):
+        match = _NAME.match(text) if language == "python" else None
         if match:
-            found[match.group(1)] = block.text
+            found[match.group(1)] = text
     return found
 
 
 def runs() -> dict[str, tuple[list[str], list[str]]]:
     """program name -> (the command's arguments after `lockstep`, the lines the page says it prints)."""
     found = {}
-    for block in blocks(QUICKSTART):
-        if block.language != "console":
+    for language, text in code_blocks(QUICKSTART):
+        if language != "console":
             continue
-        command, *printed = block.text.strip().splitlines()
+        command, *printed = text.strip().splitlines()
         assert command.startswith("$ lockstep "), (
             f"a console block that is not a lockstep command: {command!r}"
         )

@@ -4,6 +4,8 @@ resolves (file and anchor), the API index lists exactly `lockstep.__all__`, and 
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +13,38 @@ import pytest
 import yaml
 
 import lockstep
-from tests.docs.pages import DOCS, ROOT, anchors, links, slug
+from tests.helpers import DOCS, ROOT, code_blocks
 
 README = ROOT / "README.md"
 PAGES = sorted(DOCS.rglob("*.md"))
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.MULTILINE)
+
+
+def _prose(page: Path) -> str:
+    """The page without its fenced blocks (a link or a `#` line inside code is not one)."""
+    text = page.read_text()
+    for _, block in code_blocks(page):
+        text = text.replace(block, "")
+    return text
+
+
+def links(page: Path) -> list[str]:
+    """Every Markdown link target of the page's prose, as written."""
+    return _LINK.findall(_prose(page))
+
+
+def slug(heading: str) -> str:
+    """The anchor mkdocs (Python-Markdown's toc) gives a heading: a link's text kept, punctuation (code
+    and emphasis marks included) removed, lower case, spaces and hyphens joined into one hyphen."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = unicodedata.normalize("NFKD", text)
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def anchors(page: Path) -> set[str]:
+    return {slug(h) for h in _HEADING.findall(_prose(page))}
 
 
 def _nav_pages(entries: list[Any]) -> list[str]:
