@@ -6,9 +6,13 @@ order alternates (A-B-B-A): blocking saves (`save(step, state)`), background sav
 (`save(step, state, blocking=False)`, the end of the round waiting for the last write) and no saves (the
 reference). Per round and mode:
 
-- stall per save: the seconds each rank spent blocked in save() (`CheckpointManager.stall_s`), the slowest
-  rank's, divided by the saves; the ratio background/blocking is the target (<= 0.10). The wait for the
-  last write at the end of the round (which a run pays once, at its end) is reported apart;
+- stall per save: the seconds the slowest rank spent in save(), every rank entering it together (a barrier,
+  untimed, before each save), divided by the saves: what the save itself costs; the ratio
+  background/blocking is the target (<= 0.10). Without the barrier a rank that reaches the save first
+  would wait in its first collective for the others (`CheckpointManager.stall_s` counts that too): a skew
+  between the ranks' steps (on 2 cores, rank 0's writer thread slows rank 0's steps) that the next gradient
+  all-reduce would wait out anyway, and that the ms/step columns show. The wait for the last write at the
+  end of the round (which a run pays once, at its end) is reported apart;
 - the round's wall time per step against the round without saves: what the writes cost training in all
   (on 2 cores the writer thread competes with the ranks for the CPU);
 - the CPU memory a background save keeps (`cpu_copy_bytes`, rank 0) and each mode's peak RSS.
@@ -46,7 +50,7 @@ def _round(
 ) -> dict[str, float]:
     rank = dist.get_rank()
     manager = CheckpointManager(run_dir, keep=1)
-    saves = 0
+    saves, aligned = 0, 0.0
     dist.barrier()
     start = time.perf_counter()
     for step in range(1, steps + 1):
@@ -55,15 +59,18 @@ def _round(
         loss(name, model(x), y).backward()
         optimizer.step()
         if mode != "none" and step % every == 0:
+            dist.barrier()  # every rank enters the save together: what follows is the save's own cost
+            entered = time.perf_counter()
             manager.save(
                 step, {"model": model, "optimizer": optimizer, "step": step}, blocking=mode == "blocking"
             )
+            aligned += time.perf_counter() - entered
             saves += 1
     in_saves = manager.stall_s
     manager.wait()  # the end of a run: the last write (counted apart: a long run pays it once)
     dist.barrier()
     wall = time.perf_counter() - start
-    measured = torch.tensor([in_saves, manager.stall_s - in_saves, wall], dtype=torch.float64)
+    measured = torch.tensor([aligned, manager.stall_s - in_saves, wall], dtype=torch.float64)
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)  # the slowest rank's
     return {
         "stall_per_save": float(measured[0]) / max(saves, 1),
