@@ -152,7 +152,7 @@ def _rules() -> Iterator[Rule]:
             "sync=local_sgd",
             refused,
             _PARAMETERS_ROUNDED,
-            "use --sync diloco (or streaming_diloco) to send quantized outer gradients, or sync_dtype fp32/bf16",
+            "use --sync diloco (or streaming_diloco) to send quantized outer gradients, or send fp32 or bf16",
             "does not apply with",
         )
     for sync in SYNC_KEYS:
