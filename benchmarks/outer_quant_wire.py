@@ -75,7 +75,9 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     n = args.numel
-    print("| W | sync_dtype | payload / rank (comm_bytes) | on the wire / rank | formula / rank | wire vs fp32 |")
+    print(
+        "| W | sync_dtype | payload / rank (comm_bytes) | on the wire / rank | formula / rank | wire vs fp32 |"
+    )
     print("|---|---|---|---|---|---|")
     for world in args.worlds:
         fp32_wire = 0.0
