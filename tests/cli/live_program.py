@@ -48,6 +48,7 @@ SYNC = next((a for a in sys.argv[5:] if a in ("diloco", "local_sgd", "streaming_
 FRAGMENTS = 2 if SYNC == "streaming_diloco" else 1
 SYNC_EVERY = 2 if "h2" in sys.argv[5:] else 4
 MAX_STEPS = 6 if "stop6" in sys.argv[5:] else None
+SYNC_DTYPE = "int4" if "int4" in sys.argv[5:] else "fp32"  # the outer gradients quantized on the wire
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_MEMBER_ID", os.environ["RANK"]))
 calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0, "replicate": 0}
@@ -155,6 +156,7 @@ def main() -> None:
         sync=SYNC,
         sync_every=SYNC_EVERY,
         fragments=FRAGMENTS,
+        sync_dtype=SYNC_DTYPE,
         max_steps=MAX_STEPS,
         log_every=4,
         progress="none",
