@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lockstep.engine.outer_codec import codec_for
 from lockstep.engine.sync_algorithms import SYNC_MODES as SYNC_MODES  # re-exported: FitConfig's choices
 from lockstep.engine.sync_algorithms import SyncAlgorithm, parse_sync
 from lockstep.errors import ConfigError
@@ -59,7 +60,10 @@ class SyncPolicy:
       outer Nesterov SGD step on the averaged outer gradient, anchor - local), "streaming_diloco" (DiLoCo
       on `fragments` pieces of the model, their syncs staggered over the round).
     - sync_every (H), outer_lr, outer_momentum, fragments: the rounds' settings.
-    - delta_dtype: the dtype the averaged values travel in (None: float32); the sum is in float32.
+    - delta_dtype: what the averaged values travel in: None (float32), torch.bfloat16 or torch.float16,
+      or a quantized format for the outer gradients of diloco and streaming_diloco, "int8", "int4" or
+      "fp4_e3m0" (per block of 128 values with a float32 scale; engine/outer_codec.py). The sum is in
+      float32.
     With deterministic=True the average is gathered and summed in rank order (the same bits run after
     run); accumulate(), buckets, hooks and join() do not apply.
     """
@@ -79,7 +83,7 @@ class SyncPolicy:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     fragments: int = 1
-    delta_dtype: torch.dtype | None = None
+    delta_dtype: torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
         self._check_sync()
@@ -111,6 +115,7 @@ class SyncPolicy:
         return RunSettings(
             deterministic=self.deterministic,
             sync=self.sync,
+            sync_dtype=codec_for(self.delta_dtype).name,
             bucket_cap_mb=AUTO if self.tune_buckets else None,
             static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
@@ -149,9 +154,10 @@ class SyncPolicy:
             raise ConfigError(
                 f"SyncPolicy.fragments={self.fragments} applies to sync='streaming_diloco' only"
             )
-        if self.delta_dtype not in (None, torch.float32, *_LOW_PRECISION):
+        if codec_for(self.delta_dtype).quantized and algorithm is None:  # ConfigError for an unknown one
             raise ConfigError(
-                f"SyncPolicy.delta_dtype must be None, float32, bfloat16 or float16; got {self.delta_dtype!r}"
+                f"SyncPolicy.delta_dtype={self.delta_dtype!r} quantizes the outer gradients of a periodic sync "
+                "(sync='diloco' or 'streaming_diloco'); with sync='allreduce' leave it at None"
             )
 
     @property
