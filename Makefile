@@ -1,13 +1,14 @@
 # The commands of the README: `make train` (the main job), `make test` (the fast tier a developer runs between
-# commits) and `make test-all` (everything: what CI runs). Each creates or reuses a virtual environment in
-# .venv and installs what it needs. The tiers are pytest markers; tests/conftest.py states the rule.
+# commits), `make test-all` (everything: what CI runs) and `make docs` (the documentation site). Each
+# creates or reuses a virtual environment in .venv and installs what it needs. The tiers are pytest
+# markers; tests/conftest.py states the rule.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # These machines keep a CPU build of torch 2.13.0 on disk; elsewhere pip picks a release from PyPI.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test test-all lint compat clean testbed
+.PHONY: install train test test-all lint docs compat clean testbed
 
 install: $(VENV)/.installed
 
@@ -34,6 +35,16 @@ lint: install
 	$(PY) -m ruff format --check src tests benchmarks examples tools
 	$(PY) -m mypy
 
+# The documentation site (mkdocs.yml): docs/ plus the API reference from the docstrings, into site/ (git-ignored).
+# --strict: a warning (a broken link or anchor, a page missing from the nav, a docstring that does not
+# parse) fails the build. NO_MKDOCS_2_WARNING silences mkdocs-material's banner about its successor.
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --clean
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
 # torch's own DDP tests (in the torch wheel) on torch's DDP and on lockstep's: docs/compat/torch_ddp_tests.md.
 # Long (tens of minutes on 2 cores); COMPAT_ARGS=--reuse-baseline reuses torch's column from the last JSON.
 compat: install
@@ -53,4 +64,4 @@ testbed:
 		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(TESTBED_PACKAGES); }
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

@@ -46,9 +46,11 @@ from torch.distributed.optim import PostLocalSGDOptimizer  # noqa: E402
 import lockstep  # noqa: E402
 from lockstep import hooks  # noqa: E402
 from lockstep.jobs import datasets, models  # noqa: E402
+from lockstep.plan import QUANTIZED_SYNC_DTYPES  # noqa: E402
 from lockstep.testing import run_distributed, watch_collectives  # noqa: E402
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+# --sync-dtype to SyncPolicy.delta_dtype: casts, then the quantized outer gradients (engine/outer_codec.py)
+DTYPES: dict[str, Any] = {"fp32": None, "bf16": torch.bfloat16, **{q: q for q in QUANTIZED_SYNC_DTYPES}}
 ARMS = ("ddp", "ddp_powersgd", "torch_post_local_sgd", "local_sgd", "diloco", "streaming_diloco")
 
 
@@ -142,7 +144,7 @@ def bench_worker(args: argparse.Namespace) -> dict[str, Any]:
         wall = 0.0
 
         def count(t: torch.Tensor, counted: list[int] = counted, peak: list[int] = peak) -> None:
-            if t.is_floating_point():
+            if t.is_floating_point() or t.dtype == torch.uint8:  # uint8: a quantized outer gradient's payload
                 counted[0] += t.numel() * t.element_size()
                 peak[0] = max(peak[0], t.numel() * t.element_size())  # the largest single collective
 

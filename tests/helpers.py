@@ -10,6 +10,7 @@
 - The trainer: `HostCopyCounter`, a tensor that records copies to the host.
 - The tiny training job of the SLURM and multi-host tests (`TINY`, `result_line`, `tiny_run`; the
   `tiny_reference` fixture of tests/cli/conftest.py runs it once), and `slurm_cli`.
+- The documentation site (tests/docs): `DOCS`, and `code_blocks(page)`, a Markdown page's fenced blocks.
 
 The SLURM cluster and network-namespace "hosts" are a harness, not helpers: tests/testbed/.
 Rank functions handed to lockstep.testing.run_distributed may live here: the ranks import this module.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -43,6 +45,7 @@ __all__ = [
     "DET_K",
     "DET_MICRO",
     "DET_STEPS",
+    "DOCS",
     "IN",
     "MLP",
     "MODELS",
@@ -62,6 +65,7 @@ __all__ = [
     "build",
     "case",
     "child_env",
+    "code_blocks",
     "det_data",
     "det_micro",
     "free_port",
@@ -79,6 +83,7 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 
 # ---------------------------------------------------------------- processes and the CLI
 
@@ -490,3 +495,13 @@ def small_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """6 samples of 8 features and 3 classes, a function of (rank, step)."""
     gen = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(6, 8, generator=gen), torch.randint(0, 3, (6,), generator=gen)
+
+
+# ---------------------------------------------------------------- the documentation site
+
+_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
+
+
+def code_blocks(page: Path) -> list[tuple[str, str]]:
+    """(language, text) of each fenced code block of a Markdown page, in order (fences start a line)."""
+    return [(m.group(1), m.group(2)) for m in _FENCE.finditer(page.read_text())]

@@ -1,6 +1,6 @@
 """lockstep: data-parallel training for PyTorch, with its own DDP engine in Python.
 
-Names resolve at first use (PEP 562 __getattr__), so `lockstep run` starts without importing the engine;
+Names resolve at first use (PEP 562 `__getattr__`), so `lockstep run` starts without importing the engine;
 type checkers and IDEs read the real names from the `TYPE_CHECKING` imports below and the literal `__all__`.
 
 The public subpackages (`lockstep.engine`, `.data`, `.checkpoint`, `.runtime`, `.trainer`, `.nn`, `.hooks`,

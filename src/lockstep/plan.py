@@ -29,6 +29,10 @@ SYNC_MODES = ("allreduce", "local_sgd", "diloco", "streaming_diloco")
 SYNC_KEYS = tuple(f"sync={mode}" for mode in SYNC_MODES[1:])
 # streaming_diloco's fragment layouts (SyncPolicy.fragment_layout, FitConfig.fragment_layout; engine/fragments.py)
 FRAGMENT_LAYOUTS = ("strided", "sliced", "contiguous")
+# What a periodic sync's values travel in (FitConfig.sync_dtype, SyncPolicy.delta_dtype): casts, then the
+# quantized formats of the outer gradients (engine/outer_codec.py).
+SYNC_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "fp4_e3m0")
+QUANTIZED_SYNC_DTYPES = SYNC_DTYPES[3:]
 
 
 class Reduction(enum.Enum):
@@ -62,6 +66,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sync=local_sgd", "--sync local_sgd", "sync='local_sgd'"),
     Setting("sync=diloco", "--sync diloco", "sync='diloco'"),
     Setting("sync=streaming_diloco", "--sync streaming_diloco", "sync='streaming_diloco'"),
+    *(Setting(f"sync_dtype={d}", f"--sync-dtype {d}", f"sync_dtype={d!r}") for d in QUANTIZED_SYNC_DTYPES),
     Setting("bucket_cap_mb=auto", "--bucket-cap-mb auto", "bucket_cap_mb='auto'"),
     Setting("bucket_cap_mb", "--bucket-cap-mb {bucket_cap_mb}", "bucket_cap_mb={bucket_cap_mb!r}"),
     Setting(
@@ -135,8 +140,23 @@ _NOT_IN_BACKWARD = "a periodic sync averages no gradient in backward"
 _NO_SHARED_STEP = "each rank steps all of its own parameters between syncs; there is no shared step to shard"
 
 
+_PARAMETERS_ROUNDED = (
+    "local SGD averages the parameters themselves, which a quantized wire would round every round (only "
+    "DiLoCo's outer gradients, anchor - local, are quantized)"
+)
+
+
 def _rules() -> Iterator[Rule]:
     refused, falls_back = Verdict.REFUSED, Verdict.FALLS_BACK
+    for dtype in QUANTIZED_SYNC_DTYPES:
+        yield Rule(
+            f"sync_dtype={dtype}",
+            "sync=local_sgd",
+            refused,
+            _PARAMETERS_ROUNDED,
+            "use --sync diloco (or streaming_diloco) to send quantized outer gradients, or send fp32 or bf16",
+            "does not apply with",
+        )
     for sync in SYNC_KEYS:
         yield Rule(
             "shard_optimizer",
@@ -227,6 +247,7 @@ class RunSettings:
     overlap_optimizer: bool = False
     shard_optimizer: bool = False
     sync: str = "allreduce"
+    sync_dtype: str = "fp32"
     bucket_cap_mb: float | str | None = None
     grad_accum_steps: int = 1
     clip_grad_norm: float | None = None
@@ -258,6 +279,7 @@ class RunSettings:
             "overlap_optimizer": self.overlap_optimizer,
             "shard_optimizer": self.shard_optimizer,
             f"sync={self.sync}": True,  # "sync=allreduce" (every step, the default) is no key of the table
+            f"sync_dtype={self.sync_dtype}": True,  # nor are the casts (fp32, bf16, fp16)
             "bucket_cap_mb=auto": isinstance(cap, str),
             "bucket_cap_mb": cap is not None and not isinstance(cap, str),
             "grad_accum_steps": self.grad_accum_steps > 1,
@@ -307,6 +329,11 @@ class Plan:
         """One line per fallback (and per value the plan chose), for the launcher to print once."""
         lines = [rule.line(self.settings, flags=flags) for rule in self.fallbacks]
         s = self.settings
+        if s.sync_dtype in QUANTIZED_SYNC_DTYPES and self.reduction is not Reduction.PERIODIC:
+            lines.append(
+                f"--sync-dtype {s.sync_dtype} applies to a periodic sync's outer gradients only (--sync diloco or "
+                "streaming_diloco): with --sync allreduce the gradients are averaged in fp32 every step"
+            )
         if self.global_batch_size != s.global_batch_size:
             lines.append(
                 f"--deterministic without --global-batch-size: the global batch is {self.global_batch_size} "

@@ -10,7 +10,8 @@ the next without it), "replicate" (in the model's start-up collectives inside fi
 call of a checkpoint save: rank 0 writes while the others wait), "stop" (SIGSTOP in a forward: it
 stops answering without dying), "heal" (VICTIM dies in a forward as for "forward"; then, once the world
 is back to 4, launch rank 0 dies in the state_dict() call that gathers the state for the replacement: the
-peer it heals from is lost while it heals), or "none". Every rank appends the sample ids that reached its forward to
+peer it heals from is lost while it heals), "write" (with "async": VICTIM's background checkpoint thread
+writes half of the first file of the checkpoint of step AT, then SIGKILLs the process while training goes on), or "none". Every rank appends the sample ids that reached its forward to
 OUT_DIR/seen-<launch rank>.txt; the summary is in OUT_DIR/run. A replacement (`--max-restarts`) has
 launch rank N, N+1, ... (LOCKSTEP_MEMBER_ID); RANK is the rank it replaces. With a fifth argument
 "replace", the survivors of a smaller world slow down until the replacement process has started, so
@@ -20,7 +21,10 @@ not in deterministic mode (live mode's float step); with "shard", the optimizer'
 the ranks (shard_optimizer=True, each share kept by two ranks in live mode); with "diloco" or "local_sgd",
 low-communication training (FitConfig.sync) with a round of 4 steps ("h2": 2), "streaming_diloco" with 2
 fragments (synced after steps 2 and 4 of each round of 4); with "stop6", the run
-stops after 6 steps (max_steps, in the middle of a round) and a second launch resumes it. Every rank that finishes
+stops after 6 steps (max_steps, in the middle of a round) and a second launch resumes it; with "long", the run
+has 8 epochs (64 steps) instead of 2; with "paced", each forward takes 20 ms longer, and FAULT "straggle"
+makes launch rank VICTIM's forwards take 40 ms longer instead, from its AT-th forward on (a rank persistently
+about 2x slower than the others, for `--evict-stragglers`). Every rank that finishes
 saves its final parameters to OUT_DIR/params-<launch rank>.pt and its summary's digests (params_sha256,
 outer_sha256, ...) to OUT_DIR/summary-<launch rank>.json.
 """
@@ -48,9 +52,20 @@ SYNC = next((a for a in sys.argv[5:] if a in ("diloco", "local_sgd", "streaming_
 FRAGMENTS = 2 if SYNC == "streaming_diloco" else 1
 SYNC_EVERY = 2 if "h2" in sys.argv[5:] else 4
 MAX_STEPS = 6 if "stop6" in sys.argv[5:] else None
+EPOCHS = 8 if "long" in sys.argv[5:] else 2
+ASYNC = "async" in sys.argv[5:]  # checkpoints written in the background, every one of them kept
+PACE_S = 0.020 if "paced" in sys.argv[5:] else 0.0  # a step is not all noise on a loaded machine
+SYNC_DTYPE = "int4" if "int4" in sys.argv[5:] else "fp32"  # the outer gradients quantized on the wire
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_MEMBER_ID", os.environ["RANK"]))
 calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0, "replicate": 0}
+forwards = [0]
+
+
+def pace() -> None:
+    forwards[0] += 1
+    straggling = FAULT == "straggle" and UID == VICTIM and forwards[0] >= AT
+    time.sleep(2 * PACE_S if straggling else PACE_S)
 
 
 def maybe_die(where: str) -> None:
@@ -103,6 +118,7 @@ class Net(nn.Module):
             time.sleep(0.05)
         if SLOW:
             time.sleep(0.1)
+        pace()
         self.seen.write(" ".join(str(int(i)) for i in x[:, -1]) + "\n")
         self.seen.flush()
         return self.body(x[:, :-1])
@@ -126,6 +142,22 @@ def _die_before_commit() -> None:
     LiveGroup.commit = dying_commit  # type: ignore[method-assign]
 
 
+def _die_while_writing() -> None:
+    from lockstep.checkpoint import storage
+
+    write_all = storage._write_all
+
+    def dying_write(fd: int, data: bytes) -> None:
+        if f"step_{AT:06d}" in os.readlink(
+            f"/proc/self/fd/{fd}"
+        ):  # checkpoint AT's first file: half, then gone
+            os.write(fd, data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        write_all(fd, data)
+
+    storage._write_all = dying_write
+
+
 def _die_while_forming() -> None:
     from lockstep.runtime.membership.formation import Formation
 
@@ -138,6 +170,8 @@ def _die_while_forming() -> None:
 def main() -> None:
     if FAULT == "commit":
         _die_before_commit()
+    if FAULT == "write" and UID == VICTIM:
+        _die_while_writing()
     if UID == VICTIM and FAULT == "startup":
         os.kill(os.getpid(), signal.SIGKILL)
     if UID == VICTIM and FAULT == "forming":
@@ -147,7 +181,7 @@ def main() -> None:
     torch.manual_seed(0)
     config = lockstep.FitConfig(
         run_dir=os.path.join(OUT, "run"),
-        epochs=2,
+        epochs=EPOCHS,
         global_batch_size=24,
         micro_batch_size=4,
         deterministic=not FLOAT,
@@ -155,7 +189,10 @@ def main() -> None:
         sync=SYNC,
         sync_every=SYNC_EVERY,
         fragments=FRAGMENTS,
+        sync_dtype=SYNC_DTYPE,
         max_steps=MAX_STEPS,
+        checkpoint_async=ASYNC,
+        keep_checkpoints=8 if ASYNC else 3,
         log_every=4,
         progress="none",
     )

@@ -175,30 +175,34 @@ def _victim_steps(out: Path, victim: int, steps: list[int]) -> set[int]:
 
 
 @pytest.mark.parametrize(
-    ("fault", "at", "mark", "first"),
+    ("fault", "at", "mark", "first", "wire"),
     [
         # F=2 fragments in rounds of 4: fragment 0 synced after steps 2, 6, 10, 14, fragment 1 after 4, 8, ...
         # Rank 2 dies in the forward of step 7, after it launched fragment 0's mean at step 6: back to the
         # mark of step 6, whose mean is taken again over the survivors; rank 2's progress since each
         # fragment's last sync applied before (fragment 0: step 2) is dropped: steps 3 to 6.
-        pytest.param("forward", 7, 6, 3, marks=pytest.mark.smoke),
+        pytest.param("forward", 7, 6, 3, "fp32", marks=pytest.mark.smoke),
+        # The same with the outer gradients in int4: the mean in flight is sent again, quantized, over the
+        # survivors (live mode does not depend on the wire format)
+        ("forward", 7, 6, 3, "int4"),
         # Rank 2 dies in step 6's optimizer step, before launching its fragment 0 mean: the survivors' collective
         # of step 6 is in flight when they learn of it (in the step's commit). Back to the mark of step 4
         # (fragment 1's mean of step 4 sent again); dropped: steps 1 to 4 (fragment 1 never synced before).
-        ("optimizer", 6, 4, 1),
+        ("optimizer", 6, 4, 1, "fp32"),
     ],
 )
 def test_streaming_diloco_goes_back_to_the_last_fragment_sync_and_counts_what_it_drops(
-    tmp_path: Path, fault: str, at: int, mark: int, first: int
+    tmp_path: Path, fault: str, at: int, mark: int, first: int, wire: str
 ) -> None:
-    out, result = _run(
-        tmp_path, "-n", "4", "--min-world", "2", fault=fault, victim=2, at=at, extra=("streaming_diloco",)
-    )
+    extra = ("streaming_diloco", wire)
+    out, result = _run(tmp_path, "-n", "4", "--min-world", "2", fault=fault, victim=2, at=at, extra=extra)
     assert "lockstep run: rank 2 killed by SIGKILL; 3 of 4 ranks go on" in result.stderr
     assert "finished on 3 of 4 ranks, without a restart" in result.stderr, result.stderr
     summary = _summary(out)
     assert summary["sync"] == "streaming_diloco" and summary["steps"] == STEPS and summary["world_size"] == 3
     assert summary["samples_this_run"] == STEPS * GLOBAL_BATCH
+    if wire == "int4":  # under a quarter of what the 354 parameters' rounds send in fp32 (4 rounds of 16)
+        assert summary["comm_bytes"] < 4 * 354 * (STEPS // 4) / 4, summary["comm_bytes"]
     [record] = summary["faults"]
     assert record["lost"] == [2] and record["step"] == mark, record  # back to the last fragment's sync
     dropped = 4 * (mark - first + 1)  # rank 2 of 4: one micro-batch of 4 of the 6 in each step

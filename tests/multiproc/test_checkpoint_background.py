@@ -154,6 +154,39 @@ def test_a_failed_background_write_is_raised_on_every_rank_at_the_next_save(tmp_
         assert out["written"] == 1 and out["loaded"] == 1 and out["equal"]
 
 
+def _copy_failure_surfaces_later(run_dir: str) -> dict[str, Any]:
+    manager = CheckpointManager(run_dir)
+    manager.save(1, {"model": _model(seed=1)}, blocking=False)
+    if get_rank() == 0:
+
+        def no_memory(entries: Any) -> Any:
+            raise MemoryError("no room for the CPU copy")
+
+        manager.background.copy = no_memory  # type: ignore[method-assign]
+    manager.save(2, {"model": _model(seed=2)}, blocking=False)  # returns: the failure is settled later
+    out: dict[str, Any] = {}
+    try:
+        manager.wait()
+    except CheckpointError as exc:
+        out["wait"] = str(exc)
+    out["written"] = manager.written
+    out["steps"] = manager.steps()
+    return out
+
+
+def test_a_failed_copy_is_raised_on_every_rank_at_the_next_settle(tmp_path: Path) -> None:
+    """A background save's copy failing on the writer is not agreed on at once (one collective fewer per
+    save): the next save, wait() or load() raises it on every rank, as a failed write; nothing was written."""
+    for rank, out in enumerate(
+        run_distributed(_copy_failure_surfaces_later, 2, args=(str(tmp_path),), timeout=90)
+    ):
+        assert out["wait"] == (
+            f"[rank {rank}/2] checkpoint step_000002 was not saved (written in the background): "
+            "MemoryError: no room for the CPU copy"
+        ), out
+        assert out["written"] == 1 and out["steps"] == [1], out
+
+
 def _load_waits(run_dir: str) -> dict[str, Any]:
     manager = CheckpointManager(run_dir)
     manager.save(5, {"model": _model(seed=1), "step": 5}, blocking=False)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import lockstep
+from lockstep.engine.outer_codec import codec_for
 from lockstep.errors import ConfigError
 from lockstep.jobs import catalog
 from lockstep.testing import run_distributed
@@ -74,9 +75,14 @@ def _assert_same_states(a: dict[str, Any], b: dict[str, Any], what: str) -> None
     assert [a["outer"][k] for k in counts] == [b["outer"][k] for k in counts], what
 
 
-@pytest.mark.parametrize("sync", ["local_sgd", "diloco", "streaming_diloco"])
-def test_a_run_stopped_mid_round_resumes_with_every_ranks_bits(sync: str, tmp_path: Path) -> None:
-    extra = {"sync": sync, "fragments": 2 if sync == "streaming_diloco" else 1}
+@pytest.mark.parametrize(
+    "sync, sync_dtype",
+    [("local_sgd", "fp32"), ("diloco", "fp32"), ("streaming_diloco", "fp32"), ("diloco", "int4")],
+)
+def test_a_run_stopped_mid_round_resumes_with_every_ranks_bits(
+    sync: str, sync_dtype: str, tmp_path: Path
+) -> None:
+    extra = {"sync": sync, "fragments": 2 if sync == "streaming_diloco" else 1, "sync_dtype": sync_dtype}
     straight = tmp_path / "straight"
     a = run_distributed(_train, 2, args=(str(straight), extra), timeout=TIMEOUT)[0]
     resumed = tmp_path / "resumed"
@@ -91,8 +97,15 @@ def test_a_run_stopped_mid_round_resumes_with_every_ranks_bits(sync: str, tmp_pa
     assert workers["world_size"] == 2 and len(workers["ranks"]) == 2
 
 
-def test_deterministic_diloco_gives_the_same_bits_run_after_run(tmp_path: Path) -> None:
-    extra = {"sync": "diloco", "deterministic": True, "global_batch_size": 16, "micro_batch_size": 4}
+@pytest.mark.parametrize("sync_dtype", ["fp32", "int8"])
+def test_deterministic_diloco_gives_the_same_bits_run_after_run(sync_dtype: str, tmp_path: Path) -> None:
+    extra = {
+        "sync": "diloco",
+        "deterministic": True,
+        "global_batch_size": 16,
+        "micro_batch_size": 4,
+        "sync_dtype": sync_dtype,
+    }
     runs = [
         run_distributed(_train, 2, args=(str(tmp_path / f"run{i}"), extra), timeout=TIMEOUT)[0]
         for i in range(2)
@@ -109,10 +122,11 @@ def test_deterministic_diloco_gives_the_same_bits_run_after_run(tmp_path: Path) 
         ({"sync": "allreduce"}, None),
         ({"sync": "local_sgd"}, 4),
         ({"sync": "diloco", "sync_dtype": "bf16"}, 2),
+        ({"sync": "diloco", "sync_dtype": "int8"}, "int8"),
     ],
 )
 def test_comm_bytes_is_what_the_mode_sends(
-    settings: dict[str, Any], per_sync: int | None, tmp_path: Path
+    settings: dict[str, Any], per_sync: int | str | None, tmp_path: Path
 ) -> None:
     out = run_distributed(
         _train, 2, args=(str(tmp_path), {**settings, "checkpoint_every": 0}), timeout=TIMEOUT
@@ -122,6 +136,10 @@ def test_comm_bytes_is_what_the_mode_sends(
     assert steps == 32
     if per_sync is None:  # the gradients in float32 every step
         want = 4 * sizes["params"] * steps
+    elif isinstance(per_sync, str):  # quantized outer gradients (one fragment), the buffers in float32
+        per_round = codec_for(per_sync).payload_bytes(sizes["params"]) + 4 * sizes["buffers"]
+        want = per_round * (steps // SETTINGS["sync_every"])
+        assert 3.8 * want < 4 * (sizes["params"] + sizes["buffers"]) * (steps // SETTINGS["sync_every"])
     else:  # parameters and float buffers once per round
         want = per_sync * (sizes["params"] + sizes["buffers"]) * (steps // SETTINGS["sync_every"])
     assert summary["comm_bytes"] == want, (summary["comm_bytes"], want)
@@ -192,8 +210,9 @@ def test_sync_settings_are_checked() -> None:
     config_cls, _ = catalog.job("toy")
     with pytest.raises(ConfigError, match="sync='gossip'"):
         config_cls(sync="gossip")
-    with pytest.raises(ConfigError, match="sync_dtype='int8'"):
-        config_cls(sync="diloco", sync_dtype="int8")
+    with pytest.raises(ConfigError, match="sync_dtype='fp8'"):
+        config_cls(sync="diloco", sync_dtype="fp8")
+    assert config_cls(sync="diloco", sync_dtype="int8").sync_dtype == "int8"
 
 
 def test_overlap_optimizer_with_sync_takes_the_plain_step_with_the_same_bits(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lockstep
+from lockstep.engine.outer_codec import codec_for
 from lockstep.engine.outer_sync import MIX, fragment_bounds
 from lockstep.errors import ConfigError, NotSupportedError
 from lockstep.runtime.progress import PROGRESS
@@ -83,9 +84,11 @@ STRIDED = [[0, 1, 4, 5], [2, 3]]
 
 
 def _reference(
-    sync: str, world: int, wire: torch.dtype | None, layout: str = "strided"
+    sync: str, world: int, wire: torch.dtype | str | None, layout: str = "strided"
 ) -> list[dict[str, torch.Tensor]]:
-    """Every worker in this process; the outer math written out (see the module docstring)."""
+    """Every worker in this process; the outer math written out (see the module docstring). `wire`: a
+    dtype the values are cast to, or a quantized format whose round trip each worker's outer gradient
+    takes (the float buffers then travel in float32)."""
     models = [_model() for _ in range(world)]
     opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in models]
     params = [[p for p in m.parameters()] for m in models]
@@ -96,9 +99,12 @@ def _reference(
         frags = STRIDED
     outer = [torch.optim.SGD([anchor[i] for i in f], lr=0.7, momentum=0.9, nesterov=True) for f in frags]
 
-    def mean(per_worker: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    def mean(per_worker: list[list[torch.Tensor]], *, values: bool = False) -> list[torch.Tensor]:
         flats = [torch.cat([t.reshape(-1).float() for t in ts]) for ts in per_worker]
-        if wire is not None:
+        if isinstance(wire, str) and not values:
+            codec = codec_for(wire)
+            flats = [codec.decode(codec.encode(f), f.numel()) for f in flats]
+        elif isinstance(wire, torch.dtype):
             flats = [f.to(wire) for f in flats]
         total = flats[0].float()
         for f in flats[1:]:
@@ -125,7 +131,7 @@ def _reference(
     def after_fragment(f: int) -> None:
         if f == count - 1:
             bufs = [[b for b in m.buffers() if b.is_floating_point()] for m in models]
-            avg = mean(bufs)
+            avg = mean(bufs, values=True)
             for w in range(world):
                 for b, value in zip(bufs[w], avg):
                     b.copy_(value)
@@ -258,6 +264,41 @@ def test_deltas_in_bfloat16_are_summed_in_float32_in_rank_order_at_world_3() -> 
         assert out["stats"]["bytes_communicated_total"] == 2 * (numel + buffers) * (STEPS // EVERY)
 
 
+@pytest.mark.parametrize("wire", ["int8", "int4", "fp4_e3m0"])
+def test_quantized_outer_gradients_give_the_reference_bits_and_send_their_payload(wire: str) -> None:
+    """Each rank's outer gradient quantized, gathered, decoded and summed in float32 in rank order (the
+    reference: the same round trip per worker); the buffers in float32; comm_bytes the payloads' size."""
+    outs = run_distributed(_rank_run, 2, args=("diloco", {"delta_dtype": wire}, None), timeout=120)
+    want = _reference("diloco", 2, wire)
+    fp32 = _reference("diloco", 2, None)
+    numel = sum(p.numel() for p in _model().parameters())
+    buffers = sum(b.numel() for b in _model().buffers() if b.is_floating_point())
+    for rank, out in enumerate(outs):
+        _assert_same(out["state"], want[rank], f"{wire} deltas rank {rank}")
+        per_round = codec_for(wire).payload_bytes(numel) + 4 * buffers
+        assert out["stats"]["bytes_communicated_total"] == per_round * (STEPS // EVERY)
+    assert not torch.equal(want[0]["0.weight"], fp32[0]["0.weight"])  # the wire changed something
+
+
+@pytest.mark.parametrize("sync", ["diloco", "streaming_diloco"])
+def test_quantized_outer_gradients_resume_mid_round_bit_for_bit(sync: str) -> None:
+    extra = {"delta_dtype": "int4"}
+    straight = run_distributed(_rank_run, 2, args=(sync, extra, None), timeout=120)
+    resumed = run_distributed(_rank_run, 2, args=(sync, extra, 4), timeout=120)
+    for rank in range(2):
+        _assert_same(resumed[rank]["state"], straight[rank]["state"], f"int4 {sync} rank {rank} resumed")
+        assert resumed[rank]["stats"] == straight[rank]["stats"]
+
+
+def test_quantized_deterministic_runs_give_the_same_bits_at_world_3() -> None:
+    extra = {"deterministic": True, "delta_dtype": "fp4_e3m0"}
+    runs = [run_distributed(_rank_run, 3, args=("diloco", extra, None), timeout=120) for _ in range(2)]
+    want = _reference("diloco", 3, "fp4_e3m0")
+    for rank in range(3):
+        _assert_same(runs[0][rank]["state"], runs[1][rank]["state"], f"fp4 rank {rank}, two runs")
+        _assert_same(runs[0][rank]["state"], want[rank], f"fp4 rank {rank} vs the rank-order reference")
+
+
 def test_deterministic_mode_gives_the_same_bits_run_after_run_at_world_3() -> None:
     runs = [
         run_distributed(_rank_run, 3, args=("diloco", {"deterministic": True}, None), timeout=120)
@@ -305,6 +346,9 @@ def test_what_does_not_apply_raises_and_says_why() -> None:
         ({"sync": "diloco", "fragments": 2}, "applies to sync='streaming_diloco' only"),
         ({"sync": "local_sgd", "static_graph": True}, "averages no gradient in backward"),
         ({"sync": "diloco", "delta_dtype": torch.int8}, "delta_dtype must be"),
+        ({"sync": "diloco", "delta_dtype": "int3"}, "delta_dtype must be"),
+        ({"delta_dtype": "int8"}, "quantizes the outer gradients of a periodic sync"),
+        ({"sync": "local_sgd", "delta_dtype": "int4"}, "local SGD averages the parameters themselves"),
     ],
 )
 def test_policy_settings_are_checked(fields: dict[str, Any], words: str) -> None:

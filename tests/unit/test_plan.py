@@ -83,7 +83,7 @@ def _settings_for(keys: tuple[str, ...]) -> RunSettings:
         name, _, value = key.partition("=")
         if name == "bucket_cap_mb":
             values[name] = value or 4.0
-        elif name in ("sync", "precision"):
+        elif name in ("sync", "precision", "sync_dtype"):
             values[name] = value
         elif name == "grad_accum_steps":
             values[name] = 2
@@ -100,7 +100,12 @@ def _settings_for(keys: tuple[str, ...]) -> RunSettings:
 def test_every_pair_runs_falls_back_or_is_refused_in_one_line(flags: bool) -> None:
     keys = [s.key for s in SETTINGS]
     for pair in itertools.combinations(keys, 2):
-        if {k.partition("=")[0] for k in pair} in ({"sync"}, {"precision"}, {"bucket_cap_mb"}):
+        if {k.partition("=")[0] for k in pair} in (
+            {"sync"},
+            {"precision"},
+            {"bucket_cap_mb"},
+            {"sync_dtype"},
+        ):
             continue  # one setting, two values
         settings = _settings_for(pair)
         assert settings.keys() == list(pair)
@@ -139,6 +144,26 @@ def test_fallbacks_are_asked_by_the_setting_that_does_not_apply() -> None:
     assert len(plan.notes()) == 2 and all(
         n.startswith("--overlap-optimizer true with ") for n in plan.notes()
     )
+
+
+def test_quantized_outer_gradients_need_diloco_s_outer_gradients() -> None:
+    settings = RunSettings.of(FitConfig(sync="diloco", sync_dtype="int8"), world_size=2)
+    assert settings.keys() == ["sync=diloco", "sync_dtype=int8"]
+    assert RunSettings(sync_dtype="bf16").keys() == []  # the casts are no keys of the table
+    assert Plan.of(settings).notes() == []
+    for dtype in ("int8", "int4", "fp4_e3m0"):
+        with pytest.raises(
+            PlanRefused,
+            match=rf"^--sync-dtype {dtype} does not apply with --sync local_sgd: local SGD averages the "
+            "parameters themselves.*; use --sync diloco",
+        ):
+            Plan.of(RunSettings(sync="local_sgd", sync_dtype=dtype), flags=True)
+        # without a periodic sync the gradients go on in fp32 every step, and the launcher says so
+        notes = Plan.of(RunSettings(sync_dtype=dtype)).notes()
+        assert notes == [
+            f"--sync-dtype {dtype} applies to a periodic sync's outer gradients only (--sync diloco or "
+            "streaming_diloco): with --sync allreduce the gradients are averaged in fp32 every step"
+        ]
 
 
 def test_deterministic_mode_gets_a_global_batch_fixed_at_launch() -> None:

@@ -57,7 +57,7 @@ SURFACE: dict[str, dict[str, str]] = {
         "LiveLoop": "class(model: 'nn.Module', optimizer: 'torch.optim.Optimizer', sampler: 'MicroBatchSampler', *, state: 'Mapping[str, Stateful] | None' = None, seed: 'int' = 0, deterministic: 'bool' = True) -> 'None'",
         "ReplicaHandle": "class(replica: 'ReplicaState', hooks: 'list[Any]') -> 'None'",
         "StepStats": "class(step: 'int', forward_ms: 'float', backward_ms: 'float', comm_ms: 'float', comm_hidden_ms: 'float', finalize_ms: 'float', bytes_communicated: 'int') -> None",
-        "SyncPolicy": "class(bucket_cap_mb: 'float | str' = 25.0, first_bucket_mb: 'float' = 1.0, find_unused_parameters: 'bool' = False, static_graph: 'bool' = False, gradient_as_bucket_view: 'bool' = False, broadcast_buffers: 'bool' = True, reduce_dtype: 'torch.dtype | None' = None, upcast_half_precision: 'bool' = True, torch_bucket_layout: 'bool' = False, deterministic: 'bool' = False, sync: 'str' = 'allreduce', sync_every: 'int' = 50, outer_lr: 'float' = 0.7, outer_momentum: 'float' = 0.9, warmup_steps: 'int' = 0, mix: 'float' = 0.5, outer_momentum_warmup: 'int' = 10, fragment_layout: 'str' = 'sliced', fragments: 'int' = 1, delta_dtype: 'torch.dtype | None' = None) -> None",
+        "SyncPolicy": "class(bucket_cap_mb: 'float | str' = 25.0, first_bucket_mb: 'float' = 1.0, find_unused_parameters: 'bool' = False, static_graph: 'bool' = False, gradient_as_bucket_view: 'bool' = False, broadcast_buffers: 'bool' = True, reduce_dtype: 'torch.dtype | None' = None, upcast_half_precision: 'bool' = True, torch_bucket_layout: 'bool' = False, deterministic: 'bool' = False, sync: 'str' = 'allreduce', sync_every: 'int' = 50, outer_lr: 'float' = 0.7, outer_momentum: 'float' = 0.9, warmup_steps: 'int' = 0, mix: 'float' = 0.5, outer_momentum_warmup: 'int' = 10, fragment_layout: 'str' = 'sliced', fragments: 'int' = 1, delta_dtype: 'torch.dtype | str | None' = None) -> None",
         "Topology": "class(rank: 'int' = 0, local_rank: 'int' = 0, world_size: 'int' = 1, local_world_size: 'int' = 1, node_rank: 'int' = 0, num_nodes: 'int' = 1, master_addr: 'str' = '127.0.0.1', master_port: 'int' = 0, launcher: 'str' = 'none', agent_store_attempt: 'int | None' = None) -> None",
         "__version__": "str",
         "all_reduce_mean": "def(value: 'float | torch.Tensor | Sequence[float]', group: 'dist.ProcessGroup | None' = None) -> 'Any'",
@@ -103,7 +103,7 @@ SURFACE: dict[str, dict[str, str]] = {
         "ReplicaHandle": "class(replica: 'ReplicaState', hooks: 'list[Any]') -> 'None'",
         "ShardedOptimizer": "class(optimizer: 'torch.optim.Optimizer', *, process_group: 'dist.ProcessGroup | None' = None, copies: 'int' = 1, defer_gather: 'bool' = False, piece_numel: 'int | None' = None) -> 'None'",
         "StepStats": "class(step: 'int', forward_ms: 'float', backward_ms: 'float', comm_ms: 'float', comm_hidden_ms: 'float', finalize_ms: 'float', bytes_communicated: 'int') -> None",
-        "SyncPolicy": "class(bucket_cap_mb: 'float | str' = 25.0, first_bucket_mb: 'float' = 1.0, find_unused_parameters: 'bool' = False, static_graph: 'bool' = False, gradient_as_bucket_view: 'bool' = False, broadcast_buffers: 'bool' = True, reduce_dtype: 'torch.dtype | None' = None, upcast_half_precision: 'bool' = True, torch_bucket_layout: 'bool' = False, deterministic: 'bool' = False, sync: 'str' = 'allreduce', sync_every: 'int' = 50, outer_lr: 'float' = 0.7, outer_momentum: 'float' = 0.9, warmup_steps: 'int' = 0, mix: 'float' = 0.5, outer_momentum_warmup: 'int' = 10, fragment_layout: 'str' = 'sliced', fragments: 'int' = 1, delta_dtype: 'torch.dtype | None' = None) -> None",
+        "SyncPolicy": "class(bucket_cap_mb: 'float | str' = 25.0, first_bucket_mb: 'float' = 1.0, find_unused_parameters: 'bool' = False, static_graph: 'bool' = False, gradient_as_bucket_view: 'bool' = False, broadcast_buffers: 'bool' = True, reduce_dtype: 'torch.dtype | None' = None, upcast_half_precision: 'bool' = True, torch_bucket_layout: 'bool' = False, deterministic: 'bool' = False, sync: 'str' = 'allreduce', sync_every: 'int' = 50, outer_lr: 'float' = 0.7, outer_momentum: 'float' = 0.9, warmup_steps: 'int' = 0, mix: 'float' = 0.5, outer_momentum_warmup: 'int' = 10, fragment_layout: 'str' = 'sliced', fragments: 'int' = 1, delta_dtype: 'torch.dtype | str | None' = None) -> None",
         "replicate": "def(module: 'nn.Module', *, policy: 'SyncPolicy | None' = None, process_group: 'dist.ProcessGroup | None' = None) -> 'ReplicaHandle'",
     },
     "lockstep.errors": {
@@ -262,6 +262,7 @@ RUN_FLAGS = {
     "--env",
     "--verbose",
     "--hang-timeout",
+    "--evict-stragglers",
 }
 
 

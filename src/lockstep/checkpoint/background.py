@@ -13,13 +13,14 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lockstep.checkpoint.layout import step_dirname
 from lockstep.checkpoint.meta import validate
 from lockstep.checkpoint.serialize import Entry
 from lockstep.checkpoint.snapshot import CpuSnapshot
 from lockstep.errors import CheckpointError
-from lockstep.runtime import broadcast_object, get_rank
+from lockstep.runtime import all_gather_object, get_rank
 
 
 class BackgroundWrite:
@@ -56,38 +57,50 @@ class BackgroundSaves:
         self.snapshot = CpuSnapshot()  # reused from save to save
         self._log = log
         self._pending: int | None = None  # the step of a write not yet settled (every rank knows it)
-        self._writing: BackgroundWrite | None = None  # ... and its thread (the writer rank)
+        self._writing: BackgroundWrite | _Failed | None = None  # ... and its thread (the writer rank)
 
     def copy(self, entries: list[Entry]) -> list[Entry]:
         """The entries in this manager's CPU copy (the writer rank, at the step boundary)."""
         return self.snapshot.take(entries)
 
-    def start(self, step: int, write: Callable[[], None] | None) -> None:
-        """Every rank: checkpoint `step` is being written; the writer rank passes the write to run."""
+    def start(
+        self, step: int, write: Callable[[], None] | None, failure: BaseException | None = None
+    ) -> None:
+        """Every rank: checkpoint `step` is being written; the writer rank passes the write to run, or the
+        failure that stopped it from starting (its copy failed), which the next settle raises on every rank."""
         self._pending = step
-        if write is not None:
+        if failure is not None:
+            self._writing = _Failed(failure)
+        elif write is not None:
             self._writing = BackgroundWrite(step, write, self._log)
 
-    def settle(self, step_dir: Callable[[int], Path], tag: str) -> bool:
-        """Every rank: wait for the write in flight and agree on it; True when a checkpoint was completed.
-        A failed write raises CheckpointError on every rank; one whose writer is gone (live mode) counts if
-        it reached the disk whole, else a warning says it was dropped (the checkpoints before it stay)."""
-        if self._pending is None:
-            return False
+    def settle(
+        self, step_dir: Callable[[int], Path], tag: str, payload: Any = None
+    ) -> tuple[bool, list[Any]]:
+        """Every rank, one collective: wait for the write in flight and agree on it, gathering each rank's
+        `payload` on the way (a save's random streams: one collective where two would be); returns (whether a
+        checkpoint was completed, the payloads in rank order). A failed write raises CheckpointError on every
+        rank; one whose writer is gone (live mode) counts if it reached the disk whole, else a warning says
+        it was dropped (the checkpoints before it stay)."""
         step, writing = self._pending, self._writing
+        if step is None and payload is None:
+            return False, []  # nothing to settle or gather (every rank knows whether a write is pending)
         self._pending = self._writing = None
-        failure: BaseException | None = None
         outcome: tuple[str, str] | None = None
-        if get_rank() == 0:
+        failure: BaseException | None = None
+        if step is not None and get_rank() == 0:
             if writing is not None:
                 failure = writing.join()
                 outcome = None if failure is None else ("failed", describe_error(failure))
             else:  # live mode: the rank that was writing it is gone; what reached the disk decides
                 problem = validate(step_dir(step), step)
                 outcome = None if problem is None else ("lost", problem)
-        outcome = broadcast_object(outcome)
+        gathered = all_gather_object((payload, outcome))
+        payloads, outcome = [p for p, _ in gathered], gathered[0][1]
+        if step is None:
+            return False, payloads
         if outcome is None:
-            return True
+            return True, payloads
         if outcome[0] == "lost":  # not an error of the run's: the next save writes a newer one
             self._log.warning(
                 "checkpoint %s was being written by a rank that is gone and is incomplete (%s); the "
@@ -95,10 +108,20 @@ class BackgroundSaves:
                 step_dirname(step),
                 outcome[1],
             )
-            return False
+            return False, payloads
         raise CheckpointError(
             f"{tag}checkpoint {step_dirname(step)} was not saved (written in the background): {outcome[1]}"
         ) from failure
+
+
+class _Failed:
+    """A background write that never started (the writer's copy failed): settled like a failed write."""
+
+    def __init__(self, failure: BaseException) -> None:
+        self._failure = failure
+
+    def join(self) -> BaseException:
+        return self._failure
 
 
 def describe_error(exc: BaseException) -> str:

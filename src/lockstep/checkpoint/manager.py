@@ -89,18 +89,22 @@ class CheckpointManager:
         """
         start = time.monotonic()
         try:
-            self._settle()
             _check_save(step, state, self._tag())
             for obj in state.values():
                 gather_state(obj)  # a sharded optimizer's full state, collected on rank 0 (the writer)
-            rngs = all_gather_object(rng.capture())  # every rank's streams, to rank 0 (and the rest)
+            # Every rank's random streams, to rank 0 (and the rest), in the same collective that settles the
+            # background write in flight: a background save stops training for one collective and a copy.
+            rngs = self._settle(rng.capture())
             if blocking:
                 self._agree(step, self._on_writer(lambda: self._write(step, collect(state), rngs)))
                 self.written += 1
             else:
+                # The copy's failure is not agreed on now (that would be one more collective): the next
+                # settle (a save, wait() or load()) raises it on every rank, as a failed write.
                 taken: list[list[Entry]] = []
-                self._agree(step, self._on_writer(lambda: taken.append(self.background.copy(collect(state)))))
-                self.background.start(step, (lambda: self._write(step, taken[0], rngs)) if taken else None)
+                failure = self._on_writer(lambda: taken.append(self.background.copy(collect(state))))
+                write = (lambda: self._write(step, taken[0], rngs)) if taken else None
+                self.background.start(step, write, failure)
             return self.layout.step_dir(step)
         finally:
             self.stall_s += time.monotonic() - start
@@ -138,10 +142,13 @@ class CheckpointManager:
                 f"{self._tag()}checkpoint {step_dirname(step)} was not saved: {message}"
             ) from failure
 
-    def _settle(self) -> None:
-        """Collect the background write in flight, if any (a collective: every rank knows one is pending)."""
-        if self.background.settle(self.layout.step_dir, self._tag()):
+    def _settle(self, payload: Any = None) -> list[Any]:
+        """Collect the background write in flight, if any (a collective on every rank, pending or not), and
+        gather every rank's `payload` with it; the payloads in rank order."""
+        completed, payloads = self.background.settle(self.layout.step_dir, self._tag(), payload)
+        if completed:
             self.written += 1
+        return payloads
 
     def _write(self, step: int, entries: list[Entry], rngs: list[Any]) -> None:
         blobs, described = encode(entries)

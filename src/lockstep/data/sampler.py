@@ -95,8 +95,8 @@ class DistributedSampler(Sampler[int]):
        `seed + epoch` (or `range(len)` without shuffle): torch's own order, whatever the world size.
     2. Position p of the epoch's sequence is `order[p % len(dataset)]` (positions past the end wrap: that is
        torch's padding). Rank r of N takes positions start + r, start + r + N, ... below the epoch's end, so
-       with per-rank batch b the i-th global batch is positions [i*N*b, (i+1)*N*b): the same samples for
-       every N with the same N*b. A fresh epoch (start 0) yields exactly what torch's sampler yields, and
+       with per-rank batch b the i-th global batch is positions `[i*N*b, (i+1)*N*b)`: the same samples for
+       every N with the same `N*b`. A fresh epoch (start 0) yields exactly what torch's sampler yields, and
        `len()` is then torch's `num_samples`.
     3. The end of an epoch that starts at position `start` is `start + ceil(remaining / N) * N` (padding by
        wrapping, as torch) or, with drop_last, `start + floor(remaining / N) * N` (the tail is dropped),

@@ -291,7 +291,8 @@ class DistributedDataParallel(JoinableReplica, TorchDDP):
         Args:
             state_dict: a state dict of the wrapper (`module.`-prefixed keys, torch's DDP checkpoints) or
                 of the bare module (plain keys).
-            strict, assign: as in torch.
+            strict: as in torch.
+            assign: as in torch.
 
         Returns:
             torch's result (missing and unexpected keys).

@@ -22,10 +22,11 @@ the gradients (float32, counted in bytes_sent), and the rounds start after step 
 replicas, whose values become the anchors.
 
 Floating buffers (BatchNorm statistics) are averaged with the last fragment of each round. The average
-is computed in float32 on every rank in rank order: the values travel in `delta_dtype` (float32, or
-bfloat16/float16 to send half the bytes), gathered from every rank and summed locally in float32; in
-float32 without deterministic mode it is one all-reduce (a sum, then / W). Either way every rank gets the
-same bits; with gathering, the same bits run after run whatever the backend's reduction order.
+is computed in float32 on every rank in rank order: the values travel in `delta_dtype` (float32,
+bfloat16/float16 to send half the bytes, or the outer gradients quantized to int8 or 4 bits: the codecs
+of engine/outer_codec.py), gathered from every rank, decoded and summed locally in float32; in float32
+without deterministic mode it is one all-reduce (a sum, then / W). Either way every rank gets the same
+bits; with gathering, the same bits run after run whatever the backend's reduction order.
 
 The state that a resume needs (inner steps counted, the anchor and the outer optimizer's momentum) is
 `state_dict()`; `state_dict(wait=False)` does not wait for a fragment's mean in flight and holds this
@@ -46,6 +47,7 @@ from torch import nn
 
 from lockstep.engine.fragments import Part, due_fragments, layout_fragments
 from lockstep.engine.fragments import fragment_bounds as fragment_bounds  # re-exported (tests)
+from lockstep.engine.outer_codec import Codec, codec_for, for_values
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.sync_algorithms import MIX as MIX  # re-exported: streaming's merge share
 from lockstep.engine.sync_algorithms import SyncAlgorithm, parse_sync
@@ -68,8 +70,10 @@ class _Mean:
         parts: list[torch.Tensor] | None = None,
         contribution: torch.Tensor | None = None,
         unsent: bool = False,
+        codec: Codec | None = None,
     ) -> None:
         self.shapes, self.flat, self.record, self.parts = shapes, flat, record, parts
+        self.codec = codec or Codec()  # what the gathered parts are in (outer_codec.py)
         self.contribution = flat if unsent else contribution
         self.done = record is None and not unsent
 
@@ -77,13 +81,15 @@ class _Mean:
         if self.record is None and not self.done:  # not launched yet (loaded from a contribution)
             launched = owner._start_mean([self.flat])
             self.flat, self.record, self.parts = launched.flat, launched.record, launched.parts
+            self.codec = launched.codec
             self.done = launched.done
         if not self.done:
             wait_tracked(self.record, self.record.work)
             if self.parts is not None:
-                self.flat = self.parts[0].float()
-                for part in self.parts[1:]:
-                    self.flat += part.float()  # in rank order: the same bits on every rank and in every run
+                numel = self.flat.numel()
+                self.flat = self.codec.decode(self.parts[0], numel)
+                for part in self.parts[1:]:  # in rank order: the same bits on every rank and in every run
+                    self.flat += self.codec.decode(part, numel)
             self.flat.div_(owner.world)
             self.done, self.record, self.parts, self.contribution = True, None, None, None
         out, offset = [], 0
@@ -106,6 +112,8 @@ class OuterSync:
             raise InternalError("OuterSync for SyncPolicy(sync='allreduce'): it has no periodic sync")
         self.algorithm: SyncAlgorithm = kind(mix=policy.mix, momentum_warmup=policy.outer_momentum_warmup)
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.names = [name for name, p in module.named_parameters() if p.requires_grad]  # for errors
+        self.codec = codec_for(policy.delta_dtype)  # the outer gradients' wire format
         self.buffers = [b for b in module.buffers() if b.is_floating_point()]
         count = policy.fragments if kind.fragmented else 1
         self.fragments: list[list[Part]] = layout_fragments(
@@ -153,7 +161,7 @@ class OuterSync:
             return False
         with torch.no_grad():
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            for p, mean in zip(self.params, self._mean(grads, wire=torch.float32)):
+            for p, mean in zip(self.params, self._mean(grads, codec=codec_for(None))):
                 p.grad = mean.to(p.dtype).view(p.shape).clone()
         return True
 
@@ -170,7 +178,8 @@ class OuterSync:
         for f in due:
             self.flush()  # two fragments due at once (H < F): the earlier is applied first
             with torch.no_grad():
-                reduction = self._start_mean(self.algorithm.contribution(self.pieces[f]))
+                names = [_part_name(self.names, part) for part in self.fragments[f]]
+                reduction = self._start_mean(self.algorithm.contribution(self.pieces[f]), names=names)
             if self.algorithm.delayed:
                 self.pending = (f, reduction)
             else:
@@ -196,7 +205,8 @@ class OuterSync:
     def _after_fragment(self, f: int) -> None:
         if f == len(self.fragments) - 1 and self.buffers:  # buffers: with the last fragment of a round
             with torch.no_grad():
-                for b, value in zip(self.buffers, self._mean([b.detach() for b in self.buffers])):
+                buffers = [b.detach() for b in self.buffers]  # values, not differences: never quantized
+                for b, value in zip(self.buffers, self._mean(buffers, codec=for_values(self.codec))):
                     b.copy_(value)
         self.outer_syncs += 1
 
@@ -208,33 +218,36 @@ class OuterSync:
                 for a, p in zip(piece.anchor, piece.params):
                     a.copy_(p.detach().float())
             if self.buffers:
-                for b, value in zip(self.buffers, self._mean([b.detach() for b in self.buffers])):
+                buffers = [b.detach() for b in self.buffers]
+                for b, value in zip(self.buffers, self._mean(buffers, codec=for_values(self.codec))):
                     b.copy_(value)
 
-    def _mean(self, tensors: list[torch.Tensor], *, wire: torch.dtype | None = None) -> list[torch.Tensor]:
+    def _mean(self, tensors: list[torch.Tensor], *, codec: Codec | None = None) -> list[torch.Tensor]:
         """The float32 mean over the ranks of each tensor (the same bits on every rank; module doc)."""
-        return self._start_mean(tensors, wire=wire).result(self)
+        return self._start_mean(tensors, codec=codec).result(self)
 
-    def _start_mean(self, tensors: list[torch.Tensor], *, wire: torch.dtype | None = None) -> _Mean:
-        """Launch the collective of a mean (module doc); `result()` waits for it. `wire`: the dtype the
-        values travel in (default: the policy's delta_dtype)."""
+    def _start_mean(
+        self, tensors: list[torch.Tensor], *, codec: Codec | None = None, names: list[str] | None = None
+    ) -> _Mean:
+        """Launch the collective of a mean (module doc); `result()` waits for it. `codec`: the wire format
+        (default: the outer gradients'); `names`: the tensors' parameters, for a codec's error."""
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
         shapes = [t.shape for t in tensors]
-        wire = wire or self.policy.delta_dtype or torch.float32
+        codec = codec or self.codec
         if self.world == 1:
             return _Mean(shapes, flat)
-        if wire == torch.float32 and not self.policy.deterministic:
+        if codec.name == "fp32" and not self.policy.deterministic:
             self.bytes_sent += flat.numel() * flat.element_size()
             mine = flat.clone()  # the all-reduce sums in place
             record = PROGRESS.issue("outer sync (all_reduce)", [flat], self.group)
             record.work = dist.all_reduce(flat, group=self.group, async_op=True)
             return _Mean(shapes, flat, record=record, contribution=mine)
-        payload = flat.to(wire)
+        payload = codec.encode(flat, names=names or (), sizes=[t.numel() for t in tensors])
         parts = [torch.empty_like(payload) for _ in range(self.world)]
         self.bytes_sent += payload.numel() * payload.element_size()
         record = PROGRESS.issue("outer sync (all_gather)", [payload], self.group)
         record.work = dist.all_gather(parts, payload, group=self.group, async_op=True)
-        return _Mean(shapes, flat, record=record, parts=parts, contribution=flat)
+        return _Mean(shapes, flat, record=record, parts=parts, contribution=flat, codec=codec)
 
     # ---------------------------------------------------------------- resume
 
@@ -285,3 +298,9 @@ class OuterSync:
                 self.pending = (f, _Mean(shapes, pending["contribution"].float().clone(), unsent=True))
             else:
                 self.pending = (f, _Mean(shapes, pending["mean"].float().clone()))
+
+
+def _part_name(names: list[str], part: Part) -> str:
+    """A fragment's part as an error names it: the parameter, and its rows when the part is a slice."""
+    name = names[part.index]
+    return name if part.stop is None else f"{name}[{part.start}:{part.stop}]"

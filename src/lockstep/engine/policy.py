@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lockstep.engine.outer_codec import codec_for
 from lockstep.engine.sync_algorithms import SYNC_MODES as SYNC_MODES  # re-exported: FitConfig's choices
 from lockstep.engine.sync_algorithms import SyncAlgorithm, parse_sync
 from lockstep.errors import ConfigError
@@ -67,7 +68,10 @@ class SyncPolicy:
       equal fragments), "strided" (layer i in fragment i mod F) or "contiguous" (engine/fragments.py).
     - mix (streaming_diloco): the local share when a fragment's outer step is merged, mix * local +
       (1 - mix) * global (Streaming DiLoCo's alpha; the anchor is the global value, saved before the mix).
-    - delta_dtype: the dtype the averaged values travel in (None: float32); the sum is in float32.
+    - delta_dtype: what the averaged values travel in: None (float32), torch.bfloat16 or torch.float16,
+      or a quantized format for the outer gradients of diloco and streaming_diloco, "int8", "int4" or
+      "fp4_e3m0" (per block of 128 values with a float32 scale; engine/outer_codec.py). The sum is in
+      float32.
     With deterministic=True the average is gathered and summed in rank order (the same bits run after
     run); accumulate(), buckets, hooks and join() do not apply.
     """
@@ -91,7 +95,7 @@ class SyncPolicy:
     outer_momentum_warmup: int = 10
     fragment_layout: str = "sliced"
     fragments: int = 1
-    delta_dtype: torch.dtype | None = None
+    delta_dtype: torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
         self._check_sync()
@@ -123,6 +127,7 @@ class SyncPolicy:
         return RunSettings(
             deterministic=self.deterministic,
             sync=self.sync,
+            sync_dtype=codec_for(self.delta_dtype).name,
             bucket_cap_mb=AUTO if self.tune_buckets else None,
             static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
@@ -169,9 +174,10 @@ class SyncPolicy:
             raise ConfigError(
                 f"SyncPolicy.fragments={self.fragments} applies to sync='streaming_diloco' only"
             )
-        if self.delta_dtype not in (None, torch.float32, *_LOW_PRECISION):
+        if codec_for(self.delta_dtype).quantized and algorithm is None:  # ConfigError for an unknown one
             raise ConfigError(
-                f"SyncPolicy.delta_dtype must be None, float32, bfloat16 or float16; got {self.delta_dtype!r}"
+                f"SyncPolicy.delta_dtype={self.delta_dtype!r} quantizes the outer gradients of a periodic sync "
+                "(sync='diloco' or 'streaming_diloco'); with sync='allreduce' leave it at None"
             )
 
     @property

@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 300; 0: off)",
     )
     parser.add_argument(
+        "--evict-stragglers",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="live mode: a rank whose busy time per step stays FACTOR (> 1) times the other ranks' is evicted "
+        "as if it had failed, and the others go on (the fault record says why)",
+    )
+    parser.add_argument(
         "--logs", choices=("rank0", "all"), default="rank0", help="which ranks stream to the console"
     )
     parser.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
@@ -172,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         max_restarts=args.max_restarts,
         min_world=args.min_world,
         hang_timeout=args.hang_timeout,
+        evict_stragglers=args.evict_stragglers,
         run_dir=str(run_dir),
         logs=args.logs,
     )

@@ -157,6 +157,10 @@ def worker_env(spec: LaunchSpec, threads: str, interface: str | None) -> dict[st
         from lockstep.runtime.env_contract import HANG_TIMEOUT_VAR  # lockstep.runtime loads torch: only now
 
         env[HANG_TIMEOUT_VAR] = f"{spec.hang_timeout:g}"
+    if spec.evict_stragglers is not None:
+        from lockstep.runtime.env_contract import EVICT_STRAGGLERS_VAR
+
+        env[EVICT_STRAGGLERS_VAR] = f"{spec.evict_stragglers:g}"
     if interface:
         for name in _IFNAME_VARS:
             env[name] = spec.network_interface or os.environ.get(name) or interface

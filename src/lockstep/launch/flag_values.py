@@ -76,6 +76,18 @@ def int_flag(value: str | int | None, flag: str, prog: str) -> int | None:
         raise ConfigError(f"{flag} expects an integer, got {value!r} (see `{prog} --help`)") from None
 
 
+def factor_flag(value: str | float | None, flag: str, prog: str) -> float | None:
+    """A factor flag (a number) as argparse left it (the text given, or the default) -> its value."""
+    if not isinstance(value, str):
+        return value  # the default
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(
+            f"{flag} expects a number, e.g. {flag} 2, got {value!r} (see `{prog} --help`)"
+        ) from None
+
+
 def seconds_flag(value: str | float, flag: str, prog: str) -> float:
     """A duration flag in seconds as argparse left it (the text given, or the default) -> its value."""
     if not isinstance(value, str):

@@ -21,6 +21,7 @@ from typing import NoReturn
 from lockstep.errors import ConfigError
 from lockstep.launch.flag_values import (
     DEFAULT_RDZV_PORT,
+    factor_flag,
     int_flag,
     parse_endpoint,
     parse_key_values,
@@ -66,6 +67,7 @@ class LaunchSpec:
     verbose: bool = False
     hang_timeout: float | None = None  # None: the workers' default (LOCKSTEP_HANG_TIMEOUT, else 300 s)
     min_world: int | None = None  # live mode (launch/live_launch.py): survivors go on while this many remain
+    evict_stragglers: float | None = None  # live mode: evict a rank this many times slower than the others
 
     def __post_init__(self) -> None:
         validate(self)
@@ -107,6 +109,8 @@ def validate(spec: LaunchSpec) -> None:
         )
     if spec.min_world is not None:
         _check_live(spec)
+    if spec.evict_stragglers is not None:
+        _check_eviction(spec)
     # The launch's own settings against the run's plan (lockstep/plan.py), before any worker starts; the
     # trainer checks the rest of the table with the same plan.
     Plan.of(
@@ -225,6 +229,14 @@ def build_parser(prog: str = "lockstep run") -> argparse.ArgumentParser:
         "themselves, while at least M remain; with --max-restarts R, up to R replacements join at a step "
         "boundary and take their state from a peer",
     )
+    add(
+        "--evict-stragglers",
+        dest="evict_stragglers",
+        default=None,
+        metavar="FACTOR",
+        help="live mode: a rank whose busy time per step stays FACTOR (> 1) times the other ranks' is "
+        "evicted as if it had failed, and the others go on (the fault record says why)",
+    )
     add("--monitor-interval", "--monitor_interval", dest="monitor_interval", default=0.1, metavar="SECONDS")
     add(
         "--hang-timeout",
@@ -302,6 +314,7 @@ def parse_run_args(argv: Sequence[str], prog: str = "lockstep run") -> LaunchSpe
         env=parse_key_values(ns.env, "--env"),
         verbose=ns.verbose,
         min_world=int_flag(ns.min_world, "--min-world", prog),
+        evict_stragglers=factor_flag(ns.evict_stragglers, "--evict-stragglers", prog),
     )
 
 
@@ -323,6 +336,20 @@ def _check_live(spec: LaunchSpec) -> None:
         raise ConfigError(
             "--min-world on several nodes needs --node-rank I on each node (0 on the node that hosts the store "
             "at --rdzv-endpoint)"
+        )
+
+
+def _check_eviction(spec: LaunchSpec) -> None:
+    factor = spec.evict_stragglers
+    if not (isinstance(factor, (int, float)) and factor > 1):
+        raise ConfigError(
+            f"--evict-stragglers must be a factor > 1 (how many times slower than the others a rank must stay "
+            f"to be evicted), got {factor!r}; e.g. --evict-stragglers 2"
+        )
+    if spec.min_world is None:
+        raise ConfigError(
+            "--evict-stragglers needs live mode, where the others go on without the evicted rank: add "
+            "--min-world M (at most the ranks started minus one)"
         )
 
 

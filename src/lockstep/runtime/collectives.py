@@ -55,6 +55,8 @@ def device_for_backend(capability: Sequence[str], current_index: Callable[[], in
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank of `group` (default: the world) gets here; without a process group, or in a
+    world of 1, return at once."""
     if _active(group):
         with tracked("barrier", (), group, publish=True):
             wait_watching_membership(dist.barrier(group, async_op=True))

@@ -57,4 +57,7 @@ LIVE_MIN_WORLD_VAR = "LOCKSTEP_MIN_WORLD"
 # Each worker's member id in live mode: 0..N-1 for the first N, N, N+1, ... for replacements, which also
 # get RANK/LOCAL_RANK of the rank they replace (its device) and LIVE_JOIN_VAR=1 (they queue for admission).
 MEMBER_ID_VAR = "LOCKSTEP_MEMBER_ID"
+# lockstep's own, live mode (`--evict-stragglers FACTOR`): rank 0 evicts a rank whose busy time stays at
+# least FACTOR times the reference rank's (runtime/straggler_eviction.py), as if it had failed.
+EVICT_STRAGGLERS_VAR = "LOCKSTEP_EVICT_STRAGGLERS"
 LIVE_JOIN_VAR = "LOCKSTEP_LIVE_JOIN"

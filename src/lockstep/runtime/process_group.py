@@ -225,8 +225,9 @@ def init(
     Args:
         backend: "gloo", "nccl" or "mpi"; None: nccl when this process drives a CUDA device, else gloo.
         timeout: how long collectives and the rendezvous may wait (a timedelta or seconds; 10 minutes).
-        rank, world_size: this process's place when no launcher set the environment (the tutorials'
+        rank: this process's place when no launcher set the environment (the tutorials'
             `mp.spawn(setup, args=(world_size,))`).
+        world_size: the number of processes, with `rank`.
         hang_timeout: seconds a rank may wait in a collective for a peer before the hang watchdog ends the
             job with a report naming the culprit (default LOCKSTEP_HANG_TIMEOUT or 300; 0: off).
 

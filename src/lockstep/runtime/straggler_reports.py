@@ -187,9 +187,20 @@ class StragglerLog:
 class StragglerWatch:
     """The watchdog thread's part: publish this rank's summary each tick; on rank 0, read all and judge."""
 
-    def __init__(self, rank: int, world: int, clock: PhaseClock, host: str, *, stale_after: float) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        clock: PhaseClock,
+        host: str,
+        *,
+        stale_after: float,
+        eviction: Any = None,
+    ) -> None:
         self.rank, self.world, self.clock, self.host = rank, world, clock, host
         self.log = StragglerLog(world)
+        # Live mode with --evict-stragglers, on rank 0: runtime/straggler_eviction.py's StragglerEviction
+        self.eviction = eviction
         self.stale_after = stale_after  # a peer's summary unchanged this long (s) is left out (stopped, gone)
         self._published = -1  # clock.closed at the last publication
         self._all_present = False
@@ -226,7 +237,11 @@ class StragglerWatch:
             if now - since <= self.stale_after:
                 summaries[rank] = summary
         hosts = {r: str(s.get("host", "?")) for r, s in summaries.items()}
-        for line in self.log.update(assess(summaries), hosts):
+        assessments = assess(summaries)
+        lines = self.log.update(assessments, hosts)
+        if self.eviction is not None:
+            lines += self.eviction.consider(assessments)
+        for line in lines:
             # Written as runtime/logging.py's loggers write a warning (that module imports process_group,
             # which imports the watchdog: using it here would close an import circle).
             print(f"[rank 0/{self.world}] WARNING lockstep.stragglers: {line}", file=sys.stderr, flush=True)

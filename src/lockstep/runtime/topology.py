@@ -14,6 +14,7 @@ from lockstep.runtime.env_contract import (
     AGENT_STORE_ON,
     AGENT_STORE_VAR,
     ATTEMPT_VAR,
+    EVICT_STRAGGLERS_VAR,
     GROUP_RANK_VAR,
     HANG_TIMEOUT_VAR,
     LIVE_JOIN_VAR,
@@ -265,6 +266,23 @@ def hang_timeout_from_env(environ: Mapping[str, str]) -> float:
         raise ConfigError(
             f"{HANG_TIMEOUT_VAR}={raw!r} is not a number of seconds >= 0; set it like "
             f"{HANG_TIMEOUT_VAR}=300 (0 turns the hang watchdog off)"
+        )
+    return value
+
+
+def evict_stragglers_from_env(environ: Mapping[str, str]) -> float | None:
+    """`--evict-stragglers FACTOR` (live mode): the factor, None when not set."""
+    raw = environ.get(EVICT_STRAGGLERS_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 1:
+        raise ConfigError(
+            f"{EVICT_STRAGGLERS_VAR}={raw!r} is not a factor > 1; set it like {EVICT_STRAGGLERS_VAR}=2 "
+            "(`lockstep run --evict-stragglers 2`)"
         )
     return value
 

@@ -43,6 +43,7 @@ from lockstep.runtime import hang_report, stall_verdict
 from lockstep.runtime.process_inspection import all_stacks, format_stack, gone, liveness
 from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user_site
 from lockstep.runtime.sigterm_guard import SigtermGuard
+from lockstep.runtime.straggler_eviction import eviction_for
 from lockstep.runtime.straggler_reports import StragglerWatch
 from lockstep.runtime.topology import hang_timeout_from_env
 
@@ -58,6 +59,8 @@ def tick_for(timeout: float) -> float:
 
 class MembershipWatch(Protocol):
     """What live mode hands the watchdog and the waits (runtime/membership/group.py's LiveGroup)."""
+
+    min_world: int  # the survivors go on while this many remain (straggler eviction keeps to it)
 
     def check(self) -> None:
         """Raise MembershipChanged when the group lost a member (polled while a collective is waited on)."""
@@ -101,8 +104,9 @@ class Watchdog:
         self._judged_a_failure = False  # the verdict came from a failed collective: its error propagates
         self._evicted: set[int] = set()  # live mode: silent ranks this thread named dead
         self.host, self.pid = socket.gethostname(), os.getpid()
+        eviction = eviction_for(rank, world, membership)  # live mode with --evict-stragglers, on rank 0
         self.stragglers = StragglerWatch(
-            rank, world, self.progress.clock, self.host, stale_after=self.stale_after
+            rank, world, self.progress.clock, self.host, stale_after=self.stale_after, eviction=eviction
         )
         self._thread = threading.Thread(target=self._run, name="lockstep-watchdog", daemon=True)
         self.guard = SigtermGuard()

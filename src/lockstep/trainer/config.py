@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from lockstep.errors import ConfigError
-from lockstep.plan import FRAGMENT_LAYOUTS, SYNC_MODES
+from lockstep.plan import FRAGMENT_LAYOUTS, SYNC_DTYPES, SYNC_MODES
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -179,7 +179,9 @@ class FitConfig:
     fragment_mix: float = 0.5  # streaming_diloco: the local share of a merge (alpha)
     fragment_layout: str = "sliced"  # streaming_diloco: sliced | strided | contiguous (engine/fragments.py)
     fragments: int = 1  # streaming_diloco: pieces of the model synced in turn
-    sync_dtype: str = "fp32"  # what the synced values travel in (fp32, bf16, fp16); summed in fp32
+    # What the synced values travel in: fp32, bf16, fp16, or the outer gradients (diloco, streaming_diloco)
+    # quantized per block of 128 with a float32 scale: int8, int4, fp4_e3m0 (engine/outer_codec.py); summed in fp32
+    sync_dtype: str = "fp32"
     shard_optimizer: bool = (
         False  # ZeRO-1: each rank steps, and keeps the state of, its share of the parameters
     )
@@ -221,7 +223,7 @@ class FitConfig:
         "fragment_mix": at_least(0),
         "fragment_layout": one_of(*FRAGMENT_LAYOUTS),
         "fragments": at_least(1),
-        "sync_dtype": one_of(*PRECISIONS),
+        "sync_dtype": one_of(*SYNC_DTYPES),
         "bucket_cap_mb": Bound(minimum=0, strict=True, choices=("auto",)),
     }
 

@@ -29,10 +29,13 @@ from lockstep.checkpoint.compare import state_sha256
 from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.sync_algorithms import is_periodic
 from lockstep.errors import ConfigError
+from lockstep.plan import QUANTIZED_SYNC_DTYPES
 from lockstep.runtime.waits import tracked
 from lockstep.trainer.config import FitConfig
 
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# FitConfig.sync_dtype to SyncPolicy.delta_dtype: the casts as dtypes, the quantized formats by name
+_DTYPES: dict[str, torch.dtype | str | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES.update({name: name for name in QUANTIZED_SYNC_DTYPES})
 
 
 def engine_policy(config: FitConfig, *, live: bool) -> SyncPolicy:

@@ -32,6 +32,8 @@ class Place(Protocol):
 class Watched(Protocol):
     """A live group as the waits and the hang watchdog see it (runtime.watchdog.MembershipWatch)."""
 
+    min_world: int
+
     def check(self) -> None: ...
 
     def evict(self, rank: int, why: str) -> None: ...
