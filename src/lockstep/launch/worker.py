@@ -33,6 +33,7 @@ from types import TracebackType
 from lockstep.startup import register_lightning_strategy
 
 _BOOTSTRAP_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+_LOCKSTEP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 PID_FILE = "pid"  # in the rank directory, next to the error file: read by launch/process_sweep.py
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"  # set by torch's agent from launch/rank_logs.py's placement
 
@@ -116,6 +117,18 @@ def _run(kind: str, target: str, args: list[str]) -> None:
     runpy.run_path(target, run_name="__main__")
 
 
+def _call_site(tb: TracebackType | None) -> str | None:
+    """Where the program called into lockstep, when the exception was raised inside lockstep: the
+    innermost frame outside it (a framework's `model.reducer...`), which a long traceback buries."""
+    frames = traceback.extract_tb(tb)
+    if not frames or not os.path.abspath(frames[-1].filename).startswith(_LOCKSTEP_DIR):
+        return None
+    for frame in reversed(frames):
+        if not os.path.abspath(frame.filename).startswith(_LOCKSTEP_DIR):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    return None
+
+
 def _write_pid(directory: str) -> None:
     try:
         with open(os.path.join(directory, PID_FILE), "w") as fh:
@@ -156,6 +169,7 @@ def _record(error_file: str | None, exc: BaseException, tb: TracebackType | None
                 # Sub-second time of failure: picks the first failing rank when several fail in one second.
                 "lockstep_time": now,
                 "lockstep_exitcode": exitcode,
+                "lockstep_call_site": _call_site(tb),
             },
         }
     }
