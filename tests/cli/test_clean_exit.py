@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import RUN_TIMEOUT, child_env, run_cli, write
 
 PROGRAM = """
@@ -76,6 +78,7 @@ LEFT_OPEN = """
 """
 
 
+@pytest.mark.timeout(10 * RUN_TIMEOUT)
 def test_a_group_left_open_is_destroyed_by_the_worker(tmp_path: Path) -> None:
     """issue 37: a program that ends well without destroying its gloo group (the Trainer's) aborted at
     exit now and then; under `lockstep run` the worker destroys it first (the program's atexit, which runs

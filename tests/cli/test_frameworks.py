@@ -25,6 +25,8 @@ from tests.helpers import child_env, run_cli
 PROGRAMS = Path(__file__).resolve().parents[1] / "frameworks" / "programs"
 EXTRA = "the frameworks extra: pip install -e .[frameworks]"
 RUN_TIMEOUT = 420.0  # two ranks each importing a framework, on a loaded 2-core machine
+# Each test launches twice (torch's run, lockstep's): above pytest's 300 s default on a loaded machine
+pytestmark = pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
 HANG_TIMEOUT = 10.0
 LOCKSTEP_CLASS = "lockstep.engine.ddp"
 TORCH_CLASS = "torch.nn.parallel.distributed"
@@ -90,10 +92,14 @@ def test_hugging_face_trainer_on_a_tiny_gpt2(tmp_path: Path) -> None:
     _compare(tmp_path, "hf_trainer.py")
 
 
-@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
-def test_lightning_ddp_strategy(tmp_path: Path, manual: bool) -> None:
+@pytest.mark.parametrize(
+    "args",
+    [[], ["--manual"], ["--manual", "--static-graph"]],
+    ids=["automatic", "manual", "manual-static-graph"],  # the last reaches reducer._delay_all_reduce()
+)
+def test_lightning_ddp_strategy(tmp_path: Path, args: list[str]) -> None:
     _needs("lightning")
-    _compare(tmp_path, "lightning_program.py", *(["--manual"] if manual else []))
+    _compare(tmp_path, "lightning_program.py", *args)
 
 
 def test_lightning_strategy_lockstep_is_a_one_word_change(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """A Lightning program, unmodified for lockstep: strategy="ddp", automatic or manual optimization.
 
-Run as `lockstep run -n 2 [--ddp lockstep] lightning_program.py OUT [--manual] [--strategy NAME]`, or as
+Run as `lockstep run -n 2 [--ddp lockstep] lightning_program.py OUT [--manual] [--strategy NAME | --static-graph]`, or as
 `python lightning_program.py OUT --devices 2 [--use-lockstep-ddp]` (Lightning starts its own processes;
 the parent becomes rank 0). Each rank writes OUT/engine.rank<R>.txt (the module of the class that
 wrapped its model) and OUT/params.rank<R>.pt (its final parameters).
@@ -53,6 +53,10 @@ def main() -> None:
     out = sys.argv[1]
     manual = "--manual" in sys.argv
     strategy = sys.argv[sys.argv.index("--strategy") + 1] if "--strategy" in sys.argv else "ddp"
+    if "--static-graph" in sys.argv:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy(static_graph=True)
     devices = int(sys.argv[sys.argv.index("--devices") + 1]) if "--devices" in sys.argv else None
     L.seed_everything(0)
     gen = torch.Generator().manual_seed(0)
