@@ -44,7 +44,7 @@ from lockstep.runtime.process_inspection import all_stacks, format_stack, gone, 
 from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user_site
 from lockstep.runtime.sigterm_guard import SigtermGuard
 from lockstep.runtime.straggler_reports import StragglerWatch
-from lockstep.runtime.topology import hang_timeout_from_env
+from lockstep.runtime.topology import hang_timeout_from_env, report_dir_from_env
 
 STALL_EXIT_CODE = 124  # like timeout(1): the job ran out of time waiting
 SLOW_FACTOR = 5.0  # checkpoint/evaluate phases and the first steps may keep others waiting this much longer
@@ -356,8 +356,10 @@ def start(
 ) -> Watchdog | None:
     """Start this process's watchdog for the default group (no-op: world of 1, timeout 0, running).
     `membership`: the job is in live mode, where a failed collective is recovered from, not reported,
-    and a silent rank is evicted through it."""
+    and a silent rank is evicted through it. `report_dir` None: `lockstep run`'s, if any (a program that
+    formed its own group, as the frameworks do, still reports where the launcher reads)."""
     global _current
+    report_dir = report_dir or report_dir_from_env(os.environ)
     with _lock:
         if _current is not None or timeout <= 0 or not dist.is_initialized() or dist.get_world_size() < 2:
             return _current
