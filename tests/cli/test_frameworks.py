@@ -152,7 +152,7 @@ def test_rank_stuck_inside_a_trainer_step_is_named(tmp_path: Path) -> None:
         str(PROGRAMS / "hf_trainer.py"),
         str(out),
         "--hang-at-step",
-        "1",
+        "2",  # after two synced steps: the watchdog allows the first steps 5 times the timeout
         cwd=tmp_path,
         timeout=RUN_TIMEOUT,
     )
