@@ -162,9 +162,9 @@ def test_rank_stuck_inside_a_trainer_step_is_named(tmp_path: Path) -> None:
     assert report["culprits"] == [[1]], report
     waiter = report["ranks"]["0"]
     assert waiter["waiting"]["op"] and waiter["waiting"]["seq"] > 0, waiter
-    # Not before the timeout; how soon after it is a timing claim (benchmarks/failure_latency.py), not a
-    # wall-clock assert: a loaded machine starves the watchdog's thread
-    assert HANG_TIMEOUT <= waiter["waiting_for"], waiter["waiting_for"]
+    # Not before the timeout, and within 2 s after it: issue 37's bound (11.8 s measured on a machine with
+    # a load average of 10-15); the first steps, which the watchdog allows 5 times the timeout, are over
+    assert HANG_TIMEOUT <= waiter["waiting_for"] <= HANG_TIMEOUT + 2, waiter["waiting_for"]
     stack = report["ranks"]["1"]["stack"]
     assert any("in on_step_begin" in frame and "hf_trainer.py" in frame for frame in stack), stack
     assert "in on_step_begin" in err
