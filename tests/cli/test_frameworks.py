@@ -159,7 +159,7 @@ def test_rank_stuck_inside_a_trainer_step_is_named(tmp_path: Path) -> None:
     err = result.stderr
     assert result.returncode != 0 and "lockstep: HANG DETECTED" in err, err[-4000:]
     report = json.loads((out / "run" / "hang_report.json").read_text())
-    assert report["culprits"] == [[1]], report
+    assert report["culprits"] == [1], report
     waiter = report["ranks"]["0"]
     assert waiter["waiting"]["op"] and waiter["waiting"]["seq"] > 0, waiter
     # Not before the timeout, and within 2 s after it: issue 37's bound (11.8 s measured on a machine with
