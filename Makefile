@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # These machines keep a CPU build of torch 2.13.0 on disk; elsewhere pip picks a release from PyPI.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test test-all lint docs compat clean testbed
+.PHONY: install train test test-all frameworks lint docs compat clean testbed
 
 install: $(VENV)/.installed
 
@@ -27,8 +27,13 @@ test: lint
 	$(PY) -m pytest -q -m "not slow" --durations=10
 
 # Everything (under 25 minutes on 2 cores): what .ci/run runs. The 25 slowest tests are printed.
-test-all: lint
+test-all: lint frameworks
 	$(PY) -m pytest -q --durations=25
+
+# The frameworks' programs (tests/cli/test_frameworks.py: Hugging Face Trainer, Lightning, Accelerate) need
+# the `frameworks` extra: `make test-all` installs it; `make test` does not need it (those tests skip).
+frameworks: install
+	$(PY) -c "import transformers, lightning, accelerate" 2>/dev/null || $(PY) -m pip install -q -e ".[frameworks]"
 
 lint: install
 	$(PY) -m ruff check src tests benchmarks examples tools

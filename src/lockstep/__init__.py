@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # what static tools see; the same table as _EXPORTS (a test c
         phase,
         shutdown,
     )
+    from lockstep.startup import use_lockstep_ddp
     from lockstep.trainer import FitConfig, FitResult, LiveLoop, fit
 
 # Public name -> the public subpackage that defines it (imported at first use, then cached in globals()).
@@ -65,6 +66,7 @@ _EXPORTS: dict[str, str] = {
     "FitResult": "lockstep.trainer",
     "fit": "lockstep.trainer",
     "LiveLoop": "lockstep.trainer",
+    "use_lockstep_ddp": "lockstep.startup",
 }
 _SUBMODULES = ("checkpoint", "data", "engine", "errors", "hooks", "nn", "runtime", "testing", "trainer")
 
@@ -101,6 +103,7 @@ __all__ = [
     "shutdown",
     "testing",
     "trainer",
+    "use_lockstep_ddp",
 ]
 
 if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt `lockstep.X` is an error, not Any

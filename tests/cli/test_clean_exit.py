@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import RUN_TIMEOUT, child_env, write
+import pytest
+
+from tests.helpers import RUN_TIMEOUT, child_env, run_cli, write
 
 PROGRAM = """
     import torch
@@ -61,3 +63,42 @@ def test_caught_wrap_error_then_destroy_exits_cleanly(tmp_path: Path) -> None:
         assert proc.returncode == 0, f"attempt {attempt}: exit {proc.returncode}\n{output[-3000:]}"
         assert "terminate called" not in output
         assert output.count("caught CollectiveMismatchError") == 2
+
+
+LEFT_OPEN = """
+    import atexit
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # and never destroyed, as Hugging Face's Trainer leaves it
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))  # lockstep's under --ddp lockstep
+    model(torch.ones(2, 4)).sum().backward()
+    rank = dist.get_rank()
+    atexit.register(lambda: print(f"rank {rank} group open at exit: {dist.is_initialized()}", flush=True))
+"""
+
+
+@pytest.mark.timeout(10 * RUN_TIMEOUT)
+def test_a_group_left_open_is_destroyed_by_the_worker(tmp_path: Path) -> None:
+    """issue 37: a program that ends well without destroying its gloo group (the Trainer's) aborted at
+    exit now and then; under `lockstep run` the worker destroys it first (the program's atexit, which runs
+    later, sees it gone), and 10 runs in a row exit 0."""
+    script = write(tmp_path / "left_open.py", LEFT_OPEN)
+    for attempt in range(10):
+        result = run_cli(
+            "run",
+            "-n",
+            "2",
+            "--ddp",
+            "lockstep",
+            "--logs",
+            "all",
+            "--run-dir",
+            f"out{attempt}",
+            str(script),
+            cwd=tmp_path,
+        )
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, f"attempt {attempt}: exit {result.returncode}\n{output[-3000:]}"
+        assert "terminate called" not in output
+        assert "rank 0 group open at exit: False" in output and "rank 1 group open at exit: False" in output

@@ -49,7 +49,7 @@ def test_two_ranks_args_threads_logs_and_relay(tmp_path: Path) -> None:
     first = result.stderr.splitlines()[0]
     assert re.match(
         r"lockstep run: 2 processes x 1 node \(world 2\), backend gloo, endpoint \S+:\d+, "
-        r"OMP_NUM_THREADS=\d+ \(\d+ cores / 2 processes\), logs in .*out",
+        r"OMP_NUM_THREADS=\d+ \(\d+ cores / 2 processes\), DDP engine torch, logs in .*out",
         first,
     ), first
     # Rank 0 streams to the console; rank 1's stdout does not, its warnings and errors do, prefixed.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import pytest
+
 from lockstep.launch.console_relay import Console, ConsoleRelay
 from lockstep.launch.failure_report import RankFailure, first_failure, format_failure
 
@@ -118,3 +120,23 @@ def test_rank_stopped_while_exiting_keeps_the_code_it_chose() -> None:
     # Killed by a signal that is not the launcher's stop (a crash), or with no code recorded: the signal stands.
     assert RankFailure(1, 1, 101, -11, record, None).exit_status == -11
     assert RankFailure(1, 1, 101, -15, _record("ValueError: bad", 1.0), None).exit_status == -15
+
+
+def test_an_error_raised_inside_lockstep_names_the_programs_call() -> None:
+    """A framework's call into lockstep that raises (issue 37: Lightning's `model.reducer...` deep in a
+    40-frame traceback whose last frame is lockstep's): the summary names the call site on its own line."""
+    from lockstep.errors import ConfigError
+    from lockstep.launch import worker
+    from lockstep.launch.flag_values import int_flag
+
+    with pytest.raises(ConfigError) as raised:
+        int_flag("two", "-n", "lockstep run")  # raises inside lockstep, called from here
+    site = worker._call_site(raised.value.__traceback__)
+    assert site is not None and "test_launch_output.py" in site and 'int_flag("two", "-n"' in site, site
+    with pytest.raises(ValueError) as own:
+        int("two")  # raised outside lockstep: the traceback's last frame already says where
+    assert worker._call_site(own.value.__traceback__) is None
+    record = _record("ConfigError: bad", 1.0)
+    record["message"]["extraInfo"]["lockstep_call_site"] = site  # type: ignore[index]
+    summary = format_failure([RankFailure(0, 0, 100, 1, record, None)], 1)
+    assert f"[rank 0] the failing call into lockstep: {site}" in summary

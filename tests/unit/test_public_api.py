@@ -80,6 +80,7 @@ SURFACE: dict[str, dict[str, str]] = {
         "shutdown": "def() -> 'None'",
         "testing": "module",
         "trainer": "module",
+        "use_lockstep_ddp": "def() -> 'None'",
     },
     "lockstep.checkpoint": {
         "CheckpointLayout": "class(run_dir: 'Path') -> None",
@@ -224,6 +225,7 @@ PUBLIC_NAMES = [
     "shutdown",
     "testing",
     "trainer",
+    "use_lockstep_ddp",
 ]
 
 RUN_FLAGS = {
@@ -263,6 +265,7 @@ RUN_FLAGS = {
     "--verbose",
     "--hang-timeout",
     "--evict-stragglers",
+    "--ddp",
 }
 
 

@@ -16,11 +16,12 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from lockstep.engine.bucket_launch import CommHook
+from lockstep.engine.ddp_logging import logging_data
 from lockstep.engine.joinable import JoinableReplica
 from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, SyncPolicy
-from lockstep.engine.reducer import Reducer
 from lockstep.engine.state import ReplicaState
 from lockstep.engine.stats import EngineStats
+from lockstep.engine.torch_reducer import TorchReducerFace
 from lockstep.engine.wrap_checks import (
     check_comm_hook,
     check_default_group,
@@ -164,7 +165,7 @@ class DistributedDataParallel(JoinableReplica, TorchDDP):
     def __getstate__(self) -> dict[str, Any]:
         check_default_group(self.process_group)
         state = dict(self.__dict__)
-        for transient in ("_replica", "_group", "device_mesh"):
+        for transient in ("_replica", "_group", "device_mesh", "_reducer_face"):
             state.pop(transient, None)
         return state
 
@@ -229,6 +230,7 @@ class DistributedDataParallel(JoinableReplica, TorchDDP):
         """torch's contract: hook(state, bucket) -> Future[Tensor]; call once, before training."""
         try:
             check_comm_hook(hook)
+            self.__dict__["_comm_hook_name"] = hook.__qualname__  # torch logs it before registering
             self._engine.register_comm_hook(state, hook)
         except (TypeError, ValueError, RuntimeError) as error:
             self.__dict__["_logged_error"] = str(error)  # torch logs it for _get_ddp_logging_data()
@@ -264,24 +266,17 @@ class DistributedDataParallel(JoinableReplica, TorchDDP):
         return self._engine.stats()
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """torch's private debugging dict, from lockstep's facts (the keys tools read; stats() has more)."""
-        engine = self._engine
-        error = self.__dict__.get("_logged_error", "")
-        return {
-            "module_name": type(self.module).__name__,
-            "world_size": engine.world,
-            "rank": engine.rank,
-            "iteration": engine.reducer.stats.steps,
-            "static_graph": int(self.static_graph),
-            "find_unused_parameters": int(self.find_unused_parameters),
-            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-            "is_multi_device_module": int(self.is_multi_device_module),
-            "bucket_cap_bytes": self.bucket_bytes_cap,
-            "backend_name": str(dist.get_backend(self.process_group)),
-            "has_error": int(bool(error)),
-            "error": error,
-            **_layout_logging(engine.reducer),
-        }
+        """torch's private debugging dict, from lockstep's facts (ddp_logging.py; stats() has more)."""
+        return logging_data(self)
+
+    @property
+    def reducer(self) -> TorchReducerFace:
+        """torch's `reducer` as frameworks use it (prepare_for_backward, _rebuild_buckets, ...:
+        torch_reducer.py), on lockstep's engine."""
+        face = self.__dict__.get("_reducer_face")
+        if face is None:
+            face = self.__dict__["_reducer_face"] = TorchReducerFace(self)
+        return face
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -334,7 +329,6 @@ class DistributedDataParallel(JoinableReplica, TorchDDP):
 # Attributes of torch's DistributedDataParallel that only its C++ reducer gives meaning to.
 _TORCH_INTERNALS = frozenset(
     {
-        "reducer",
         "logger",
         "_accum_grad_hooks",
         "_bucket_config",
@@ -350,20 +344,6 @@ _TORCH_INTERNALS = frozenset(
         "named_module_buffers",
     }
 )
-
-
-def _layout_logging(reducer: Reducer) -> dict[str, Any]:
-    """torch's logging keys for the bucket layout: sizes in bytes, and after the rebuild parameter indices."""
-    keys: dict[str, Any] = {
-        "bucket_sizes": ", ".join(str(b.nbytes) for b in reducer.initial_layout),
-        "has_rebuilt_buckets": int(reducer.rebuilt),
-    }
-    if reducer.rebuilt:
-        keys["rebuilt_bucket_sizes"] = ", ".join(str(b.nbytes) for b in reducer.layout)
-        keys["rebuilt_per_bucket_param_indices"] = ", ".join(
-            " ".join(map(str, b.param_indices)) for b in reducer.layout
-        )
-    return keys
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

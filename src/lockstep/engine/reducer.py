@@ -110,6 +110,9 @@ class Reducer:
         self.arrivals.order = None if launcher.planner.skips_rebuild(static_graph=policy.static_graph) else []
         self._order_complete = False
         self._static_unused: list[int] = []  # learned by static_graph in its first step, with its counts
+        # torch's ddp_graph_static: no two synced forwards (find_unused_parameters) left different unused
+        self.graph_static = True
+        self._last_unused: frozenset[int] | None = None
         self.phase: Phase = IDLE  # changed in `_enter` only; `arrivals.armed` and `.step` next to it
         self._queued = False  # finalize is queued on the running backward
         self.drain = self.arrivals.drain
@@ -200,6 +203,7 @@ class Reducer:
             forward_unused = self._static_unused
         elif self.policy.find_unused_parameters and not self.launcher.static_graph:
             forward_unused = unreached(outputs, arrivals.index_of)
+            self._note_unused(frozenset(forward_unused))
         else:
             forward_unused = []
         if self.phase in (REDUCING, FINALIZING):
@@ -216,6 +220,11 @@ class Reducer:
                     node.register_prehook(self._on_output_grad)
                 else:
                     t.register_hook(self._on_output_grad)
+
+    def _note_unused(self, unused: frozenset[int]) -> None:
+        if self._last_unused is not None and unused != self._last_unused:
+            self.graph_static = False
+        self._last_unused = unused
 
     def _on_output_grad(self, _grad: object) -> None:
         # Queued from an output's gradient, the callback belongs to the outermost backward, even when

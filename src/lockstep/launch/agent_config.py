@@ -165,6 +165,10 @@ def worker_env(spec: LaunchSpec, threads: str, interface: str | None) -> dict[st
         for name in _IFNAME_VARS:
             env[name] = spec.network_interface or os.environ.get(name) or interface
     env.update(spec.env)
+    if spec.ddp == "lockstep":
+        from lockstep.startup import python_path  # stdlib only: the engine loads in the workers, not here
+
+        env["PYTHONPATH"] = python_path(env.get("PYTHONPATH", os.environ.get("PYTHONPATH")))
     return env
 
 

@@ -59,8 +59,15 @@ def header(spec: LaunchSpec, env0: Mapping[str, str], threads_note: str, run_dir
     return (
         f"lockstep run: {spec.nproc_per_node} process{'es' if spec.nproc_per_node != 1 else ''} x {nnodes} "
         f"node{'s' if nnodes != 1 else ''} (world {env0.get(WORLD_SIZE_VAR, '?')}), backend {backend}, "
-        f"endpoint {endpoint}, {threads_note}, logs in {run_dir} ({shown})"
+        f"endpoint {endpoint}, {threads_note}, {ddp_note(spec)}, logs in {run_dir} ({shown})"
     )
+
+
+def ddp_note(spec: LaunchSpec) -> str:
+    """Which engine runs where the program asks for torch's DistributedDataParallel (--ddp)."""
+    if spec.ddp == "lockstep":
+        return "DDP engine lockstep (lockstep's class under torch's names)"
+    return "DDP engine torch"
 
 
 def waiting_line(spec: LaunchSpec, interface_note: str, run_dir: str) -> str:

@@ -43,6 +43,14 @@ class RankFailure:
         return str(record.get("extraInfo", {}).get("py_callstack") or "") or None if record else None
 
     @property
+    def call_site(self) -> str | None:
+        """The program's call into lockstep that raised (the innermost frame outside lockstep), if the
+        exception came from inside lockstep."""
+        record = self.record
+        site = record.get("extraInfo", {}).get("lockstep_call_site") if record else None
+        return str(site) if site else None
+
+    @property
     def signal_name(self) -> str | None:
         if self.exitcode >= 0:
             return None
@@ -133,6 +141,8 @@ def format_failure(failures: list[RankFailure], world_size: int | None) -> str:
     tb = first.traceback
     if tb:
         out += ["", f"[rank {first.rank}] traceback:", tb.rstrip()]
+        if first.call_site:
+            out += ["", f"[rank {first.rank}] the failing call into lockstep: {first.call_site}"]
     else:
         reason = (
             f"it was killed by {first.signal_name}" if first.exitcode < 0 else "it exited without raising"

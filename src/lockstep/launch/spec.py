@@ -33,6 +33,7 @@ from lockstep.plan import Plan, RunSettings
 STANDALONE_ENDPOINT = "127.0.0.1:0"  # port 0: the kernel picks a free port atomically when the store binds
 LOG_MODES = ("rank0", "all")
 RDZV_BACKENDS = ("c10d", "static")
+DDP_ENGINES = ("torch", "lockstep")  # --ddp: whose DistributedDataParallel torch's names give the workers
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class LaunchSpec:
     hang_timeout: float | None = None  # None: the workers' default (LOCKSTEP_HANG_TIMEOUT, else 300 s)
     min_world: int | None = None  # live mode (launch/live_launch.py): survivors go on while this many remain
     evict_stragglers: float | None = None  # live mode: evict a rank this many times slower than the others
+    ddp: str = "torch"  # "lockstep": torch's DDP names give lockstep's class (lockstep/startup)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -125,6 +127,8 @@ def validate(spec: LaunchSpec) -> None:
         raise ConfigError(f"shutdown_grace must be >= 0 seconds, got {spec.shutdown_grace!r}")
     if spec.logs not in LOG_MODES:
         raise ConfigError(f"--logs {spec.logs!r} is not one of {', '.join(LOG_MODES)}")
+    if spec.ddp not in DDP_ENGINES:
+        raise ConfigError(f"--ddp {spec.ddp!r} is not one of {', '.join(DDP_ENGINES)}")
     if spec.rdzv_backend not in RDZV_BACKENDS:
         raise ConfigError(f"--rdzv-backend {spec.rdzv_backend!r} is not one of {', '.join(RDZV_BACKENDS)}")
     if spec.is_multi_node and not spec.rdzv_endpoint:
@@ -268,6 +272,14 @@ def build_parser(prog: str = "lockstep run") -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="extra environment variable for every worker (repeatable)",
     )
+    add(
+        "--ddp",
+        choices=DDP_ENGINES,
+        default="torch",
+        help="whose DistributedDataParallel the program gets where it asks for torch's: torch (default, "
+        "nothing replaced) or lockstep (lockstep's engine under torch's names, also inside Hugging Face "
+        "Trainer, Lightning and Accelerate; docs/frameworks.md)",
+    )
     add("--verbose", action="store_true", help="also show torch's elastic agent log")
     add("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     add("script", nargs="?", default=None, help="the training script (or module with -m)")
@@ -315,6 +327,7 @@ def parse_run_args(argv: Sequence[str], prog: str = "lockstep run") -> LaunchSpe
         verbose=ns.verbose,
         min_world=int_flag(ns.min_world, "--min-world", prog),
         evict_stragglers=factor_flag(ns.evict_stragglers, "--evict-stragglers", prog),
+        ddp=ns.ddp,
     )
 
 

@@ -6,11 +6,16 @@ The launcher starts each worker as `python -m lockstep.launch.worker script PATH
 - writes its pid next to its error file, so the launcher can kill the worker's whole process group
   (DataLoader workers included) even when torch's agent was interrupted before it could;
 - turns on faulthandler, so a crash in C code still leaves a Python stack in the rank's log;
+- registers the Lightning strategy "lockstep" for when the script imports Lightning's strategies (if
+  Lightning is installed; lockstep/startup), so that `strategy="lockstep"` works under `lockstep run`;
 - runs the script exactly as `python PATH ARGS...` would (sys.argv, sys.path[0], `__main__`);
+- after a script that ended well, leaves the process group it left open (Hugging Face's Trainer never
+  destroys its own): torch's teardown of a live gloo group at interpreter exit aborts now and then;
 - on an exception or a non-zero sys.exit, writes the traceback to TORCHELASTIC_ERROR_FILE in the JSON
   form torch's elastic agent reads, so the failure summary shows the real traceback (never `<N/A>`).
 
 It imports nothing from torch: the script decides what to import, and OMP_NUM_THREADS is already set.
+(`--ddp lockstep` works before this module runs: the start-up hook on PYTHONPATH, lockstep/startup.)
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ import time
 import traceback
 from types import TracebackType
 
+from lockstep.startup import register_lightning_strategy
+
 _BOOTSTRAP_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+_LOCKSTEP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 PID_FILE = "pid"  # in the rank directory, next to the error file: read by launch/process_sweep.py
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"  # set by torch's agent from launch/rank_logs.py's placement
 
@@ -43,12 +51,15 @@ def main(argv: list[str] | None = None) -> None:
     if error_file:
         _write_pid(os.path.dirname(error_file))
     faulthandler.enable(all_threads=True)
+    register_lightning_strategy()
     try:
         _run(kind, target, args)
     except SystemExit as exc:
         if exc.code not in (None, 0):
             _record(error_file, exc, exc.__traceback__, exc.code if isinstance(exc.code, int) else 1)
         _exit_if_groups_abandoned(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
+        if exc.code in (None, 0):
+            _leave_process_group()
         raise
     except BaseException as exc:
         tb = _user_frames(exc.__traceback__)
@@ -61,6 +72,22 @@ def main(argv: list[str] | None = None) -> None:
         _exit_if_groups_abandoned(code)
         sys.exit(code)  # the exit status torch's agent reports; the error itself is in the error file
     _exit_if_groups_abandoned(0)
+    _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Destroy the process group a finished script left open, before the interpreter's teardown (where
+    gloo's threads outliving their group abort the process now and then). Read from sys.modules: this
+    bootstrap imports nothing of torch's itself."""
+    process_group = sys.modules.get("lockstep.runtime.process_group")
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if process_group is not None:
+            process_group.shutdown()  # also stops lockstep's hang watchdog
+        elif dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # the script succeeded: its exit status stays 0, the reason goes to the log
+        sys.stderr.write(f"lockstep run: the process group could not be destroyed at exit: {exc!r}\n")
 
 
 def _exit_if_groups_abandoned(code: int) -> None:
@@ -88,6 +115,18 @@ def _run(kind: str, target: str, args: list[str]) -> None:
     # `python PATH` puts the script's directory first on sys.path (here it is the launch directory).
     sys.path[0] = os.path.dirname(os.path.abspath(target))
     runpy.run_path(target, run_name="__main__")
+
+
+def _call_site(tb: TracebackType | None) -> str | None:
+    """Where the program called into lockstep, when the exception was raised inside lockstep: the
+    innermost frame outside it (a framework's `model.reducer...`), which a long traceback buries."""
+    frames = traceback.extract_tb(tb)
+    if not frames or not os.path.abspath(frames[-1].filename).startswith(_LOCKSTEP_DIR):
+        return None
+    for frame in reversed(frames):
+        if not os.path.abspath(frame.filename).startswith(_LOCKSTEP_DIR):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    return None
 
 
 def _write_pid(directory: str) -> None:
@@ -130,6 +169,7 @@ def _record(error_file: str | None, exc: BaseException, tb: TracebackType | None
                 # Sub-second time of failure: picks the first failing rank when several fail in one second.
                 "lockstep_time": now,
                 "lockstep_exitcode": exitcode,
+                "lockstep_call_site": _call_site(tb),
             },
         }
     }

@@ -45,7 +45,7 @@ from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user
 from lockstep.runtime.sigterm_guard import SigtermGuard
 from lockstep.runtime.straggler_eviction import eviction_for
 from lockstep.runtime.straggler_reports import StragglerWatch
-from lockstep.runtime.topology import hang_timeout_from_env
+from lockstep.runtime.topology import hang_timeout_from_env, report_dir_from_env
 
 STALL_EXIT_CODE = 124  # like timeout(1): the job ran out of time waiting
 SLOW_FACTOR = 5.0  # checkpoint/evaluate phases and the first steps may keep others waiting this much longer
@@ -85,8 +85,7 @@ class Watchdog:
         # Two connections: the thread's, and the main thread's for publish_issued (never shared).
         self.store, self.main_store = stores
         self.rank, self.world, self.timeout, self.report_dir = rank, world, timeout, report_dir
-        # Live mode (runtime/membership/): a failed collective means a peer died and the survivors re-form
-        # the group; only stalls are this thread's to report, and silent ranks are evicted through it.
+        # Live mode: a failed collective is a dead peer (the survivors re-form); silent ranks are evicted.
         self.membership = membership
         self.live = membership is not None
         self.tick = tick_for(timeout)
@@ -360,8 +359,10 @@ def start(
 ) -> Watchdog | None:
     """Start this process's watchdog for the default group (no-op: world of 1, timeout 0, running).
     `membership`: the job is in live mode, where a failed collective is recovered from, not reported,
-    and a silent rank is evicted through it."""
+    and a silent rank is evicted through it. `report_dir` None: `lockstep run`'s, if any (a program that
+    formed its own group, as the frameworks do, still reports where the launcher reads)."""
     global _current
+    report_dir = report_dir or report_dir_from_env(os.environ)
     with _lock:
         if _current is not None or timeout <= 0 or not dist.is_initialized() or dist.get_world_size() < 2:
             return _current
