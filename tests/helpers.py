@@ -132,6 +132,38 @@ def run_cli(
     )
 
 
+LIVE_PROGRAM = Path(__file__).parent / "cli" / "live_program.py"
+
+
+def run_live_program(
+    out: Path,
+    launch: tuple[str, ...],
+    fault: str,
+    victim: int,
+    at: int,
+    extra: tuple[str, ...] = (),
+    *,
+    timeout: float,
+) -> subprocess.CompletedProcess[str]:
+    """tests/cli/live_program.py under `lockstep run LAUNCH` (its arguments: FAULT VICTIM AT EXTRA...), in a
+    directory OUT (made if missing), where the program writes what it saw and the launcher its logs."""
+    out.mkdir(exist_ok=True)
+    return run_cli(
+        "run",
+        *launch,
+        "--run-dir",
+        str(out / "logs"),
+        str(LIVE_PROGRAM),
+        str(out),
+        fault,
+        str(victim),
+        str(at),
+        *extra,
+        cwd=out.parent,
+        timeout=timeout,
+    )
+
+
 def lockstep_cli(
     *args: str, timeout: float = 240, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:

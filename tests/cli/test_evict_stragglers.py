@@ -14,31 +14,14 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import LIVE_PROGRAM, run_cli, run_live_program
 
-PROGRAM = Path(__file__).with_name("live_program.py")
 STEPS = 8 * 192 // 24  # "long": 8 epochs of 192 samples, global batch 24
 
 
 def _run(tmp_path: Path, name: str, *launch: str, fault: str = "none", victim: int = 0) -> Any:
     out = tmp_path / name
-    out.mkdir()
-    result = run_cli(
-        "run",
-        *launch,
-        "--run-dir",
-        str(out / "logs"),
-        str(PROGRAM),
-        str(out),
-        fault,
-        str(victim),
-        "1",
-        "long",
-        "paced",
-        cwd=tmp_path,
-        timeout=240,
-    )
-    return out, result
+    return out, run_live_program(out, launch, fault, victim, 1, ("long", "paced"), timeout=240)
 
 
 def _summary(out: Path) -> dict[str, Any]:
@@ -104,6 +87,6 @@ def test_a_straggler_is_not_evicted_below_the_min_world(tmp_path: Path) -> None:
 def test_the_launcher_refuses_a_bad_eviction_setting(
     tmp_path: Path, flags: tuple[str, ...], message: str
 ) -> None:
-    result = run_cli("run", "-n", "2", *flags, str(PROGRAM), cwd=tmp_path, timeout=60)
+    result = run_cli("run", "-n", "2", *flags, str(LIVE_PROGRAM), cwd=tmp_path, timeout=60)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr, result.stderr

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import child_env, lockstep_cli, run_cli
+from tests.helpers import child_env, lockstep_cli, run_cli, run_live_program
 
 PROGRAM = Path(__file__).with_name("live_program.py")
 SAMPLES, EPOCHS, GLOBAL_BATCH = 192, 2, 24
@@ -39,22 +39,7 @@ def _run(
     extra: tuple[str, ...] = (),
 ) -> Any:
     out = tmp_path / name
-    out.mkdir()
-    result = run_cli(
-        "run",
-        *launch,
-        "--run-dir",
-        str(out / "logs"),
-        str(PROGRAM),
-        str(out),
-        fault,
-        str(victim),
-        str(at),
-        *extra,
-        cwd=tmp_path,
-        timeout=180,
-    )
-    return out, result
+    return out, run_live_program(out, launch, fault, victim, at, extra, timeout=180)
 
 
 def _summary(out: Path) -> dict[str, Any]:

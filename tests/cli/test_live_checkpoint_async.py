@@ -16,29 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.checkpoint.meta import validate
-from tests.helpers import run_cli
+from tests.helpers import run_live_program
 
-PROGRAM = Path(__file__).with_name("live_program.py")
 STEPS, LOST = 64, 16  # rank 0 dies writing the checkpoint of step 16 (the second epoch's end)
 
 
 def _run(out: Path, *launch: str, fault: str = "none") -> Any:
-    out.mkdir(exist_ok=True)
-    return run_cli(
-        "run",
-        *launch,
-        "--run-dir",
-        str(out / "logs"),
-        str(PROGRAM),
-        str(out),
-        fault,
-        "0",
-        str(LOST),
-        "long",
-        "async",
-        cwd=out.parent,
-        timeout=240,
-    )
+    return run_live_program(out, launch, fault, 0, LOST, ("long", "async"), timeout=240)
 
 
 def _summary(out: Path) -> dict[str, Any]:

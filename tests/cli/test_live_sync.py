@@ -27,7 +27,7 @@ import torch
 from lockstep.data.sampler import epoch_order
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.low_comm import engine_policy
-from tests.helpers import run_cli
+from tests.helpers import run_cli, run_live_program
 
 PROGRAM = Path(__file__).with_name("live_program.py")
 SAMPLES, EPOCHS, GLOBAL_BATCH, STEPS_PER_EPOCH = 192, 2, 24, 8
@@ -36,11 +36,7 @@ STEPS = EPOCHS * STEPS_PER_EPOCH
 
 def _run(tmp_path: Path, *launch: str, fault: str, victim: int, at: int, extra: tuple[str, ...]) -> Any:
     out = tmp_path / "out"
-    out.mkdir()
-    result = run_cli(
-        "run", *launch, "--run-dir", str(out / "logs"), str(PROGRAM), str(out), fault, str(victim), str(at),
-        *extra, cwd=tmp_path, timeout=180,
-    )  # fmt: skip
+    result = run_live_program(out, launch, fault, victim, at, extra, timeout=180)
     assert result.returncode == 0, result.stderr
     return out, result
 

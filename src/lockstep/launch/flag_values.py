@@ -6,7 +6,8 @@ the Python API (LaunchSpec, launch/spec.py) fail with the same message.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from lockstep.errors import ConfigError
 
@@ -66,35 +67,26 @@ def parse_key_values(items: Sequence[str], flag: str) -> dict[str, str]:
 
 # Numeric flags are converted after parsing, not by argparse's `type=`: argparse turns a converter's
 # ValueError into its own generic message, and only its ArgumentTypeError (no LockstepError) keeps ours.
-def int_flag(value: str | int | None, flag: str, prog: str) -> int | None:
-    """An integer flag as argparse left it (the text given, or the default untouched) -> its value."""
+def _number_flag(value: Any, flag: str, prog: str, convert: Callable[[str], Any], expects: str) -> Any:
+    """A numeric flag as argparse left it (the text given, or the default untouched) -> its value."""
     if not isinstance(value, str):
         return value  # the default
     try:
-        return int(value)
+        return convert(value)
     except ValueError:
-        raise ConfigError(f"{flag} expects an integer, got {value!r} (see `{prog} --help`)") from None
+        raise ConfigError(f"{flag} expects {expects}, got {value!r} (see `{prog} --help`)") from None
+
+
+def int_flag(value: str | int | None, flag: str, prog: str) -> int | None:
+    """An integer flag (-n, --max-restarts, --min-world, ...)."""
+    return _number_flag(value, flag, prog, int, "an integer")
 
 
 def factor_flag(value: str | float | None, flag: str, prog: str) -> float | None:
-    """A factor flag (a number) as argparse left it (the text given, or the default) -> its value."""
-    if not isinstance(value, str):
-        return value  # the default
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError(
-            f"{flag} expects a number, e.g. {flag} 2, got {value!r} (see `{prog} --help`)"
-        ) from None
+    """A factor flag (--evict-stragglers)."""
+    return _number_flag(value, flag, prog, float, f"a number, e.g. {flag} 2")
 
 
 def seconds_flag(value: str | float, flag: str, prog: str) -> float:
-    """A duration flag in seconds as argparse left it (the text given, or the default) -> its value."""
-    if not isinstance(value, str):
-        return value  # the default
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError(
-            f"{flag} expects a number of seconds, got {value!r} (see `{prog} --help`)"
-        ) from None
+    """A duration flag in seconds (--hang-timeout, --monitor-interval)."""
+    return _number_flag(value, flag, prog, float, "a number of seconds")
