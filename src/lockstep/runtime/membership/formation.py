@@ -67,6 +67,7 @@ class Formation:
         old = state.membership
         g = old.generation + 1
         if not joiners and checkin_s is None:
+            self._leave_if_evicted(old)
             # A growth bumps nothing: a peer finishing its last collective must not abandon it. Else,
             # before checking in: whoever waits on this rank stops waiting.
             state.count_change()
@@ -119,6 +120,17 @@ class Formation:
         if dist.is_initialized():
             self.graveyard.append(dist.group.WORLD)
             dist.destroy_process_group()
+
+    def _leave_if_evicted(self, old: Membership) -> None:
+        """A member the survivors evicted while it still runs (a straggler: the launcher kills it within
+        its poll) must not count a change of its own, which the others would take for a new fault after
+        they agreed without it: it leaves at once."""
+        key = keys.dead(old.member_id)
+        if self.state.store.check([key]):
+            why = bytes(self.state.store.get(key)).decode()
+            sys.stderr.write(f"lockstep: rank {old.member_id} (launch rank) was {why}; it exits\n")
+            sys.stderr.flush()
+            os._exit(EVICTED_EXIT_CODE)
 
     def _check_in(
         self, old: Membership, g: int, joiners: list[int] | tuple[int, ...], wait_s: float
