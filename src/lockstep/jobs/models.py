@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -110,8 +111,7 @@ class _GPTBlock(nn.Module):
 
     def residual_projections(self) -> list[nn.Linear]:
         """The linears whose outputs are added into the residual stream."""
-        contract = self.mlp[2]
-        assert isinstance(contract, nn.Linear)
+        contract = cast(nn.Linear, self.mlp[2])  # Sequential(Linear, GELU, Linear): the second linear
         return [self.attn.proj, contract]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,8 +150,7 @@ class TinyGPT(nn.Module):
                 nn.init.zeros_(module.bias)
         nn.init.normal_(self.position, std=INIT_STD)
         for block in self.blocks.children():  # the residual projections: 2 depth adds keep the scale
-            assert isinstance(block, _GPTBlock)
-            for residual in block.residual_projections():
+            for residual in cast(_GPTBlock, block).residual_projections():
                 nn.init.normal_(residual.weight, std=INIT_STD / math.sqrt(2 * depth))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
