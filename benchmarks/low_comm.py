@@ -109,6 +109,7 @@ class _Arm:
                 outer_momentum_warmup=args.outer_momentum_warmup,
                 mix=args.fragment_mix,
                 fragment_layout=args.fragment_layout,
+                fragment_delay=args.fragment_delay if name == "streaming_diloco" else 1,
             )
             handle = lockstep.replicate(self.module, policy=policy)
             self.after_step = handle.after_optimizer_step
@@ -272,6 +273,9 @@ def main() -> None:
     parser.add_argument("--outer-momentum-warmup", type=int, default=defaults.outer_momentum_warmup)
     parser.add_argument("--fragment-mix", type=float, default=defaults.mix, help="streaming's alpha")
     parser.add_argument("--fragment-layout", default=defaults.fragment_layout, help="streaming's fragments")
+    parser.add_argument(
+        "--fragment-delay", type=int, default=defaults.fragment_delay, help="streaming's tau (inner steps)"
+    )
     parser.add_argument(
         "--sync-dtype", default="fp32", choices=list(DTYPES), help="diloco's deltas on the wire"
     )

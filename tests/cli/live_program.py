@@ -56,6 +56,7 @@ EPOCHS = 8 if "long" in sys.argv[5:] else 2
 ASYNC = "async" in sys.argv[5:]  # checkpoints written in the background, every one of them kept
 PACE_S = 0.020 if "paced" in sys.argv[5:] else 0.0  # a step is not all noise on a loaded machine
 SYNC_DTYPE = "int4" if "int4" in sys.argv[5:] else "fp32"  # the outer gradients quantized on the wire
+FRAGMENT_DELAY = 3 if "tau3" in sys.argv[5:] else 1  # streaming: a fragment's mean in flight 3 steps
 # The launch rank (RANK outside live mode): it does not change when the group is re-formed.
 UID = int(os.environ.get("LOCKSTEP_MEMBER_ID", os.environ["RANK"]))
 calls = {"forward": 0, "backward": 0, "optimizer": 0, "checkpoint": 0, "commit": 0, "replicate": 0}
@@ -190,6 +191,7 @@ def main() -> None:
         sync_every=SYNC_EVERY,
         fragments=FRAGMENTS,
         sync_dtype=SYNC_DTYPE,
+        fragment_delay=FRAGMENT_DELAY,
         max_steps=MAX_STEPS,
         checkpoint_async=ASYNC,
         keep_checkpoints=8 if ASYNC else 3,

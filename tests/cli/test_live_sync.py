@@ -185,6 +185,11 @@ def _victim_steps(out: Path, victim: int, steps: list[int]) -> set[int]:
         # of step 6 is in flight when they learn of it (in the step's commit). Back to the mark of step 4
         # (fragment 1's mean of step 4 sent again); dropped: steps 1 to 4 (fragment 1 never synced before).
         ("optimizer", 6, 4, 1, "fp32"),
+        # A fragment's mean in flight 3 steps (--fragment-delay 3): at the mark of step 6 both fragment 1's
+        # mean of step 4 (applied at 7) and fragment 0's of step 6 are in flight; both are taken again over
+        # the survivors, so rank 2's progress since fragment 1's last applied sync (none) is dropped: steps
+        # 1 to 6.
+        ("forward", 7, 6, 1, "tau3"),
     ],
 )
 def test_streaming_diloco_goes_back_to_the_last_fragment_sync_and_counts_what_it_drops(

@@ -92,5 +92,11 @@ def test_train_help_reads_well() -> None:
     for word in ("digits", "mnist", "resnet", "gpt", "toy", "--run-dir", "-n", "--key value"):
         assert word in proc.stdout
     # the slow-link settings and their defaults (issue 35)
-    for words in ("--outer-momentum-warmup", "(default 10)", "--fragment-layout", "default sliced"):
+    for words in (
+        "--outer-momentum-warmup",
+        "(default 10)",
+        "--fragment-layout",
+        "default sliced",
+        "--fragment-delay",
+    ):
         assert words in proc.stdout, words

@@ -78,7 +78,7 @@ def test_the_fragment_in_flight_at_the_last_step_is_applied_before_the_end(tmp_p
         _train, 2, args=("toy", str(tmp_path / "b"), {**settings, "max_steps": 13}), timeout=TIMEOUT
     )
     final = _final_checkpoint(tmp_path / "a")
-    assert final["outer"]["pending"] == {}  # nothing left in flight in the last checkpoint
+    assert final["outer"]["pending"] == []  # nothing left in flight in the last checkpoint
     for rank in (0, 1):
         assert short[rank]["summary"]["final_merge_applied"] is True
         assert longer[rank]["summary"]["final_merge_applied"] is False  # step 13 launches none

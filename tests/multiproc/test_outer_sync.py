@@ -3,8 +3,9 @@
 The reference runs every worker in one process, one after the other, with the same inner math (each its
 own model copy, AdamW and data) and the outer math written out plainly: the mean of the parameters
 (local SGD), or the mean of the outer gradients anchor - local fed to torch's SGD with Nesterov momentum
-(rising from 0 to 0.9 over the first outer steps, the default) on the anchor (DiLoCo), fragment by fragment on their staggered steps, each applied one inner step
-after its launch and merged with the local values (streaming). The ranks must end
+(rising from 0 to 0.9 over the first outer steps, the default) on the anchor (DiLoCo), fragment by
+fragment on their staggered steps, each applied fragment_delay inner steps after its launch (one by
+default; several may be in flight at once) and merged with the local values (streaming). The ranks end
 with the reference's parameters bit for bit; the bytes they report must be what the mode sends; a
 resume from sync_state_dict() mid-round must continue exactly.
 """
@@ -84,7 +85,7 @@ STRIDED = [[0, 1, 4, 5], [2, 3]]
 
 
 def _reference(
-    sync: str, world: int, wire: torch.dtype | str | None, layout: str = "strided"
+    sync: str, world: int, wire: torch.dtype | str | None, layout: str = "strided", delay: int = 1
 ) -> list[dict[str, torch.Tensor]]:
     """Every worker in this process; the outer math written out (see the module docstring). `wire`: a
     dtype the values are cast to, or a quantized format whose round trip each worker's outer gradient
@@ -136,32 +137,29 @@ def _reference(
                 for b, value in zip(bufs[w], avg):
                     b.copy_(value)
 
-    def merge(f: int, grads: list[torch.Tensor]) -> None:  # streaming: one inner step after the launch
+    def merge(f: int, grads: list[torch.Tensor]) -> None:  # streaming: `delay` inner steps after the launch
         outer_step(f, grads)
         for w in range(world):
             for i in frags[f]:
                 params[w][i].copy_(params[w][i].float().mul_(MIX).add_(anchor[i], alpha=1 - MIX))
         after_fragment(f)
 
-    pending = None
+    pending: list[tuple[int, int, list[torch.Tensor]]] = []  # (apply after step, fragment, mean), in order
     for step in range(STEPS):
         for w in range(world):
             _inner(models[w], opts[w], w, step)
         done = step + 1
         with torch.no_grad():
-            if pending is not None:
-                merge(*pending)
-                pending = None
+            while pending and pending[0][0] <= done:
+                merge(*pending.pop(0)[1:])
             for f, frag in enumerate(frags):
                 if done % EVERY != ((f + 1) * EVERY // count) % EVERY:
                     continue
                 if sync == "streaming_diloco":
-                    if pending is not None:
-                        merge(*pending)
-                    pending = (
-                        f,
-                        mean([[anchor[i] - params[w][i].float() for i in frag] for w in range(world)]),
-                    )
+                    grads = mean([[anchor[i] - params[w][i].float() for i in frag] for w in range(world)])
+                    pending.append((done + delay, f, grads))
+                    while pending and pending[0][0] <= done:  # delay 0: at once
+                        merge(*pending.pop(0)[1:])
                     continue
                 if sync == "local_sgd":
                     avg = mean([[params[w][i] for i in frag] for w in range(world)])
@@ -230,6 +228,33 @@ def test_a_resume_mid_round_continues_bit_for_bit(sync: str) -> None:
     resumed = run_distributed(_rank_run, 2, args=(sync, {}, 4), timeout=120)
     for rank in range(2):
         _assert_same(resumed[rank]["state"], straight[rank]["state"], f"{sync} rank {rank} resumed at step 4")
+        assert resumed[rank]["stats"] == straight[rank]["stats"]
+
+
+@pytest.mark.parametrize("delay", [0, 2, EVERY])
+def test_streaming_with_a_longer_or_no_overlap_gives_the_reference_bits(delay: int) -> None:
+    """fragment_delay (tau): each fragment's mean applied `delay` inner steps after its launch; with 2 or 3
+    (= sync_every) two fragments are in flight at once (fragment 1 launched at step 3, fragment 0 at 4)."""
+    extra = {"fragment_layout": "strided", "fragment_delay": delay}
+    outs = run_distributed(_rank_run, 2, args=("streaming_diloco", extra, None), timeout=120)
+    want = _reference("streaming_diloco", 2, None, "strided", delay)
+    other = _reference("streaming_diloco", 2, None, "strided", 1)
+    for rank, out in enumerate(outs):
+        _assert_same(out["state"], want[rank], f"fragment_delay={delay} rank {rank}")
+        launches = [1, 3, 4, 6, 7, 9]  # fragment 0 at 1, 4, 7; fragment 1 at 3, 6, 9
+        applied = [t for t in launches if t + delay <= STEPS]  # the others are still in flight at the end
+        assert out["stats"]["outer_syncs"] == len(applied), (delay, out["stats"])
+    assert not torch.equal(want[0]["0.weight"], other[0]["0.weight"])  # the delay changed something
+
+
+def test_a_resume_with_two_fragments_in_flight_continues_bit_for_bit() -> None:
+    """Resumed after step 4 with fragment_delay 2: fragment 1 (launched at step 3) and fragment 0 (at 4)
+    are both in flight in the saved state; they are applied at steps 5 and 6 as in the straight run."""
+    extra = {"fragment_delay": 2}
+    straight = run_distributed(_rank_run, 2, args=("streaming_diloco", extra, None), timeout=120)
+    resumed = run_distributed(_rank_run, 2, args=("streaming_diloco", extra, 4), timeout=120)
+    for rank in range(2):
+        _assert_same(resumed[rank]["state"], straight[rank]["state"], f"rank {rank} resumed at step 4")
         assert resumed[rank]["stats"] == straight[rank]["stats"]
 
 
@@ -344,6 +369,9 @@ def test_what_does_not_apply_raises_and_says_why() -> None:
         ({"sync": "diloco", "sync_every": 0}, "sync_every must be an int >= 1"),
         ({"sync": "diloco", "outer_momentum": 1.0}, "0 <= outer_momentum < 1"),
         ({"sync": "diloco", "fragments": 2}, "applies to sync='streaming_diloco' only"),
+        ({"sync": "diloco", "fragment_delay": 2}, "fragment_delay=2 applies to sync='streaming_diloco'"),
+        ({"sync": "streaming_diloco", "fragment_delay": -1}, "fragment_delay must be an int >= 0"),
+        ({"sync": "streaming_diloco", "sync_every": 4, "fragment_delay": 5}, "at most sync_every=4"),
         ({"sync": "local_sgd", "static_graph": True}, "averages no gradient in backward"),
         ({"sync": "diloco", "delta_dtype": torch.int8}, "delta_dtype must be"),
         ({"sync": "diloco", "delta_dtype": "int3"}, "delta_dtype must be"),

@@ -13,9 +13,11 @@ together every `sync_every` (H) steps, by the algorithm `sync` names (one class 
   rows sliced by default, or strided layers, or contiguous runs), each synced
   DiLoCo's way every H steps, the fragments' syncs staggered evenly over the round (fragment f at steps
   (f + 1) H / F + kH), so that the traffic of a round is spread over it instead of peaking at its end.
-  A fragment's collective overlaps the next inner step: launched after step t, it is waited for after
-  step t + 1, and the outer step's result is merged into the local values that moved on meanwhile,
-  mix * local + (1 - mix) * global (Streaming DiLoCo's merge, SyncPolicy.mix, 0.5 by default).
+  A fragment's collective overlaps the next inner steps: launched after step t, it is waited for after
+  step t + tau (SyncPolicy.fragment_delay, 1 by default; Streaming DiLoCo's tau), and the outer step's
+  result is merged into the local values that moved on meanwhile, mix * local + (1 - mix) * global
+  (Streaming DiLoCo's merge, SyncPolicy.mix, 0.5 by default). Several fragments may be in flight at
+  once (tau > H / F); they are applied in the order they were launched.
 
 With SyncPolicy.warmup_steps = N, the first N steps are data-parallel: before_optimizer_step() averages
 the gradients (float32, counted in bytes_sent), and the rounds start after step N from the (equal)
@@ -29,8 +31,8 @@ without deterministic mode it is one all-reduce (a sum, then / W). Either way ev
 bits; with gathering, the same bits run after run whatever the backend's reduction order.
 
 The state that a resume needs (inner steps counted, the anchor and the outer optimizer's momentum) is
-`state_dict()`; `state_dict(wait=False)` does not wait for a fragment's mean in flight and holds this
-rank's own contribution to it instead, which `load_state_dict` sends again over the group it is loaded
+`state_dict()`; `state_dict(wait=False)` does not wait for the fragments' means in flight and holds this
+rank's own contribution to each instead, which `load_state_dict` sends again over the group it is loaded
 into (live mode: a lost member's contribution is dropped, the survivors' mean is taken over themselves);
 the rank's own parameters and inner optimizer state are the caller's (trainer/
 low_comm.py's WorkerStates saves every rank's). Every collective is numbered for the hang watchdog
@@ -39,6 +41,7 @@ low_comm.py's WorkerStates saves every rank's). Every collective is numbered for
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,12 +80,16 @@ class _Mean:
         self.contribution = flat if unsent else contribution
         self.done = record is None and not unsent
 
-    def result(self, owner: OuterSync) -> list[torch.Tensor]:
-        if self.record is None and not self.done:  # not launched yet (loaded from a contribution)
+    def launch(self, owner: OuterSync) -> None:
+        """Send this rank's contribution, when it was loaded unsent (every rank launches in the same order)."""
+        if self.record is None and not self.done:
             launched = owner._start_mean([self.flat])
             self.flat, self.record, self.parts = launched.flat, launched.record, launched.parts
             self.codec = launched.codec
             self.done = launched.done
+
+    def result(self, owner: OuterSync) -> list[torch.Tensor]:
+        self.launch(owner)
         if not self.done:
             wait_tracked(self.record, self.record.work)
             if self.parts is not None:
@@ -98,6 +105,15 @@ class _Mean:
             out.append(self.flat[offset : offset + n].view(shape))
             offset += n
         return out
+
+
+@dataclass
+class _InFlight:
+    """A streaming fragment's mean on its way: applied after inner step `launched` + fragment_delay."""
+
+    fragment: int
+    launched: int
+    mean: _Mean
 
 
 class OuterSync:
@@ -137,7 +153,8 @@ class OuterSync:
             a for piece in self.pieces for a in piece.anchor
         ]  # in parameter order (none: local SGD)
         self.outer = [piece.outer for piece in self.pieces if piece.outer is not None]
-        self.pending: tuple[int, _Mean] | None = None  # delayed (streaming): a fragment's mean on its way
+        self.delay = policy.fragment_delay if self.algorithm.delayed else 0
+        self.pending: list[_InFlight] = []  # delayed (streaming): fragments' means on their way, oldest first
 
     # ---------------------------------------------------------------- the rounds
 
@@ -167,34 +184,39 @@ class OuterSync:
 
     def after_optimizer_step(self) -> bool:
         """Count one inner step; sync the fragments it completes. True when something was synced (or, with
-        a delayed algorithm (streaming), started: it is applied after the next inner step). The warm-up's
-        last step restarts the anchors from the (equal) replicas: the first round starts there."""
+        a delayed algorithm (streaming), started: it is applied fragment_delay inner steps later). The
+        warm-up's last step restarts the anchors from the (equal) replicas: the first round starts there."""
         self.inner_steps += 1
         if self.inner_steps == self.warmup_steps:
             self._restart_anchors()
             return True
-        self.flush()  # a mean launched one inner step ago
+        self._apply_due()  # means launched fragment_delay inner steps ago
         due = self.due(self.inner_steps)
         for f in due:
-            self.flush()  # two fragments due at once (H < F): the earlier is applied first
             with torch.no_grad():
                 names = [_part_name(self.names, part) for part in self.fragments[f]]
                 reduction = self._start_mean(self.algorithm.contribution(self.pieces[f]), names=names)
             if self.algorithm.delayed:
-                self.pending = (f, reduction)
+                self.pending.append(_InFlight(f, self.inner_steps, reduction))
+                self._apply_due()  # fragment_delay = 0: at once
             else:
                 self._apply(f, reduction)
         return bool(due)
 
+    def _apply_due(self) -> None:
+        """Apply, oldest first, the means in flight whose fragment_delay inner steps are over."""
+        while self.pending and self.pending[0].launched + self.delay <= self.inner_steps:
+            entry = self.pending.pop(0)
+            self._apply(entry.fragment, entry.mean)
+
     def flush(self) -> bool:
-        """A delayed algorithm (streaming_diloco): apply the fragment still in flight now (at the end of
-        training), instead of after the next inner step. True when there was one."""
-        if self.pending is None:
-            return False
-        f, reduction = self.pending
-        self.pending = None
-        self._apply(f, reduction)
-        return True
+        """A delayed algorithm (streaming_diloco): apply the fragments still in flight now (at the end of
+        training), instead of fragment_delay inner steps after their launch. True when there was one."""
+        flushed = bool(self.pending)
+        while self.pending:
+            entry = self.pending.pop(0)
+            self._apply(entry.fragment, entry.mean)
+        return flushed
 
     def _apply(self, f: int, reduction: _Mean) -> None:
         """The fragment's mean, waited for, applied by the algorithm."""
@@ -254,16 +276,19 @@ class OuterSync:
     def state_dict(self, *, wait: bool = True) -> dict[str, Any]:
         """What a resume needs beyond the rank's own parameters and inner optimizer: the counts, the
         anchor and the outer optimizers' momentum (the same on every rank), and in streaming mode the
-        mean in flight (waited for here, applied after the next inner step as it would have been). With
-        wait=False, a mean not back yet is not waited for: the state holds this rank's contribution to
-        it, sent again (over the group it is loaded into) when it is due."""
-        pending: dict[str, Any] = {}
-        if self.pending is not None:
-            f, reduction = self.pending
+        means in flight (waited for here, applied when they would have been), oldest first, each with its
+        fragment and the inner step it was launched after. With wait=False, a mean not back yet is not
+        waited for: the state holds this rank's contribution to it, sent again (over the group it is
+        loaded into) when it is due."""
+        pending = []
+        for entry in self.pending:
+            saved: dict[str, Any] = {"fragment": entry.fragment, "launched": entry.launched}
+            reduction = entry.mean
             if not wait and not reduction.done and reduction.contribution is not None:
-                pending = {"fragment": f, "contribution": reduction.contribution.clone()}
+                saved["contribution"] = reduction.contribution.clone()
             else:
-                pending = {"fragment": f, "mean": torch.cat([t.reshape(-1) for t in reduction.result(self)])}
+                saved["mean"] = torch.cat([t.reshape(-1) for t in reduction.result(self)])
+            pending.append(saved)
         return {
             "sync": self.policy.sync,
             "inner_steps": self.inner_steps,
@@ -289,15 +314,27 @@ class OuterSync:
                 a.copy_(saved)
         for opt, saved in zip(self.outer, state["outer"]):
             opt.load_state_dict(saved)
-        pending = state.get("pending") or {}
-        self.pending = None
-        if pending:
-            f = int(pending["fragment"])
-            shapes = [p.shape for p in self.pieces[f].params]
-            if "contribution" in pending:  # launched when it is merged, over this replica's group
-                self.pending = (f, _Mean(shapes, pending["contribution"].float().clone(), unsent=True))
-            else:
-                self.pending = (f, _Mean(shapes, pending["mean"].float().clone()))
+        self.pending = [self._in_flight(saved) for saved in in_flight_entries(state, self.inner_steps)]
+        for entry in self.pending:  # contributions sent again now, on every rank alike: a mean waited for
+            entry.mean.launch(self)  # by one rank alone later (rank 0's checkpoint) finds it sent
+
+    def _in_flight(self, saved: dict[str, Any]) -> _InFlight:
+        f = int(saved["fragment"])
+        shapes = [p.shape for p in self.pieces[f].params]
+        if "contribution" in saved:  # sent again over this replica's group (load_state_dict)
+            mean = _Mean(shapes, saved["contribution"].float().clone(), unsent=True)
+        else:
+            mean = _Mean(shapes, saved["mean"].float().clone())
+        return _InFlight(f, int(saved["launched"]), mean)
+
+
+def in_flight_entries(state: dict[str, Any], inner_steps: int) -> list[dict[str, Any]]:
+    """A saved state's means in flight, oldest first, each with its "fragment" and "launched" step (a
+    state saved before fragment_delay existed held at most one, launched after its last inner step)."""
+    pending = state.get("pending") or []
+    if isinstance(pending, dict):
+        return [{**pending, "launched": inner_steps}]
+    return list(pending)
 
 
 def _part_name(names: list[str], part: Part) -> str:

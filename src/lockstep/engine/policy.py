@@ -68,6 +68,9 @@ class SyncPolicy:
       equal fragments), "strided" (layer i in fragment i mod F) or "contiguous" (engine/fragments.py).
     - mix (streaming_diloco): the local share when a fragment's outer step is merged, mix * local +
       (1 - mix) * global (Streaming DiLoCo's alpha; the anchor is the global value, saved before the mix).
+    - fragment_delay (streaming_diloco): the inner steps a fragment's mean is in flight, overlapping them
+      (Streaming DiLoCo's tau): launched after step t, it is applied after step t + fragment_delay (1 by
+      default; 0: waited for at once; at most sync_every, so that a fragment never has two in flight).
     - delta_dtype: what the averaged values travel in: None (float32), torch.bfloat16 or torch.float16,
       or a quantized format for the outer gradients of diloco and streaming_diloco, "int8", "int4" or
       "fp4_e3m0" (per block of 128 values with a float32 scale; engine/outer_codec.py). The sum is in
@@ -94,6 +97,7 @@ class SyncPolicy:
     mix: float = 0.5
     outer_momentum_warmup: int = 10
     fragment_layout: str = "sliced"
+    fragment_delay: int = 1
     fragments: int = 1
     delta_dtype: torch.dtype | str | None = None
 
@@ -174,10 +178,23 @@ class SyncPolicy:
             raise ConfigError(
                 f"SyncPolicy.fragments={self.fragments} applies to sync='streaming_diloco' only"
             )
+        self._check_delay(delayed=bool(algorithm and algorithm.delayed))
         if codec_for(self.delta_dtype).quantized and algorithm is None:  # ConfigError for an unknown one
             raise ConfigError(
                 f"SyncPolicy.delta_dtype={self.delta_dtype!r} quantizes the outer gradients of a periodic sync "
                 "(sync='diloco' or 'streaming_diloco'); with sync='allreduce' leave it at None"
+            )
+
+    def _check_delay(self, *, delayed: bool) -> None:
+        delay = self.fragment_delay
+        if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
+            raise ConfigError(f"SyncPolicy.fragment_delay must be an int >= 0, got {delay!r}")
+        if delay != 1 and not delayed:
+            raise ConfigError(f"SyncPolicy.fragment_delay={delay} applies to sync='streaming_diloco' only")
+        if delayed and delay > self.sync_every:
+            raise ConfigError(
+                f"SyncPolicy.fragment_delay={delay} must be at most sync_every={self.sync_every}: a "
+                "fragment's mean is applied before the fragment syncs again"
             )
 
     @property

@@ -120,15 +120,16 @@ class ReplicaHandle(JoinableReplica):
         return self._periodic("before_optimizer_step()").before_optimizer_step()
 
     def flush_sync(self) -> bool:
-        """Low-communication training, at the end of training: apply a streaming fragment still in flight
-        (it would otherwise be applied after the next inner step). True when there was one."""
+        """Low-communication training, at the end of training: apply the streaming fragments still in
+        flight (they would otherwise be applied SyncPolicy.fragment_delay inner steps after their launch).
+        True when there was one."""
         return self._periodic("flush_sync()").flush()
 
     def sync_state_dict(self, *, wait: bool = True) -> dict[str, Any]:
         """Low-communication training: the outer state a resume needs (steps counted, the anchor, the outer
         optimizer's momentum); the same on every rank. The rank's parameters and inner optimizer state are
         the caller's to save. wait=False (streaming): a fragment's mean still in flight is not waited for;
-        the state holds this rank's contribution to it instead, sent again over the group of the replica
+        the state holds this rank's contribution to each instead, sent again over the group of the replica
         it is loaded into (live mode's rollback: engine/outer_sync.py)."""
         return self._periodic("sync_state_dict()").state_dict(wait=wait)
 

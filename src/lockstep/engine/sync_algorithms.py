@@ -41,7 +41,8 @@ class SyncAlgorithm(ABC):
     """One periodic sync algorithm (the interface OuterSync holds).
 
     - fragmented: the model syncs in `SyncPolicy.fragments` pieces (otherwise in one);
-    - delayed: a fragment's mean is applied one inner step after its launch, overlapping that step, so
+    - delayed: a fragment's mean is applied SyncPolicy.fragment_delay inner steps after its launch,
+      overlapping them, so
       the replicas are never all equal (live mode marks every fragment's sync, without waiting);
     - fragment(): a piece of the model with the state the algorithm keeps for it;
     - contribution(): what the piece sends (its mean over the ranks comes back to apply());

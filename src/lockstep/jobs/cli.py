@@ -47,7 +47,8 @@ first --outer-momentum-warmup outer steps (default 10), so a short run is not fa
 and a long one keeps the paper's 0.9; --sync-warmup N averages gradients for N steps first (default
 0). streaming_diloco: --fragments F, --fragment-layout sliced|strided|contiguous (default sliced:
 every parameter's rows cut in F equal blocks; strided: layer i in fragment i mod F), --fragment-mix
-(default 0.5: a merge keeps half of the local values).
+(default 0.5: a merge keeps half of the local values), --fragment-delay (default 1: a fragment's mean
+is in flight for 1 inner step; more hides a slower link).
 """
 
 

@@ -178,6 +178,8 @@ class FitConfig:
     outer_momentum_warmup: int = 10
     fragment_mix: float = 0.5  # streaming_diloco: the local share of a merge (alpha)
     fragment_layout: str = "sliced"  # streaming_diloco: sliced | strided | contiguous (engine/fragments.py)
+    # streaming_diloco: the inner steps a fragment's mean is in flight (tau; 0 .. sync_every)
+    fragment_delay: int = 1
     fragments: int = 1  # streaming_diloco: pieces of the model synced in turn
     # What the synced values travel in: fp32, bf16, fp16, or the outer gradients (diloco, streaming_diloco)
     # quantized per block of 128 with a float32 scale: int8, int4, fp4_e3m0 (engine/outer_codec.py); summed in fp32
@@ -222,6 +224,7 @@ class FitConfig:
         "outer_momentum_warmup": at_least(0),
         "fragment_mix": at_least(0),
         "fragment_layout": one_of(*FRAGMENT_LAYOUTS),
+        "fragment_delay": at_least(0),
         "fragments": at_least(1),
         "sync_dtype": one_of(*SYNC_DTYPES),
         "bucket_cap_mb": Bound(minimum=0, strict=True, choices=("auto",)),

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lockstep.engine.outer_sync import due_fragments
+from lockstep.engine.outer_sync import due_fragments, in_flight_entries
 from lockstep.engine.sync_algorithms import parse_sync
 from lockstep.errors import LockstepError
 from lockstep.runtime.membership.group import LiveGroup
@@ -170,11 +170,14 @@ class LiveRounds:
         lost = [m for m in last.members if m not in self.group.membership.members]
         if count is None or not lost:
             return None
-        pending = last.outer.get("pending") or {}
-        in_flight = int(pending["fragment"]) if "contribution" in pending else None
+        unsent = {  # the fragments whose mean in flight is this rank's contribution only: launched after
+            int(saved["fragment"]): int(saved["launched"])  # that step, not agreed by every member
+            for saved in in_flight_entries(last.outer, last.step)
+            if "contribution" in saved
+        }
         starts = []
         for f in range(count):  # each fragment's last sync that every survivor applied (or holds the mean of)
-            s = last.step - 1 if f == in_flight else last.step
+            s = unsent[f] - 1 if f in unsent else last.step
             while s > 0 and f not in due_fragments(s, self.sync_every, count):
                 s -= 1
             starts.append(s)

@@ -59,6 +59,7 @@ def engine_policy(config: FitConfig, *, live: bool) -> SyncPolicy:
         outer_momentum_warmup=config.outer_momentum_warmup,
         mix=config.fragment_mix,
         fragment_layout=config.fragment_layout,
+        fragment_delay=config.fragment_delay,
         fragments=config.fragments,
         delta_dtype=_DTYPES[config.sync_dtype],
     )
