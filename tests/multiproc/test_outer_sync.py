@@ -7,7 +7,8 @@ own model copy, AdamW and data) and the outer math written out plainly: the mean
 fragment on their staggered steps, each applied fragment_delay inner steps after its launch (one by
 default; several may be in flight at once) and merged with the local values (streaming). The ranks end
 with the reference's parameters bit for bit; the bytes they report must be what the mode sends; a
-resume from sync_state_dict() mid-round must continue exactly.
+resume from sync_state_dict() mid-round must continue exactly. Quantized outer gradients over 3 ranks or
+more take the engine's reduce-scatter (engine/outer_reduce.py): `_scattered_mean` writes it out.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from lockstep.testing import run_distributed
 STEPS, EVERY = 9, 3
 
 
-def _model() -> nn.Module:
+def _model(width: int = 7) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.BatchNorm1d(3))
+    return nn.Sequential(nn.Linear(5, width), nn.Tanh(), nn.Linear(width, 3), nn.BatchNorm1d(3))
 
 
 def _inner(model: nn.Module, opt: torch.optim.Optimizer, worker: int, step: int) -> None:
@@ -46,9 +47,13 @@ def _policy(sync: str, **extra: Any) -> lockstep.SyncPolicy:
     return lockstep.SyncPolicy(sync=sync, sync_every=EVERY, fragments=fragments, **extra)
 
 
-def _rank_run(sync: str, extra: dict[str, Any], resume_at: int | None) -> dict[str, Any]:
+def _rank_run(
+    sync: str, extra: dict[str, Any], resume_at: int | None, width: int = 7, wait: bool = True
+) -> dict[str, Any]:
+    """`wait=False`: the resume's state taken without waiting for the means in flight (live mode's mark):
+    this rank's contributions, sent again by the replica it is loaded into."""
     rank = dist.get_rank()
-    model = _model()
+    model = _model(width)
     handle = lockstep.replicate(model, policy=_policy(sync, **extra))
     # A pooled rank process ran other tests before; their records are kept referenced here, so that no
     # record made later can reuse one's id() once the bounded history drops it.
@@ -58,9 +63,9 @@ def _rank_run(sync: str, extra: dict[str, Any], resume_at: int | None) -> dict[s
     synced = []
     for step in range(STEPS):
         if step == resume_at:  # a fresh replica, optimizer and outer state from what was saved
-            saved = (model.state_dict(), opt.state_dict(), handle.sync_state_dict())
+            saved = (model.state_dict(), opt.state_dict(), handle.sync_state_dict(wait=wait))
             handle.remove()
-            model = _model()
+            model = _model(width)
             handle = lockstep.replicate(model, policy=_policy(sync, **extra))
             model.load_state_dict(saved[0])
             opt = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -84,13 +89,40 @@ def _rank_run(sync: str, extra: dict[str, Any], resume_at: int | None) -> dict[s
 STRIDED = [[0, 1, 4, 5], [2, 3]]
 
 
+def _scattered_mean(flats: list[torch.Tensor], wire: str) -> torch.Tensor:
+    """The quantized mean over 3 ranks or more: the values cut into one chunk of whole 128-value blocks per
+    rank (block b of B in chunk j when j B / W <= b < (j + 1) B / W, rounded down); each worker's chunk takes
+    the codec's round trip, they are summed in rank order, / W, and the mean takes the round trip again."""
+    codec, world, numel = codec_for(wire), len(flats), flats[0].numel()
+    blocks = -(-numel // 128)
+
+    def round_trip(values: torch.Tensor) -> torch.Tensor:
+        return codec.decode(codec.encode(values), values.numel())
+
+    chunks = []
+    for j in range(world):
+        start, stop = min(numel, j * blocks // world * 128), min(numel, (j + 1) * blocks // world * 128)
+        total = round_trip(flats[0][start:stop])
+        for flat in flats[1:]:
+            total = total + round_trip(flat[start:stop])
+        chunks.append(round_trip(total / world))
+    return torch.cat(chunks)
+
+
 def _reference(
-    sync: str, world: int, wire: torch.dtype | str | None, layout: str = "strided", delay: int = 1
+    sync: str,
+    world: int,
+    wire: torch.dtype | str | None,
+    layout: str = "strided",
+    delay: int = 1,
+    width: int = 7,
+    gather: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Every worker in this process; the outer math written out (see the module docstring). `wire`: a
     dtype the values are cast to, or a quantized format whose round trip each worker's outer gradient
-    takes (the float buffers then travel in float32)."""
-    models = [_model() for _ in range(world)]
+    takes (the float buffers then travel in float32; over 3 workers or more: `_scattered_mean`, unless
+    `gather`: what the all-gather of 2 ranks would give at this world size)."""
+    models = [_model(width) for _ in range(world)]
     opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in models]
     params = [[p for p in m.parameters()] for m in models]
     anchor = [p.detach().float().clone() for p in params[0]]
@@ -102,15 +134,18 @@ def _reference(
 
     def mean(per_worker: list[list[torch.Tensor]], *, values: bool = False) -> list[torch.Tensor]:
         flats = [torch.cat([t.reshape(-1).float() for t in ts]) for ts in per_worker]
-        if isinstance(wire, str) and not values:
-            codec = codec_for(wire)
-            flats = [codec.decode(codec.encode(f), f.numel()) for f in flats]
-        elif isinstance(wire, torch.dtype):
-            flats = [f.to(wire) for f in flats]
-        total = flats[0].float()
-        for f in flats[1:]:
-            total = total + f.float()  # rank order, as the engine sums (W=2: a + b either way)
-        total = total / world
+        if isinstance(wire, str) and not values and world >= 3 and not gather:
+            total = _scattered_mean(flats, wire)
+        else:
+            if isinstance(wire, str) and not values:
+                codec = codec_for(wire)
+                flats = [codec.decode(codec.encode(f), f.numel()) for f in flats]
+            elif isinstance(wire, torch.dtype):
+                flats = [f.to(wire) for f in flats]
+            total = flats[0].float()
+            for f in flats[1:]:
+                total = total + f.float()  # rank order, as the engine sums (W=2: a + b either way)
+            total = total / world
         out, offset = [], 0
         for t in per_worker[0]:
             out.append(total[offset : offset + t.numel()].view(t.shape))

@@ -12,13 +12,17 @@ travel in `SyncPolicy.delta_dtype` ("sync_dtype" in fit and `lockstep train`), o
   a float32 scale (the largest magnitude): magnitudes 0 and scale * 2^-6 .. scale * 2^0, the nearest
   one taken; 4.25 bits a value.
 
-Quantized values cannot be summed by the backend (each rank has its own scales), so every quantized (and
-half-precision) contribution is all-gathered as one uint8 payload (the scales' bytes, then the codes) and
-each rank decodes every rank's payload to float32 and sums them in rank order: every rank gets the same
-bits, run after run. A payload is `payload_bytes(n)` bytes; an all-gather sends it to each of the other
-W - 1 ranks (a ring: (W - 1) * payload per rank on the wire), where a float32 ring all-reduce sends
-2 (W - 1) / W * 4n per rank: the quantized gather saves 8n / (W * payload) on the wire, its payload
-ratio at W = 2 and half of it at W = 4 (SyncPolicy's comm_bytes counts the payload, as for every mode).
+Quantized values cannot be summed by the backend (each rank has its own scales). Over 2 ranks (and
+half-precision values over any number) every contribution is all-gathered as one uint8 payload (the
+scales' bytes, then the codes) and each rank decodes every rank's payload to float32 and sums them in
+rank order: every rank gets the same bits, run after run. A payload p is `payload_bytes(n)` bytes; an
+all-gather sends it to each of the other W - 1 ranks ((W - 1) p per rank on the wire), where a float32
+ring all-reduce sends 2 (W - 1) / W * 4n per rank: the gather saves 8n / (W p), the payload ratio 4n / p
+at W = 2 but half of it at W = 4. From W = 3 quantized outer gradients take a reduce-scatter of encoded
+chunks and an all-gather of the re-encoded mean chunks instead (engine/outer_reduce.py): about
+2 (W - 1) / W * p per rank on the wire, the payload ratio at any W, for a second quantization of the
+mean. comm_bytes counts what a rank hands to the collectives, as for every mode: p for the gather,
+about p (1 + 1 / W) for the two phases (`outer_reduce.scatter_bytes`).
 
 Only outer gradients are quantized: floating buffers (BatchNorm statistics) are values, not differences,
 and travel in float32 (`for_values`). A block's scale must be finite: a non-finite outer gradient (the

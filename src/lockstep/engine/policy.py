@@ -74,7 +74,8 @@ class SyncPolicy:
     - delta_dtype: what the averaged values travel in: None (float32), torch.bfloat16 or torch.float16,
       or a quantized format for the outer gradients of diloco and streaming_diloco, "int8", "int4" or
       "fp4_e3m0" (per block of 128 values with a float32 scale; engine/outer_codec.py). The sum is in
-      float32.
+      float32. Quantized over 3 ranks or more, the mean is quantized again for its all-gather after a
+      quantized reduce-scatter (engine/outer_reduce.py: the payload ratio saved on the wire at any W).
     With deterministic=True the average is gathered and summed in rank order (the same bits run after
     run); accumulate(), buckets, hooks and join() do not apply.
     """

@@ -1,4 +1,4 @@
-"""See every tensor handed to `dist.all_reduce` / `dist.all_gather`: how tests and benchmarks count bytes.
+"""See every tensor handed to `dist.all_reduce` / `all_gather` / `all_to_all_single`: how tests count bytes.
 
 A pass-through: the real collective runs with the same arguments. Hooks call these module attributes
 (torch's own C++ reducer calls no Python collective, so its traffic is not seen here).
@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 @contextmanager
 def watch_collectives(on_tensor: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    """Call `on_tensor(tensor)` for each tensor passed to all_reduce / all_gather inside the block."""
-    real_reduce, real_gather = dist.all_reduce, dist.all_gather
+    """Call `on_tensor(tensor)` for each tensor passed to all_reduce / all_gather inside the block, and for
+    the input of each all_to_all_single (the quantized outer sync's reduce-scatter, engine/outer_reduce.py)."""
+    real_reduce, real_gather, real_scatter = dist.all_reduce, dist.all_gather, dist.all_to_all_single
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         on_tensor(tensor)
@@ -27,8 +28,14 @@ def watch_collectives(on_tensor: Callable[[torch.Tensor], None]) -> Iterator[Non
         on_tensor(tensor)
         return real_gather(out, tensor, *args, **kwargs)
 
+    def all_to_all_single(out: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        on_tensor(tensor)
+        return real_scatter(out, tensor, *args, **kwargs)
+
     dist.all_reduce, dist.all_gather = all_reduce, all_gather  # type: ignore[assignment]
+    dist.all_to_all_single = all_to_all_single  # type: ignore[assignment]
     try:
         yield
     finally:
         dist.all_reduce, dist.all_gather = real_reduce, real_gather  # type: ignore[assignment]
+        dist.all_to_all_single = real_scatter  # type: ignore[assignment]
