@@ -8,8 +8,13 @@ same way is subtracted. Reported per rank (the total over the ranks / W) beside 
 the collective (what comm_bytes counts) and the formula:
 
 - fp32 (not deterministic): a ring all-reduce, 2 (W - 1) / W * 4n per rank;
-- every other format: an all-gather of the payload p, (W - 1) * p per rank (bf16: 2n; int8: 4 ceil(n/128)
-  + n; int4 and fp4_e3m0: 4 ceil(n/128) + ceil(n/2)).
+- bf16, and the quantized formats at W = 2: an all-gather of the payload p, (W - 1) * p per rank (bf16:
+  2n; int8: 4 ceil(n/128) + n; int4 and fp4_e3m0: 4 ceil(n/128) + ceil(n/2));
+- the quantized formats at W >= 3 (engine/outer_reduce.py): a reduce-scatter of the W chunks' payloads
+  p_j (each rank sends the W - 1 others': (W - 1) / W * sum p_j per rank on average), then a ring
+  all-gather of the mean chunks padded to max p_j ((W - 1) * max p_j): about 2 (W - 1) / W * p.
+  `--schemes gather` forces the gather there instead (the scheme before it), `--schemes scatter` the
+  reduce-scatter at W = 2 too, for comparison.
 
     unshare -n sh -c 'ip link set lo up && OMP_NUM_THREADS=1 .venv/bin/python benchmarks/outer_quant_wire.py'
 """
@@ -28,6 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import lockstep  # noqa: E402
+from lockstep.engine import outer_reduce  # noqa: E402
 from lockstep.engine.outer_codec import codec_for  # noqa: E402
 from lockstep.testing import run_distributed  # noqa: E402
 
@@ -55,7 +61,11 @@ def _interval(action: Any) -> int:
     return after - before
 
 
-def worker(numel: int, wire: str) -> dict[str, int]:
+def worker(numel: int, wire: str, scheme: str) -> dict[str, int]:
+    if scheme == "gather":  # the quantized gather at any W (what every W used before outer_reduce.py)
+        outer_reduce.SCATTER_FROM_WORLD = sys.maxsize
+    elif scheme == "scatter":  # the reduce-scatter at W = 2 too
+        outer_reduce.SCATTER_FROM_WORLD = 2
     torch.manual_seed(dist.get_rank())
     model = torch.nn.Module()
     model.weight = torch.nn.Parameter(torch.zeros(numel))
@@ -72,26 +82,51 @@ def worker(numel: int, wire: str) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=3_200_512)
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--formats", nargs="+", default=["fp32", "int8", "int4"], choices=list(FORMATS))
+    parser.add_argument(
+        "--schemes",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "gather", "scatter"],
+        help="quantized formats: gather (never scatter) or scatter (from W = 2) besides the default",
+    )
     args = parser.parse_args()
     n = args.numel
     print(
-        "| W | sync_dtype | payload / rank (comm_bytes) | on the wire / rank | formula / rank | wire vs fp32 |"
+        "| W | sync_dtype | scheme | payload / rank (comm_bytes) | on the wire / rank | formula / rank | "
+        "wire vs fp32 |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for world in args.worlds:
         fp32_wire = 0.0
-        for wire in FORMATS:
-            outs = run_distributed(worker, world, args=(n, wire), timeout=300)
-            per_rank = outs[0]["wire"] / world
-            p = codec_for(FORMATS[wire]).payload_bytes(n)
-            formula = 2 * (world - 1) / world * 4 * n if wire == "fp32" else (world - 1) * p
-            fp32_wire = fp32_wire or per_rank
-            print(
-                f"| {world} | {wire} | {outs[0]['payload']:,} | {per_rank:,.0f} | {formula:,.0f} | "
-                f"{fp32_wire / per_rank:.2f}x fewer |",
-                flush=True,
-            )
+        for wire in args.formats:
+            codec = codec_for(FORMATS[wire])
+            default = "scatter" if outer_reduce.scatters(codec, world) else "gather"
+            for scheme in args.schemes if codec.quantized else ["auto"]:
+                used = default if scheme == "auto" else scheme
+                if scheme != "auto" and used == default:
+                    continue  # the default's run
+                outs = run_distributed(worker, world, args=(n, wire, scheme), timeout=300)
+                per_rank = outs[0]["wire"] / world
+                if wire == "fp32":
+                    used = "all-reduce"
+                fp32_wire = fp32_wire or per_rank
+                print(
+                    f"| {world} | {wire} | {used} | {outs[0]['payload']:,} | {per_rank:,.0f} | "
+                    f"{_formula(codec, n, world, used):,.0f} | {fp32_wire / per_rank:.2f}x fewer |",
+                    flush=True,
+                )
+
+
+def _formula(codec: Any, n: int, world: int, scheme: str) -> float:
+    """The bytes on the wire per rank (the module doc), TCP/IP headers left out."""
+    if scheme == "all-reduce":
+        return 2 * (world - 1) / world * 4 * n
+    if scheme == "gather":
+        return (world - 1) * codec.payload_bytes(n)
+    chunks = [codec.payload_bytes(stop - start) for start, stop in outer_reduce.chunk_bounds(n, world)]
+    return (world - 1) / world * sum(chunks) + (world - 1) * max(chunks)
 
 
 if __name__ == "__main__":
