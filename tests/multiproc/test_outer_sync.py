@@ -91,7 +91,7 @@ STRIDED = [[0, 1, 4, 5], [2, 3]]
 
 def _scattered_mean(flats: list[torch.Tensor], wire: str) -> torch.Tensor:
     """The quantized mean over 3 ranks or more: the values cut into one chunk of whole 128-value blocks per
-    rank (block b of B in chunk j when j B / W <= b < (j + 1) B / W, rounded down); each worker's chunk takes
+    rank (B = qW + r blocks: the first r chunks take q + 1 blocks, the others q); each worker's chunk takes
     the codec's round trip, they are summed in rank order, / W, and the mean takes the round trip again."""
     codec, world, numel = codec_for(wire), len(flats), flats[0].numel()
     blocks = -(-numel // 128)
@@ -101,7 +101,8 @@ def _scattered_mean(flats: list[torch.Tensor], wire: str) -> torch.Tensor:
 
     chunks = []
     for j in range(world):
-        start, stop = min(numel, j * blocks // world * 128), min(numel, (j + 1) * blocks // world * 128)
+        q, r = divmod(blocks, world)
+        start, stop = (min(numel, (i * q + min(i, r)) * 128) for i in (j, j + 1))
         total = round_trip(flats[0][start:stop])
         for flat in flats[1:]:
             total = total + round_trip(flat[start:stop])

@@ -21,8 +21,8 @@ ring all-reduce sends 2 (W - 1) / W * 4n per rank: the gather saves 8n / (W p), 
 at W = 2 but half of it at W = 4. From W = 3 quantized outer gradients take a reduce-scatter of encoded
 chunks and an all-gather of the re-encoded mean chunks instead (engine/outer_reduce.py): about
 2 (W - 1) / W * p per rank on the wire, the payload ratio at any W, for a second quantization of the
-mean. comm_bytes counts what a rank hands to the collectives, as for every mode: p for the gather,
-about p (1 + 1 / W) for the two phases (`outer_reduce.scatter_bytes`).
+mean. comm_bytes counts the bytes a rank's inputs send to other ranks, each once, as for every mode:
+p for the gather, about p for the two phases (`outer_reduce.sent_bytes`).
 
 Only outer gradients are quantized: floating buffers (BatchNorm statistics) are values, not differences,
 and travel in float32 (`for_values`). A block's scale must be finite: a non-finite outer gradient (the

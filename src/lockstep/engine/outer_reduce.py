@@ -6,8 +6,9 @@ on the wire per rank, which saves the payload ratio 4n / p over float32's ring a
 (`SCATTER_FROM_WORLD`) the mean takes two collectives instead, as torchft and Streaming DiLoCo do:
 
 1. every rank cuts its flat float32 outer gradient into W chunks of whole 128-value blocks (the codec's
-   BLOCK; `chunk_bounds`: the same cut on every rank, as even as whole blocks allow, the last chunk may
-   end in a partial block and chunks may be empty when there are fewer blocks than ranks), encodes each
+   BLOCK; `chunk_bounds`: the same cut on every rank, as even as whole blocks allow, the larger chunks
+   first; the last chunk may end in a partial block, and with fewer blocks than ranks the last chunks
+   are empty), encodes each
    chunk, and sends chunk j to rank j (one `all_to_all_single`: gloo sends each peer its chunk directly);
 2. rank j decodes the W chunks j it received, sums them in float32 in rank order, divides by W and
    encodes that mean chunk again with the same codec; every rank all-gathers the encoded mean chunks
@@ -18,15 +19,19 @@ fixed). On the wire per rank: (W - 1) / W * p in phase 1 and (W - 1) / W * p in 
 2 (W - 1) / W * p: the saving over float32 is the payload ratio (int8 3.88x, 4 bits 7.53x) at any W. The
 price: the mean is quantized a second time (its own scales, block by block), so the result differs
 from the gather's (which quantizes each rank's values once, and stays in use at W = 2, where it already
-reaches the payload ratio). comm_bytes counts what this rank hands to the collectives, as for every
-mode: its W encoded chunks (about p) and its padded mean chunk (about p / W).
+reaches the payload ratio). comm_bytes counts the bytes a rank's inputs send to other ranks, each once,
+as for every mode (an all-reduce's 4n, a gather's p): the W - 1 encoded chunks of the others (its own
+stays) and its padded mean chunk, about p (W - 1) / W + p / W = p (`sent_bytes`; ranks differ by at most
+a chunk). So comm_bytes vs float32's 4n is the payload ratio, as on the wire.
 
-The second collective needs the first one's answer: `ScatteredMean` launches phase 1 when it is made,
-phase 2 in `advance()` (which waits for phase 1) and waits for phase 2 in `result()`. OuterSync advances
-the means in flight at the next inner step (engine/outer_sync.py), so that with streaming DiLoCo's
-fragment_delay >= 2 both phases overlap inner steps; with fragment_delay = 1 phase 2 is launched and
-waited for when the mean is due, and only phase 1 overlaps. Both collectives are numbered for the hang
-watchdog (op "outer sync (all_to_all)", then "outer sync (all_gather)"), on every rank in the same order.
+The second collective needs the first one's answer. Both are launched when the mean is (on every rank
+at the same point): phase 1 is waited for there, phase 2 is left in flight, and `result()` only waits for
+it. So streaming DiLoCo's overlap (fragment_delay) covers phase 2; phase 1, about half the bytes, is
+waited for at the fragment's sync. Launching phase 2 later (at the next inner step, or in `result()`)
+would overlap both, but `result()` is also called by one rank alone (rank 0 writing a checkpoint waits
+for the means in flight, engine/outer_sync.py): a collective launched there would be rank 0's alone, and
+mismatch its peers' next one. Both collectives are numbered for the hang watchdog (op "outer sync
+(all_to_all)", then "outer sync (all_gather)").
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import torch.distributed as dist
 from lockstep.engine.outer_codec import BLOCK, Codec, NonFiniteOuterGradient
 from lockstep.errors import InternalError
 from lockstep.runtime.progress import PROGRESS
-from lockstep.runtime.waits import wait_tracked
+from lockstep.runtime.waits import tracked, wait_tracked, wait_watching_membership
 
 SCATTER_FROM_WORLD = 3  # below, the one all-gather already saves the payload ratio and quantizes once
 
@@ -52,22 +57,24 @@ def scatters(codec: Codec, world: int) -> bool:
 
 def chunk_bounds(numel: int, world: int) -> list[tuple[int, int]]:
     """The values [start, stop) of rank j's chunk, for j in 0..world-1: whole BLOCKs, dealt as evenly as
-    whole blocks allow (the last chunk ends at `numel`; with fewer blocks than ranks, some are empty)."""
+    whole blocks allow, the larger chunks first (the last non-empty chunk ends at `numel`; with fewer
+    blocks than ranks, the last chunks are empty)."""
     blocks = -(-numel // BLOCK)
-    edges = [j * blocks // world for j in range(world + 1)]
+    each, extra = divmod(blocks, world)  # the first `extra` chunks take one block more
+    edges = [j * each + min(j, extra) for j in range(world + 1)]
     return [(min(numel, a * BLOCK), min(numel, b * BLOCK)) for a, b in zip(edges, edges[1:])]
 
 
-def scatter_bytes(codec: Codec, numel: int, world: int) -> int:
-    """The bytes one rank hands to the two collectives of a mean of `numel` values (what comm_bytes counts):
-    its W encoded chunks, then its mean chunk padded to the largest chunk's payload."""
+def sent_bytes(codec: Codec, numel: int, world: int, rank: int) -> int:
+    """The bytes rank `rank` sends to the others in a mean of `numel` values (what comm_bytes counts): the
+    encoded chunks of the W - 1 other ranks, then its mean chunk padded to the largest chunk's payload."""
     sizes = [codec.payload_bytes(stop - start) for start, stop in chunk_bounds(numel, world)]
-    return sum(sizes) + max(sizes)
+    return sum(sizes) - sizes[rank] + max(sizes)
 
 
 class ScatteredMean:
-    """One mean in two collectives (module doc): phase 1 is launched here, phase 2 by `advance()`, the
-    float32 answer is `result()`. `handed`: the bytes phase 1 handed to its collective."""
+    """One mean in two collectives (module doc): made, it runs phase 1 (waited for) and launches phase 2;
+    `result()` waits for phase 2 and is the float32 mean. `sent`: the bytes sent to the other ranks."""
 
     def __init__(
         self,
@@ -80,56 +87,53 @@ class ScatteredMean:
         sizes: Sequence[int] = (),
     ) -> None:
         self.codec, self.group, self.world = codec, group, world
-        self.rank = dist.get_rank(group)
         self.bounds = chunk_bounds(flat.numel(), world)
         self.payload = [codec.payload_bytes(stop - start) for start, stop in self.bounds]
+        received = self._scatter(flat, dist.get_rank(group), names, sizes)
+        padded = self._mean_chunk(received, dist.get_rank(group))
+        self.parts: list[torch.Tensor] | None = [torch.empty_like(padded) for _ in range(world)]
+        self.record = PROGRESS.issue("outer sync (all_gather)", [padded], group)
+        self.record.work = dist.all_gather(self.parts, padded, group=group, async_op=True)
+        self.sent += padded.numel()
+
+    def _scatter(
+        self, flat: torch.Tensor, rank: int, names: Sequence[str], sizes: Sequence[int]
+    ) -> torch.Tensor:
+        """Phase 1: chunk j, encoded, to rank j; back, every rank's chunk `rank`, in rank order (waited)."""
         try:
-            chunks = [codec.encode(flat[start:stop]) for start, stop in self.bounds]
+            chunks = [self.codec.encode(flat[start:stop]) for start, stop in self.bounds]
         except NonFiniteOuterGradient:
-            codec.encode(flat, names=names, sizes=sizes)  # raises again, naming the parameter and value
+            self.codec.encode(flat, names=names, sizes=sizes)  # raises again, naming the parameter and value
             raise
         send = torch.cat(chunks)
-        mine = self.payload[self.rank]
-        self.received: torch.Tensor | None = send.new_empty(world * mine)
-        self.parts: list[torch.Tensor] | None = None  # phase 2's gathered mean chunks, once launched
-        self.record = PROGRESS.issue("outer sync (all_to_all)", [send], group)
-        self.record.work = dist.all_to_all_single(
-            self.received,
-            send,
-            output_split_sizes=[mine] * world,
-            input_split_sizes=self.payload,
-            group=group,
-            async_op=True,
-        )
-        self.handed = send.numel()
+        mine = self.payload[rank]
+        received = send.new_empty(self.world * mine)
+        self.sent = send.numel() - mine  # its own chunk stays
+        with tracked("outer sync (all_to_all)", [send], self.group):
+            splits = {"output_split_sizes": [mine] * self.world, "input_split_sizes": self.payload}
+            work = dist.all_to_all_single(received, send, **splits, group=self.group, async_op=True)
+            wait_watching_membership(work)  # live mode: gives up when a member is lost
+        return received
 
-    def advance(self) -> int:
-        """Phase 2, once: wait for phase 1, take the mean of this rank's chunk (decoded, summed in rank
-        order in float32, / W), encode it and launch the all-gather of the mean chunks. Returns the bytes
-        handed to that collective (0 when it was launched before)."""
-        if self.received is None:
-            return 0
-        wait_tracked(self.record, self.record.work)
-        start, stop = self.bounds[self.rank]
-        count, size = stop - start, self.payload[self.rank]
+    def _mean_chunk(self, received: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's chunk of the mean: decoded, summed in rank order in float32, / W, encoded again and
+        padded to the largest chunk's payload (gloo gathers equal sizes)."""
+        start, stop = self.bounds[rank]
+        count, size = stop - start, self.payload[rank]
         # rank i's chunk in row i (no values: empty rows); a copy each, for the float32 scales' alignment
-        pieces = [row.clone() for row in self.received.view(self.world, size)]
+        pieces = [row.clone() for row in received.view(self.world, size)]
         mean = self.codec.decode(pieces[0], count)
         for piece in pieces[1:]:  # in rank order: the same bits on every rank and in every run
             mean += self.codec.decode(piece, count)
         mean.div_(self.world)
         encoded = self.codec.encode(mean)
-        padded = torch.nn.functional.pad(encoded, (0, max(self.payload) - encoded.numel()))
-        self.received = None
-        self.parts = [torch.empty_like(padded) for _ in range(self.world)]
-        self.record = PROGRESS.issue("outer sync (all_gather)", [padded], self.group)
-        self.record.work = dist.all_gather(self.parts, padded, group=self.group, async_op=True)
-        return padded.numel()
+        return torch.nn.functional.pad(encoded, (0, max(self.payload) - encoded.numel()))
 
     def result(self) -> torch.Tensor:
-        """The mean (float32, flat): wait for phase 2 (launched by `advance()`), decode every mean chunk."""
+        """The mean (float32, flat): wait for phase 2 (a wait only: a rank may call it alone), decode every
+        mean chunk."""
         if self.parts is None:
-            raise InternalError("ScatteredMean.result() before advance(): phase 2 was never launched")
+            raise InternalError("ScatteredMean.result() called twice: the mean was taken already")
         wait_tracked(self.record, self.record.work)
         means = [
             self.codec.decode(part[:size], stop - start)

@@ -29,9 +29,9 @@ bfloat16/float16 to send half the bytes, or the outer gradients quantized to int
 of engine/outer_codec.py), gathered from every rank, decoded and summed locally in float32; in float32
 without deterministic mode it is one all-reduce (a sum, then / W). Quantized outer gradients over
 W >= 3 ranks take a quantized reduce-scatter and an all-gather of the re-quantized mean instead
-(engine/outer_reduce.py: the payload ratio saved on the wire at any W), phase 2 launched at the next
-inner step or when the mean is due. Either way every rank gets the same bits; with gathering, the same
-bits run after run whatever the backend's reduction order.
+(engine/outer_reduce.py: the payload ratio saved on the wire at any W; its first phase is waited for at
+the launch, its second is what stays in flight). Either way every rank gets the same bits; with
+gathering, the same bits run after run whatever the backend's reduction order.
 
 The state that a resume needs (inner steps counted, the anchor and the outer optimizer's momentum) is
 `state_dict()`; `state_dict(wait=False)` does not wait for the fragments' means in flight and holds this
@@ -65,9 +65,9 @@ from lockstep.runtime.waits import wait_tracked
 
 class _Mean:
     """A mean over the ranks, launched: `result()` waits, sums the gathered parts in rank order in float32
-    (or takes the all-reduced sum), divides by the world size, and keeps the answer; or, `scattered`, the
-    two phases of engine/outer_reduce.py (`advance()` launches the second). `contribution`: this rank's
-    own values, until the answer is back (what a rollback in live mode sends again)."""
+    (or takes the all-reduced sum), divides by the world size, and keeps the answer; or, `scattered`,
+    waits for the second phase of engine/outer_reduce.py, which holds the mean. `contribution`: this
+    rank's own values, until the answer is back (what a rollback in live mode sends again)."""
 
     def __init__(
         self,
@@ -95,15 +95,9 @@ class _Mean:
             self.codec, self.scattered = launched.codec, launched.scattered
             self.done = launched.done
 
-    def advance(self, owner: OuterSync) -> None:
-        """A two-phase mean whose first phase was launched earlier: wait for it, launch the second."""
-        if self.scattered is not None:
-            owner.bytes_sent += self.scattered.advance()
-
     def result(self, owner: OuterSync) -> list[torch.Tensor]:
         self.launch(owner)
         if not self.done and self.scattered is not None:
-            self.advance(owner)
             self.flat = self.scattered.result()  # the mean already
             self.done, self.scattered, self.contribution = True, None, None
         if not self.done:
@@ -164,7 +158,7 @@ class OuterSync:
         self.warmup_steps = policy.warmup_steps
         self.inner_steps = 0  # optimizer steps since the start (after_optimizer_step calls)
         self.outer_syncs = 0  # fragments synced so far
-        self.bytes_sent = 0  # payload handed to the collectives, every phase (what comm_bytes counts)
+        self.bytes_sent = 0  # payload sent by the collectives' inputs, every phase (what comm_bytes counts)
         self.anchor = [
             a for piece in self.pieces for a in piece.anchor
         ]  # in parameter order (none: local SGD)
@@ -201,16 +195,12 @@ class OuterSync:
     def after_optimizer_step(self) -> bool:
         """Count one inner step; sync the fragments it completes. True when something was synced (or, with
         a delayed algorithm (streaming), started: it is applied fragment_delay inner steps later). The
-        warm-up's last step restarts the anchors from the (equal) replicas: the first round starts there.
-        The two-phase means in flight (quantized, W >= 3: engine/outer_reduce.py) launched at an earlier
-        step take their second collective now, so that with fragment_delay >= 2 it overlaps inner steps too."""
+        warm-up's last step restarts the anchors from the (equal) replicas: the first round starts there."""
         self.inner_steps += 1
         if self.inner_steps == self.warmup_steps:
             self._restart_anchors()
             return True
         self._apply_due()  # means launched fragment_delay inner steps ago
-        for entry in self.pending:  # two-phase means launched before this step: their second phase now
-            entry.mean.advance(self)
         due = self.due(self.inner_steps)
         for f in due:
             with torch.no_grad():
@@ -271,9 +261,9 @@ class OuterSync:
     def _start_mean(
         self, tensors: list[torch.Tensor], *, codec: Codec | None = None, names: list[str] | None = None
     ) -> _Mean:
-        """Launch the collective of a mean (module doc); `result()` waits for it (a two-phase mean's second
-        collective is launched by `advance()` or `result()`, on every rank at the same point). `codec`: the
-        wire format (default: the outer gradients'); `names`: the tensors' parameters, for a codec's error."""
+        """Launch the collective of a mean (module doc); `result()` waits for it (a wait only: one rank may
+        call it alone). `codec`: the wire format (default: the outer gradients'); `names`: the tensors'
+        parameters, for a codec's error."""
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
         shapes = [t.shape for t in tensors]
         codec = codec or self.codec
@@ -283,7 +273,7 @@ class OuterSync:
         # quantized, W >= 3: a reduce-scatter, then an all-gather (outer_reduce.py)
         if scatters(codec, self.world):
             scattered = ScatteredMean(flat, codec, self.group, self.world, names=names or (), sizes=sizes)
-            self.bytes_sent += scattered.handed
+            self.bytes_sent += scattered.sent
             return _Mean(shapes, flat, contribution=flat, codec=codec, scattered=scattered)
         if codec.name == "fp32" and not self.policy.deterministic:
             self.bytes_sent += flat.numel() * flat.element_size()
