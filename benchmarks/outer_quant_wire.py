@@ -4,8 +4,8 @@ DiLoCo's outer sync of one parameter tensor of --numel values (the low_comm benc
 3,200,512), on W ranks of gloo over TCP on the loopback interface of a network namespace of its own
 (run it under `unshare -n`, as root: then nothing else uses that interface). The interface's byte counters
 (/proc/net/dev, TCP/IP headers included) are read around the sync; a barrier-only interval measured the
-same way is subtracted. Reported per rank (the total over the ranks / W) beside the payload a rank hands to
-the collective (what comm_bytes counts) and the formula:
+same way is subtracted. Reported per rank (the total over the ranks / W) beside the bytes rank 0 counts in
+comm_bytes (its payload, or what its inputs send the others) and the formula:
 
 - fp32 (not deterministic): a ring all-reduce, 2 (W - 1) / W * 4n per rank;
 - bf16, and the quantized formats at W = 2: an all-gather of the payload p, (W - 1) * p per rank (bf16:
