@@ -206,8 +206,10 @@ def report(res: dict[str, Any], args: argparse.Namespace, plot: Path) -> str:
         "Model: TinyGPT "
         f"dim {args.dim}, depth {args.depth}, context {args.context} ({res['params']:,} parameters). Token "
         f"budget: {args.steps} steps x {args.batch} sequences x 2 ranks = {tokens:,} tokens. AdamW lr {args.lr}; "
-        f"H = {args.sync_every}, outer lr {args.outer_lr}, outer momentum {args.outer_momentum} (Nesterov), "
-        f"{args.fragments} fragments for streaming; DiLoCo's deltas sent in {args.sync_dtype}. Every arm starts "
+        f"H = {args.sync_every}, outer lr {args.outer_lr}, outer momentum {args.outer_momentum} (Nesterov, "
+        f"rising from 0 over the first {args.outer_momentum_warmup} outer steps), {args.fragments} fragments "
+        f"for streaming ({args.fragment_layout}, mix {args.fragment_mix}, delay {args.fragment_delay}); "
+        f"DiLoCo's deltas sent in {args.sync_dtype}. Every arm starts "
         f"from the same {args.warmup} synchronous (DDP) steps, untimed and uncounted. Wall time excludes "
         "evaluation.",
         "",
