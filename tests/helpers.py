@@ -11,6 +11,10 @@
 - The tiny training job of the SLURM and multi-host tests (`TINY`, `result_line`, `tiny_run`; the
   `tiny_reference` fixture of tests/cli/conftest.py runs it once), and `slurm_cli`.
 - The documentation site (tests/docs): `DOCS`, and `code_blocks(page)`, a Markdown page's fenced blocks.
+- The GPU tier (tests/gpu): `GPU_MARKS`, `GPU_DEVICE`, `GPU_BACKEND`, `gpu_device()`, `needs_cuda`, and
+  the switch LOCKSTEP_GPU_TIER_ON_CPU=1 that runs the tier on the CPU to check the tests themselves.
+- The periodic sync modes' reference (test_outer_sync.py, tests/gpu): `outer_model`, `outer_inner`,
+  `outer_reference`, `scattered_mean`, on any device.
 
 The SLURM cluster and network-namespace "hosts" are a harness, not helpers: tests/testbed/.
 Rank functions handed to lockstep.testing.run_distributed may live here: the ranks import this module.
@@ -30,10 +34,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import pytest
 import torch
 from torch import nn
 
 import lockstep
+from lockstep.engine.outer_codec import codec_for
+from lockstep.engine.outer_sync import MIX, fragment_bounds
 from lockstep.testing.parity import ParityCase, assert_tensors_close, grads_of, params_of, wrap
 from tests.testbed.system import free_port
 
@@ -55,6 +62,13 @@ __all__ = [
     "TINY",
     "TINY_STEPS",
     "DetNet",
+    "GPU_BACKEND",
+    "GPU_DEVICE",
+    "GPU_MARKS",
+    "GPU_TIER_ON_CPU",
+    "OUTER_EVERY",
+    "OUTER_STEPS",
+    "OUTER_STRIDED",
     "JOB_TIMEOUT",
     "HostCopyCounter",
     "ParityCase",
@@ -69,12 +83,18 @@ __all__ = [
     "det_data",
     "det_micro",
     "free_port",
+    "gpu_device",
     "grads_of",
     "lockstep_cli",
     "lockstep_cmd",
+    "needs_cuda",
+    "outer_inner",
+    "outer_model",
+    "outer_reference",
     "params_of",
     "result_line",
     "run_cli",
+    "scattered_mean",
     "slurm_cli",
     "state_digest",
     "tiny_run",
@@ -537,3 +557,186 @@ _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
 def code_blocks(page: Path) -> list[tuple[str, str]]:
     """(language, text) of each fenced code block of a Markdown page, in order (fences start a line)."""
     return [(m.group(1), m.group(2)) for m in _FENCE.finditer(page.read_text())]
+
+
+# ---------------------------------------------------------------- the GPU tier (tests/gpu)
+
+# LOCKSTEP_GPU_TIER_ON_CPU=1 runs tests/gpu where there is no GPU, to check the tests' own logic before a
+# GPU session: the device is then "cpu" and gloo stands in for nccl. What only CUDA can show (a replica on
+# two device types) stays skipped, with `needs_cuda`.
+GPU_TIER_ON_CPU = os.environ.get("LOCKSTEP_GPU_TIER_ON_CPU") == "1"
+GPU_DEVICE = "cpu" if GPU_TIER_ON_CPU else "cuda"
+GPU_BACKEND = "gloo" if GPU_TIER_ON_CPU else "nccl"  # NCCL: one rank per GPU, so world 1 on one GPU
+GPU_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not GPU_TIER_ON_CPU and not torch.cuda.is_available(),
+        reason="needs a CUDA device (LOCKSTEP_GPU_TIER_ON_CPU=1 runs it on the CPU)",
+    ),
+]
+needs_cuda = pytest.mark.skipif(GPU_TIER_ON_CPU, reason="only a CUDA device shows it")
+
+
+def gpu_device() -> torch.device:
+    """The GPU tier's device in a rank: cuda:0 (every rank shares the one GPU), or the CPU (see above)."""
+    return torch.device("cpu") if GPU_TIER_ON_CPU else torch.device("cuda", 0)
+
+
+# ---------------------------------------------------------------- the periodic sync modes' reference
+#
+# Low-communication training (SyncPolicy.sync) against a reference (tests/multiproc/test_outer_sync.py, and
+# on CUDA tests/gpu/test_gpu_sync.py): every worker runs in one process, one after the other, with the
+# same inner math (each its own model copy, AdamW and data) and the outer math written out plainly: the
+# mean of the parameters (local SGD), or the mean of the outer gradients anchor - local fed to torch's SGD
+# with Nesterov momentum (rising from 0 to 0.9 over the first outer steps, the default) on the anchor
+# (DiLoCo), fragment by fragment on their staggered steps, each applied fragment_delay inner steps after
+# its launch (one by default; several may be in flight at once) and merged with the local values
+# (streaming). Quantized outer gradients over 3 ranks or more take the engine's reduce-scatter
+# (engine/outer_reduce.py): `scattered_mean` writes it out.
+
+OUTER_STEPS, OUTER_EVERY = 9, 3
+
+
+def outer_model(width: int = 7, device: str | torch.device = "cpu") -> nn.Module:
+    """The model of the periodic sync modes' tests: the same weights on every worker, on `device`."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, width), nn.Tanh(), nn.Linear(width, 3), nn.BatchNorm1d(3)).to(device)
+
+
+def outer_inner(model: nn.Module, opt: torch.optim.Optimizer, worker: int, step: int) -> None:
+    """One inner step of `worker` (its data a function of worker and step, made on the CPU, then moved to
+    the model's device)."""
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1000 * worker + step))
+    model(x.to(next(model.parameters()).device)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+# streaming's fragments of outer_model() (fragments=2): the strided layout deals its layers (Linear, Linear,
+# BatchNorm) out in turn, the contiguous one cuts runs of about equal size
+OUTER_STRIDED = [[0, 1, 4, 5], [2, 3]]
+
+
+def scattered_mean(flats: list[torch.Tensor], wire: str) -> torch.Tensor:
+    """The quantized mean over 3 ranks or more: the values cut into one chunk of whole 128-value blocks per
+    rank (B = qW + r blocks: the first r chunks take q + 1 blocks, the others q); each worker's chunk takes
+    the codec's round trip, they are summed in rank order, / W, and the mean takes the round trip again."""
+    codec, world, numel = codec_for(wire), len(flats), flats[0].numel()
+    blocks = -(-numel // 128)
+
+    def round_trip(values: torch.Tensor) -> torch.Tensor:
+        return codec.decode(codec.encode(values), values.numel())
+
+    chunks = []
+    for j in range(world):
+        q, r = divmod(blocks, world)
+        start, stop = (min(numel, (i * q + min(i, r)) * 128) for i in (j, j + 1))
+        total = round_trip(flats[0][start:stop])
+        for flat in flats[1:]:
+            total = total + round_trip(flat[start:stop])
+        chunks.append(round_trip(total / world))
+    return torch.cat(chunks)
+
+
+def outer_reference(
+    sync: str,
+    world: int,
+    wire: torch.dtype | str | None,
+    layout: str = "strided",
+    delay: int = 1,
+    width: int = 7,
+    gather: bool = False,
+    device: str | torch.device = "cpu",
+) -> list[dict[str, torch.Tensor]]:
+    """Every worker in this process; the outer math written out (see this section's comment). `wire`: a
+    dtype the values are cast to, or a quantized format whose round trip each worker's outer gradient
+    takes (the float buffers then travel in float32; over 3 workers or more: `scattered_mean`, unless
+    `gather`: what the all-gather of 2 ranks would give at this world size)."""
+    models = [outer_model(width, device) for _ in range(world)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in models]
+    params = [[p for p in m.parameters()] for m in models]
+    anchor = [p.detach().float().clone() for p in params[0]]
+    count = 2 if sync == "streaming_diloco" else 1
+    frags: list[Any] = fragment_bounds([p.numel() for p in params[0]], count)
+    if count > 1 and layout == "strided":
+        frags = OUTER_STRIDED
+    outer = [torch.optim.SGD([anchor[i] for i in f], lr=0.7, momentum=0.9, nesterov=True) for f in frags]
+
+    def mean(per_worker: list[list[torch.Tensor]], *, values: bool = False) -> list[torch.Tensor]:
+        flats = [torch.cat([t.reshape(-1).float() for t in ts]) for ts in per_worker]
+        if isinstance(wire, str) and not values and world >= 3 and not gather:
+            total = scattered_mean(flats, wire)
+        else:
+            if isinstance(wire, str) and not values:
+                codec = codec_for(wire)
+                flats = [codec.decode(codec.encode(f), f.numel()) for f in flats]
+            elif isinstance(wire, torch.dtype):
+                flats = [f.to(wire) for f in flats]
+            total = flats[0].float()
+            for f in flats[1:]:
+                total = total + f.float()  # rank order, as the engine sums (W=2: a + b either way)
+            total = total / world
+        out, offset = [], 0
+        for t in per_worker[0]:
+            out.append(total[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        return out
+
+    ramp = lockstep.SyncPolicy().outer_momentum_warmup  # the default: momentum 0 -> 0.9 over 10 outer steps
+    taken = [0] * len(frags)
+
+    def outer_step(f: int, grads: list[torch.Tensor]) -> None:
+        for i, g in zip(frags[f], grads):
+            anchor[i].grad = g
+        taken[f] += 1
+        outer[f].param_groups[0]["momentum"] = 0.9 * min(1.0, (taken[f] - 1) / ramp)
+        outer[f].step()
+        for i in frags[f]:
+            anchor[i].grad = None
+
+    def after_fragment(f: int) -> None:
+        if f == count - 1:
+            bufs = [[b for b in m.buffers() if b.is_floating_point()] for m in models]
+            avg = mean(bufs, values=True)
+            for w in range(world):
+                for b, value in zip(bufs[w], avg):
+                    b.copy_(value)
+
+    def merge(f: int, grads: list[torch.Tensor]) -> None:  # streaming: `delay` inner steps after the launch
+        outer_step(f, grads)
+        for w in range(world):
+            for i in frags[f]:
+                params[w][i].copy_(params[w][i].float().mul_(MIX).add_(anchor[i], alpha=1 - MIX))
+        after_fragment(f)
+
+    pending: list[tuple[int, int, list[torch.Tensor]]] = []  # (apply after step, fragment, mean), in order
+    for step in range(OUTER_STEPS):
+        for w in range(world):
+            outer_inner(models[w], opts[w], w, step)
+        done = step + 1
+        with torch.no_grad():
+            while pending and pending[0][0] <= done:
+                merge(*pending.pop(0)[1:])
+            for f, frag in enumerate(frags):
+                if done % OUTER_EVERY != ((f + 1) * OUTER_EVERY // count) % OUTER_EVERY:
+                    continue
+                if sync == "streaming_diloco":
+                    grads = mean([[anchor[i] - params[w][i].float() for i in frag] for w in range(world)])
+                    pending.append((done + delay, f, grads))
+                    while pending and pending[0][0] <= done:  # delay 0: at once
+                        merge(*pending.pop(0)[1:])
+                    continue
+                if sync == "local_sgd":
+                    avg = mean([[params[w][i] for i in frag] for w in range(world)])
+                    for w in range(world):
+                        for i, value in zip(frag, avg):
+                            params[w][i].copy_(value)
+                else:
+                    outer_step(
+                        f, mean([[anchor[i] - params[w][i].float() for i in frag] for w in range(world)])
+                    )
+                    for w in range(world):
+                        for i in frag:
+                            params[w][i].copy_(anchor[i])
+                after_fragment(f)
+    return [m.state_dict() for m in models]

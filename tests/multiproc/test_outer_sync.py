@@ -1,6 +1,6 @@
 """Low-communication training in replicate: local SGD, DiLoCo and streaming DiLoCo against a reference.
 
-The reference runs every worker in one process, one after the other, with the same inner math (each its
+The reference (tests.helpers.outer_reference, shared with the GPU tier) runs every worker in one process, one after the other, with the same inner math (each its
 own model copy, AdamW and data) and the outer math written out plainly: the mean of the parameters
 (local SGD), or the mean of the outer gradients anchor - local fed to torch's SGD with Nesterov momentum
 (rising from 0 to 0.9 over the first outer steps, the default) on the anchor (DiLoCo), fragment by
@@ -8,7 +8,7 @@ fragment on their staggered steps, each applied fragment_delay inner steps after
 default; several may be in flight at once) and merged with the local values (streaming). The ranks end
 with the reference's parameters bit for bit; the bytes they report must be what the mode sends; a
 resume from sync_state_dict() mid-round must continue exactly. Quantized outer gradients over 3 ranks or
-more take the engine's reduce-scatter (engine/outer_reduce.py): `_scattered_mean` writes it out.
+more take the engine's reduce-scatter (engine/outer_reduce.py): tests.helpers.scattered_mean writes it out.
 """
 
 from __future__ import annotations
@@ -18,28 +18,18 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import lockstep
 from lockstep.engine.outer_codec import NonFiniteOuterGradient, codec_for
-from lockstep.engine.outer_sync import MIX, fragment_bounds
+from lockstep.engine.outer_sync import fragment_bounds
 from lockstep.errors import ConfigError, NotSupportedError
 from lockstep.runtime.progress import PROGRESS
 from lockstep.testing import run_distributed
-
-STEPS, EVERY = 9, 3
-
-
-def _model(width: int = 7) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, width), nn.Tanh(), nn.Linear(width, 3), nn.BatchNorm1d(3))
-
-
-def _inner(model: nn.Module, opt: torch.optim.Optimizer, worker: int, step: int) -> None:
-    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1000 * worker + step))
-    model(x).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+from tests.helpers import OUTER_EVERY as EVERY
+from tests.helpers import OUTER_STEPS as STEPS
+from tests.helpers import outer_inner as _inner
+from tests.helpers import outer_model as _model
+from tests.helpers import outer_reference as _reference
 
 
 def _policy(sync: str, **extra: Any) -> lockstep.SyncPolicy:
@@ -82,135 +72,6 @@ def _rank_run(
         "stats": handle.stats().extras,
         "numbered": numbered,
     }
-
-
-# streaming's fragments of _model() (fragments=2): the strided layout deals its layers (Linear, Linear,
-# BatchNorm) out in turn, the contiguous one cuts runs of about equal size
-STRIDED = [[0, 1, 4, 5], [2, 3]]
-
-
-def _scattered_mean(flats: list[torch.Tensor], wire: str) -> torch.Tensor:
-    """The quantized mean over 3 ranks or more: the values cut into one chunk of whole 128-value blocks per
-    rank (B = qW + r blocks: the first r chunks take q + 1 blocks, the others q); each worker's chunk takes
-    the codec's round trip, they are summed in rank order, / W, and the mean takes the round trip again."""
-    codec, world, numel = codec_for(wire), len(flats), flats[0].numel()
-    blocks = -(-numel // 128)
-
-    def round_trip(values: torch.Tensor) -> torch.Tensor:
-        return codec.decode(codec.encode(values), values.numel())
-
-    chunks = []
-    for j in range(world):
-        q, r = divmod(blocks, world)
-        start, stop = (min(numel, (i * q + min(i, r)) * 128) for i in (j, j + 1))
-        total = round_trip(flats[0][start:stop])
-        for flat in flats[1:]:
-            total = total + round_trip(flat[start:stop])
-        chunks.append(round_trip(total / world))
-    return torch.cat(chunks)
-
-
-def _reference(
-    sync: str,
-    world: int,
-    wire: torch.dtype | str | None,
-    layout: str = "strided",
-    delay: int = 1,
-    width: int = 7,
-    gather: bool = False,
-) -> list[dict[str, torch.Tensor]]:
-    """Every worker in this process; the outer math written out (see the module docstring). `wire`: a
-    dtype the values are cast to, or a quantized format whose round trip each worker's outer gradient
-    takes (the float buffers then travel in float32; over 3 workers or more: `_scattered_mean`, unless
-    `gather`: what the all-gather of 2 ranks would give at this world size)."""
-    models = [_model(width) for _ in range(world)]
-    opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in models]
-    params = [[p for p in m.parameters()] for m in models]
-    anchor = [p.detach().float().clone() for p in params[0]]
-    count = 2 if sync == "streaming_diloco" else 1
-    frags: list[Any] = fragment_bounds([p.numel() for p in params[0]], count)
-    if count > 1 and layout == "strided":
-        frags = STRIDED
-    outer = [torch.optim.SGD([anchor[i] for i in f], lr=0.7, momentum=0.9, nesterov=True) for f in frags]
-
-    def mean(per_worker: list[list[torch.Tensor]], *, values: bool = False) -> list[torch.Tensor]:
-        flats = [torch.cat([t.reshape(-1).float() for t in ts]) for ts in per_worker]
-        if isinstance(wire, str) and not values and world >= 3 and not gather:
-            total = _scattered_mean(flats, wire)
-        else:
-            if isinstance(wire, str) and not values:
-                codec = codec_for(wire)
-                flats = [codec.decode(codec.encode(f), f.numel()) for f in flats]
-            elif isinstance(wire, torch.dtype):
-                flats = [f.to(wire) for f in flats]
-            total = flats[0].float()
-            for f in flats[1:]:
-                total = total + f.float()  # rank order, as the engine sums (W=2: a + b either way)
-            total = total / world
-        out, offset = [], 0
-        for t in per_worker[0]:
-            out.append(total[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
-        return out
-
-    ramp = lockstep.SyncPolicy().outer_momentum_warmup  # the default: momentum 0 -> 0.9 over 10 outer steps
-    taken = [0] * len(frags)
-
-    def outer_step(f: int, grads: list[torch.Tensor]) -> None:
-        for i, g in zip(frags[f], grads):
-            anchor[i].grad = g
-        taken[f] += 1
-        outer[f].param_groups[0]["momentum"] = 0.9 * min(1.0, (taken[f] - 1) / ramp)
-        outer[f].step()
-        for i in frags[f]:
-            anchor[i].grad = None
-
-    def after_fragment(f: int) -> None:
-        if f == count - 1:
-            bufs = [[b for b in m.buffers() if b.is_floating_point()] for m in models]
-            avg = mean(bufs, values=True)
-            for w in range(world):
-                for b, value in zip(bufs[w], avg):
-                    b.copy_(value)
-
-    def merge(f: int, grads: list[torch.Tensor]) -> None:  # streaming: `delay` inner steps after the launch
-        outer_step(f, grads)
-        for w in range(world):
-            for i in frags[f]:
-                params[w][i].copy_(params[w][i].float().mul_(MIX).add_(anchor[i], alpha=1 - MIX))
-        after_fragment(f)
-
-    pending: list[tuple[int, int, list[torch.Tensor]]] = []  # (apply after step, fragment, mean), in order
-    for step in range(STEPS):
-        for w in range(world):
-            _inner(models[w], opts[w], w, step)
-        done = step + 1
-        with torch.no_grad():
-            while pending and pending[0][0] <= done:
-                merge(*pending.pop(0)[1:])
-            for f, frag in enumerate(frags):
-                if done % EVERY != ((f + 1) * EVERY // count) % EVERY:
-                    continue
-                if sync == "streaming_diloco":
-                    grads = mean([[anchor[i] - params[w][i].float() for i in frag] for w in range(world)])
-                    pending.append((done + delay, f, grads))
-                    while pending and pending[0][0] <= done:  # delay 0: at once
-                        merge(*pending.pop(0)[1:])
-                    continue
-                if sync == "local_sgd":
-                    avg = mean([[params[w][i] for i in frag] for w in range(world)])
-                    for w in range(world):
-                        for i, value in zip(frag, avg):
-                            params[w][i].copy_(value)
-                else:
-                    outer_step(
-                        f, mean([[anchor[i] - params[w][i].float() for i in frag] for w in range(world)])
-                    )
-                    for w in range(world):
-                        for i in frag:
-                            params[w][i].copy_(anchor[i])
-                after_fragment(f)
-    return [m.state_dict() for m in models]
 
 
 def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str) -> None:
@@ -432,7 +293,7 @@ def test_fragments_are_contiguous_balanced_and_never_empty() -> None:
 #
 # Quantized outer gradients over 3 and 4 ranks (engine/outer_reduce.py): a quantized reduce-scatter of
 # 128-value-block chunks, then an all-gather of the re-quantized mean chunks, against this module's
-# reference (its `_scattered_mean`): the ranks end with the reference's bits, runs repeat bitwise, a
+# reference (tests.helpers.scattered_mean): the ranks end with the reference's bits, runs repeat bitwise, a
 # resume mid-round (waited for, or live mode's contributions sent again) continues bit for bit, streaming
 # DiLoCo's means in flight are their second phase (the first is waited for at the launch: rank 0 may wait
 # for a mean alone, engine/outer_reduce.py), comm_bytes is what each rank sends the others in both.

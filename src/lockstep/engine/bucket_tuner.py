@@ -15,6 +15,13 @@ the collectives competing for the cores), and the communication left exposed at 
 wait alone (comm_ms - comm_hidden_ms) would miss the second: small buckets hide more communication but
 may slow backward more. The forward does not depend on the buckets.
 
+On CUDA the host's clock sees kernel launches, not the work: backward returns, and NCCL's waits return,
+once the kernels are queued on the device, so that span would time how fast the host queues them, about
+the same for every cap. There (`TuningPlan.whole_steps`, on by default where a parameter is on CUDA) the
+tuner times whole steps instead, from one device synchronization to the next, at each synced pre_forward
+while it measures: the forward, the optimizer step and any no_sync micro-step between add the same to
+every candidate; the synchronizations cost the measured steps only.
+
 A warm-up step after each relayout is not counted: the new buffers are allocated, and the fast hooks
 (fast_hooks.py) are chosen for the old buckets until that step ends. Relayouts happen in pre_forward,
 between steps, outside join() (a joined rank runs no forward; the tuner waits for the context to close).
@@ -26,6 +33,7 @@ results may differ in the last bits, as between any two bucket sizes.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -51,6 +59,7 @@ class TuningPlan:
     warmup: int = 1
     measured: int = 2
     margin: float = 0.03  # leave the default only for a gain above the noise floor (2-4% on loaded CPUs)
+    whole_steps: bool | None = None  # time whole steps between device synchronizations (None: on CUDA)
 
     @property
     def per_trial(self) -> int:
@@ -129,6 +138,11 @@ class Relayout(Protocol):
     device: torch.device
 
     @property
+    def params(self) -> Sequence[torch.Tensor]:
+        """The replica's parameters (the tuner reads their devices)."""
+        ...
+
+    @property
     def step(self) -> Any:
         """The step under way (None between steps)."""
         ...
@@ -156,17 +170,20 @@ class BucketTuner:
         self._order: list[int] = []  # candidate index per trial
         self._calls = 0  # synced pre_forwards since measuring began
         self._seen_steps = 0  # the reducer's recorded steps at the last call
+        self._cuda = sorted({p.device for p in reducer.params if p.device.type == "cuda"}, key=str)
+        self._t_mark = 0.0  # whole steps: when the device was last synchronized (perf_counter)
 
     def pre_forward(self) -> None:
         """pre_forward of a synced step (outside join()), after the rebuild's chance: count the step that
         just ended, and lay the buckets out for the next trial, or for good once every trial is timed."""
         if self.state == "done" or not self.reducer.rebuilt or self.reducer.step is not None:
             return
+        now = self._clock()  # the step that just ended, done on the device too (whole steps)
         if self.state != "measuring":
             self._start()
             if self.state == "done":
                 return
-        self._count_last_step()
+        self._count_last_step(now)
         per_trial = self.plan.per_trial
         if self._calls == len(self._order) * per_trial:
             self._decide()
@@ -174,6 +191,20 @@ class BucketTuner:
         if self._calls % per_trial == 0:
             self._use(self.caps[self._order[self._calls // per_trial]])
         self._calls += 1
+        if self.whole_steps:
+            self._t_mark = self._clock()  # after the relayout: its allocations are not the next step's
+
+    @property
+    def whole_steps(self) -> bool:
+        """Whether whole steps are timed between device synchronizations (module doc): on CUDA by default."""
+        return bool(self._cuda) if self.plan.whole_steps is None else self.plan.whole_steps
+
+    def _clock(self) -> float:
+        """perf_counter, once every CUDA device of the replica has finished its queued work (whole steps)."""
+        if self.whole_steps:
+            for device in self._cuda:
+                torch.cuda.synchronize(device)
+        return time.perf_counter()
 
     def _start(self) -> None:
         self.caps = distinct_caps(self.reducer.layout_at, self.plan.caps_mb)
@@ -185,7 +216,7 @@ class BucketTuner:
             return
         self.state, self._order = "measuring", trial_order(len(self.caps), self.plan.passes)
 
-    def _count_last_step(self) -> None:
+    def _count_last_step(self, now: float) -> None:
         """The step since the last call ran under trial (calls - 1): count it unless it warmed up."""
         recorder = self.reducer.stats
         fresh, self._seen_steps = recorder.steps > self._seen_steps, recorder.steps
@@ -193,7 +224,10 @@ class BucketTuner:
         if done < 0 or done % self.plan.per_trial < self.plan.warmup:
             return
         last = recorder.last
-        span = last.backward_ms + last.finalize_ms if fresh and last is not None else 0.0
+        if self.whole_steps:
+            span = (now - self._t_mark) * 1000.0 if fresh else 0.0
+        else:
+            span = last.backward_ms + last.finalize_ms if fresh and last is not None else 0.0
         self.step_ms[self._order[done // self.plan.per_trial]].append(span)  # 0.0: no backward ran
 
     def _decide(self) -> None:
@@ -219,6 +253,9 @@ class BucketTuner:
             "bucket_cap_mb": self.cap_mb,
             "bucket_tuning": self.state,
             "bucket_tuning_reason": self.reason,
+            "bucket_timing": "whole steps, device synchronized"
+            if self.whole_steps
+            else "backward + finalize",
             "bucket_trials": [
                 {
                     "cap_mb": cap,
