@@ -1,6 +1,8 @@
 """GPU tier: CUDA/NCCL at world size 1, gloo with CUDA tensors, mixed precision, a cpu+cuda replica.
 
 Skipped where torch sees no CUDA device; run on a GPU machine with `pytest tests/gpu`.
+LOCKSTEP_GPU_TIER_ON_CPU=1 runs it on the CPU (device "cpu", gloo in place of nccl) to check the tests'
+own logic; the cpu+cuda replica stays skipped there.
 """
 
 from __future__ import annotations
@@ -13,11 +15,9 @@ from torch import nn
 
 import lockstep
 from lockstep.testing import run_distributed
+from tests.helpers import GPU_BACKEND, GPU_MARKS, gpu_device, needs_cuda
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = GPU_MARKS
 
 
 def _model(device: torch.device) -> nn.Module:
@@ -27,14 +27,15 @@ def _model(device: torch.device) -> nn.Module:
 
 def _parity_with_torch(backend: str, dtype: str) -> float:
     rank = torch.distributed.get_rank()
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    ours = lockstep.DistributedDataParallel(_model(device), device_ids=[device.index])
-    ref = torch.nn.parallel.DistributedDataParallel(_model(device), device_ids=[device.index])
+    device = gpu_device()
+    ids = [device.index] if device.type == "cuda" else None
+    ours = lockstep.DistributedDataParallel(_model(device), device_ids=ids)
+    ref = torch.nn.parallel.DistributedDataParallel(_model(device), device_ids=ids)
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(16, 32, generator=gen).to(device), torch.randn(16, 8, generator=gen).to(device)
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype)
     for model in (ours, ref):
-        with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             loss = nn.functional.mse_loss(model(x).float(), y)
         loss.backward()
     return max(float((a.grad - b.grad).abs().max()) for a, b in zip(ours.parameters(), ref.parameters()))
@@ -42,13 +43,19 @@ def _parity_with_torch(backend: str, dtype: str) -> float:
 
 def test_nccl_world_of_one_matches_torch() -> None:
     assert (
-        run_distributed(_parity_with_torch, 1, args=("nccl", "fp32"), backend="nccl", timeout=180)[0] < 1e-6
+        run_distributed(_parity_with_torch, 1, args=(GPU_BACKEND, "fp32"), backend=GPU_BACKEND, timeout=180)[
+            0
+        ]
+        < 1e-6
     )
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_mixed_precision_on_cuda_matches_torch(dtype: str) -> None:
-    assert run_distributed(_parity_with_torch, 1, args=("nccl", dtype), backend="nccl", timeout=180)[0] < 1e-3
+    assert (
+        run_distributed(_parity_with_torch, 1, args=(GPU_BACKEND, dtype), backend=GPU_BACKEND, timeout=180)[0]
+        < 1e-3
+    )
 
 
 def test_gloo_with_cuda_tensors_two_ranks() -> None:
@@ -92,6 +99,7 @@ def _split_replica() -> dict[str, Any]:
     return {"refusals": refusals, "worst": worst, "devices": devices}
 
 
+@needs_cuda
 def test_replica_split_across_cpu_and_cuda() -> None:
     for result in run_distributed(_split_replica, 2, backend="gloo", timeout=180):
         # DistributedDataParallel refuses it as torch's does (same type, same message) ...
@@ -103,16 +111,16 @@ def test_replica_split_across_cpu_and_cuda() -> None:
 
 def _fp16_scaler_agrees() -> list[float]:
     rank = torch.distributed.get_rank()
-    device = torch.device("cuda", 0)
+    device = gpu_device()
     model = lockstep.DistributedDataParallel(_model(device))
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**20)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**20)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scales = []
     for step in range(4):
         x = torch.randn(8, 32, device=device) * (
             1e4 if (step == 1 and rank == 1) else 1.0
         )  # overflow on rank 1 only
-        with torch.autocast("cuda", dtype=torch.float16):
+        with torch.autocast(device.type, dtype=torch.float16):
             loss = model(x).float().square().mean()
         scaler.scale(loss).backward()
         scaler.step(optimizer)

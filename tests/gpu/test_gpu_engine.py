@@ -8,7 +8,8 @@
 - lockstep.fit on CUDA in fp32, bf16 and fp16: replicas identical.
 
 Skipped where torch sees no CUDA device; run on a GPU machine with `pytest tests/gpu`. Two ranks share
-the one GPU through gloo (NCCL refuses two ranks on one device).
+the one GPU through gloo (NCCL refuses two ranks on one device). LOCKSTEP_GPU_TIER_ON_CPU=1 runs it on the
+CPU (device "cpu", gloo in place of nccl) to check the tests' own logic.
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ from torch import nn
 import lockstep
 from lockstep.jobs import catalog
 from lockstep.testing import run_distributed
+from tests.helpers import GPU_BACKEND, GPU_DEVICE, GPU_MARKS, gpu_device, needs_cuda
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = GPU_MARKS
 TIMEOUT = 240
 
 
@@ -49,8 +48,8 @@ class Branchy(nn.Module):
 
 def _grads_after_steps(wrapper: Any, kwargs: dict[str, Any], hook: str | None) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    device = torch.device("cuda", 0)
-    model = wrapper(Branchy().to(device), device_ids=[0], **kwargs)
+    device = gpu_device()
+    model = wrapper(Branchy().to(device), device_ids=[0] if device.type == "cuda" else None, **kwargs)
     if hook is not None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -73,7 +72,7 @@ def _nccl_engine_options(kwargs: dict[str, Any], hook: str | None) -> float:
     ours = _grads_after_steps(lockstep.DistributedDataParallel, kwargs, hook)
     theirs = _grads_after_steps(torch.nn.parallel.DistributedDataParallel, kwargs, hook)
     assert [g.shape for g in ours] == [g.shape for g in theirs]
-    assert all(g.device.type == "cuda" for g in ours if g.numel())
+    assert all(g.device.type == GPU_DEVICE for g in ours if g.numel())
     return max((float((a - b).abs().max()) for a, b in zip(ours, theirs) if a.numel()), default=0.0)
 
 
@@ -83,7 +82,7 @@ def _nccl_engine_options(kwargs: dict[str, Any], hook: str | None) -> float:
         ({"find_unused_parameters": True}, None),
         ({"static_graph": True}, None),
         ({}, "fp16_compress_hook"),
-        ({}, "bf16_compress_hook"),
+        pytest.param({}, "bf16_compress_hook", marks=needs_cuda),  # torch's DDP wants CUDA and NCCL for it
         ({"find_unused_parameters": True}, "allreduce_hook"),
     ],
     ids=["find_unused", "static_graph", "fp16_hook", "bf16_hook", "find_unused+hook"],
@@ -91,7 +90,9 @@ def _nccl_engine_options(kwargs: dict[str, Any], hook: str | None) -> float:
 def test_nccl_engine_options_keep_tensors_on_the_device_and_match_torch(
     kwargs: dict[str, Any], hook: str | None
 ) -> None:
-    worst = run_distributed(_nccl_engine_options, 1, args=(kwargs, hook), backend="nccl", timeout=TIMEOUT)[0]
+    worst = run_distributed(
+        _nccl_engine_options, 1, args=(kwargs, hook), backend=GPU_BACKEND, timeout=TIMEOUT
+    )[0]
     assert worst == 0.0
 
 
@@ -110,7 +111,7 @@ class DropNet(nn.Module):
 def _deterministic_on_cuda() -> str:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     torch.backends.cuda.matmul.allow_tf32 = False
-    device = torch.device("cuda", 0)
+    device = gpu_device()
     torch.manual_seed(0)
     model = DropNet().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -138,7 +139,7 @@ def _deterministic_on_cuda() -> str:
 
 
 def test_deterministic_mode_on_cuda_gives_the_same_bits_at_world_sizes_1_and_2() -> None:
-    one = run_distributed(_deterministic_on_cuda, 1, backend="nccl", timeout=TIMEOUT)
+    one = run_distributed(_deterministic_on_cuda, 1, backend=GPU_BACKEND, timeout=TIMEOUT)
     two = run_distributed(_deterministic_on_cuda, 2, backend="gloo", timeout=TIMEOUT)
     assert len(set(two)) == 1
     assert one[0] == two[0]
@@ -148,7 +149,7 @@ def _syncbn_on_cuda() -> dict[str, float]:
     from lockstep.nn import SyncBatchNorm
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", 0)
+    device = gpu_device()
     gen = torch.Generator().manual_seed(11)
     full = (torch.randn(6 * world, 5, 7, generator=gen) * 2 + 0.5).to(device)
     upstream = torch.randn(full.shape, generator=gen).to(device)
@@ -176,11 +177,11 @@ def test_syncbatchnorm_on_cuda_tensors_matches_the_concatenated_batch() -> None:
 def _fit_toy_on_cuda(run_dir: str, precision: str) -> dict[str, Any]:
     config_cls, _ = catalog.job("toy")
     config = config_cls(
-        run_dir=run_dir, progress="none", device="cuda", precision=precision, num_samples=256, epochs=2
+        run_dir=run_dir, progress="none", device=GPU_DEVICE, precision=precision, num_samples=256, epochs=2
     )
     built = catalog.build("toy", config)
     result = lockstep.fit(built.model, built.train_data, loss_fn=built.loss_fn, config=config)
-    assert next(built.model.parameters()).device.type == "cuda"
+    assert next(built.model.parameters()).device.type == GPU_DEVICE
     return {"sha": result.summary["params_sha256"], "loss": result.summary["final_train"]["train_loss"]}
 
 
