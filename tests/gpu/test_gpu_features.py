@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,12 +33,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import TensorDataset
 
 import lockstep
 import lockstep.hooks
 from lockstep.engine.bucket_tuner import TuningPlan
 from lockstep.testing import run_distributed
-from tests.helpers import GPU_BACKEND, GPU_MARKS, GPU_TIER_ON_CPU, batch, build, gpu_device, small_batch
+from lockstep.trainer.config import FitConfig
+from tests.helpers import (
+    GPU_BACKEND,
+    GPU_DEVICE,
+    GPU_MARKS,
+    GPU_TIER_ON_CPU,
+    batch,
+    build,
+    gpu_device,
+    small_batch,
+)
 
 pytestmark = GPU_MARKS
 TIMEOUT = 240
@@ -274,6 +286,48 @@ def test_the_bucket_tuner_times_synchronized_steps_and_keeps_the_bits_on_cuda(
     for out in outs[1:]:  # the same numbers (max over ranks), the same choice, the same layout
         assert out["auto"]["extras"]["bucket_trials"] == outs[0]["auto"]["extras"]["bucket_trials"]
         assert out["auto"]["layout"] == outs[0]["auto"]["layout"]
+
+
+def _fit_tuned_and_default(run_dir: str) -> dict[str, Any]:
+    """fit with bucket_cap_mb="auto" and with the default, on the GPU: 12 layers of 256 x 256 (3 MiB of
+    gradients), so that 1 MiB and 25 MiB give different buckets (tests/multiproc/test_fit_bucket_tuning.py)."""
+    out = {}
+    for cap in ("auto", None):
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for _ in range(12):
+            layers += [nn.Linear(256, 256), nn.Tanh()]
+        model = nn.Sequential(*layers, nn.Linear(256, 4))
+        x = torch.randn(640, 256, generator=torch.Generator().manual_seed(3))
+        config = FitConfig(
+            run_dir=f"{run_dir}/{cap}",
+            device=GPU_DEVICE,
+            batch_size=8,
+            grad_accum_steps=2,  # no_sync micro-steps through the handle too
+            max_steps=18,
+            optimizer="adamw",
+            task="regression",
+            progress="none",
+            bucket_cap_mb=cap,
+        )
+        data = TensorDataset(x, x[:, :4].clone())
+        out[str(cap)] = lockstep.fit(model, data, loss_fn=F.mse_loss, config=config).summary
+        assert {p.device.type for p in model.parameters()} == {GPU_DEVICE}
+    return out
+
+
+def test_fit_tunes_the_bucket_size_on_cuda_and_keeps_the_default_runs_bits(tmp_path: Path) -> None:
+    for out in run_distributed(_fit_tuned_and_default, 2, args=(str(tmp_path),), timeout=TIMEOUT):
+        tuned, default = out["auto"], out["None"]
+        # fit cannot force the whole-step timing on the CPU (the engine test above does)
+        timing = "backward + finalize" if GPU_TIER_ON_CPU else "whole steps, device synchronized"
+        assert tuned["bucket_timing"] == timing, tuned
+        trials = tuned["bucket_trials"]
+        assert [t["cap_mb"] for t in trials] == [1.0, 25.0], trials
+        assert all(len(t["step_ms"]) == 4 and min(t["step_ms"]) > 0 for t in trials), trials
+        assert tuned["steps"] == default["steps"] == 18
+        assert tuned["params_sha256"] == default["params_sha256"]  # world 2: two-term sums commute
+        assert tuned["optimizer_sha256"] == default["optimizer_sha256"]
 
 
 # ---------------------------------------------------------------- torch.compile, split at the buckets

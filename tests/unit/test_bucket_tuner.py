@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import functools
+import time
+import types
 
 import pytest
+import torch
 
 from lockstep.engine.bucket_layout import ParamSpec, assign_buckets
-from lockstep.engine.bucket_tuner import CANDIDATE_CAPS_MB, TuningPlan, choose_cap, distinct_caps, trial_order
+from lockstep.engine.bucket_tuner import (
+    CANDIDATE_CAPS_MB,
+    BucketTuner,
+    TuningPlan,
+    choose_cap,
+    distinct_caps,
+    trial_order,
+)
 from lockstep.engine.policy import SyncPolicy
+from lockstep.engine.stats import StatsRecorder
 from lockstep.errors import ConfigError
 
 MB = 1024 * 1024
@@ -80,3 +91,57 @@ def test_the_reason_names_the_fastest_other_cap_when_the_default_stays() -> None
     cap, why = choose_cap([1.0, 4.0, 25.0], [[12.0], [11.0], [10.0]])
     assert cap == 25.0 and "the fastest other, 4 MiB at 11.000 ms" in why
     assert choose_cap([25.0], [[10.0]]) == (25.0, "the default: 10.000 ms, no other cap timed")
+
+
+class _Reducer:
+    """What the tuner drives (bucket_tuner.Relayout), without a model: each step records a backward +
+    finalize span of 1 ms, while the step itself (between pre_forwards) takes 20 ms."""
+
+    rebuilt, step, group = True, None, None
+    device = torch.device("cpu")
+
+    def __init__(self, params: list) -> None:
+        self.params, self.stats, self.caps = params, StatsRecorder(), [25 * MB]
+
+    def layout_at(self, cap_bytes: int) -> list:
+        return layout_of([MB // 2] * 8, cap_bytes)  # 4 MiB: 1 and 25 MiB differ
+
+    def relayout(self, cap_bytes: int) -> None:
+        self.caps.append(cap_bytes)
+
+    def run_step(self) -> None:
+        time.sleep(0.02)
+        self.stats.record(0.0, 0.5, 0.0, 0.0, 0.5, 0)
+
+
+def _tune(reducer: _Reducer, plan: TuningPlan) -> BucketTuner:
+    tuner = BucketTuner(reducer, plan)  # type: ignore[arg-type]  # the fake has what the tuner reads
+    # the decision all-reduces the timings over the ranks (tests/multiproc/test_bucket_tuning.py): here,
+    # with no process group, the timings are the test's, kept as measured
+    tuner._decide = lambda: setattr(tuner, "state", "done")  # type: ignore[method-assign]
+    while tuner.state != "done":
+        tuner.pre_forward()
+        reducer.run_step()
+    return tuner
+
+
+@pytest.mark.parametrize("whole_steps", [False, True])
+def test_whole_steps_time_from_one_pre_forward_to_the_next(whole_steps: bool) -> None:
+    """On CUDA the backward + finalize span is the host's launch time: there (whole_steps) the tuner times
+    whole steps between device synchronizations instead (on the CPU: the same clock, no synchronization)."""
+    plan = TuningPlan(caps_mb=(1.0,), passes=1, warmup=1, measured=2, whole_steps=whole_steps)
+    tuner = _tune(_Reducer([torch.zeros(1)]), plan)
+    times = [ms for row in tuner.step_ms for ms in row]
+    assert len(times) == 4 and tuner.stats()["bucket_timing"] == (
+        "whole steps, device synchronized" if whole_steps else "backward + finalize"
+    )
+    if whole_steps:
+        assert all(ms >= 19.0 for ms in times), times  # the 20 ms of each step
+    else:
+        assert times == [1.0] * 4  # the recorded span
+
+
+def test_whole_steps_are_the_default_where_a_parameter_is_on_cuda() -> None:
+    meta_cuda = types.SimpleNamespace(device=torch.device("cuda", 0))  # no GPU needed to read a device
+    assert BucketTuner(_Reducer([meta_cuda]), TuningPlan()).whole_steps  # type: ignore[arg-type]
+    assert not BucketTuner(_Reducer([torch.zeros(1)]), TuningPlan()).whole_steps  # type: ignore[arg-type]

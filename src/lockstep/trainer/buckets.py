@@ -17,7 +17,7 @@ from lockstep.plan import Plan, RunSettings
 from lockstep.trainer.config import FitConfig
 from lockstep.trainer.low_comm import engine_policy
 
-SUMMARY_KEYS = ("bucket_cap_mb", "bucket_tuning_reason", "bucket_trials")
+SUMMARY_KEYS = ("bucket_cap_mb", "bucket_tuning_reason", "bucket_trials", "bucket_timing")
 
 
 def tunes_buckets(config: FitConfig) -> bool:
