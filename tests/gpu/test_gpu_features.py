@@ -92,18 +92,20 @@ def _batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _bits(net: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """CPU copies of the parameters and the (full) optimizer state, and the devices they lived on."""
+    """CPU copies of the parameters and the (full) optimizer state, and the devices they lived on (a
+    sharded optimizer's consolidated state holds the other ranks' shares where the broadcast left them: on
+    the CPU under gloo; its own share is checked on the device)."""
     flat = [
         (f"{i}.{k}", torch.as_tensor(v))
         for i, entry in sorted(state["state"].items())
         for k, v in entry.items()
     ]
-    tensors = [p.detach() for p in net.parameters()] + [t for _, t in flat if t.dim() > 0]  # not Adam's step
     return {
         "params": [p.detach().cpu().clone() for p in net.parameters()],
         "state": [(key, t.cpu().clone()) for key, t in flat],
         "groups": state["param_groups"],
-        "devices": sorted({t.device.type for t in tensors}),
+        "devices": sorted({p.device.type for p in net.parameters()}),
+        "state devices": sorted({t.device.type for _, t in flat if t.dim() > 0}),  # not Adam's step count
     }
 
 
@@ -116,10 +118,12 @@ def _assert_same_bits(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
     assert a["groups"] == b["groups"], f"{what}: param_groups differ"
 
 
-def _on_device(*results: dict[str, Any]) -> None:
+def _on_device(*results: dict[str, Any], state: bool = True) -> None:
+    """The parameters (and the optimizer state: `state`) on the tier's device."""
     want = [gpu_device().type]
     for out in results:
-        assert out["devices"] == want, f"tensors on {out['devices']}, not {want}"
+        assert out["devices"] == want, f"parameters on {out['devices']}, not {want}"
+        assert not state or out["state devices"] == want, f"optimizer state on {out['state devices']}"
 
 
 # ---------------------------------------------------------------- the overlapped optimizer step
@@ -150,17 +154,21 @@ def _overlapped(name: str) -> dict[str, Any]:
     }
 
 
+def _overlapped_each() -> dict[str, dict[str, Any]]:
+    return {name: _overlapped(name) for name in sorted(OPTIMIZERS)}  # one start of the ranks for all
+
+
 @WORLDS
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_the_overlapped_step_is_the_plain_steps_bits_on_cuda(backend: str, world: int, name: str) -> None:
-    results = run_distributed(_overlapped, world, args=(name,), backend=backend, timeout=TIMEOUT)
-    for rank, out in enumerate(results):
-        what = f"{name} {backend} rank {rank}/{world}"
-        _assert_same_bits(out["plain"], out["overlapped"], what)
-        _on_device(out["plain"], out["overlapped"])
-        assert out["said"] == [], f"{what}: fell back: {out['said']}"
-        assert out["num_buckets"] >= 3 and out["stepped"] == STEPS * out["num_buckets"], (what, out)
-        _assert_same_bits(out["overlapped"], results[0]["overlapped"], f"{what} against rank 0")
+def test_the_overlapped_step_is_the_plain_steps_bits_on_cuda(backend: str, world: int) -> None:
+    results = run_distributed(_overlapped_each, world, backend=backend, timeout=TIMEOUT)
+    for name in sorted(OPTIMIZERS):
+        for rank, out in enumerate(result[name] for result in results):
+            what = f"{name} {backend} rank {rank}/{world}"
+            _assert_same_bits(out["plain"], out["overlapped"], what)
+            _on_device(out["plain"], out["overlapped"])
+            assert out["said"] == [], f"{what}: fell back: {out['said']}"
+            assert out["num_buckets"] >= 3 and out["stepped"] == STEPS * out["num_buckets"], (what, out)
+            _assert_same_bits(out["overlapped"], results[0][name]["overlapped"], f"{what} against rank 0")
 
 
 # ---------------------------------------------------------------- the sharded optimizer, plain and overlapped
@@ -209,7 +217,8 @@ def test_sharded_steps_plain_and_overlapped_give_the_unsharded_bits_on_cuda(back
         for kind in ("sharded", "overlapped"):
             what = f"{kind} {backend} rank {rank}/{world}"
             _assert_same_bits(out["plain"], out[kind], what)
-            _on_device(out["plain"], out[kind])
+            _on_device(out["plain"])
+            _on_device(out[kind], state=False)  # the share's state: below
             assert out[f"{kind} share devices"] == [gpu_device().type], what
             assert 0 < out[f"{kind} share"] <= plain_numel, what
             _assert_same_bits(out[kind], results[0][kind], f"{what} against rank 0")
@@ -399,26 +408,23 @@ def _train_compiled(engine: str) -> dict[str, Any]:
     }
 
 
-def _compiled_both(engine: str) -> dict[str, Any]:
-    return {"ours": _train_compiled(engine), "torch": _train_compiled("torch")}
+def _compiled_all() -> dict[str, Any]:
+    # one start of the ranks for the three; inductor's cache serves the pieces compiled before
+    return {engine: _train_compiled(engine) for engine in ("ours", "replicate", "torch")}
 
 
-@pytest.mark.parametrize(
-    ("engine", "backend", "world"),
-    [("ours", GPU_BACKEND, 1), ("replicate", "gloo", 2)],
-    ids=["ours-nccl1", "replicate-gloo2"],
-)
-def test_split_compiled_training_equals_torch_ddp_compiled_on_cuda(
-    engine: str, backend: str, world: int
-) -> None:
-    for rank, out in enumerate(
-        run_distributed(_compiled_both, world, args=(engine,), backend=backend, timeout=TIMEOUT)
-    ):
-        ours, theirs = out["ours"], out["torch"]
-        assert ours["devices"] == [gpu_device().type]
-        # dynamo split both at the buckets, into the same pieces, so the same kernels ran
-        assert ours["pieces"] >= 2 and ours["pieces"] == theirs["pieces"], (ours["pieces"], theirs["pieces"])
-        for i, (a, b) in enumerate(zip(ours["params"], theirs["params"], strict=True)):
-            assert torch.equal(a, b), (
-                f"{engine} {backend} rank {rank}: parameter {i} differs by {(a - b).abs().max()}"
+@WORLDS
+def test_split_compiled_training_equals_torch_ddp_compiled_on_cuda(backend: str, world: int) -> None:
+    for rank, out in enumerate(run_distributed(_compiled_all, world, backend=backend, timeout=TIMEOUT)):
+        theirs = out["torch"]
+        for engine in ("ours", "replicate"):
+            ours, what = out[engine], f"{engine} {backend} rank {rank}/{world}"
+            assert ours["devices"] == [gpu_device().type], what
+            # dynamo split both at the buckets, into the same pieces, so the same kernels ran
+            assert ours["pieces"] >= 2 and ours["pieces"] == theirs["pieces"], (
+                what,
+                ours["pieces"],
+                theirs["pieces"],
             )
+            for i, (a, b) in enumerate(zip(ours["params"], theirs["params"], strict=True)):
+                assert torch.equal(a, b), f"{what}: parameter {i} differs by {(a - b).abs().max()}"

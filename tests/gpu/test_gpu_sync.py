@@ -120,7 +120,7 @@ def test_periodic_modes_on_cuda_give_their_references_bits(
 # ---------------------------------------------------------------- lockstep.fit with a sync mode
 
 SETTINGS: dict[str, Any] = {
-    "num_samples": 128,  # 8 steps of 8 samples a rank
+    "num_samples": 128,  # 8 steps of 8 samples a rank at world 2
     "batch_size": 8,
     "epochs": 1,
     "log_every": 4,
@@ -161,14 +161,26 @@ def _tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return {key: value for k, v in items for key, value in _tensors(v, f"{prefix}/{k}").items()}
 
 
-@pytest.mark.parametrize(("sync", "sync_dtype"), [("diloco", "int8"), ("streaming_diloco", "fp32")])
+@pytest.mark.parametrize(
+    ("backend", "world", "sync", "sync_dtype"),
+    [
+        ("gloo", 2, "diloco", "int8"),
+        ("gloo", 2, "streaming_diloco", "fp32"),
+        # each checkpoint gathers every rank's state to rank 0 (AdamW's step counts are CPU tensors: NCCL
+        # takes them once moved to the GPU)
+        (GPU_BACKEND, 1, "diloco", "fp32"),
+    ],
+    ids=["gloo2-diloco-int8", "gloo2-streaming", "nccl1-diloco"],
+)
 def test_fit_with_a_sync_mode_on_cuda_resumes_mid_round_with_the_same_bits(
-    sync: str, sync_dtype: str, tmp_path: Path
+    backend: str, world: int, sync: str, sync_dtype: str, tmp_path: Path
 ) -> None:
     settings = {"sync": sync, "sync_dtype": sync_dtype, "fragments": 2 if sync == "streaming_diloco" else 1}
-    runs = run_distributed(_straight_and_resumed, 2, args=(str(tmp_path), settings), timeout=TIMEOUT)
+    args = (str(tmp_path), settings)
+    runs = run_distributed(_straight_and_resumed, world, args=args, backend=backend, timeout=TIMEOUT)
     for rank, out in enumerate(runs):
-        assert out["stopped"]["steps"] == 5 and out["straight"]["steps"] == out["resumed"]["steps"] == 8, rank
+        total = SETTINGS["num_samples"] // (SETTINGS["batch_size"] * world)  # one epoch
+        assert out["stopped"]["steps"] == 5 and out["straight"]["steps"] == out["resumed"]["steps"] == total
         assert out["resumed"]["params_sha256"] == out["straight"]["params_sha256"], rank
         assert out["resumed"]["optimizer_sha256"] == out["straight"]["optimizer_sha256"], rank
     straight, resumed = _last_checkpoint(tmp_path / "straight"), _last_checkpoint(tmp_path / "resumed")

@@ -30,6 +30,7 @@ from lockstep.engine.policy import SyncPolicy
 from lockstep.engine.sync_algorithms import is_periodic
 from lockstep.errors import ConfigError
 from lockstep.plan import QUANTIZED_SYNC_DTYPES
+from lockstep.runtime.collectives import comm_device
 from lockstep.runtime.waits import tracked
 from lockstep.trainer.config import FitConfig
 
@@ -145,8 +146,13 @@ class WorkerStates:
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
         tensors = list(_tensors(mine))
         received: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        device = comm_device(self.group)
         for t in tensors:
             src = t.detach().contiguous()
+            if device.type != "cpu" and src.device != device:
+                # NCCL takes tensors on its device only, and a CUDA model's state holds CPU tensors too
+                # (Adam's step counts); gloo takes both where they are
+                src = src.to(device)
             parts = [torch.empty_like(src) for _ in range(world)] if rank == 0 else None
             with tracked("gather (worker state for a checkpoint)", [src], self.group):
                 dist.gather(
@@ -154,7 +160,7 @@ class WorkerStates:
                 )
             if parts is not None:
                 for r, part in enumerate(parts):
-                    received[r].append(part)
+                    received[r].append(part.to(t.device))  # where this rank keeps it (no copy if there)
         self._gathered = [_rebuild(mine, iter(parts)) for parts in received] if rank == 0 else None
         self._round_end = self.at_round_end()
 
