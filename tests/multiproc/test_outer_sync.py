@@ -1,13 +1,13 @@
 """Low-communication training in replicate: local SGD, DiLoCo and streaming DiLoCo against a reference.
 
-The reference (tests.helpers.outer_reference, shared with the GPU tier) runs every worker in one process, one after the other, with the same inner math (each its
-own model copy, AdamW and data) and the outer math written out plainly: the mean of the parameters
-(local SGD), or the mean of the outer gradients anchor - local fed to torch's SGD with Nesterov momentum
-(rising from 0 to 0.9 over the first outer steps, the default) on the anchor (DiLoCo), fragment by
-fragment on their staggered steps, each applied fragment_delay inner steps after its launch (one by
-default; several may be in flight at once) and merged with the local values (streaming). The ranks end
-with the reference's parameters bit for bit; the bytes they report must be what the mode sends; a
-resume from sync_state_dict() mid-round must continue exactly. Quantized outer gradients over 3 ranks or
+The reference (tests.helpers.outer_reference, shared with the GPU tier) runs every worker in one process, one
+after the other, with the same inner math (each its own model copy, AdamW and data) and the outer math written
+out plainly: the mean of the parameters (local SGD), or the mean of the outer gradients anchor - local fed to
+torch's SGD with Nesterov momentum (rising from 0 to 0.9 over the first outer steps, the default) on the
+anchor (DiLoCo), fragment by fragment on their staggered steps, each applied fragment_delay inner steps after
+its launch (one by default; several may be in flight at once) and merged with the local values (streaming).
+The ranks end with the reference's parameters bit for bit; the bytes they report must be what the mode sends;
+a resume from sync_state_dict() mid-round must continue exactly. Quantized outer gradients over 3 ranks or
 more take the engine's reduce-scatter (engine/outer_reduce.py): tests.helpers.scattered_mean writes it out.
 """
 
