@@ -216,21 +216,20 @@ def main() -> None:
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device).index or 0)  # "cuda" alone: device 0
     noop.init(args.world_size)
-    rows = []
-    for name in args.models:
-        for dtype in args.dtypes:
-            row = measure(name, dtype, args)
-            rows.append(row)
-            print(row, flush=True)
-    text = report(rows, args)
-    print(text)
     suffix = "" if args.device == "cpu" else "_cuda"
     out = (
         Path(args.out)
         if args.out
         else ROOT / "benchmarks" / "results" / f"{datetime.date.today()}-engine_overhead{suffix}.md"
     )
-    out.write_text(text)
+    rows = []
+    for name in args.models:
+        for dtype in args.dtypes:
+            row = measure(name, dtype, args)
+            rows.append(row)
+            print(row, flush=True)
+            out.write_text(report(rows, args))  # after every row: a run cut short keeps what it measured
+    print(report(rows, args))
     print(f"written to {out}")
 
 
