@@ -14,8 +14,9 @@ peer it heals from is lost while it heals), "write" (with "async": VICTIM's back
 writes half of the first file of the checkpoint of step AT, then SIGKILLs the process while training goes on), or "none". Every rank appends the sample ids that reached its forward to
 OUT_DIR/seen-<launch rank>.txt; the summary is in OUT_DIR/run. A replacement (`--max-restarts`) has
 launch rank N, N+1, ... (LOCKSTEP_MEMBER_ID); RANK is the rank it replaces. With a fifth argument
-"replace", the survivors of a smaller world slow down until the replacement process has started, so
-that it joins before the run ends however slowly this machine starts a process; with "slow", each forward
+"replace", the survivors of a smaller world wait in their forwards until the replacement has queued to
+join (it writes OUT_DIR/queued-<launch rank> as it does), so that it joins at the next boundary however
+slowly this machine starts a process and imports torch; with "slow", each forward
 takes 0.1 s longer, so that a test can act (take a link down) while the job runs; with "float", the run is
 not in deterministic mode (live mode's float step); with "shard", the optimizer's state is sharded over
 the ranks (shard_optimizer=True, each share kept by two ranks in live mode); with "diloco" or "local_sgd",
@@ -112,11 +113,11 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         maybe_die("forward")
-        if REPLACE and torch.distributed.get_world_size() < 4:  # a rank was lost: give its replacement time
+        if REPLACE and torch.distributed.get_world_size() < 4:  # a rank was lost: wait for its replacement
             deadline = time.monotonic() + 120
-            while not os.path.exists(os.path.join(OUT, "pid-4")) and time.monotonic() < deadline:
+            while not os.path.exists(os.path.join(OUT, "queued-4")) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            time.sleep(0.05)
+            time.sleep(0.05)  # its queue entry is written just after the file
         if SLOW:
             time.sleep(0.1)
         pace()
@@ -168,7 +169,24 @@ def _die_while_forming() -> None:
     Formation.form_group = dying_form  # type: ignore[method-assign]
 
 
+def _say_when_queued() -> None:
+    """A replacement writes OUT_DIR/queued-<launch rank> as it queues to join: the survivors of "replace"
+    wait for it, not for a time that a loaded machine may exceed."""
+    from lockstep.runtime.membership.admission import Admission
+
+    wait = Admission.wait_for_admission
+
+    def queue_and_wait(self: Admission):  # type: ignore[no-untyped-def]
+        with open(os.path.join(OUT, f"queued-{UID}"), "w") as fh:
+            fh.write(str(os.getpid()))
+        return wait(self)
+
+    Admission.wait_for_admission = queue_and_wait  # type: ignore[method-assign]
+
+
 def main() -> None:
+    if REPLACE:
+        _say_when_queued()
     if FAULT == "commit":
         _die_before_commit()
     if FAULT == "write" and UID == VICTIM:
