@@ -26,6 +26,13 @@ run on rank processes kept alive across tests instead of fresh interpreters (a f
 store each call; a failure, a hang or a worker not back in its starting state replaces the pool). A test
 marked `fresh_ranks`, or one that reads the ranks' output with capfd/capsys (the pool's processes write
 to the file descriptors they started with), gets fresh processes. LOCKSTEP_TEST_POOL=0 turns the pool off.
+
+Workers (pytest-xdist; `make test` runs `-n 2 --dist loadgroup`, `make test-all` one process): the
+end-to-end tests (tests/cli, tests/gpu) are one xdist group, so they run one after the other on one
+worker, as they would without xdist: their launchers, hang timeouts and stragglers never compete with
+another end-to-end test, and a module's fixtures (a reference run, the SLURM cluster) are set up once.
+The unit and multi-process tests run beside them, each worker with a rank pool of its own; the pools'
+lines are summed in the controller's summary.
 """
 
 from __future__ import annotations
@@ -44,9 +51,11 @@ from tests.tiers import MANY_RANKS, ranks_of_item  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 SLOW_UNLESS_SMOKE = (TESTS / "cli", TESTS / "gpu")
+END_TO_END_GROUP = "end_to_end"
 _CAPTURING = {"capfd", "capfdbinary", "capsys", "capsysbinary"}
 _POOL = RankPool(size=4) if os.environ.get("LOCKSTEP_TEST_POOL", "1") != "0" else None
 _SEEN = pytest.StashKey["_RanksSeen"]()
+_WORKER_POOLS: list[dict[str, Any]] = []  # xdist's controller: each finished worker's pool stats
 
 
 class _RanksSeen:
@@ -73,6 +82,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         many_ranks = max(ranks_of_item(item), default=0) >= MANY_RANKS
         if many_ranks or (end_to_end and not smoke):
             item.add_marker(pytest.mark.slow)
+        if end_to_end:  # one after the other on one xdist worker (see the module doc)
+            item.add_marker(pytest.mark.xdist_group(END_TO_END_GROUP))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -100,11 +111,24 @@ def pytest_runtest_call(item: pytest.Item) -> object:
     return result
 
 
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """xdist's controller: keep what a worker's pool did, for the summary line (pytest_sessionfinish)."""
+    stats = getattr(node, "workeroutput", {}).get("rank_pool")
+    if stats:
+        _WORKER_POOLS.append(stats)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """One line on the pool: how many calls it served, how many processes it started, why it was replaced."""
-    if _POOL is None or not _POOL.stats["calls"]:
+    """One line on the pool: how many calls it served, how many processes it started, why it was replaced
+    (under xdist: the workers' pools together)."""
+    pools = [*_WORKER_POOLS, *([_POOL.stats] if _POOL is not None else [])]
+    stats = {
+        "calls": sum(p["calls"] for p in pools),
+        "started": sum(p["started"] for p in pools),
+        "replaced": [reason for p in pools for reason in p["replaced"]],
+    }
+    if not stats["calls"]:
         return
-    stats = _POOL.stats
     why: dict[str, int] = {}
     for reason in stats["replaced"]:  # one reason per call, whichever ranks gave it
         key = "; ".join(sorted({re.sub(r"^rank \d+: ", "", part) for part in reason.split("; ")}))
@@ -119,3 +143,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     use_pool(None)
     if _POOL is not None:
         _POOL.close()
+        worker_output = getattr(session.config, "workeroutput", None)  # set on an xdist worker only
+        if worker_output is not None:
+            worker_output["rank_pool"] = {k: _POOL.stats[k] for k in ("calls", "started", "replaced")}
