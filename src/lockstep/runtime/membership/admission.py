@@ -8,22 +8,21 @@ next step's collectives cannot complete before rank 0 wrote it. At that boundary
 with the joiners appended (formation.py; nothing failed, so no change is counted), writes their
 `admit/<member>`, and the joiners form the same generation; the state then comes from rank 0 over the new
 group (runtime/state_transfer.py). A replacement that the job ended before admitting is told so through
-`closed` and exits 0; one that loses its peer before it has the state gives up (marked dead) and exits.
+`closed` and exits 0; one whose admitted generation loses a member before it has the state re-forms with
+the members, as one of them, and receives the state over the next generation (recovery.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
-from typing import Any, NoReturn
+from typing import Any
 
 from lockstep.errors import InternalError
 from lockstep.runtime.membership import keys
 from lockstep.runtime.membership.core import GroupState
-from lockstep.runtime.membership.formation import EVICTED_EXIT_CODE
-from lockstep.runtime.membership.records import Membership, first_line
+from lockstep.runtime.membership.records import Membership
 
 
 class Admission:
@@ -54,21 +53,6 @@ class Admission:
         members = tuple(json.loads(bytes(state.store.get(keys.members(g))).decode()))
         state.known.update(members)
         return Membership(g, members, member)
-
-    def give_up(self, cause: BaseException) -> NoReturn:
-        """A replacement that lost its peer before it had the state: leave (marked dead, so the members
-        do not wait for it); the launcher may start another replacement."""
-        state = self.state
-        member = state.membership.member_id
-        state.count_change()
-        state.store.compare_set(
-            keys.dead(member), "", f"gave up: lost its peer while healing ({first_line(cause)})"
-        )
-        sys.stderr.write(
-            f"lockstep: replacement {member} lost its peer before it received the state; it exits\n"
-        )
-        sys.stderr.flush()
-        os._exit(EVICTED_EXIT_CODE)
 
     # ---- the members' side ----------------------------------------------------------------------------
 

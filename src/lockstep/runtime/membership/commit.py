@@ -1,12 +1,16 @@
 """A step counts on every member or on none: each member counts itself done on the store before its
-optimizer step, and the step counts once all have.
+optimizer step, and one verdict on the store says whether the step counted.
 
 A collective can complete on some ranks and fail on others (the dead rank sent its last bytes to some
 peers only), so completion alone would let the members disagree on whether the step happened. A member
-writes its key (`gen<g>/done/<step>/<member>`, answered by the store) before it can die, so when a
-death is seen the keys are final and every member decides the same. One store write and a read or two
-per step. A member's metric rows of the step travel with its key (`.../rows`), so that after the step
-counted they stay readable when the member is lost before the next log (rank 0 takes them over).
+writes its key (`gen<g>/done/<step>/<member>`, answered by the store) before it can die, then waits until
+every member's key is there ("commit") or the change counter moves first ("redo"). What each member saw
+may differ: a member can see the counter move (a queued replacement died, a straggler was evicted) a
+moment before the last key lands, which another member sees. So the first member to decide writes its
+word as the step's verdict (`gen<g>/verdict/<step>`, compare_set: the first writer wins) and every member
+follows the verdict, not what it saw. One store write, one compare_set and a read or two per step. A
+member's metric rows of the step travel with its key (`.../rows`), so that after the step counted they
+stay readable when the member is lost before the next log (rank 0 takes them over).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from lockstep.runtime.membership import keys
 from lockstep.runtime.membership.core import GroupState
 from lockstep.runtime.membership.host import Host
 from lockstep.runtime.membership.phases import GenerationPhase
+
+COMMIT, REDO = "commit", "redo"  # a step's verdict
 
 
 class StepCommit:
@@ -40,15 +46,20 @@ class StepCommit:
         # Waited on like a collective: a member stopped between its collectives and its key is judged by
         # the hang watchdog (its heartbeat), and evicted after the hang timeout like in any collective.
         with self.host.tracked(f"commit (step {step})"):
-            while not state.store.check(done):
+            while True:
+                if state.store.check(done):
+                    seen = COMMIT
+                    break
                 if state.changed():
-                    if state.store.check(done):
-                        break
-                    raise MembershipChanged(
-                        f"{state.tag}a member left before step {step} completed on every rank (generation "
-                        f"{m.generation}): the step is redone"
-                    )
+                    seen = COMMIT if state.store.check(done) else REDO
+                    break
                 time.sleep(0.0005)
+            verdict = bytes(state.store.compare_set(keys.verdict(m.generation, step), "", seen)).decode()
+        if verdict != COMMIT:
+            raise MembershipChanged(
+                f"{state.tag}a member left before step {step} completed on every rank (generation "
+                f"{m.generation}): the step is redone"
+            )
         state.phase.enter(GenerationPhase.TRAINING)
 
     def committed_rows(self, generation: int, step: int, member: int) -> bytes | None:

@@ -29,7 +29,7 @@ import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 
@@ -108,7 +108,7 @@ class LiveGroup(Generic[PlaceT]):
             self._join()
         else:
             self._form_generation_zero()
-        self.state.phase.enter(P.TRAINING)
+            self.state.phase.enter(P.TRAINING)
 
     def _form_generation_zero(self) -> None:
         # Generation 0 is agreed like any other: a rank that died before it checked in is left out, and
@@ -138,8 +138,13 @@ class LiveGroup(Generic[PlaceT]):
         self.state.see_changes()  # the members' check-ins are counted
         try:
             self.formation.form_group()
-        except MembershipChanged as exc:  # a member died as the group formed: the members go on without
-            self.give_up(exc)  # this process, which has no state yet; the launcher may start another
+        except MembershipChanged as exc:
+            # A member died as the group formed: the members form the next generation, and this process
+            # is one of them (a member of the generation it was admitted to). It receives the state once
+            # they formed, as it would have from this one.
+            self.reform(exc)  # ends in TRAINING
+            return
+        self.state.phase.enter(P.TRAINING)
 
     # ---- what the waits and the watchdog ask (host.py's Watched) --------------------------------------
 
@@ -177,10 +182,6 @@ class LiveGroup(Generic[PlaceT]):
 
     def state_received(self) -> None:
         self.needs_state = False
-
-    def give_up(self, cause: BaseException) -> NoReturn:
-        """A replacement without its state lost its peer: it leaves (admission.py)."""
-        self.admission.give_up(cause)
 
     # ---- re-forming -------------------------------------------------------------------------------------
 

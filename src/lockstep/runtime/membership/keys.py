@@ -15,6 +15,7 @@ renumbered over the members of each generation, in member-id order.
 | `gen<g>/members` = JSON list | the first member to propose (compare_set: first writer wins) | every member of g, the replacements admitted to g |
 | `gen<g>` (a store prefix) | torch's init_process_group for generation g | the same (a fresh prefix per generation: reusing one reads old addresses) |
 | `gen<g>/done/<step>/<member>` (a counter) and `.../rows` | each member after its collectives of `step` (commit) | every member of g (the step counts when all are done); rank 0 takes over a lost member's rows |
+| `gen<g>/verdict/<step>` = "commit" or "redo" | the first member to decide (compare_set): all done, or a change seen first | every member of g (each follows it, whatever it saw) |
 | `gen<g>/grow` = JSON {step, joiners} | rank 0 of g (compare_set), planning a growth | the other members of g, by the next step |
 | `join/count`, `join/<position>` = member id | a replacement queueing | rank 0 (joiners due) |
 | `admit/<member>` = generation | every member of the generation that admits it | the replacement; the launcher (is a queued one admitted?) |
@@ -64,6 +65,11 @@ def growth(generation: int) -> str:
 
 def done(generation: int, step: int, member: int) -> str:
     return f"{ROOT}gen{generation}/done/{step}/{member}"
+
+
+def verdict(generation: int, step: int) -> str:
+    """Whether `step` counted in `generation`: "commit" or "redo", the first writer's word (compare_set)."""
+    return f"{ROOT}gen{generation}/verdict/{step}"
 
 
 def done_rows(generation: int, step: int, member: int) -> str:

@@ -3,6 +3,7 @@
 ```
 JOINING    -> FORMING      a replacement was admitted to a generation
 FORMING    -> TRAINING     the generation's group formed (generation 0 retries inside FORMING until it does)
+FORMING    -> LOST         a replacement's admitted generation failed to form (a member died): it re-forms
 TRAINING   -> COMMITTING   this member's collectives of a step completed (membership.commit)
 COMMITTING -> TRAINING     every member counted the step done: it counts everywhere
 TRAINING   -> ADMITTING    a growth is due at this step boundary: re-form with the replacements appended
@@ -40,7 +41,7 @@ class GenerationPhase(enum.Enum):
 P = GenerationPhase
 LEGAL: dict[GenerationPhase, frozenset[GenerationPhase]] = {
     P.JOINING: frozenset({P.FORMING}),
-    P.FORMING: frozenset({P.TRAINING}),
+    P.FORMING: frozenset({P.TRAINING, P.LOST}),
     P.TRAINING: frozenset({P.COMMITTING, P.LOST, P.ADMITTING}),
     P.COMMITTING: frozenset({P.TRAINING, P.LOST}),
     P.LOST: frozenset({P.REFORMING}),

@@ -26,7 +26,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch.distributed as dist
 
-from lockstep.errors import InternalError, MembershipChanged
+from lockstep.errors import InternalError, LockstepError, MembershipChanged, StateLostError
 from lockstep.runtime.membership.group import LiveGroup, PlaceT
 from lockstep.runtime.membership.host import Place
 from lockstep.runtime.membership.records import Fault
@@ -86,16 +86,29 @@ class LiveRecovery(Generic[PlaceT]):
 
     def recover(self, exc: BaseException) -> bool:
         """A collective failed: re-form over the survivors and re-cut the work. False when no member left
-        (the error is the program's own): the caller re-raises it."""
-        group = self.group
-        before = group.membership.members
-        self.run.release_replica()
-        fault = group.reform(exc)
-        if group.membership.members == before and not isinstance(exc, MembershipChanged):
+        (the error is the program's own): the caller re-raises it. A member lost while the group re-forms,
+        rebuilds the replica or sends a replacement its state makes the survivors do it all again."""
+        if not is_lost_member(exc):
             return False
-        self.run.discard_step()
-        self._rejoin(fault)
-        return True
+        first = True
+        while True:
+            group = self.group
+            before = group.membership.members
+            self.run.release_replica()
+            fault = group.reform(exc)
+            if group.membership.members == before and not isinstance(exc, MembershipChanged):
+                if first:
+                    return False
+                raise exc  # a failure in the recovery itself that no member's loss explains
+            first = False
+            self.run.discard_step()
+            try:
+                self._rejoin(fault)
+                return True
+            except FAILURES as again:  # another fault inside this recovery
+                if not is_lost_member(again):
+                    raise
+                exc = again
 
     def admit_joiners(self, step: int, next_step: int | None = None) -> bool:
         """At a step boundary: let in the replacements that rank 0 planned for this step. True when the
@@ -114,15 +127,19 @@ class LiveRecovery(Generic[PlaceT]):
         return True
 
     def receive_state(self) -> None:
-        """A replacement, at the start of its loop: the state of the run it joins, from rank 0 (a
-        collective that the members enter from admit_joiners)."""
+        """A replacement, at the start of its loop: the state of the run it joins, from a member that holds
+        it (a collective that the members enter from admit_joiners). A member lost meanwhile: this process
+        re-forms with the others, as a member of the generation it was admitted to, and receives the state
+        over the next generation."""
         group = self.group
         if not group.needs_state:
             raise InternalError("receive_state is for a live-mode replacement that has no state yet")
         try:
             self._converge()
         except FAILURES as exc:
-            group.give_up(exc)  # no state to go on with: leave, so that the members need not wait for it
+            if not self.recover(exc):
+                raise
+            return  # recover() re-cut the shards
         self.run.reshard(group.topology())
 
     def _rejoin(self, fault: Fault) -> None:
@@ -157,10 +174,29 @@ class LiveRecovery(Generic[PlaceT]):
             )
         if len(members) == len(gathered):
             return
-        tree = group.host.broadcast_state(run.state_dict() if group.membership.rank == 0 else None, src=0)
+        # The state comes from the lowest-ranked member that holds it: rank 0, unless the lowest member
+        # ids left are replacements still waiting for theirs (every original member lost meanwhile).
+        holders = [rank for rank, marks in enumerate(gathered) if marks["step"] != NO_STATE]
+        if not holders:
+            raise StateLostError(
+                f"{group.state.tag}every member that held the run's state was lost: only replacements that "
+                "had not received it remain. Resume from the last checkpoint"
+            )
+        src = holders[0]
+        mine = run.state_dict() if group.membership.rank == src else None
+        tree = group.host.broadcast_state(mine, src=src)
         if group.needs_state:
             run.load_state_dict(tree)
             group.state_received()
+
+
+def is_lost_member(exc: BaseException) -> bool:
+    """Whether a failure can be a lost member's doing: a transport error (gloo reports a dead peer as a
+    plain RuntimeError) or lockstep's own signal that the members changed. lockstep's other errors
+    (InternalError, StateLostError, WorldTooSmallError, a usage error) never are: they end the job."""
+    if isinstance(exc, MembershipChanged):
+        return True
+    return isinstance(exc, FAILURES) and not isinstance(exc, LockstepError)
 
 
 def retry_at_start(group: LiveGroup[Any] | None, work: Callable[[], T]) -> T:
@@ -170,7 +206,7 @@ def retry_at_start(group: LiveGroup[Any] | None, work: Callable[[], T]) -> T:
         try:
             return work()
         except FAILURES as exc:
-            if group is None:
+            if group is None or not is_lost_member(exc):
                 raise
             before = group.membership.members
             group.reform(exc)
