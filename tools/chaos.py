@@ -1,0 +1,538 @@
+"""Chaos schedules for live mode: seeded faults of every kind over a real run, checked against a fault-free run.
+
+Each seed runs the digits job on 4 ranks in live mode with replacements (`lockstep train digits -n 4
+--min-world 2 --max-restarts R --hang-timeout 5 --deterministic ...`) and strikes a seeded schedule of
+faults at it, one every few seconds (the gap is drawn from --gap):
+
+| kind | what the tool does |
+| --- | --- |
+| kill | SIGKILL a member (any rank) |
+| kill_rank0 | SIGKILL the member that is rank 0 |
+| stop | SIGSTOP a member: the survivors evict it after the hang timeout, the launcher kills it |
+| straggler | stop and continue a member in a loop (4x slower) until the survivors evict it |
+| double | SIGKILL a member, then another while the survivors re-form (two faults in one recovery) |
+| joiner_queued | SIGKILL a member, then its replacement as soon as it queues to join |
+| joiner_admitted | SIGKILL a member, then its replacement as soon as the members admitted it |
+| joiner_healing | SIGKILL a member, then its replacement while it receives the run's state |
+| checkpoint_rank0 | SIGKILL rank 0 while its background checkpoint write is in flight |
+
+A seed passes when the job exits 0, wrote summary.json, ends with the fault-free run's parameter and
+optimizer bits (deterministic mode: the same bits at any world size), and every member struck is in the
+record: in summary.json's `faults` (a member) or in the launcher's lines (a replacement never admitted).
+The tool reads the job's c10d store (the launcher prints its address) to see the members and the join
+queue; it never writes to it.
+
+    python tools/chaos.py --seeds 50 --report benchmarks/results/2026-11-28-chaos.md
+    python tools/chaos.py --seeds 1 --first 7 --json out.json    # one seed, as the test suite runs it
+
+Exit code 0 when every seed passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+KINDS = (
+    "kill",
+    "kill_rank0",
+    "stop",
+    "straggler",
+    "double",
+    "joiner_queued",
+    "joiner_admitted",
+    "joiner_healing",
+    "checkpoint_rank0",
+)
+LAUNCHED = 4  # ranks launched
+MIN_WORLD = 2
+LIVE = "lockstep/live/"  # runtime/membership/keys.py's ROOT (read here without importing lockstep)
+
+
+@dataclass
+class Settings:
+    steps: int = 2400
+    faults: int = 5
+    gap: tuple[float, float] = (2.0, 8.0)  # seconds between faults, drawn uniformly
+    replacements: int = 20
+    timeout_s: float = 420.0  # one run, end to end
+
+    def command(self, run_dir: Path) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "lockstep",
+            "train",
+            "digits",
+            "-n",
+            str(LAUNCHED),
+            "--min-world",
+            str(MIN_WORLD),
+            "--max-restarts",
+            str(self.replacements),
+            "--hang-timeout",
+            "5",
+            "--evict-stragglers",
+            "3",
+            "--deterministic",
+            "--global-batch-size",
+            "48",
+            "--micro-batch-size",
+            "8",
+            "--epochs",
+            "1000",
+            "--max-steps",
+            str(self.steps),
+            "--checkpoint-every",
+            "40",
+            "--checkpoint-async",
+            "true",
+            "--progress",
+            "lines",
+            "--run-dir",
+            str(run_dir),
+        ]
+
+
+@dataclass
+class Strike:
+    """One fault struck: its kind, when (seconds after the launch), the members hit."""
+
+    kind: str
+    at_s: float
+    victims: list[int] = field(default_factory=list)
+    note: str = ""
+
+
+@dataclass
+class SeedResult:
+    seed: int
+    exit_code: int | None
+    summary: bool
+    same_bits: bool
+    recorded: bool
+    wall_s: float
+    strikes: list[Strike]
+    faults: list[dict[str, Any]]
+    why: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0 and self.summary and self.same_bits and self.recorded
+
+
+class Job:
+    """One launched job: its process, its run directory, its store (read only)."""
+
+    def __init__(self, settings: Settings, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.log = open(run_dir.parent / "launcher.log", "w+b")  # noqa: SIM115  closed in finish()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            settings.command(run_dir),
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.started = time.monotonic()
+        self.store: Any = None
+        self.generation = 0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def text(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return (self.run_dir.parent / "launcher.log").read_text(errors="replace")
+
+    def connect(self, deadline: float) -> bool:
+        """The store's address from the launcher's first line; a read-only client of it."""
+        import torch.distributed as dist
+
+        while time.monotonic() < deadline and self.running():
+            found = re.search(r"store ([\d.]+):(\d+)", self.text())
+            if found:
+                self.store = dist.TCPStore(
+                    found.group(1), int(found.group(2)), None, False, timeout=timedelta(seconds=10)
+                )
+                return True
+            time.sleep(0.1)
+        return False
+
+    def has(self, key: str) -> bool:
+        return bool(self.store.check([LIVE + key]))
+
+    def members(self) -> list[int]:
+        """The members of the newest generation formed so far."""
+        while self.has(f"gen{self.generation + 1}/members"):
+            self.generation += 1
+        key = f"gen{self.generation}/members"
+        return json.loads(bytes(self.store.get(LIVE + key)).decode()) if self.has(key) else []
+
+    def pid(self, member: int) -> int | None:
+        try:
+            return int((self.run_dir / f"rank{member}" / "pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def alive(self, member: int) -> bool:
+        pid = self.pid(member)
+        if pid is None or self.has(f"dead/{member}"):
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().split(")")[-1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+
+    def signal(self, member: int, sig: int) -> bool:
+        pid = self.pid(member)
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def queued(self) -> list[int]:
+        """Replacements in the join queue, in order."""
+        count = int(self.store.add(LIVE + "join/count", 0))
+        out = []
+        for n in range(1, count + 1):
+            if self.has(f"join/{n}"):
+                out.append(int(bytes(self.store.get(LIVE + f"join/{n}")).decode()))
+        return out
+
+    def finish(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            return None
+        finally:
+            self.log.close()
+
+
+class Striker:
+    """Strikes one fault of a kind at the job; waits until the job can lose a member without falling
+    below --min-world (a fault that would end the job is not what the schedule tests)."""
+
+    def __init__(self, job: Job, rng: random.Random) -> None:
+        self.job, self.rng = job, rng
+
+    def healthy(self, need: int, wait_s: float = 40.0) -> list[int] | None:
+        """The members once at least `need` of them are alive and none is dying; None on time out."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and self.job.running():
+            try:
+                members = self.job.members()
+            except RuntimeError:
+                return None
+            if len(members) >= need and all(self.job.alive(m) for m in members):
+                return members
+            time.sleep(0.05)
+        return None
+
+    def strike(self, kind: str) -> Strike:
+        strike = Strike(kind, round(self.job.elapsed(), 2))
+        need = {"double": MIN_WORLD + 2}.get(kind, MIN_WORLD + 1)
+        members = self.healthy(need)
+        if members is None:
+            strike.note = f"skipped: fewer than {need} healthy members"
+            return strike
+        strike.at_s = round(self.job.elapsed(), 2)
+        getattr(self, kind)(strike, members)
+        return strike
+
+    def _kill(self, strike: Strike, member: int) -> None:
+        if self.job.signal(member, signal.SIGKILL):
+            strike.victims.append(member)
+
+    def kill(self, strike: Strike, members: list[int]) -> None:
+        self._kill(strike, self.rng.choice(members))
+
+    def kill_rank0(self, strike: Strike, members: list[int]) -> None:
+        self._kill(strike, members[0])
+
+    def stop(self, strike: Strike, members: list[int]) -> None:
+        victim = self.rng.choice(members)
+        if self.job.signal(victim, signal.SIGSTOP):
+            strike.victims.append(victim)
+
+    def straggler(self, strike: Strike, members: list[int]) -> None:
+        victim = self.rng.choice(members[1:])  # rank 0 judges the stragglers
+        deadline = time.monotonic() + 25.0
+        strike.victims.append(victim)
+        while time.monotonic() < deadline and self.job.running() and not self.job.has(f"dead/{victim}"):
+            self.job.signal(victim, signal.SIGSTOP)
+            time.sleep(0.15)
+            self.job.signal(victim, signal.SIGCONT)
+            time.sleep(0.05)
+        if not self.job.has(f"dead/{victim}"):
+            strike.victims.remove(victim)
+            strike.note = "not evicted within 25 s"
+
+    def double(self, strike: Strike, members: list[int]) -> None:
+        first, second = self.rng.sample(members, 2)
+        self._kill(strike, first)
+        time.sleep(self.rng.uniform(0.0, 0.4))
+        self._kill(strike, second)
+
+    def _joiner(self, strike: Strike, members: list[int], stage: str) -> None:
+        """Kill a member, then the replacement the launcher starts for it, at `stage` of its join."""
+        started = self._started()
+        self._kill(strike, self.rng.choice(members))
+        deadline = time.monotonic() + 40.0
+        joiner = None
+        while time.monotonic() < deadline and self.job.running():
+            joiner = joiner if joiner is not None else next(iter(sorted(self._started() - started)), None)
+            if joiner is not None and self._reached(joiner, stage):
+                if stage == "healing":
+                    time.sleep(self.rng.uniform(0.0, 0.3))
+                self._kill(strike, joiner)
+                return
+            time.sleep(0.005)
+        strike.note = f"no replacement reached stage {stage!r}"
+
+    def _started(self) -> set[int]:
+        """Member ids of every worker the launcher started so far (its rank directories)."""
+        return {int(p.name[4:]) for p in self.job.run_dir.glob("rank*") if p.name[4:].isdigit()}
+
+    def _reached(self, joiner: int, stage: str) -> bool:
+        if stage == "queued":
+            return joiner in self.job.queued()
+        return self.job.has(f"admit/{joiner}")
+
+    def joiner_queued(self, strike: Strike, members: list[int]) -> None:
+        self._joiner(strike, members, "queued")
+
+    def joiner_admitted(self, strike: Strike, members: list[int]) -> None:
+        self._joiner(strike, members, "admitted")
+
+    def joiner_healing(self, strike: Strike, members: list[int]) -> None:
+        self._joiner(strike, members, "healing")
+
+    def checkpoint_rank0(self, strike: Strike, members: list[int]) -> None:
+        folder = self.job.run_dir / "checkpoints"
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and self.job.running():
+            if folder.is_dir() and any(p.name.endswith(".partial") for p in folder.iterdir()):
+                self._kill(strike, self.job.members()[0])
+                return
+            time.sleep(0.002)
+        strike.note = "no background checkpoint write seen"
+
+
+def schedule(seed: int, settings: Settings) -> list[tuple[float, str]]:
+    """The seed's faults: (gap before it in seconds, kind); kinds cycle through a seeded permutation."""
+    rng = random.Random(seed)
+    kinds = list(KINDS)
+    rng.shuffle(kinds)
+    return [(rng.uniform(*settings.gap), kinds[i % len(kinds)]) for i in range(settings.faults)]
+
+
+def run_seed(seed: int, settings: Settings, reference: dict[str, Any], workdir: Path) -> SeedResult:
+    folder = workdir / f"seed{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    job = Job(settings, folder / "run")
+    rng = random.Random(seed * 7919 + 1)
+    strikes: list[Strike] = []
+    why = ""
+    if not job.connect(time.monotonic() + 60):
+        why = "the launcher printed no store address"
+    else:
+        striker = Striker(job, rng)
+        striker.healthy(LAUNCHED, wait_s=60)  # generation 0 formed: the run is training
+        for gap, kind in schedule(seed, settings):
+            time.sleep(gap)
+            if not job.running():
+                break
+            try:
+                strikes.append(striker.strike(kind))
+            except RuntimeError as exc:  # the store went away: the job ended meanwhile
+                strikes.append(Strike(kind, round(job.elapsed(), 2), note=f"store gone: {exc}"[:80]))
+                break
+    code = job.finish(settings.timeout_s - job.elapsed())
+    wall = job.elapsed()
+    summary_file = folder / "run" / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    same = bool(summary) and all(
+        summary.get(k) == reference[k] for k in ("params_sha256", "optimizer_sha256")
+    )
+    recorded, missing = _recorded(strikes, summary, job.text())
+    if code != 0:
+        why = why or f"exit code {code}"
+    elif not summary:
+        why = "no summary.json"
+    elif not same:
+        why = "bits differ from the fault-free run"
+    elif missing:
+        why = f"struck members not in the record: {missing}"
+    if len([s for s in strikes if s.victims]) < settings.faults and not why:
+        why = f"only {len([s for s in strikes if s.victims])} faults struck"
+    return SeedResult(
+        seed,
+        code,
+        bool(summary),
+        same,
+        recorded and not missing,
+        wall,
+        strikes,
+        summary.get("faults", []),
+        why,
+    )
+
+
+def _recorded(strikes: list[Strike], summary: dict[str, Any], launcher: str) -> tuple[bool, list[int]]:
+    lost = {m for record in summary.get("faults", []) for m in record.get("lost", [])}
+    missing = []
+    for strike in strikes:
+        for member in strike.victims:
+            if member not in lost and not re.search(rf"rank {member} (killed|evicted|exit|gave)", launcher):
+                missing.append(member)
+    return not missing, missing
+
+
+def reference_run(settings: Settings, workdir: Path) -> dict[str, Any]:
+    """The fault-free run's summary (cached in the work directory by the settings)."""
+    cache = workdir / f"reference-{settings.steps}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    folder = workdir / "reference"
+    folder.mkdir(parents=True, exist_ok=True)
+    job = Job(settings, folder / "run")
+    code = job.finish(settings.timeout_s)
+    summary_file = folder / "run" / "summary.json"
+    if code != 0 or not summary_file.exists():
+        raise SystemExit(f"chaos: the fault-free run failed (exit {code}):\n{job.text()[-3000:]}")
+    summary = json.loads(summary_file.read_text())
+    summary["wall_total_s"] = round(job.elapsed(), 2)
+    cache.write_text(json.dumps(summary))
+    return summary
+
+
+def report(results: list[SeedResult], reference: dict[str, Any], settings: Settings) -> str:
+    """The markdown table of the seeds and the time lost per fault kind."""
+    passed = sum(r.passed for r in results)
+    lines = [
+        f"# Chaos schedules: {passed} of {len(results)} seeds survived",
+        "",
+        f"digits, {LAUNCHED} ranks, --min-world {MIN_WORLD}, --max-restarts {settings.replacements}, "
+        f"--hang-timeout 5, --evict-stragglers 3, deterministic, {settings.steps} steps, "
+        f"{settings.faults} faults a seed, {settings.gap[0]:g}-{settings.gap[1]:g} s apart. Fault-free run: "
+        f"{reference.get('wall_total_s', 0):.1f} s end to end. Machine: {os.cpu_count()} cores, "
+        f"torch {_torch_version()}, gloo.",
+        "",
+        "| seed | faults struck (kind: members) | exit | summary | same bits | recorded | wall s | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        struck = "; ".join(f"{s.kind}: {s.victims or s.note}" for s in r.strikes)
+        lines.append(
+            f"| {r.seed} | {struck} | {r.exit_code} | {_yes(r.summary)} | {_yes(r.same_bits)} | "
+            f"{_yes(r.recorded)} | {r.wall_s:.1f} | {'pass' if r.passed else 'FAIL: ' + r.why} |"
+        )
+    lines += [
+        "",
+        "Time lost per fault kind (from the summary's records of the passing seeds: re-forming "
+        "the group plus converging, i.e. the state sent to replacements; the redone step is extra):",
+        "",
+    ]
+    lines += [
+        "| kind | strikes | members lost | median recover s | max recover s |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for kind, (count, lost, times) in _by_kind(results).items():
+        med = f"{statistics.median(times):.3f}" if times else "-"
+        top = f"{max(times):.3f}" if times else "-"
+        lines.append(f"| {kind} | {count} | {lost} | {med} | {top} |")
+    walls = [r.wall_s for r in results if r.passed]
+    if walls:
+        extra = statistics.median(walls) - reference.get("wall_total_s", 0)
+        lines += [
+            "",
+            f"Median wall time of a passing seed: {statistics.median(walls):.1f} s "
+            f"({extra:+.1f} s against the fault-free run, for {settings.faults} faults).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _by_kind(results: list[SeedResult]) -> dict[str, tuple[int, int, list[float]]]:
+    out: dict[str, tuple[int, int, list[float]]] = {}
+    for r in results:
+        by_member = {}
+        for record in r.faults:
+            cost = float(record.get("recover_s", 0)) + float(record.get("detail", {}).get("converge_s", 0))
+            for member in record.get("lost", []):
+                by_member[member] = cost
+        for s in r.strikes:
+            count, lost, times = out.get(s.kind, (0, 0, []))
+            times = times + ([by_member[m] for m in s.victims if m in by_member] if r.passed else [])
+            out[s.kind] = (count + 1, lost + len(s.victims), times)
+    return out
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=1, help="how many seeds to run")
+    parser.add_argument("--first", type=int, default=0, help="the first seed")
+    parser.add_argument("--steps", type=int, default=Settings.steps)
+    parser.add_argument("--faults", type=int, default=Settings.faults, help="faults a seed")
+    parser.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temp dir)")
+    parser.add_argument("--report", type=Path, default=None, help="write the markdown table here")
+    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    settings = Settings(steps=args.steps, faults=args.faults)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lockstep-chaos-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    reference = reference_run(settings, workdir)
+    results = []
+    for seed in range(args.first, args.first + args.seeds):
+        result = run_seed(seed, settings, reference, workdir)
+        results.append(result)
+        verdict = "pass" if result.passed else f"FAIL ({result.why})"
+        struck = ", ".join(f"{s.kind}{s.victims}" for s in result.strikes)
+        print(f"seed {seed}: {verdict} in {result.wall_s:.1f} s; {struck}", flush=True)
+    text = report(results, reference, settings)
+    if args.report:
+        args.report.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(r), "passed": r.passed} for r in results], indent=1))
+    print(text.splitlines()[0])
+    return 0 if all(r.passed for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
