@@ -10,7 +10,9 @@ the next without it), "replicate" (in the model's start-up collectives inside fi
 call of a checkpoint save: rank 0 writes while the others wait), "stop" (SIGSTOP in a forward: it
 stops answering without dying), "heal" (VICTIM dies in a forward as for "forward"; then, once the world
 is back to 4, launch rank 0 dies in the state_dict() call that gathers the state for the replacement: the
-peer it heals from is lost while it heals), "write" (with "async": VICTIM's background checkpoint thread
+peer it heals from is lost while it heals), "twice" (VICTIM dies in a forward as for "forward"; then launch
+rank 1 dies as the survivors rebuild their replica over the new group: a second fault inside the
+recovery from the first), "write" (with "async": VICTIM's background checkpoint thread
 writes half of the first file of the checkpoint of step AT, then SIGKILLs the process while training goes on), or "none". Every rank appends the sample ids that reached its forward to
 OUT_DIR/seen-<launch rank>.txt; the summary is in OUT_DIR/run. A replacement (`--max-restarts`) has
 launch rank N, N+1, ... (LOCKSTEP_MEMBER_ID); RANK is the rank it replaces. With a fifth argument
@@ -74,7 +76,9 @@ def maybe_die(where: str) -> None:
     if FAULT == "heal" and where == "checkpoint" and UID == 0 and torch.distributed.get_world_size() == 4:
         if os.path.exists(os.path.join(OUT, "pid-4")):  # the world grew back: this call gathers its state
             os.kill(os.getpid(), signal.SIGKILL)
-    fault = "forward" if FAULT in ("stop", "heal") else FAULT
+    if FAULT == "twice" and where == "replicate" and UID == 1 and torch.distributed.get_world_size() == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # the survivors rebuild their replica after VICTIM's death
+    fault = "forward" if FAULT in ("stop", "heal", "twice") else FAULT
     if UID != VICTIM or fault != where:
         return
     calls[where] += 1

@@ -406,6 +406,23 @@ def test_the_peer_a_replacement_heals_from_dies_and_it_heals_from_the_next_one_b
     _every_sample_once_but_the_abandoned_step(out)
 
 
+def test_a_second_member_lost_inside_the_recovery_from_the_first_is_survived_bit_for_bit(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """Launch rank 2 dies in a forward; launch rank 1 dies while the survivors rebuild their replica over
+    the group they just formed: the recovery itself fails, and the last two members recover again."""
+    out, result = _run(tmp_path, "twice", "-n", "4", "--min-world", "2", fault="twice", victim=2, at=5)
+    assert result.returncode == 0, result.stderr
+    assert "rank 2 killed by SIGKILL" in result.stderr and "rank 1 killed by SIGKILL" in result.stderr
+    assert "finished on 2 of 4 ranks, without a restart" in result.stderr, result.stderr
+    summary = _same_bits_as(reference, out)
+    assert summary["world_size"] == 2
+    assert [f["lost"] for f in summary["faults"]] == [[2], [1]], summary["faults"]
+    for uid in (0, 3):
+        assert (out / f"pid-{uid}").read_text() == (out / f"done-{uid}").read_text()
+    _every_sample_once_but_the_abandoned_step(out)
+
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "live_own_loop.py"
 
 

@@ -15,6 +15,7 @@ from lockstep.runtime.stall_verdict import (
     WAITING,
     classify,
     divergence,
+    evictable_culprits,
     format_report,
     judge,
 )
@@ -83,7 +84,7 @@ def test_busy_rank_is_the_culprit() -> None:
     assert "allreduce (gradient bucket) #13 (world) at step 7" in verdict["summary"]
 
 
-@pytest.mark.parametrize("phase", ["checkpoint", "evaluate"])
+@pytest.mark.parametrize("phase", ["checkpoint", "evaluate", "joining"])
 def test_slow_phase_is_allowed_longer(phase: str) -> None:
     assert judge(0, {0: waiting(), 1: busy(phase, phase_for=40.0)}, TIMEOUT, SLOW) is None
     verdict = judge(0, {0: waiting(), 1: busy(phase, phase_for=51.0)}, TIMEOUT, SLOW)
@@ -108,6 +109,16 @@ def test_silent_and_exited_ranks_are_lost() -> None:
     verdict = judge(0, {0: waiting(), 1: silent, 2: {**busy(), "exited": True}}, TIMEOUT, SLOW)
     assert verdict is not None and verdict["kind"] == "rank lost" and verdict["culprits"] == [1, 2]
     assert "SIGSTOP" in verdict["why"]["1"] and "exited" in verdict["why"]["2"]
+
+
+def test_live_mode_evicts_silent_ranks_and_replacements_too_slow_to_join_not_busy_members() -> None:
+    """A replacement busy setting up (phase 'joining') past its allowance keeps the members waiting for
+    nothing they need: live mode evicts it as it does a silent rank. A busy member is a hang to report."""
+    silent = {**busy(), "silent": True, "liveness": "stopped"}
+    states = {0: waiting(), 1: silent, 2: busy("joining", phase_for=51.0), 3: busy(phase_for=51.0)}
+    verdict = judge(0, states, TIMEOUT, SLOW)
+    assert verdict is not None and verdict["culprits"] == [1, 2, 3]
+    assert evictable_culprits({**verdict, "states": states}) == [1, 2]
 
 
 def test_same_sequence_number_other_shapes_is_a_desync() -> None:

@@ -27,6 +27,7 @@ from lockstep.runtime import watchdog
 from lockstep.runtime.env_contract import CUDA_VISIBLE_DEVICES_VAR
 from lockstep.runtime.live_host import ProcessHost
 from lockstep.runtime.membership.group import LiveGroup, form_live_group
+from lockstep.runtime.progress import JOINING, PROGRESS
 from lockstep.runtime.topology import (
     Topology,
     live_settings_from_env,
@@ -268,6 +269,8 @@ def init(
             joining=live.joining,
         )
         topo = _formed.live.topology()
+        if live.joining:  # the members wait for it from now on: its set-up is timed from here, not its start
+            PROGRESS.set_phase(JOINING)
     else:
         _rendezvous(topo, backend, timeout)
     _formed.count += 1

@@ -44,8 +44,10 @@ OPTIMIZER = "optimizer"
 DATA = "data loading"
 CHECKPOINT = "checkpoint"
 EVALUATE = "evaluate"
-# Phases in which one rank may keep the others waiting on purpose (rank 0 saving, a rank-0 evaluation).
-SLOW_PHASES = frozenset({CHECKPOINT, EVALUATE})
+JOINING = "joining"  # live mode: a replacement from its admission until it trains (building, receiving)
+# Phases in which one rank may keep the others waiting on purpose (rank 0 saving, a rank-0 evaluation, a
+# replacement setting up after the members admitted it).
+SLOW_PHASES = frozenset({CHECKPOINT, EVALUATE, JOINING})
 
 RECENT = 64  # collectives kept per process: enough to see where two ranks' sequences parted
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,8 +9,8 @@ runtime/watchdog.py), so every rule is unit-testable without processes:
   whether this is a hang and who is to blame: the ranks not in its collective (behind), a rank in the
   same collective with another op or other shapes (desync), or at another sequence number (diverged);
 - `divergence` finds the first sequence number at which two ranks' recent collectives differ;
-- `not_a_hang` and `silent_culprits` read a verdict: peers that left on purpose, culprits that stopped
-  publishing heartbeats (live mode evicts those); `merge_issued` folds a collective published as it was
+- `not_a_hang` and `evictable_culprits` read a verdict: peers that left on purpose, culprits that stopped
+  publishing heartbeats or replacements too slow to join (live mode evicts those); `merge_issued` folds a collective published as it was
   issued into a rank's heartbeat;
 - `format_report` renders the report for a terminal.
 
@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from lockstep.runtime.progress import SLOW_PHASES
+from lockstep.runtime.progress import JOINING, SLOW_PHASES
 
 WAITING, BUSY, SILENT, EXITED = "waiting", "busy", "not responding", "exited"
 # Frames every worker has below the user's code (`python -m`, lockstep's worker bootstrap): not shown.
@@ -179,12 +179,19 @@ def not_a_hang(verdict: Mapping[str, Any]) -> bool:
     )
 
 
-def silent_culprits(verdict: Mapping[str, Any]) -> list[int]:
-    """The culprits that stopped publishing heartbeats (stopped, hung hard, cut off): live mode evicts
-    them. Others blamed beside them are usually their victims (a broadcast or ring that reached some ranks
-    but not all parts their sequences by one); if a real bug remains, the next generation reports it."""
+def evictable_culprits(verdict: Mapping[str, Any]) -> list[int]:
+    """The culprits that live mode evicts: those that stopped publishing heartbeats (stopped, hung hard,
+    cut off), and replacements still setting up past their allowance (busy in phase 'joining': the members
+    go on without a replacement too slow to join). Others blamed beside them are usually their victims (a
+    broadcast or ring that reached some ranks but not all parts their sequences by one); if a real bug
+    remains, the next generation reports it."""
     states = verdict.get("states") or {}
-    return [r for r in verdict.get("culprits") or [] if classify(states.get(r, {})) == SILENT]
+    return [r for r in verdict.get("culprits") or [] if _evictable(states.get(r, {}))]
+
+
+def _evictable(state: Mapping[str, Any]) -> bool:
+    where = classify(state)
+    return where == SILENT or (where == BUSY and state.get("phase") == JOINING)
 
 
 def merge_issued(state: dict[str, Any], rec: dict[str, Any]) -> None:

@@ -159,7 +159,7 @@ class Watchdog:
                     return
                 if self._stalled():
                     verdict = self._judge()
-                    if verdict is not None and self.live and stall_verdict.silent_culprits(verdict):
+                    if verdict is not None and self.live and stall_verdict.evictable_culprits(verdict):
                         # Live mode: the survivors go on without the silent ranks. No report: the main
                         # thread re-forms the group (and stops this thread) as soon as it sees the change.
                         self._evict(verdict)
@@ -275,12 +275,14 @@ class Watchdog:
         return verdict
 
     def _evict(self, verdict: dict[str, Any]) -> None:
-        """Live mode: name each silent rank dead, once, through the membership this watchdog was given."""
+        """Live mode: name each evictable rank dead (silent, or a replacement too slow to join), once,
+        through the membership this watchdog was given."""
         membership = self.membership
-        for rank in stall_verdict.silent_culprits(verdict):
+        for rank in stall_verdict.evictable_culprits(verdict):
             if membership is not None and rank not in self._evicted:
                 self._evicted.add(rank)
-                membership.evict(int(rank), str(verdict["states"][rank].get("liveness") or "not responding"))
+                why = verdict["states"][rank].get("liveness") or verdict["why"].get(str(rank))
+                membership.evict(int(rank), str(why or "not responding"))
 
     def _claim(self, verdict: dict[str, Any]) -> bool:
         """Become the reporter unless another rank already is (then answer it)."""

@@ -146,9 +146,12 @@ class LiveRecovery(Generic[PlaceT]):
         """After a new generation formed: the replica on it, the replacements' state, the shards re-cut."""
         self.changes += 1
         topology = self.group.topology()
-        self.run.rebuild_replica(topology)
+        # Recorded first: a member lost in what follows makes another change, and both are in the record.
+        # Before _converge: a replacement receives the list with this record.
         record = fault.record(int(self.run.marks()["step"]))
-        self.run.faults.append(record)  # before _converge: a replacement receives the list with this record
+        self.run.faults.append(record)
+        self.run.rebuild_replica(topology)
+        record["step"] = int(self.run.marks()["step"])  # a low-communication run went back to its mark
         started = time.monotonic()
         self._converge()
         record["detail"]["converge_s"] = round(time.monotonic() - started, 4)  # with the state sent, if any
