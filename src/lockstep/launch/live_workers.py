@@ -36,6 +36,8 @@ class LiveWorker:
     joiner: bool = False
     ended_at: float | None = None
     evicted: str | None = None  # why the survivors marked it dead while it still ran
+    stopped: bool = False  # the launcher stopped it itself (an interrupt, the job's end, a restart)
+    admitted: bool = False  # a replacement the members admitted (`admit/<member>` seen on the store)
 
     def how(self) -> str:
         if self.evicted:
@@ -44,6 +46,10 @@ class LiveWorker:
         if code is not None and code < 0:
             return f"killed by {signal.Signals(-code).name}"
         return f"exit code {code}"
+
+    def raised(self) -> bool:
+        """Its bootstrap recorded a Python exception (or a non-zero sys.exit) before it exited."""
+        return self.failure().record is not None
 
     def failure(self) -> RankFailure:
         """How it failed, with the traceback its bootstrap recorded (launch/worker.py)."""
@@ -97,6 +103,11 @@ def exit_code(failure: RankFailure) -> int:
 
 
 def signal_all(workers: list[LiveWorker], sig: int) -> None:
+    """Send `sig` to every running worker's process group; each is marked as stopped by the launcher
+    first, so that its end is never taken for a fault."""
+    for w in workers:
+        if w.proc.poll() is None:
+            w.stopped = True
     for w in workers:
         if w.proc.poll() is None:
             try:

@@ -11,6 +11,8 @@ The launcher starts each worker as `python -m lockstep.launch.worker script PATH
 - runs the script exactly as `python PATH ARGS...` would (sys.argv, sys.path[0], `__main__`);
 - after a script that ended well, leaves the process group it left open (Hugging Face's Trainer never
   destroys its own): torch's teardown of a live gloo group at interpreter exit aborts now and then;
+- prints an uncaught exception with one rank prefix (`[rankN]: `), however many process groups the
+  program formed (torch wraps sys.excepthook once per init_process_group: `_print_exception`);
 - on an exception or a non-zero sys.exit, writes the traceback to TORCHELASTIC_ERROR_FILE in the JSON
   form torch's elastic agent reads, so the failure summary shows the real traceback (never `<N/A>`).
 
@@ -21,6 +23,7 @@ It imports nothing from torch: the script decides what to import, and OMP_NUM_TH
 from __future__ import annotations
 
 import faulthandler
+import io
 import json
 import os
 import runpy
@@ -29,6 +32,7 @@ import sys
 import time
 import traceback
 from types import TracebackType
+from typing import Any
 
 from lockstep.startup import register_lightning_strategy
 
@@ -36,6 +40,7 @@ _BOOTSTRAP_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
 _LOCKSTEP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 PID_FILE = "pid"  # in the rank directory, next to the error file: read by launch/process_sweep.py
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"  # set by torch's agent from launch/rank_logs.py's placement
+MEMBER_ID_VAR = "LOCKSTEP_MEMBER_ID"  # runtime/env_contract.py's (this bootstrap imports nothing of torch's)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,12 +72,49 @@ def main(argv: list[str] | None = None) -> None:
         code = 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
         _record(error_file, exc, tb, code)
         # Default hooks (and torch's rank-prefixing one) print exc.__traceback__, not the tb argument.
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        _print_exception(exc.with_traceback(tb), tb)
         sys.stderr.flush()
         _exit_if_groups_abandoned(code)
         sys.exit(code)  # the exit status torch's agent reports; the error itself is in the error file
     _exit_if_groups_abandoned(0)
     _leave_process_group()
+
+
+def _print_exception(exc: BaseException, tb: TracebackType | None) -> None:
+    """Print `exc` as sys.excepthook would, with one rank prefix. torch's init_process_group wraps
+    sys.excepthook in a hook that prefixes every line with `[rank<r>]: ` (its rank in that group), and it
+    does so each time: live mode forms one group per generation, so after k re-formations a traceback
+    carried k + 1 prefixes, each with another generation's rank. Print through the hook beneath torch's
+    wrappers, prefixed once: with the member id in live mode (the name the launcher gives this worker in
+    every generation), else with the first group's rank, as torch would."""
+    hook, prefix = _beneath_torch_prefixes(sys.excepthook)
+    if prefix is None:
+        sys.excepthook(type(exc), exc, tb)
+        return
+    member = os.environ.get(MEMBER_ID_VAR)
+    prefix = f"[rank{member}]" if member else prefix
+    printed = io.StringIO()
+    stderr, sys.stderr = sys.stderr, printed
+    try:
+        hook(type(exc), exc, tb)
+    finally:
+        sys.stderr = stderr
+    lines = printed.getvalue().split("\n")
+    sys.stderr.write("\n".join(f"{prefix}: {line}" if line else "" for line in lines))
+
+
+def _beneath_torch_prefixes(hook: Any) -> tuple[Any, str | None]:
+    """The excepthook under every rank-prefixing wrapper of torch's (torch/distributed/distributed_c10d.py,
+    `_distributed_excepthook`, with `old_hook` and `excepthook_prefix` in its closure), and the prefix of
+    the innermost one (None when `hook` is not torch's)."""
+    prefix = None
+    while getattr(hook, "__name__", "") == "_distributed_excepthook":
+        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or (), strict=False))
+        if "old_hook" not in cells or "excepthook_prefix" not in cells:
+            break
+        prefix = str(cells["excepthook_prefix"].cell_contents)
+        hook = cells["old_hook"].cell_contents
+    return hook, prefix
 
 
 def _leave_process_group() -> None:

@@ -1,0 +1,92 @@
+"""Live mode's account of how each worker ended, and the launcher's last word on the job from it.
+
+How a worker ended decides what the launcher does (`ending`), checked in this order:
+
+- STOPPED: the launcher stopped it itself (Ctrl-C/SIGTERM, the job's end, a job-ending error, a restart).
+  Not a fault: no line, no replacement.
+- FINISHED: it exited 0 and trained to the end: one of the workers launched first, or a replacement the
+  members admitted (`admit/<member>` on the store).
+- NOT_NEEDED: a replacement that exited 0 without ever being admitted (the job ended before it joined).
+  Not a finisher.
+- FAULT: the job goes on without it (replaced while --max-restarts allows): killed by a signal; evicted
+  (marked dead on the store by the survivors or by itself, `dead/<member>`, or exit 75 =
+  EVICTED_EXIT_CODE); or exited non-zero without an exception record (os._exit, a crash in C code).
+- ERROR: it exited non-zero with a Python exception recorded by its bootstrap (error.json,
+  launch/worker.py): an InternalError, a WorldTooSmallError, an escaping MembershipChanged, the
+  program's own exception or its sys.exit(N). A lost peer never ends a worker this way on purpose, so
+  this ends the job: every other worker is stopped, nothing is replaced, and with --max-restarts left
+  (one node) the whole job restarts from its last checkpoint (launch/live_launch.py).
+
+`outcome` turns the account into the exit code and the last lines: non-zero whenever training did not
+finish, "finished" only when it did, counting only the FINISHED workers.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from lockstep.launch.failure_report import first_failure, format_failure
+from lockstep.launch.live_workers import LiveWorker, exit_code
+from lockstep.runtime.membership.formation import EVICTED_EXIT_CODE
+
+
+class Ending(enum.Enum):
+    """How a worker ended, as the launcher counts it (see the module doc)."""
+
+    STOPPED = "stopped by the launcher"
+    FINISHED = "finished"
+    NOT_NEEDED = "not needed"
+    FAULT = "fault"
+    ERROR = "job-ending error"
+
+
+def ending(w: LiveWorker) -> Ending:
+    """How the ended worker `w` counts (the module doc's rule). `w.evicted` and `w.admitted` must be read
+    from the store first."""
+    code = w.proc.returncode
+    if w.stopped:
+        return Ending.STOPPED
+    if code == 0:
+        return Ending.FINISHED if (not w.joiner or w.admitted) else Ending.NOT_NEEDED
+    if w.evicted is not None or code is None or code < 0 or code == EVICTED_EXIT_CODE:
+        return Ending.FAULT
+    return Ending.ERROR if w.raised() else Ending.FAULT
+
+
+def outcome(workers: list[LiveWorker], world: int, restarts: int) -> tuple[int, str]:
+    """The launcher's exit code and last lines once every worker of this node ended; `world`: the workers
+    launched first on this node, `restarts`: the whole-job restarts done before this attempt."""
+    endings = {id(w): ending(w) for w in workers}
+    errors = [w for w in workers if endings[id(w)] is Ending.ERROR]
+    faults = [w for w in workers if endings[id(w)] is Ending.FAULT]
+    finished = [w for w in workers if endings[id(w)] is Ending.FINISHED]
+    if errors:
+        stopped = [w for w in workers if endings[id(w)] is Ending.STOPPED and w.proc.returncode != 0]
+        failures = [w.failure() for w in errors + stopped]
+        return exit_code(first_failure(failures)), format_failure(failures, world)
+    if not finished:
+        failures = [w.failure() for w in faults] or [w.failure() for w in workers]
+        return exit_code(first_failure(failures)), format_failure(failures, world)
+    if not faults and not restarts:
+        return 0, ""
+    joined = [w.member_id for w in finished if w.joiner]
+    replaced = f" ({len(joined)} of them replacements: ranks {joined})" if joined else ""
+    lost = ", ".join(f"rank {w.member_id} ({w.how()})" for w in faults)
+    return 0, (
+        f"lockstep run: finished on {len(finished)} of {world} ranks{replaced}, {restart_words(restarts)}"
+        + (f"; lost {lost}" if lost else "")
+    )
+
+
+def restart_words(restarts: int) -> str:
+    if restarts == 0:
+        return "without a restart"
+    return f"after {restarts} restart{'s' if restarts > 1 else ''} of the whole job"
+
+
+def error_summary(w: LiveWorker) -> str:
+    """One line's worth on a job-ending error: its exception line, or its exit code."""
+    record = w.failure().record
+    message = str(record.get("message", "")).strip() if record else ""
+    first = message.splitlines()[0] if message else w.how()
+    return f"rank {w.member_id} raised {first}" if message else f"rank {w.member_id} {first}"
