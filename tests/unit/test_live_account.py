@@ -51,6 +51,7 @@ def _worker(tmp: Path, member: int, code: int, *, raised: str = "", **flags: Any
         (1, "ValueError: boom", {"evicted": "evicted by the survivors"}, Ending.FAULT),
         (1, "InternalError: steps differ", {}, Ending.ERROR),
         (3, "SystemExit: 3 (the script called sys.exit(3))", {}, Ending.ERROR),
+        (124, "", {}, Ending.ERROR),  # its hang watchdog reported a hang live mode cannot evict
         (-15, "", {"stopped": True}, Ending.STOPPED),  # the launcher stopped it
         (1, "ValueError: boom", {"stopped": True}, Ending.STOPPED),
     ],

@@ -13,7 +13,8 @@ How a worker ended decides what the launcher does (`ending`), checked in this or
   EVICTED_EXIT_CODE); or exited non-zero without an exception record (os._exit, a crash in C code).
 - ERROR: it exited non-zero with a Python exception recorded by its bootstrap (error.json,
   launch/worker.py): an InternalError, a WorldTooSmallError, an escaping MembershipChanged, the
-  program's own exception or its sys.exit(N). A lost peer never ends a worker this way on purpose, so
+  program's own exception or its sys.exit(N); or its hang watchdog ended it with a hang report (exit
+  124: a hang that live mode cannot evict, reported on every rank). A lost peer never ends a worker this way on purpose, so
   this ends the job: every other worker is stopped, nothing is replaced, and with --max-restarts left
   (one node) the whole job restarts from its last checkpoint (launch/live_launch.py).
 
@@ -28,6 +29,7 @@ import enum
 from lockstep.launch.failure_report import first_failure, format_failure
 from lockstep.launch.live_workers import LiveWorker, exit_code
 from lockstep.runtime.membership.formation import EVICTED_EXIT_CODE
+from lockstep.runtime.watchdog import STALL_EXIT_CODE
 
 
 class Ending(enum.Enum):
@@ -50,7 +52,7 @@ def ending(w: LiveWorker) -> Ending:
         return Ending.FINISHED if (not w.joiner or w.admitted) else Ending.NOT_NEEDED
     if w.evicted is not None or code is None or code < 0 or code == EVICTED_EXIT_CODE:
         return Ending.FAULT
-    return Ending.ERROR if w.raised() else Ending.FAULT
+    return Ending.ERROR if w.raised() or code == STALL_EXIT_CODE else Ending.FAULT
 
 
 def outcome(workers: list[LiveWorker], world: int, restarts: int) -> tuple[int, str]:

@@ -266,7 +266,7 @@ class LiveSupervisor:
         if w.stopped:
             return
         if w.evicted is None and w.proc.returncode != 0:
-            w.evicted = self._marked_dead(w.member_id)  # it marked itself dead (a replacement that gave up)
+            w.evicted = self._marked_dead(w.member_id)  # the survivors marked it dead before it ended
         if w.joiner:
             self._admitted(w)
         kind = ending(w)
