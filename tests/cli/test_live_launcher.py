@@ -59,6 +59,7 @@ def test_with_a_restart_left_the_whole_job_restarts_from_its_last_checkpoint(tmp
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["steps"] == STEPS
     assert 0 < summary["steps_this_run"] < STEPS  # resumed from the checkpoint the first attempt saved
+    assert summary["restarts"] == 1
     assert (out / "logs" / "restart1" / "rank1" / "stderr.log").exists()
     assert (out / "done-0").exists() and (out / "done-1").exists()
 

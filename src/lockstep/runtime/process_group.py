@@ -267,6 +267,7 @@ def init(
             min_world=live.min_world,
             member_id=live.member_id,
             joining=live.joining,
+            attempt=live.attempt,
         )
         topo = _formed.live.topology()
         if live.joining:  # the members wait for it from now on: its set-up is timed from here, not its start

@@ -299,6 +299,7 @@ class LiveSettings:
     min_world: int
     member_id: int | None  # this worker's id in the job (None: its RANK)
     joining: bool  # a replacement: it queues for admission and receives its state from a peer
+    attempt: int = 0  # whole-job restarts before this one (a job-ending error, launch/live_account.py)
 
 
 def live_settings_from_env(environ: Mapping[str, str]) -> LiveSettings | None:
@@ -311,4 +312,5 @@ def live_settings_from_env(environ: Mapping[str, str]) -> LiveSettings | None:
         min_world=int(raw),
         member_id=int(member) if member else None,
         joining=environ.get(LIVE_JOIN_VAR) == "1",
+        attempt=_int_var(environ, ATTEMPT_VAR, 0),
     )

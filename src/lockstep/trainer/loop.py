@@ -168,7 +168,7 @@ class FitRun:
             self.config,
             world_size=self.replica.topo.world_size,
             plan=self.plan,
-            live=self.live is not None,
+            restarts=self.live.attempt if self.live is not None else None,
             run=(wall, self.counters.samples - start_samples, self.counters.step - start_step),
             comm_bytes=comm_bytes_so_far(self.replica.engine) - start_bytes,
         )

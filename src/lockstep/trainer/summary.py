@@ -38,13 +38,14 @@ def build_summary(
     *,
     world_size: int,
     plan: BatchPlan,
-    live: bool,
+    restarts: int | None,
     run: tuple[float, int, int],
     comm_bytes: int,
 ) -> dict[str, Any]:
     """The summary of a run whose state is `state`; `run`: (wall seconds, samples, steps) of this call;
     `comm_bytes`: the gradient (or, with sync, parameter) payload this rank handed to the engine's
-    collectives in this call (summary.json's comm_bytes, and per sample over all ranks)."""
+    collectives in this call (summary.json's comm_bytes, and per sample over all ranks); `restarts`: live
+    mode's whole-job restarts before this attempt (None outside live mode)."""
     wall, samples, steps = run
     counters, record = state.counters, state.record
     summary = {
@@ -62,7 +63,7 @@ def build_summary(
         "micro_batch_size": plan.micro_batch_size,
         "deterministic": config.deterministic,
         "faults": record.faults,
-        "restarts": 0 if live else None,
+        "restarts": restarts,
         "params_sha256": state_sha256(state.module.state_dict()),
         "optimizer_sha256": state_sha256(state.optimizer.state_dict()),  # consolidated if sharded
         "final_train": record.last_train or None,

@@ -61,6 +61,7 @@ class LiveGroup(Generic[PlaceT]):
         *,
         member_id: int | None = None,
         joining: bool = False,
+        attempt: int = 0,
     ) -> None:
         self.topo, self.host, self.min_world = topo, host, min_world
         member_id = topo.rank if member_id is None else member_id
@@ -71,6 +72,9 @@ class LiveGroup(Generic[PlaceT]):
         self.admission = Admission(self.state)
         self.joining = joining  # a replacement: it queues, and its state comes from a peer
         self.needs_state = joining  # until the trainer received it (state_received)
+        self.attempt = (
+            attempt  # whole-job restarts before this one (the launcher's, after a job-ending error)
+        )
         # The watchdog thread evicts through a connection of its own (a store client is not shared).
         self._evict_store = store.clone() if hasattr(store, "clone") else store
         self.faults: list[Fault] = []
@@ -238,6 +242,7 @@ def form_live_group(
     min_world: int,
     member_id: int | None,
     joining: bool,
+    attempt: int = 0,
 ) -> LiveGroup[PlaceT]:
     """Form generation 0 over every launched member, on the launcher's store (called by init())."""
     client = dist.TCPStore(
@@ -252,6 +257,7 @@ def form_live_group(
         timeout,
         member_id=member_id,
         joining=joining,
+        attempt=attempt,
     )
     group.form_first()
     return group
