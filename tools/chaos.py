@@ -510,11 +510,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--steps", type=int, default=Settings.steps)
     parser.add_argument("--faults", type=int, default=Settings.faults, help="faults a seed")
+    parser.add_argument(
+        "--gap",
+        type=float,
+        nargs=2,
+        default=Settings.gap,
+        metavar=("MIN", "MAX"),
+        help="seconds between faults",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temp dir)")
     parser.add_argument("--report", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    settings = Settings(steps=args.steps, faults=args.faults)
+    settings = Settings(steps=args.steps, faults=args.faults, gap=tuple(args.gap))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lockstep-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     reference = reference_run(settings, workdir)

@@ -1,0 +1,51 @@
+"""Live mode through repeated faults: one seeded chaos schedule of every kind of fault (tools/chaos.py).
+
+The digits job on 4 ranks with replacements meets nine faults a few seconds apart, one of each kind the
+tool strikes: SIGKILL of a member and of rank 0, SIGSTOP, a straggler evicted, two members killed within
+one recovery, a replacement killed as it queues, once admitted and while it receives its state, and rank
+0 killed while its background checkpoint write is in flight. The job must exit 0 with a summary, the
+fault-free run's parameter and optimizer bits (deterministic mode), and every member struck in the
+record. `python tools/chaos.py --seeds 50` runs more seeds at will.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import child_env
+
+ROOT = Path(__file__).resolve().parents[2]
+KINDS = {
+    "kill",
+    "kill_rank0",
+    "stop",
+    "straggler",
+    "double",
+    "joiner_queued",
+    "joiner_admitted",
+    "joiner_healing",
+    "checkpoint_rank0",
+}
+
+
+def test_a_schedule_of_every_kind_of_fault_ends_with_the_fault_free_bits(tmp_path: Path) -> None:
+    report = tmp_path / "chaos.json"
+    cmd = [sys.executable, str(ROOT / "tools" / "chaos.py"), "--seeds", "1", "--first", "1", "--faults", "9"]
+    cmd += ["--steps", "4000", "--gap", "1", "4", "--workdir", str(tmp_path / "runs"), "--json", str(report)]
+    result = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
+    assert report.exists(), result.stdout + result.stderr
+    [seed] = json.loads(report.read_text())
+    struck = {s["kind"]: s for s in seed["strikes"]}
+    assert set(struck) == KINDS, seed["strikes"]
+    assert all(s["victims"] for s in struck.values()), seed["strikes"]  # every fault landed
+    assert len(struck["double"]["victims"]) == 2 and len(struck["joiner_healing"]["victims"]) == 2
+    assert seed["exit_code"] == 0, result.stdout[-4000:]
+    assert seed["summary"] and seed["same_bits"] and seed["recorded"], seed["why"]
+    assert seed["passed"] and result.returncode == 0, result.stdout[-4000:]
+    lost = sorted(m for record in seed["faults"] for m in record["lost"])
+    assert (
+        len(lost) >= 9
+    )  # each fault a member lost (a queued replacement is no member: in the launcher's lines)
