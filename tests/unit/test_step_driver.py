@@ -6,7 +6,8 @@ from typing import Any, cast
 
 import pytest
 
-from lockstep.runtime.membership.recovery import LiveRecovery
+from lockstep.errors import InternalError, MembershipChanged, UsageError, WorldTooSmallError
+from lockstep.runtime.membership.recovery import LiveRecovery, is_lost_member
 from lockstep.trainer.step_driver import Outcome, RolledBack, StepDriver
 
 
@@ -74,3 +75,21 @@ def test_a_failure_no_loss_explains_is_the_programs_own() -> None:
         _driver(FakeRecovery(survives=False)).attempt(_failing(1))
     with pytest.raises(ValueError):
         _driver(FakeRecovery()).attempt(lambda: int("x"))  # not a collective's failure: never recovered
+
+
+@pytest.mark.parametrize(
+    ("exc", "lost"),
+    [
+        (MembershipChanged("the group lost a member"), True),
+        (RuntimeError("Connection closed by peer"), True),  # gloo's word for a dead peer
+        (InternalError("after a change of members the ranks stand at different steps"), False),
+        (WorldTooSmallError("1 remain, fewer than --min-world 2"), False),
+        (UsageError("no_sync() inside accumulate()"), False),
+        (ValueError("the program's own"), False),
+    ],
+)
+def test_only_a_transport_failure_or_a_membership_signal_can_be_a_lost_member(
+    exc: BaseException, lost: bool
+) -> None:
+    """lockstep's own errors end the job: a recovery would hide them (and loop on them)."""
+    assert is_lost_member(exc) is lost
