@@ -207,13 +207,7 @@ class Job:
 
     def signal(self, member: int, sig: int) -> bool:
         pid = self.pid(member)
-        if pid is None:
-            return False
-        try:
-            os.kill(pid, sig)
-            return True
-        except ProcessLookupError:
-            return False
+        return pid is not None and _signal(pid, sig)
 
     def queued(self) -> list[int]:
         """Replacements in the join queue, in order."""
@@ -225,14 +219,32 @@ class Job:
         return out
 
     def finish(self, timeout: float) -> int | None:
+        """The launcher's exit code; None when it ran past `timeout` (then it and its workers are stopped)."""
         try:
             return self.proc.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            self.stop()
             return None
         finally:
             self.log.close()
+
+    def stop(self) -> None:
+        """Stop the job and leave nothing behind: the launcher stops its workers on SIGTERM (each worker
+        runs in a session of its own); whatever still runs after the grace is killed by pid."""
+        for member in range(LAUNCHED + 64):
+            pid = self.pid(member)
+            if pid is not None:
+                _signal(pid, signal.SIGCONT)  # a stopped worker ends on SIGTERM only once continued
+        _signal(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _signal(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for member in range(LAUNCHED + 64):
+            pid = self.pid(member)
+            if pid is not None:
+                _signal(pid, signal.SIGKILL)
 
 
 class Striker:
@@ -345,6 +357,14 @@ class Striker:
         strike.note = "no background checkpoint write seen"
 
 
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def schedule(seed: int, settings: Settings) -> list[tuple[float, str]]:
     """The seed's faults: (gap before it in seconds, kind); kinds cycle through a seeded permutation."""
     rng = random.Random(seed)
@@ -360,21 +380,15 @@ def run_seed(seed: int, settings: Settings, reference: dict[str, Any], workdir: 
     rng = random.Random(seed * 7919 + 1)
     strikes: list[Strike] = []
     why = ""
-    if not job.connect(time.monotonic() + 60):
-        why = "the launcher printed no store address"
-    else:
-        striker = Striker(job, rng)
-        striker.healthy(LAUNCHED, wait_s=60)  # generation 0 formed: the run is training
-        for gap, kind in schedule(seed, settings):
-            time.sleep(gap)
-            if not job.running():
-                break
-            try:
-                strikes.append(striker.strike(kind))
-            except RuntimeError as exc:  # the store went away: the job ended meanwhile
-                strikes.append(Strike(kind, round(job.elapsed(), 2), note=f"store gone: {exc}"[:80]))
-                break
-    code = job.finish(settings.timeout_s - job.elapsed())
+    try:
+        if not job.connect(time.monotonic() + 60):
+            why = "the launcher printed no store address"
+        else:
+            _strike_all(job, Striker(job, rng), schedule(seed, settings), strikes)
+        code = job.finish(settings.timeout_s - job.elapsed())
+    except BaseException:  # Ctrl-C, a bug of the tool's: the job must not outlive it
+        job.stop()
+        raise
     wall = job.elapsed()
     summary_file = folder / "run" / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
@@ -403,6 +417,19 @@ def run_seed(seed: int, settings: Settings, reference: dict[str, Any], workdir: 
         summary.get("faults", []),
         why,
     )
+
+
+def _strike_all(job: Job, striker: Striker, faults: list[tuple[float, str]], strikes: list[Strike]) -> None:
+    striker.healthy(LAUNCHED, wait_s=60)  # generation 0 formed: the run is training
+    for gap, kind in faults:
+        time.sleep(gap)
+        if not job.running():
+            return
+        try:
+            strikes.append(striker.strike(kind))
+        except RuntimeError as exc:  # the store went away: the job ended meanwhile
+            strikes.append(Strike(kind, round(job.elapsed(), 2), note=f"store gone: {exc}"[:80]))
+            return
 
 
 def _recorded(strikes: list[Strike], summary: dict[str, Any], launcher: str) -> tuple[bool, list[int]]:
