@@ -275,14 +275,12 @@ class Watchdog:
         return verdict
 
     def _evict(self, verdict: dict[str, Any]) -> None:
-        """Live mode: name each evictable rank dead (silent, or a replacement too slow to join), once,
-        through the membership this watchdog was given."""
-        membership = self.membership
+        """Live mode: name each evictable rank dead (silent, or too slow to join), once, in the membership."""
         for rank in stall_verdict.evictable_culprits(verdict):
-            if membership is not None and rank not in self._evicted:
+            if self.membership is not None and rank not in self._evicted:
                 self._evicted.add(rank)
                 why = verdict["states"][rank].get("liveness") or verdict["why"].get(str(rank))
-                membership.evict(int(rank), str(why or "not responding"))
+                self.membership.evict(int(rank), str(why or "not responding"))
 
     def _claim(self, verdict: dict[str, Any]) -> bool:
         """Become the reporter unless another rank already is (then answer it)."""

@@ -90,25 +90,19 @@ class LiveRecovery(Generic[PlaceT]):
         rebuilds the replica or sends a replacement its state makes the survivors do it all again."""
         if not is_lost_member(exc):
             return False
-        first = True
-        while True:
-            group = self.group
-            before = group.membership.members
-            self.run.release_replica()
-            fault = group.reform(exc)
-            if group.membership.members == before and not isinstance(exc, MembershipChanged):
-                if first:
-                    return False
-                raise exc  # a failure in the recovery itself that no member's loss explains
-            first = False
-            self.run.discard_step()
-            try:
-                self._rejoin(fault)
-                return True
-            except FAILURES as again:  # another fault inside this recovery
-                if not is_lost_member(again):
-                    raise
-                exc = again
+        group = self.group
+        before = group.membership.members
+        self.run.release_replica()
+        fault = group.reform(exc)
+        if group.membership.members == before and not isinstance(exc, MembershipChanged):
+            return False
+        self.run.discard_step()
+        try:
+            self._rejoin(fault)
+        except FAILURES as again:  # another fault inside this recovery: recover from that one too
+            if not self.recover(again):
+                raise
+        return True
 
     def admit_joiners(self, step: int, next_step: int | None = None) -> bool:
         """At a step boundary: let in the replacements that rank 0 planned for this step. True when the
