@@ -483,18 +483,26 @@ def report(results: list[SeedResult], reference: dict[str, Any], settings: Setti
         )
     lines += [
         "",
-        "Time lost per fault kind (from the summary's records of the passing seeds: re-forming "
-        "the group plus converging, i.e. the state sent to replacements; the redone step is extra):",
+        "Time lost per fault kind, from the fault records of the passing seeds: detection (how long the "
+        "survivors waited in the failed collective: about the hang timeout for a stopped rank) and recovery "
+        "(re-forming the group, rebuilding the replica, converging, the state sent to a replacement); the "
+        "redone step comes on top. A kind that strikes a replacement too is counted by the member it lost.",
         "",
+        "| kind | strikes | members struck | median detection s | median recovery s | max recovery s |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    lines += [
-        "| kind | strikes | members lost | median recover s | max recover s |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for kind, (count, lost, times) in _by_kind(results).items():
-        med = f"{statistics.median(times):.3f}" if times else "-"
-        top = f"{max(times):.3f}" if times else "-"
-        lines.append(f"| {kind} | {count} | {lost} | {med} | {top} |")
+    for kind, (count, lost, waits, times) in _by_kind(results).items():
+        lines.append(
+            f"| {kind} | {count} | {lost} | {_median(waits)} | {_median(times)} | "
+            f"{f'{max(times):.3f}' if times else '-'} |"
+        )
+    gaps = [b.at_s - a.at_s for r in results for a, b in zip(r.strikes, r.strikes[1:], strict=False)]
+    if gaps:
+        lines += [
+            "",
+            f"Interval between two strikes (start to start, all seeds): median {_median(gaps)} s, "
+            f"max {max(gaps):.1f} s (a strike waits until enough members are healthy).",
+        ]
     walls = [r.wall_s for r in results if r.passed]
     if walls:
         extra = statistics.median(walls) - reference.get("wall_total_s", 0)
@@ -506,19 +514,39 @@ def report(results: list[SeedResult], reference: dict[str, Any], settings: Setti
     return "\n".join(lines) + "\n"
 
 
-def _by_kind(results: list[SeedResult]) -> dict[str, tuple[int, int, list[float]]]:
-    out: dict[str, tuple[int, int, list[float]]] = {}
+def _by_kind(results: list[SeedResult]) -> dict[str, tuple[int, int, list[float], list[float]]]:
+    """Per kind: strikes, members struck, detection and recovery seconds of the passing seeds' records."""
+    out: dict[str, tuple[int, int, list[float], list[float]]] = {}
     for r in results:
-        by_member = {}
+        by_member: dict[int, tuple[float, float]] = {}
         for record in r.faults:
-            cost = float(record.get("recover_s", 0)) + float(record.get("detail", {}).get("converge_s", 0))
+            detail = record.get("detail", {})
+            cost = float(record.get("recover_s", 0)) + float(detail.get("converge_s", 0))
             for member in record.get("lost", []):
-                by_member[member] = cost
+                by_member[member] = (float(detail.get("waited_s", 0)), cost)
         for s in r.strikes:
-            count, lost, times = out.get(s.kind, (0, 0, []))
-            times = times + ([by_member[m] for m in s.victims if m in by_member] if r.passed else [])
-            out[s.kind] = (count + 1, lost + len(s.victims), times)
+            count, lost, waits, times = out.get(s.kind, (0, 0, [], []))
+            seen = [by_member[m] for m in s.victims if m in by_member] if r.passed else []
+            out[s.kind] = (
+                count + 1,
+                lost + len(s.victims),
+                waits + [w for w, _ in seen],
+                times + [c for _, c in seen],
+            )
     return out
+
+
+def _median(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f}" if values else "-"
+
+
+def _load_results(path: Path) -> list[SeedResult]:
+    results = []
+    for row in json.loads(path.read_text()):
+        row.pop("passed", None)
+        row["strikes"] = [Strike(**strike) for strike in row["strikes"]]
+        results.append(SeedResult(**row))
+    return results
 
 
 def _yes(flag: bool) -> str:
@@ -548,8 +576,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temp dir)")
     parser.add_argument("--report", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        help="only write --report from an earlier run's --json (and --workdir)",
+    )
     args = parser.parse_args(argv)
     settings = Settings(steps=args.steps, faults=args.faults, gap=tuple(args.gap))
+    if args.render is not None:
+        reference = json.loads((args.workdir / f"reference-{settings.steps}.json").read_text())
+        text = report(_load_results(args.render), reference, settings)
+        (args.report or Path("/dev/stdout")).write_text(text)
+        return 0
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lockstep-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     reference = reference_run(settings, workdir)
@@ -560,11 +599,11 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "pass" if result.passed else f"FAIL ({result.why})"
         struck = ", ".join(f"{s.kind}{s.victims}" for s in result.strikes)
         print(f"seed {seed}: {verdict} in {result.wall_s:.1f} s; {struck}", flush=True)
-    text = report(results, reference, settings)
-    if args.report:
-        args.report.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps([{**asdict(r), "passed": r.passed} for r in results], indent=1))
+        text = report(results, reference, settings)  # after every seed: a run cut short keeps its seeds
+        if args.report:
+            args.report.write_text(text)
+        if args.json:
+            args.json.write_text(json.dumps([{**asdict(r), "passed": r.passed} for r in results], indent=1))
     print(text.splitlines()[0])
     return 0 if all(r.passed for r in results) else 1
 
