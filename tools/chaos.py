@@ -130,9 +130,11 @@ class SeedResult:
     faults: list[dict[str, Any]]
     why: str = ""
 
+    restarts: int = 0  # whole-job restarts the launcher made (a job-ending error, then resumed)
+
     @property
     def passed(self) -> bool:
-        return self.exit_code == 0 and self.summary and self.same_bits and self.recorded
+        return self.exit_code == 0 and self.summary and self.same_bits and self.recorded and not self.why
 
 
 class Job:
@@ -255,14 +257,18 @@ class Striker:
         self.job, self.rng = job, rng
 
     def healthy(self, need: int, wait_s: float = 40.0) -> list[int] | None:
-        """The members once at least `need` of them are alive and none is dying; None on time out."""
+        """The members once at least `need` of them are alive, none is dying and every replacement among
+        them holds the run's state (`healed/<member>`); None on time out."""
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and self.job.running():
             try:
                 members = self.job.members()
             except RuntimeError:
                 return None
-            if len(members) >= need and all(self.job.alive(m) for m in members):
+            ready = [
+                m for m in members if self.job.alive(m) and (m < LAUNCHED or self.job.has(f"healed/{m}"))
+            ]
+            if len(members) >= need and len(ready) == len(members):
                 return members
             time.sleep(0.05)
         return None
@@ -416,6 +422,7 @@ def run_seed(seed: int, settings: Settings, reference: dict[str, Any], workdir: 
         strikes,
         summary.get("faults", []),
         why,
+        int(summary.get("restarts") or 0),
     )
 
 
@@ -472,14 +479,14 @@ def report(results: list[SeedResult], reference: dict[str, Any], settings: Setti
         f"{reference.get('wall_total_s', 0):.1f} s end to end. Machine: {os.cpu_count()} cores, "
         f"torch {_torch_version()}, gloo.",
         "",
-        "| seed | faults struck (kind: members) | exit | summary | same bits | recorded | wall s | verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| seed | faults struck (kind: members) | exit | summary | same bits | recorded | restarts | wall s | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         struck = "; ".join(f"{s.kind}: {s.victims or s.note}" for s in r.strikes)
         lines.append(
             f"| {r.seed} | {struck} | {r.exit_code} | {_yes(r.summary)} | {_yes(r.same_bits)} | "
-            f"{_yes(r.recorded)} | {r.wall_s:.1f} | {'pass' if r.passed else 'FAIL: ' + r.why} |"
+            f"{_yes(r.recorded)} | {r.restarts} | {r.wall_s:.1f} | {'pass' if r.passed else 'FAIL: ' + r.why} |"
         )
     lines += [
         "",

@@ -185,7 +185,9 @@ class LiveGroup(Generic[PlaceT]):
         return self.admission.joiners_due(step, next_step)
 
     def state_received(self) -> None:
+        """A replacement holds the run's state from now on: it says so on the store (`healed/<member>`)."""
         self.needs_state = False
+        self.state.store.set(keys.healed(self.membership.member_id), str(self.membership.generation))
 
     # ---- re-forming -------------------------------------------------------------------------------------
 

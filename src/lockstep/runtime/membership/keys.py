@@ -19,6 +19,7 @@ renumbered over the members of each generation, in member-id order.
 | `gen<g>/grow` = JSON {step, joiners} | rank 0 of g (compare_set), planning a growth | the other members of g, by the next step |
 | `join/count`, `join/<position>` = member id | a replacement queueing | rank 0 (joiners due) |
 | `admit/<member>` = generation | every member of the generation that admits it | the replacement; the launcher (is a queued one admitted?) |
+| `healed/<member>` = generation | a replacement once it received the run's state | tools watching a job (tools/chaos.py: a member still joining is not yet one to count on) |
 | `closed` | the launcher, when only unadmitted replacements still run | a queued replacement (it exits 0) |
 | `replacements` (a counter) | each launcher starting a replacement | each launcher (the next member id; the last line) |
 | `node/<n>/beat`, `node/<n>/done`, `node/<n>/idle` | node n's launcher | node 0's launcher (keeps the store up), every launcher (closing) |
@@ -44,6 +45,10 @@ def join_entry(position: int) -> str:
 
 def admit(member: int) -> str:
     return f"{ROOT}admit/{member}"
+
+
+def healed(member: int) -> str:
+    return f"{ROOT}healed/{member}"
 
 
 def generation_prefix(generation: int) -> str:
