@@ -257,19 +257,19 @@ class Striker:
         self.job, self.rng = job, rng
 
     def healthy(self, need: int, wait_s: float = 40.0) -> list[int] | None:
-        """The members once at least `need` of them are alive, none is dying and every replacement among
-        them holds the run's state (`healed/<member>`); None on time out."""
+        """The members to strike at, once none is dying and at least `need` hold the run's state (launched
+        first, or a replacement that is `healed/<member>`): a replacement still joining cannot hold the job
+        above --min-world, and is no target; None on time out."""
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and self.job.running():
             try:
                 members = self.job.members()
             except RuntimeError:
                 return None
-            ready = [
-                m for m in members if self.job.alive(m) and (m < LAUNCHED or self.job.has(f"healed/{m}"))
-            ]
-            if len(members) >= need and len(ready) == len(members):
-                return members
+            alive = [m for m in members if self.job.alive(m)]
+            ready = [m for m in alive if m < LAUNCHED or self.job.has(f"healed/{m}")]
+            if len(ready) >= need and len(alive) == len(members):
+                return ready
             time.sleep(0.05)
         return None
 
@@ -292,7 +292,7 @@ class Striker:
         self._kill(strike, self.rng.choice(members))
 
     def kill_rank0(self, strike: Strike, members: list[int]) -> None:
-        self._kill(strike, members[0])
+        self._kill(strike, min(self.job.members()))  # rank 0: the lowest member id of the generation
 
     def stop(self, strike: Strike, members: list[int]) -> None:
         victim = self.rng.choice(members)
@@ -301,16 +301,16 @@ class Striker:
 
     def straggler(self, strike: Strike, members: list[int]) -> None:
         victim = self.rng.choice(members[1:])  # rank 0 judges the stragglers
-        deadline = time.monotonic() + 25.0
+        deadline = time.monotonic() + 40.0
         strike.victims.append(victim)
         while time.monotonic() < deadline and self.job.running() and not self.job.has(f"dead/{victim}"):
-            self.job.signal(victim, signal.SIGSTOP)
-            time.sleep(0.15)
+            self.job.signal(victim, signal.SIGSTOP)  # about 6x slower than its peers
+            time.sleep(0.25)
             self.job.signal(victim, signal.SIGCONT)
             time.sleep(0.05)
         if not self.job.has(f"dead/{victim}"):
             strike.victims.remove(victim)
-            strike.note = "not evicted within 25 s"
+            strike.note = "not evicted within 40 s"
 
     def double(self, strike: Strike, members: list[int]) -> None:
         first, second = self.rng.sample(members, 2)
@@ -357,7 +357,7 @@ class Striker:
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and self.job.running():
             if folder.is_dir() and any(p.name.endswith(".partial") for p in folder.iterdir()):
-                self._kill(strike, self.job.members()[0])
+                self._kill(strike, min(self.job.members()))
                 return
             time.sleep(0.002)
         strike.note = "no background checkpoint write seen"
