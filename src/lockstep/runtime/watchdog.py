@@ -23,10 +23,17 @@ them. Other stalls are reported.
 Around the thread: runtime/waits.py is how the main thread waits (tracked, reported, in live mode given
 up on a lost member), runtime/hang_report.py joins the ranks' final states into the report, and
 runtime/process_inspection.py reads stacks and /proc.
+
+The thread is a daemon (a hung main thread must still be able to exit), so it is stopped and joined at
+exit, before the interpreter's teardown: a daemon thread that comes back from a store call once teardown
+has begun is ended by CPython with pthread_exit(), whose unwinding runs into pybind11's noexcept
+gil_scoped_release destructor and aborts the process ("terminate called without an active exception",
+exit -6), however cleanly the program itself ended.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -55,6 +62,11 @@ _C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
 
 def tick_for(timeout: float) -> float:
     return min(2.0, max(0.2, timeout / 10.0))
+
+
+def store_timeout_for(timeout: float) -> float:
+    """The longest one store call of the thread may block (its connection's timeout), in seconds."""
+    return max(5.0, min(timeout, 30.0))
 
 
 class MembershipWatch(Protocol):
@@ -121,7 +133,9 @@ class Watchdog:
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.tick + 1)
+            # Long enough for a store call in flight to come back: a thread still inside one when the
+            # interpreter tears down aborts the process (see the module's docstring).
+            self._thread.join(timeout=2 * self.tick + store_timeout_for(self.timeout) + 1)
         self.guard.uninstall()
         try:
             self._publish(exited=True)
@@ -373,6 +387,7 @@ def start(
             stores, dist.get_rank(), dist.get_world_size(), timeout, report_dir, membership=membership
         )
         _current.start()
+        _stop_before_teardown()
         return _current
 
 
@@ -389,12 +404,32 @@ def current() -> Watchdog | None:
     return _current
 
 
+_exit_hook: list[int] = []  # the pid that registered _stop_at_exit (a forked child inherits the list)
+
+
+def _stop_before_teardown() -> None:
+    """Register `_stop_at_exit` once per process. atexit runs before the interpreter's teardown, where
+    the thread must no longer be inside a store call; nothing else stops it in a program that formed its
+    own group (torch's tests, a framework) and never calls lockstep.shutdown()."""
+    if os.getpid() not in _exit_hook:
+        _exit_hook.append(os.getpid())
+        atexit.register(_stop_at_exit)
+
+
+def _stop_at_exit() -> None:
+    """Stop this process's watchdog at exit; a forked child that inherited one leaves its parent's alone
+    (it would publish the parent's rank as exited)."""
+    dog = _current
+    if dog is not None and dog.pid == os.getpid():
+        stop()
+
+
 def _store(timeout: float) -> Any:
     """A connection of the watchdog's own to the default group's store, under lockstep's prefix."""
     try:
         base = dist.distributed_c10d._get_default_store()
         own = base.clone()  # type: ignore[attr-defined]  # in torch, not in its stubs
-        own.set_timeout(timedelta(seconds=max(5.0, min(timeout, 30.0))))
+        own.set_timeout(timedelta(seconds=store_timeout_for(timeout)))
         return dist.PrefixStore(_PREFIX, own)
     except (RuntimeError, ValueError, AttributeError, NotImplementedError):
         return None  # a store that cannot open a second connection (FileStore, HashStore): no watchdog
