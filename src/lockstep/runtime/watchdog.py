@@ -387,7 +387,6 @@ def start(
             stores, dist.get_rank(), dist.get_world_size(), timeout, report_dir, membership=membership
         )
         _current.start()
-        _stop_before_teardown()
         return _current
 
 
@@ -404,24 +403,19 @@ def current() -> Watchdog | None:
     return _current
 
 
-_exit_hook: list[int] = []  # the pid that registered _stop_at_exit (a forked child inherits the list)
-
-
-def _stop_before_teardown() -> None:
-    """Register `_stop_at_exit` once per process. atexit runs before the interpreter's teardown, where
-    the thread must no longer be inside a store call; nothing else stops it in a program that formed its
-    own group (torch's tests, a framework) and never calls lockstep.shutdown()."""
-    if os.getpid() not in _exit_hook:
-        _exit_hook.append(os.getpid())
-        atexit.register(_stop_at_exit)
-
-
 def _stop_at_exit() -> None:
-    """Stop this process's watchdog at exit; a forked child that inherited one leaves its parent's alone
-    (it would publish the parent's rank as exited)."""
+    """Stop this process's watchdog at exit, before the interpreter's teardown (where the thread must no
+    longer be inside a store call); nothing else stops it in a program that formed its own group (torch's
+    tests, a framework) and never calls lockstep.shutdown(). A forked child that inherited its parent's
+    leaves it alone (it would publish the parent's rank as exited)."""
     dog = _current
     if dog is not None and dog.pid == os.getpid():
         stop()
+
+
+# Registered at import, not when a watchdog starts: the hook is a no-op without one, and no module state
+# changes at start (the rank pool sees a changed module global as a worker not back in its first state).
+atexit.register(_stop_at_exit)
 
 
 def _store(timeout: float) -> Any:
