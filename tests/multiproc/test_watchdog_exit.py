@@ -8,7 +8,8 @@ torch's own DDP tests do, never stopped the thread: it aborted whenever the tear
 store call (rare: a call is short; once in the compat suite on a loaded machine).
 
 Each rank here is such a program: its own gloo group on a FileStore (as torch's c10d tests form it),
-lockstep's class, one backward, destroy_process_group(), exit. An atexit hook it registers first (so it
+lockstep's class, one backward, destroy_process_group(), exit (the thread also ends by itself at its next
+tick once the group is gone; the hook covers the call it may be in meanwhile). An atexit hook it registers first (so it
 runs last, right before the teardown) prints the lockstep threads still alive: there must be none.
 """
 
@@ -45,12 +46,12 @@ RANK_PROGRAM = """
     from lockstep import DistributedDataParallel
 
     store_path, rank, held = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    store = dist.FileStore(store_path, 2)  # kept: its destructor takes the file's lock, at teardown only
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     torch.manual_seed(1337)
     model = DistributedDataParallel(torch.nn.EmbeddingBag(10, 10, sparse=True))  # test_sparse_gradients'
     inputs, target = torch.randint(0, 10, [2, 2]), torch.randint(0, 10, [2])
     F.cross_entropy(F.softmax(model(inputs), dim=1), target).backward()
-    dist.destroy_process_group()
     dog = next(t for t in threading.enumerate() if t.name == "lockstep-watchdog")
     print("watchdog running", flush=True)
 
@@ -75,6 +76,7 @@ RANK_PROGRAM = """
             time.sleep(0.01)
         builtins.slow_teardown = SlowTeardown()
         print("watchdog in a store call", flush=True)
+    dist.destroy_process_group()  # and exit, as torch's test harness does
 """
 
 

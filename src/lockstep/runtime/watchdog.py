@@ -137,6 +137,8 @@ class Watchdog:
             # interpreter tears down aborts the process (see the module's docstring).
             self._thread.join(timeout=2 * self.tick + store_timeout_for(self.timeout) + 1)
         self.guard.uninstall()
+        if not dist.is_initialized():
+            return  # the program destroyed the group itself: its peers watch it no more, its store may be gone
         try:
             self._publish(exited=True)
         except Exception:  # noqa: BLE001  the store may be gone already (rank 0 hosted it and left)
@@ -167,6 +169,8 @@ class Watchdog:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                if not dist.is_initialized():
+                    return  # the program destroyed the group (torch's tests do): nothing is left to watch
                 self._publish()
                 if self._has_verdict():
                     self._respond()
