@@ -21,14 +21,12 @@ those dead through the membership it was given (`MembershipWatch.evict`) and the
 them. Other stalls are reported.
 
 Around the thread: runtime/waits.py is how the main thread waits (tracked, reported, in live mode given
-up on a lost member), runtime/hang_report.py joins the ranks' final states into the report, and
-runtime/process_inspection.py reads stacks and /proc.
+up on a lost member), runtime/peer_heartbeats.py reads the others' heartbeats, runtime/hang_report.py
+joins the ranks' final states into the report, and runtime/process_inspection.py reads stacks and /proc.
 
 The thread is a daemon (a hung main thread must still be able to exit), so it is stopped and joined at
-exit, before the interpreter's teardown: a daemon thread that comes back from a store call once teardown
-has begun is ended by CPython with pthread_exit(), whose unwinding runs into pybind11's noexcept
-gil_scoped_release destructor and aborts the process ("terminate called without an active exception",
-exit -6), however cleanly the program itself ended.
+exit, before the interpreter's teardown (`_stop_at_exit`: a daemon thread inside a store call then
+aborts the process, exit -6).
 """
 
 from __future__ import annotations
@@ -42,12 +40,14 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
 
 from lockstep.runtime import hang_report, stall_verdict
-from lockstep.runtime.process_inspection import all_stacks, format_stack, gone, liveness
+from lockstep.runtime.membership.host import Watched as MembershipWatch  # what live mode hands in
+from lockstep.runtime.peer_heartbeats import PeerHeartbeats
+from lockstep.runtime.process_inspection import all_stacks, format_stack
 from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user_site
 from lockstep.runtime.sigterm_guard import SigtermGuard
 from lockstep.runtime.straggler_eviction import eviction_for
@@ -67,18 +67,6 @@ def tick_for(timeout: float) -> float:
 def store_timeout_for(timeout: float) -> float:
     """The longest one store call of the thread may block (its connection's timeout), in seconds."""
     return max(5.0, min(timeout, 30.0))
-
-
-class MembershipWatch(Protocol):
-    """What live mode hands the watchdog and the waits (runtime/membership/group.py's LiveGroup)."""
-
-    min_world: int  # the survivors go on while this many remain (straggler eviction keeps to it)
-
-    def check(self) -> None:
-        """Raise MembershipChanged when the group lost a member (polled while a collective is waited on)."""
-
-    def evict(self, rank: int, why: str) -> None:
-        """From the watchdog thread: `rank` of the current group stopped answering; name it dead (once)."""
 
 
 class Watchdog:
@@ -107,14 +95,13 @@ class Watchdog:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._reported = threading.Event()  # the report is out: a failing main thread may raise now
-        # rank -> (its beat, when that value was first read, whether it has changed since we looked)
-        self._seen: dict[int, tuple[int, float, bool]] = {}
         self._marker = (-1, 0.0)  # (progress marker, since when unchanged): untracked waits
         self._failed_at = 0.0
         self._verdict: dict[str, Any] | None = None  # once set, this process ends (see _finish)
         self._judged_a_failure = False  # the verdict came from a failed collective: its error propagates
         self._evicted: set[int] = set()  # live mode: silent ranks this thread named dead
         self.host, self.pid = socket.gethostname(), os.getpid()
+        self.heartbeats = PeerHeartbeats(rank, world, self.host, self.stale_after)
         eviction = eviction_for(rank, world, membership)  # live mode with --evict-stragglers, on rank 0
         self.stragglers = StragglerWatch(
             rank, world, self.progress.clock, self.host, stale_after=self.stale_after, eviction=eviction
@@ -246,36 +233,8 @@ class Watchdog:
     # ------------------------------------------------------------------ judging
 
     def _peers(self) -> dict[int, dict[str, Any]]:
-        """Every rank's latest heartbeat, marked 'silent' (with 'liveness') where it stopped changing, or
-        where this host can see that the process is stopped or gone; 'undecided' where it is too early
-        to tell (its heartbeat has not changed since this rank started to look)."""
-        keys = [f"{kind}/{r}" for kind in ("hb", "issued") for r in range(self.world) if r != self.rank]
-        present = [k for k in keys if self.store.check([k])]
-        values = dict(zip(present, self.store.multi_get(present))) if present else {}
-        now = time.monotonic()
-        states: dict[int, dict[str, Any]] = {}
-        for rank in range(self.world):
-            if rank == self.rank:
-                continue
-            raw = values.get(f"hb/{rank}")
-            state: dict[str, Any] = json.loads(raw) if raw else {"rank": rank, "beat": -1, "phase": "?"}
-            issued = values.get(f"issued/{rank}")
-            if issued:
-                stall_verdict.merge_issued(state, json.loads(issued))
-            beat = int(state.get("beat", -1))
-            seen = self._seen.get(rank)
-            if seen is None:
-                seen = self._seen[rank] = (beat, now, False)
-            elif seen[0] != beat:
-                seen = self._seen[rank] = (beat, now, True)
-            unchanged = now - seen[1]
-            away = gone(state, self.host)
-            if not state.get("exited") and (away or unchanged >= self.stale_after):
-                state["silent"] = True
-                state["liveness"] = away or liveness(state, unchanged)
-            elif not state.get("exited") and not seen[2]:
-                state["undecided"] = True
-            states[rank] = state
+        """Every rank's latest state: the others' heartbeats (runtime/peer_heartbeats.py) and this rank's."""
+        states = self.heartbeats.read(self.store)
         states[self.rank] = self._state()
         return dict(sorted(states.items()))
 
@@ -408,10 +367,11 @@ def current() -> Watchdog | None:
 
 
 def _stop_at_exit() -> None:
-    """Stop this process's watchdog at exit, before the interpreter's teardown (where the thread must no
-    longer be inside a store call); nothing else stops it in a program that formed its own group (torch's
-    tests, a framework) and never calls lockstep.shutdown(). A forked child that inherited its parent's
-    leaves it alone (it would publish the parent's rank as exited)."""
+    """Stop this process's watchdog at exit, before the interpreter's teardown: a daemon thread that comes
+    back from a store call once teardown began is ended with pthread_exit(), whose unwinding meets
+    pybind11's noexcept gil_scoped_release destructor and aborts the process ("terminate called without an
+    active exception", exit -6). Nothing else stops it in a program that formed its own group (torch's
+    tests, a framework) and never calls lockstep.shutdown(). A forked child leaves its parent's alone."""
     dog = _current
     if dog is not None and dog.pid == os.getpid():
         stop()

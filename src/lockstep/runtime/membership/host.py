@@ -32,11 +32,13 @@ class Place(Protocol):
 class Watched(Protocol):
     """A live group as the waits and the hang watchdog see it (runtime.watchdog.MembershipWatch)."""
 
-    min_world: int
+    min_world: int  # the survivors go on while this many remain (straggler eviction keeps to it)
 
-    def check(self) -> None: ...
+    def check(self) -> None:
+        """Raise MembershipChanged when the group lost a member (polled while a collective is waited on)."""
 
-    def evict(self, rank: int, why: str) -> None: ...
+    def evict(self, rank: int, why: str) -> None:
+        """From the watchdog thread: `rank` of the current group stopped answering; name it dead (once)."""
 
 
 class Host(Protocol):

@@ -1,0 +1,60 @@
+"""The other ranks' heartbeats as the hang watchdog reads them: each rank's latest state, and whether it lives.
+
+A rank's watchdog publishes `hb/<rank>` every tick (and `issued/<rank>` as a collective is issued:
+runtime/watchdog.py). `PeerHeartbeats.read` gathers them and marks each rank whose heartbeat stopped
+changing for `stale_after` seconds, or whose process this host sees stopped or gone, as 'silent' (with
+'liveness': why), and a rank whose heartbeat has not changed since this rank started to look as
+'undecided' (too early to tell). stall_verdict.py judges the states.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from lockstep.runtime import stall_verdict
+from lockstep.runtime.process_inspection import gone, liveness
+
+
+class PeerHeartbeats:
+    """What this rank has seen of the others' heartbeats (see the module doc)."""
+
+    def __init__(self, rank: int, world: int, host: str, stale_after: float) -> None:
+        self.rank, self.world, self.host, self.stale_after = rank, world, host, stale_after
+        # rank -> (its beat, when that value was first read, whether it has changed since we looked)
+        self._seen: dict[int, tuple[int, float, bool]] = {}
+
+    def read(self, store: Any) -> dict[int, dict[str, Any]]:
+        """Every other rank's latest heartbeat from `store`, marked 'silent' or 'undecided' (module doc)."""
+        keys = [f"{kind}/{r}" for kind in ("hb", "issued") for r in range(self.world) if r != self.rank]
+        present = [k for k in keys if store.check([k])]
+        values = dict(zip(present, store.multi_get(present))) if present else {}
+        now = time.monotonic()
+        states: dict[int, dict[str, Any]] = {}
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            raw = values.get(f"hb/{rank}")
+            state: dict[str, Any] = json.loads(raw) if raw else {"rank": rank, "beat": -1, "phase": "?"}
+            issued = values.get(f"issued/{rank}")
+            if issued:
+                stall_verdict.merge_issued(state, json.loads(issued))
+            self._mark(rank, state, now)
+            states[rank] = state
+        return states
+
+    def _mark(self, rank: int, state: dict[str, Any], now: float) -> None:
+        beat = int(state.get("beat", -1))
+        seen = self._seen.get(rank)
+        if seen is None:
+            seen = self._seen[rank] = (beat, now, False)
+        elif seen[0] != beat:
+            seen = self._seen[rank] = (beat, now, True)
+        unchanged = now - seen[1]
+        away = gone(state, self.host)
+        if not state.get("exited") and (away or unchanged >= self.stale_after):
+            state["silent"] = True
+            state["liveness"] = away or liveness(state, unchanged)
+        elif not state.get("exited") and not seen[2]:
+            state["undecided"] = True
