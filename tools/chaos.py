@@ -9,7 +9,7 @@ faults at it, one every few seconds (the gap is drawn from --gap):
 | kill | SIGKILL a member (any rank) |
 | kill_rank0 | SIGKILL the member that is rank 0 |
 | stop | SIGSTOP a member: the survivors evict it after the hang timeout, the launcher kills it |
-| straggler | stop and continue a member in a loop (4x slower) until the survivors evict it |
+| straggler | starve a member of CPU (nice 19 beside two busy loops) until the survivors evict it |
 | double | SIGKILL a member, then another while the survivors re-form (two faults in one recovery) |
 | joiner_queued | SIGKILL a member, then its replacement as soon as it queues to join |
 | joiner_admitted | SIGKILL a member, then its replacement as soon as the members admitted it |
@@ -300,17 +300,27 @@ class Striker:
             strike.victims.append(victim)
 
     def straggler(self, strike: Strike, members: list[int]) -> None:
+        """A member starved of CPU: niced to 19 beside two busy loops, its compute crawls while its peers
+        wait (a stopped process would count its stops inside collectives as waiting, not busy)."""
         victim = self.rng.choice(members[1:])  # rank 0 judges the stragglers
-        deadline = time.monotonic() + 40.0
-        strike.victims.append(victim)
-        while time.monotonic() < deadline and self.job.running() and not self.job.has(f"dead/{victim}"):
-            # about 9x slower: a stop that lands in a collective counts as waiting, not busy, so the
-            # rank's busy time grows by less than the stopped share
-            self.job.signal(victim, signal.SIGSTOP)
-            time.sleep(0.4)
-            self.job.signal(victim, signal.SIGCONT)
-            time.sleep(0.05)
-        if not self.job.has(f"dead/{victim}"):
+        pid = self.job.pid(victim)
+        if pid is None:
+            strike.note = "no pid"
+            return
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, 19)
+            strike.victims.append(victim)
+            deadline = time.monotonic() + 40.0
+            while time.monotonic() < deadline and self.job.running() and not self.job.has(f"dead/{victim}"):
+                time.sleep(0.05)
+        except ProcessLookupError:
+            pass
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+        if strike.victims and not self.job.has(f"dead/{victim}"):
             strike.victims.remove(victim)
             strike.note = "not evicted within 40 s"
 
