@@ -9,7 +9,7 @@ faults at it, one every few seconds (the gap is drawn from --gap):
 | kill | SIGKILL a member (any rank) |
 | kill_rank0 | SIGKILL the member that is rank 0 |
 | stop | SIGSTOP a member: the survivors evict it after the hang timeout, the launcher kills it |
-| straggler | starve a member of CPU (nice 19 beside two busy loops) until the survivors evict it |
+| straggler | throttle a member to 10% of a core (a cgroup's CPU quota) until rank 0 evicts it as a straggler |
 | double | SIGKILL a member, then another while the survivors re-form (two faults in one recovery) |
 | joiner_queued | SIGKILL a member, then its replacement as soon as it queues to join |
 | joiner_admitted | SIGKILL a member, then its replacement as soon as the members admitted it |
@@ -61,6 +61,7 @@ KINDS = (
 LAUNCHED = 4  # ranks launched
 MIN_WORLD = 2
 LIVE = "lockstep/live/"  # runtime/membership/keys.py's ROOT (read here without importing lockstep)
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (the straggler's throttle; root only)
 
 
 @dataclass
@@ -300,26 +301,30 @@ class Striker:
             strike.victims.append(victim)
 
     def straggler(self, strike: Strike, members: list[int]) -> None:
-        """A member starved of CPU: niced to 19 beside two busy loops, its compute crawls while its peers
-        wait (a stopped process would count its stops inside collectives as waiting, not busy)."""
+        """A member throttled to 10% of a core (a cgroup's CPU quota): its compute crawls while it keeps
+        running and publishing (a stopped process would be seen stopped, and its stops inside collectives
+        would count as waiting), until rank 0 evicts it as a straggler."""
         victim = self.rng.choice(members[1:])  # rank 0 judges the stragglers
         pid = self.job.pid(victim)
-        if pid is None:
-            strike.note = "no pid"
+        if pid is None or not CPU_CGROUP.is_dir():
+            strike.note = "no pid" if pid is None else f"no cpu cgroup at {CPU_CGROUP}"
             return
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+        group = CPU_CGROUP / f"lockstep-chaos-{os.getpid()}"
+        group.mkdir(exist_ok=True)
+        # 1 ms of CPU every 10 ms: every step is slowed (a long period would let a few steps run at full
+        # speed and stall one, which the straggler judgement's medians rightly ignore)
+        (group / "cpu.cfs_period_us").write_text("10000")
+        (group / "cpu.cfs_quota_us").write_text("1000")
         try:
-            os.setpriority(os.PRIO_PROCESS, pid, 19)
+            (group / "cgroup.procs").write_text(str(pid))
             strike.victims.append(victim)
             deadline = time.monotonic() + 40.0
             while time.monotonic() < deadline and self.job.running() and not self.job.has(f"dead/{victim}"):
                 time.sleep(0.05)
-        except ProcessLookupError:
+        except OSError:  # it ended meanwhile
             pass
         finally:
-            for hog in hogs:
-                hog.kill()
-                hog.wait()
+            _release(group)
         if strike.victims and not self.job.has(f"dead/{victim}"):
             strike.victims.remove(victim)
             strike.note = "not evicted within 40 s"
@@ -373,6 +378,19 @@ class Striker:
                 return
             time.sleep(0.002)
         strike.note = "no background checkpoint write seen"
+
+
+def _release(group: Path) -> None:
+    """Move what still runs in the throttling cgroup back to the root one, and remove the cgroup."""
+    for line in (group / "cgroup.procs").read_text().split():
+        try:
+            (CPU_CGROUP / "cgroup.procs").write_text(line)
+        except OSError:
+            pass
+    try:
+        group.rmdir()
+    except OSError:
+        pass
 
 
 def _signal(pid: int, sig: int) -> bool:
