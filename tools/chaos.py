@@ -487,7 +487,11 @@ def reference_run(settings: Settings, workdir: Path) -> dict[str, Any]:
     folder = workdir / "reference"
     folder.mkdir(parents=True, exist_ok=True)
     job = Job(settings, folder / "run")
-    code = job.finish(settings.timeout_s)
+    try:
+        code = job.finish(settings.timeout_s)
+    except BaseException:  # Ctrl-C, SIGTERM: the job must not outlive the tool
+        job.stop()
+        raise
     summary_file = folder / "run" / "summary.json"
     if code != 0 or not summary_file.exists():
         raise SystemExit(f"chaos: the fault-free run failed (exit {code}):\n{job.text()[-3000:]}")
@@ -620,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
         help="only write --report from an earlier run's --json (and --workdir)",
     )
     args = parser.parse_args(argv)
+    # SIGTERM (a test's time out, a shell's kill): leave through the exception path, which stops the job
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(128 + signal.SIGTERM))
     settings = Settings(steps=args.steps, faults=args.faults, gap=tuple(args.gap))
     if args.render is not None:
         reference = json.loads((args.workdir / f"reference-{settings.steps}.json").read_text())

@@ -15,9 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT = 900  # the fault-free run (4000 steps) and the seed: about 5 minutes on 2 cores
 KINDS = {
     "kill",
     "kill_rank0",
@@ -31,11 +34,12 @@ KINDS = {
 }
 
 
+@pytest.mark.timeout(RUN_TIMEOUT + 120)
 def test_a_schedule_of_every_kind_of_fault_ends_with_the_fault_free_bits(tmp_path: Path) -> None:
     report = tmp_path / "chaos.json"
     cmd = [sys.executable, str(ROOT / "tools" / "chaos.py"), "--seeds", "1", "--first", "1", "--faults", "9"]
     cmd += ["--steps", "4000", "--gap", "1", "4", "--workdir", str(tmp_path / "runs"), "--json", str(report)]
-    result = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
+    result = _run_tool(cmd)
     assert report.exists(), result.stdout + result.stderr
     [seed] = json.loads(report.read_text())
     struck = {s["kind"]: s for s in seed["strikes"]}
@@ -49,3 +53,16 @@ def test_a_schedule_of_every_kind_of_fault_ends_with_the_fault_free_bits(tmp_pat
     assert (
         len(lost) >= 9
     )  # each fault a member lost (a queued replacement is no member: in the launcher's lines)
+
+
+def _run_tool(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run the tool; past RUN_TIMEOUT it gets SIGTERM, on which it stops its job (nothing left running)."""
+    with subprocess.Popen(
+        cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            out, err = proc.communicate(timeout=60)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
