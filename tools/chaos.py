@@ -204,7 +204,8 @@ class Job:
             return False
         try:
             with open(f"/proc/{pid}/stat") as fh:
-                return fh.read().split(")")[-1].split()[0] not in ("Z", "X")
+                # a stopped member (SIGSTOP, not yet evicted) cannot hold the job above --min-world either
+                return fh.read().split(")")[-1].split()[0] not in ("Z", "X", "T", "t")
         except OSError:
             return False
 
