@@ -258,7 +258,7 @@ class Striker:
     def __init__(self, job: Job, rng: random.Random) -> None:
         self.job, self.rng = job, rng
 
-    def healthy(self, need: int, wait_s: float = 40.0) -> list[int] | None:
+    def healthy(self, need: int, wait_s: float = 90.0) -> list[int] | None:
         """The members to strike at, once none is dying and at least `need` hold the run's state (launched
         first, or a replacement that is `healed/<member>`): a replacement still joining cannot hold the job
         above --min-world, and is no target; None on time out."""
