@@ -8,7 +8,9 @@
    --min-world every member raises WorldTooSmallError.
 3. Each forms g+1's default process group under its own store prefix (reusing a prefix reads the old
    addresses), bounded by form_timeout(): a member that dies meanwhile leaves the others waiting for its
-   address, so they give up (MembershipChanged) and form the next generation without it.
+   address, so they give up (MembershipChanged) and form the next generation without it. A member whose
+   group formed says so (`gen<g+1>/formed/<member>`) and goes on only once every member has: one that
+   formed late, against groups the others abandoned, re-forms with them instead.
 
 Leaving a broken group never waits for it: gloo cannot abort a collective and its destructor waits for
 the abandoned work, so the group object is kept referenced (`abandoned`) and the process ends with os._exit.
@@ -113,6 +115,28 @@ class Formation:
             ) from exc
         if bounded < self.timeout:
             dist.distributed_c10d._set_pg_timeout(self.timeout)  # collectives keep the job's own timeout
+        self._confirm_formed(bounded.total_seconds())
+
+    def _confirm_formed(self, wait_s: float) -> None:
+        """Every member formed this generation, or none goes on in it. A member that formed it late can
+        find its peers' addresses on the store and connect to the groups they abandoned when they gave up
+        on it (those are kept referenced, see leave_group): it would then wait in its first collective
+        forever while they formed the next generation. So each member says it formed (`gen<g>/formed/<me>`)
+        and waits for all; a change seen first (the others give up and count one) makes it leave and
+        re-form with them."""
+        state = self.state
+        m = state.membership
+        state.store.set(keys.formed(m.generation, m.member_id), "1")
+        formed = [keys.formed(m.generation, member) for member in m.members]
+        deadline = time.monotonic() + wait_s
+        while not state.store.check(formed):
+            if (state.changed() or time.monotonic() > deadline) and not state.store.check(formed):
+                self.leave_group()
+                raise MembershipChanged(
+                    f"{rank_tag(m.rank, m.world_size)}generation {m.generation} formed here, but not on every "
+                    "member (one gave up on it, or died): it is formed again"
+                )
+            time.sleep(0.002)
 
     def leave_group(self) -> None:
         """Leave the broken group without waiting for it: work abandoned in it may never finish (gloo has

@@ -13,6 +13,7 @@ renumbered over the members of each generation, in member-id order.
 | `dead/<member>` = how it ended | the launcher (exit, signal), a survivor's watchdog (evicted), a replacement that gives up | every worker agreeing on members; the launcher (kills the evicted) |
 | `gen<g>/in/<member>` | each member of generation g-1 checking in to g | the members agreeing on g's members |
 | `gen<g>/members` = JSON list | the first member to propose (compare_set: first writer wins) | every member of g, the replacements admitted to g |
+| `gen<g>/formed/<member>` | each member whose group of generation g formed | every member of g (it goes on in g once all have) |
 | `gen<g>` (a store prefix) | torch's init_process_group for generation g | the same (a fresh prefix per generation: reusing one reads old addresses) |
 | `gen<g>/done/<step>/<member>` (a counter) and `.../rows` | each member after its collectives of `step` (commit) | every member of g (the step counts when all are done); rank 0 takes over a lost member's rows |
 | `gen<g>/verdict/<step>` = "commit" or "redo" | the first member to decide (compare_set): all done, or a change seen first | every member of g (each follows it, whatever it saw) |
@@ -62,6 +63,10 @@ def checkin(generation: int, member: int) -> str:
 
 def members(generation: int) -> str:
     return f"{ROOT}gen{generation}/members"
+
+
+def formed(generation: int, member: int) -> str:
+    return f"{ROOT}gen{generation}/formed/{member}"
 
 
 def growth(generation: int) -> str:
