@@ -270,8 +270,12 @@ def init(
             attempt=live.attempt,
         )
         topo = _formed.live.topology()
-        if live.joining:  # the members wait for it from now on: its set-up is timed from here, not its start
+        # The others wait for this process from now on: its set-up is timed from here, not from its start
+        # (a loaded machine can spend the hang watchdog's start-up allowance on imports alone).
+        if live.joining:
             PROGRESS.set_phase(JOINING)
+        else:
+            PROGRESS.phase_starts_now()
     else:
         _rendezvous(topo, backend, timeout)
     _formed.count += 1

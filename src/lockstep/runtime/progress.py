@@ -128,6 +128,12 @@ class Progress:
             if self.clock.enabled:
                 self.clock.switch(name)
 
+    def phase_starts_now(self) -> None:
+        """Time the current phase from now: live mode's first group just formed, and what came before it
+        (importing, waiting for the others to check in) kept nobody waiting in a collective."""
+        self.phase_since = time.time()
+        self.marker += 1
+
     def begin_step(self) -> None:
         """A synced forward starts a training step."""
         if self.enabled and self.clock.enabled:
