@@ -458,7 +458,8 @@ def run_seed(seed: int, settings: Settings, reference: dict[str, Any], workdir: 
 
 
 def _strike_all(job: Job, striker: Striker, faults: list[tuple[float, str]], strikes: list[Strike]) -> None:
-    striker.healthy(LAUNCHED, wait_s=60)  # generation 0 formed: the run is training
+    striker.healthy(LAUNCHED, wait_s=60)  # generation 0 formed
+    _wait_for_training(job, deadline=time.monotonic() + 120)
     for gap, kind in faults:
         time.sleep(gap)
         if not job.running():
@@ -468,6 +469,14 @@ def _strike_all(job: Job, striker: Striker, faults: list[tuple[float, str]], str
         except RuntimeError as exc:  # the store went away: the job ended meanwhile
             strikes.append(Strike(kind, round(job.elapsed(), 2), note=f"store gone: {exc}"[:80]))
             return
+
+
+def _wait_for_training(job: Job, deadline: float) -> None:
+    """Strike only once the job trains (rank 0 logged its first steps): faults during start-up are
+    tests/cli/test_live.py's start-up tests, and a start-up is judged by the hang watchdog's allowance."""
+    log = job.run_dir / "metrics.jsonl"  # created empty at start-up, its first line after log_every steps
+    while time.monotonic() < deadline and job.running() and not (log.exists() and log.stat().st_size > 0):
+        time.sleep(0.1)
 
 
 def _recorded(strikes: list[Strike], summary: dict[str, Any], launcher: str) -> tuple[bool, list[int]]:
