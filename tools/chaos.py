@@ -388,10 +388,12 @@ def _release(group: Path) -> None:
             (CPU_CGROUP / "cgroup.procs").write_text(line)
         except OSError:
             pass
-    try:
-        group.rmdir()
-    except OSError:
-        pass
+    for _ in range(50):  # a victim being killed leaves the cgroup a moment after it is signalled
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
 
 
 def _signal(pid: int, sig: int) -> bool:
