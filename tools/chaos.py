@@ -11,6 +11,7 @@ faults at it, one every few seconds (the gap is drawn from --gap):
 | stop | SIGSTOP a member: the survivors evict it after the hang timeout, the launcher kills it |
 | straggler | throttle a member to 10% of a core (a cgroup's CPU quota) until rank 0 evicts it as a straggler |
 | double | SIGKILL a member, then another while the survivors re-form (two faults in one recovery) |
+| stop_in_recovery | SIGKILL a member, then SIGSTOP another while the survivors re-form (no watchdog runs then) |
 | joiner_queued | SIGKILL a member, then its replacement as soon as it queues to join |
 | joiner_admitted | SIGKILL a member, then its replacement as soon as the members admitted it |
 | joiner_healing | SIGKILL a member, then its replacement while it receives the run's state |
@@ -53,6 +54,7 @@ KINDS = (
     "stop",
     "straggler",
     "double",
+    "stop_in_recovery",
     "joiner_queued",
     "joiner_admitted",
     "joiner_healing",
@@ -277,7 +279,7 @@ class Striker:
 
     def strike(self, kind: str) -> Strike:
         strike = Strike(kind, round(self.job.elapsed(), 2))
-        need = {"double": MIN_WORLD + 2}.get(kind, MIN_WORLD + 1)
+        need = {"double": MIN_WORLD + 2, "stop_in_recovery": MIN_WORLD + 2}.get(kind, MIN_WORLD + 1)
         members = self.healthy(need)
         if members is None:
             strike.note = f"skipped: fewer than {need} healthy members"
@@ -335,6 +337,15 @@ class Striker:
         self._kill(strike, first)
         time.sleep(self.rng.uniform(0.0, 0.4))
         self._kill(strike, second)
+
+    def stop_in_recovery(self, strike: Strike, members: list[int]) -> None:
+        """A member killed, and another stopped while the survivors re-form (no hang watchdog runs then):
+        stopped before it checks in, or between its check-in and the new group's first step."""
+        first, second = self.rng.sample(members, 2)
+        self._kill(strike, first)
+        time.sleep(self.rng.uniform(0.0, 0.2))
+        if self.job.signal(second, signal.SIGSTOP):
+            strike.victims.append(second)
 
     def _joiner(self, strike: Strike, members: list[int], stage: str) -> None:
         """Kill a member, then the replacement the launcher starts for it, at `stage` of its join."""

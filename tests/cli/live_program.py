@@ -12,7 +12,9 @@ stops answering without dying), "heal" (VICTIM dies in a forward as for "forward
 is back to 4, launch rank 0 dies in the state_dict() call that gathers the state for the replacement: the
 peer it heals from is lost while it heals), "twice" (VICTIM dies in a forward as for "forward"; then launch
 rank 1 dies as the survivors rebuild their replica over the new group: a second fault inside the
-recovery from the first), "write" (with "async": VICTIM's background checkpoint thread
+recovery from the first), "stopreform" (VICTIM dies in a forward as for "forward"; then launch rank 1 is
+SIGSTOPped as it is about to check in to the survivors' next generation: a member stopped while the
+group re-forms, when no hang watchdog runs), "write" (with "async": VICTIM's background checkpoint thread
 writes half of the first file of the checkpoint of step AT, then SIGKILLs the process while training goes on), or "none". Every rank appends the sample ids that reached its forward to
 OUT_DIR/seen-<launch rank>.txt; the summary is in OUT_DIR/run. A replacement (`--max-restarts`) has
 launch rank N, N+1, ... (LOCKSTEP_MEMBER_ID); RANK is the rank it replaces. With a fifth argument
@@ -78,7 +80,7 @@ def maybe_die(where: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
     if FAULT == "twice" and where == "replicate" and UID == 1 and torch.distributed.get_world_size() == 3:
         os.kill(os.getpid(), signal.SIGKILL)  # the survivors rebuild their replica after VICTIM's death
-    fault = "forward" if FAULT in ("stop", "heal", "twice") else FAULT
+    fault = "forward" if FAULT in ("stop", "heal", "twice", "stopreform") else FAULT
     if UID != VICTIM or fault != where:
         return
     calls[where] += 1
@@ -173,6 +175,19 @@ def _die_while_forming() -> None:
     Formation.form_group = dying_form  # type: ignore[method-assign]
 
 
+def _stop_while_reforming() -> None:
+    from lockstep.runtime.membership.formation import Formation
+
+    next_generation = Formation.next_generation
+
+    def stopping(self: Formation, first, cause, joiners, checkin_s=None):  # type: ignore[no-untyped-def]
+        if checkin_s is None and not joiners:  # a re-formation after a loss (not the start-up's)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return next_generation(self, first, cause, joiners, checkin_s)
+
+    Formation.next_generation = stopping  # type: ignore[method-assign]
+
+
 def _say_when_queued() -> None:
     """A replacement writes OUT_DIR/queued-<launch rank> as it queues to join: the survivors of "replace"
     wait for it, not for a time that a loaded machine may exceed."""
@@ -199,6 +214,8 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if UID == VICTIM and FAULT == "forming":
         _die_while_forming()
+    if UID == 1 and FAULT == "stopreform":
+        _stop_while_reforming()
     with open(os.path.join(OUT, f"pid-{UID}"), "w") as fh:
         fh.write(str(os.getpid()))
     torch.manual_seed(0)

@@ -423,6 +423,43 @@ def test_a_second_member_lost_inside_the_recovery_from_the_first_is_survived_bit
     _every_sample_once_but_the_abandoned_step(out)
 
 
+def test_a_member_stopped_while_the_group_re_forms_is_left_out_after_the_hang_timeout(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """Launch rank 2 dies in a forward; launch rank 1 is SIGSTOPped as it is about to check in to the next
+    generation. No hang watchdog runs while the group re-forms: the others see its process stopped once
+    the hang timeout has passed, leave it out (not after the 60 s check-in timeout) and mark it dead, and
+    the launcher kills it, so that it is neither woken into a group that went on without it nor queued
+    again as a replacement (seed 19 of the chaos table, benchmarks/results/2026-11-28-chaos.md)."""
+    out, result = _run(
+        tmp_path,
+        "stopreform",
+        "-n",
+        "4",
+        "--min-world",
+        "2",
+        "--hang-timeout",
+        "3",
+        fault="stopreform",
+        victim=2,
+        at=5,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "rank 2 killed by SIGKILL" in result.stderr, result.stderr
+    left_out = "lockstep run: rank 1 left out of generation 1: stopped: its process"
+    assert left_out in result.stderr and "2 of 4 ranks go on" in result.stderr, result.stderr
+    assert "finished on 2 of 4 ranks, without a restart" in result.stderr, result.stderr
+    summary = _same_bits_as(reference, out)
+    [record] = summary["faults"]
+    assert record["lost"] == [1, 2], record
+    assert "SIGSTOP" in record["how"]["1"] and "SIGKILL" in record["how"]["2"], record
+    assert 3.0 <= record["recover_s"] < 30.0, record  # the hang timeout, not the check-in timeout (60 s)
+    for uid in (0, 3):
+        assert (out / f"pid-{uid}").read_text() == (out / f"done-{uid}").read_text()
+    stopped = Path("/proc", (out / "pid-1").read_text())  # the launcher killed it: it cannot wake up later
+    assert not stopped.exists() or (stopped / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "live_own_loop.py"
 
 

@@ -47,6 +47,7 @@ from lockstep.launch.spec import LaunchSpec
 from lockstep.runtime.membership import keys
 
 STORE_LOST_S = 10.0  # a node that could not reach the store this long stops its workers and leaves the job
+EVICTIONS_READ_S = 1.0  # how often the dead marks of running workers are read when no change was counted
 LOCK_WAIT_S = 10.0  # the main thread waits this long for a look in progress (a remote store call: 5 s)
 JOB_ENDED = f"{keys.ROOT}ended"  # several nodes: a launcher saw a job-ending error; = what it was
 
@@ -92,6 +93,7 @@ class LiveSupervisor:
         self.replacements_left = budget  # --max-restarts left: replacements and whole-job restarts
         self.restarts = restarts  # whole-job restarts before this attempt
         self.changes_seen = 0
+        self.evictions_read = 0.0  # when the dead marks of running workers were last read
         self.closed = False
         self.ending = False  # every worker is being stopped: an ERROR here or (`ended`) on another node
         self.ended_elsewhere = ""
@@ -247,11 +249,13 @@ class LiveSupervisor:
         return bytes(self.store.get(key)).decode() if self.store.check([key]) else None
 
     def _kill_evicted(self) -> None:
-        """The survivors marked a running worker dead (it stopped answering): end it for good."""
+        """The survivors marked a running worker dead (it stopped answering, or was left out of a
+        generation it did not check in to): end it for good. An eviction counts a change; leaving a
+        member out does not (the others have agreed already), so the marks are also read every second."""
         changes = int(self.store.add(keys.CHANGES, 0))
-        if changes == self.changes_seen:
+        if changes == self.changes_seen and time.monotonic() - self.evictions_read < EVICTIONS_READ_S:
             return
-        self.changes_seen = changes
+        self.changes_seen, self.evictions_read = changes, time.monotonic()
         for w in self._running():
             if w.evicted is None and (why := self._marked_dead(w.member_id)) is not None:
                 w.evicted = why

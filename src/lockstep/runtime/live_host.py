@@ -7,12 +7,15 @@ collectives through it, so that membership imports nothing from the rest of runt
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from contextlib import AbstractContextManager
 from typing import Any
 
 from lockstep.runtime import waits, watchdog
 from lockstep.runtime.collectives import all_gather_object
+from lockstep.runtime.process_inspection import gone
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.state_transfer import broadcast_state
 
@@ -48,3 +51,9 @@ class ProcessHost:
 
     def broadcast_state(self, state: Any, src: int) -> Any:
         return broadcast_state(state, src=src)
+
+    def whereabouts(self) -> dict[str, Any]:
+        return {"host": socket.gethostname(), "pid": os.getpid()}
+
+    def gone(self, whereabouts: dict[str, Any]) -> str | None:
+        return gone(whereabouts, socket.gethostname())

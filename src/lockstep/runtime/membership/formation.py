@@ -1,8 +1,10 @@
 """Forming a generation: check in, agree on its members, form its process group; leave a broken one.
 
 1. Each member of generation g checks in to g+1 (`gen<g+1>/in/<member>`) and waits until every member
-   of g has checked in or is known dead (`dead/<member>`); a member silent past the check-in timeout is
-   left out.
+   of g has checked in or is known dead (`dead/<member>`). A member silent past the check-in timeout is
+   left out, and so is one whose process this host sees stopped or gone once the hang timeout has passed
+   (`proc/<member>`: its host and pid); a member left out is marked dead, so that the launcher ends it and
+   starts its replacement.
 2. The first to write `gen<g+1>/members` (compare_set: first writer wins) decides the members, in
    member-id order, replacements appended. A worker left out exits at once (EVICTED_EXIT_CODE); below
    --min-world every member raises WorldTooSmallError.
@@ -179,21 +181,53 @@ class Formation:
         self, old: Membership, g: int, joiners: list[int] | tuple[int, ...], wait_s: float
     ) -> tuple[int, ...]:
         state = self.state
-        deadline = time.monotonic() + wait_s
+        started = time.monotonic()
         checked: set[int] = {old.member_id}
+        left_out: dict[int, str] = {}
         while True:
             dead = state.dead()
             for member in old.members:
                 if member not in checked and state.store.check([keys.checkin(g, member)]):
                     checked.add(member)
             waiting = [m for m in old.members if m not in checked and m not in dead]
-            if not waiting or time.monotonic() > deadline:
+            waited = time.monotonic() - started
+            if waited >= self._look_after(wait_s):
+                left_out = self._stopped_or_gone(waiting)
+                waiting = [m for m in waiting if m not in left_out]
+            if not waiting or waited > wait_s:
                 break
             time.sleep(0.005)
+        for member in waiting:
+            left_out[member] = f"did not check in to generation {g} within {wait_s:.0f} s"
+        self._mark_left_out(left_out, g)
         state.known.update(joiners)
         proposal = json.dumps(sorted(checked) + [m for m in joiners if m not in state.dead()])
         agreed = state.store.compare_set(keys.members(g), "", proposal)
         return tuple(json.loads(bytes(agreed).decode()))
+
+    def _look_after(self, wait_s: float) -> float:
+        """When a member that has not checked in is looked at (its process, where this host sees it): after
+        the hang timeout, as the hang watchdog would have evicted it, which is stopped while the group
+        re-forms (a member stopped or dead now would otherwise hold every other for the whole wait_s)."""
+        hang = self.host.hang_timeout()
+        return min(hang, wait_s) if hang > 0 else wait_s
+
+    def _stopped_or_gone(self, waiting: list[int]) -> dict[int, str]:
+        """The members of `waiting` whose process this host sees stopped or gone, with why."""
+        out = {}
+        for member in waiting:
+            key = keys.whereabouts(member)
+            if self.state.store.check([key]):
+                why = self.host.gone(json.loads(bytes(self.state.store.get(key)).decode()))
+                if why is not None:
+                    out[member] = why
+        return out
+
+    def _mark_left_out(self, left_out: dict[int, str], g: int) -> None:
+        """Mark the members left out of generation g dead (the first to mark one names why): the launcher
+        then ends them and starts their replacements, and none is queued again as a replacement."""
+        for member, why in left_out.items():
+            self.state.store.compare_set(keys.dead(member), "", f"left out of generation {g}: {why}")
 
 
 def _describe(how: dict[str, str]) -> str:

@@ -25,6 +25,7 @@ init() hands in (host.py): nothing here imports the rest of lockstep.runtime.
 
 from __future__ import annotations
 
+import json
 import time
 import traceback
 from dataclasses import replace
@@ -78,6 +79,8 @@ class LiveGroup(Generic[PlaceT]):
         # The watchdog thread evicts through a connection of its own (a store client is not shared).
         self._evict_store = store.clone() if hasattr(store, "clone") else store
         self.faults: list[Fault] = []
+        # where this process runs: members waiting for it to check in look at it (formation.py)
+        store.set(keys.whereabouts(member_id), json.dumps(host.whereabouts()))
 
     @property
     def membership(self) -> Membership:

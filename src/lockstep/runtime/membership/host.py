@@ -65,3 +65,10 @@ class Host(Protocol):
 
     def broadcast_state(self, state: Any, src: int) -> Any:
         """`src`'s state (a tree of tensors and objects) on every member."""
+
+    def whereabouts(self) -> dict[str, Any]:
+        """Where this process runs (its host and pid), for the others to look at it (`gone`)."""
+
+    def gone(self, whereabouts: dict[str, Any]) -> str | None:
+        """Why the process at `whereabouts` cannot answer (stopped or dead), when this host can see it;
+        None when it runs, or runs elsewhere."""

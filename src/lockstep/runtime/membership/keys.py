@@ -10,7 +10,8 @@ renumbered over the members of each generation, in member-id order.
 | key | written by | read by |
 | --- | --- | --- |
 | `changes` (a counter) | the launcher when a worker dies, a survivor before it checks in, an evicting watchdog | every worker while it waits in a collective or a commit; the launcher (to find evicted workers) |
-| `dead/<member>` = how it ended | the launcher (exit, signal), a survivor's watchdog (evicted), a replacement that gives up | every worker agreeing on members; the launcher (kills the evicted) |
+| `dead/<member>` = how it ended | the launcher (exit, signal), a survivor's watchdog (evicted), the members that left it out of a generation (it did not check in) | every worker agreeing on members; the launcher (kills the evicted) |
+| `proc/<member>` = JSON {host, pid} | each worker as it starts | the members agreeing on a generation (a member this host sees stopped or dead is left out early) |
 | `gen<g>/in/<member>` | each member of generation g-1 checking in to g | the members agreeing on g's members |
 | `gen<g>/members` = JSON list | the first member to propose (compare_set: first writer wins) | every member of g, the replacements admitted to g |
 | `gen<g>/formed/<member>` | each member whose group of generation g formed | every member of g (it goes on in g once all have) |
@@ -38,6 +39,10 @@ REPLACEMENTS = f"{ROOT}replacements"
 
 def dead(member: int) -> str:
     return f"{ROOT}dead/{member}"
+
+
+def whereabouts(member: int) -> str:
+    return f"{ROOT}proc/{member}"
 
 
 def join_entry(position: int) -> str:

@@ -1,0 +1,120 @@
+"""runtime/membership/formation.py: agreeing on a generation's members when one of them never checks in.
+
+Members agree on a real c10d TCPStore (each with its own client, as separate processes would). The member
+that never checks in is a real process on this host: stopped (SIGSTOP) it is left out once the hang
+timeout has passed, not after the whole check-in timeout; running but silent it is left out after the
+check-in timeout. Either way it is marked dead, so that the launcher ends it and the members never queue it
+again as a replacement (seed 19 of benchmarks/results/2026-11-28-chaos.md: a member left out but not marked
+was planned as a joiner at every step boundary, each growth waiting 65 s for it).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from lockstep.runtime.live_host import ProcessHost
+from lockstep.runtime.membership import keys
+from lockstep.runtime.membership.admission import Admission
+from lockstep.runtime.membership.core import GroupState
+from lockstep.runtime.membership.formation import Formation
+from lockstep.runtime.membership.phases import GenerationPhase
+from lockstep.runtime.membership.records import Membership
+
+
+class Host(ProcessHost):
+    """This process as a live group sees it, with a hang timeout of its own (no watchdog runs here)."""
+
+    def __init__(self, hang: float) -> None:
+        super().__init__(None)
+        self.hang = hang
+
+    def hang_timeout(self) -> float:
+        return self.hang
+
+
+@pytest.fixture
+def store() -> Any:
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+
+
+@pytest.fixture
+def silent() -> Iterator[subprocess.Popen[bytes]]:
+    """The member that never checks in: a process of its own on this host."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _member(store: Any, member: int, hang: float, checkin_s: float = 60.0) -> Formation:
+    client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=10))
+    state = GroupState(client, Membership(0, (0, 1), member), GenerationPhase.TRAINING)
+    formation = Formation(state, Host(hang), "gloo", timedelta(seconds=10), min_world=1)
+    formation.checkin_timeout = checkin_s
+    return formation
+
+
+def _agree_without(store: Any, silent: subprocess.Popen[bytes], hang: float, checkin_s: float) -> Any:
+    """Member 0 re-forms after a fault; member 1 (the `silent` process) never checks in."""
+    store.set(keys.whereabouts(1), json.dumps(Host(hang).whereabouts() | {"pid": silent.pid}))
+    member = _member(store, 0, hang, checkin_s)
+    started = time.monotonic()
+    fault = member.next_generation(member.state.membership, "a peer died", ())
+    return fault, time.monotonic() - started, member
+
+
+def test_a_member_stopped_while_the_group_re_forms_is_left_out_after_the_hang_timeout(
+    store: Any, silent: subprocess.Popen[bytes]
+) -> None:
+    silent.send_signal(signal.SIGSTOP)
+    fault, waited, member = _agree_without(store, silent, hang=1.0, checkin_s=60.0)
+    assert 1.0 <= waited < 5.0  # the hang timeout, not the 60 s check-in timeout
+    assert fault.lost == [1] and member.state.membership.members == (0,)
+    why = bytes(store.get(keys.dead(1))).decode()
+    assert why.startswith(f"left out of generation 1: stopped: its process (pid {silent.pid}) is stopped"), (
+        why
+    )
+    assert fault.how == {"1": why}
+
+
+def test_a_member_running_but_silent_is_left_out_after_the_check_in_timeout_and_marked_dead(
+    store: Any, silent: subprocess.Popen[bytes]
+) -> None:
+    fault, waited, _ = _agree_without(store, silent, hang=0.5, checkin_s=2.0)
+    assert 2.0 <= waited < 6.0  # its process runs: it is waited for the whole check-in timeout
+    assert fault.lost == [1]
+    assert (
+        bytes(store.get(keys.dead(1))).decode()
+        == "left out of generation 1: did not check in to generation 1 within 2 s"
+    )
+
+
+def test_a_member_left_out_is_never_queued_again_as_a_replacement(
+    store: Any, silent: subprocess.Popen[bytes]
+) -> None:
+    """Member 1 had joined as a replacement (it is in the join queue); once left out it is no joiner."""
+    store.add(keys.JOIN_COUNT, 1)
+    store.set(keys.join_entry(1), "1")
+    silent.send_signal(signal.SIGSTOP)
+    _, _, member = _agree_without(store, silent, hang=0.5, checkin_s=60.0)
+    assert Admission(member.state).joiners_due(step=10) == []
+    assert not store.check([keys.growth(1)])  # rank 0 planned no growth
+
+
+def test_a_member_that_checks_in_is_not_left_out(store: Any, silent: subprocess.Popen[bytes]) -> None:
+    """The look at a process is only for members that have not checked in: one stopped after it checked in
+    is a member (the group's formation then gives up on it)."""
+    silent.send_signal(signal.SIGSTOP)
+    store.set(keys.checkin(1, 1), "1")
+    fault, waited, member = _agree_without(store, silent, hang=0.5, checkin_s=60.0)
+    assert fault.lost == [] and member.state.membership.members == (0, 1)
+    assert waited < 1.0 and not store.check([keys.dead(1)])
