@@ -119,6 +119,11 @@ class Strike:
     at_s: float
     victims: list[int] = field(default_factory=list)
     note: str = ""
+    hits_s: list[float] = field(default_factory=list)  # when each victim was hit (seconds after the launch)
+
+    def hit(self, member: int, job: Job) -> None:
+        self.victims.append(member)
+        self.hits_s.append(round(job.elapsed(), 2))
 
 
 @dataclass
@@ -290,7 +295,7 @@ class Striker:
 
     def _kill(self, strike: Strike, member: int) -> None:
         if self.job.signal(member, signal.SIGKILL):
-            strike.victims.append(member)
+            strike.hit(member, self.job)
 
     def kill(self, strike: Strike, members: list[int]) -> None:
         self._kill(strike, self.rng.choice(members))
@@ -301,7 +306,7 @@ class Striker:
     def stop(self, strike: Strike, members: list[int]) -> None:
         victim = self.rng.choice(members)
         if self.job.signal(victim, signal.SIGSTOP):
-            strike.victims.append(victim)
+            strike.hit(victim, self.job)
 
     def straggler(self, strike: Strike, members: list[int]) -> None:
         """A member throttled to 10% of a core (a cgroup's CPU quota): its compute crawls while it keeps
@@ -320,7 +325,7 @@ class Striker:
         (group / "cpu.cfs_quota_us").write_text("1000")
         try:
             (group / "cgroup.procs").write_text(str(pid))
-            strike.victims.append(victim)
+            strike.hit(victim, self.job)
             deadline = time.monotonic() + 40.0
             while time.monotonic() < deadline and self.job.running() and not self.job.has(f"dead/{victim}"):
                 time.sleep(0.05)
@@ -329,6 +334,7 @@ class Striker:
         finally:
             _release(group)
         if strike.victims and not self.job.has(f"dead/{victim}"):
+            del strike.hits_s[strike.victims.index(victim)]
             strike.victims.remove(victim)
             strike.note = "not evicted within 40 s"
 
@@ -345,7 +351,7 @@ class Striker:
         self._kill(strike, first)
         time.sleep(self.rng.uniform(0.0, 0.2))
         if self.job.signal(second, signal.SIGSTOP):
-            strike.victims.append(second)
+            strike.hit(second, self.job)
 
     def _joiner(self, strike: Strike, members: list[int], stage: str) -> None:
         """Kill a member, then the replacement the launcher starts for it, at `stage` of its join."""
@@ -566,6 +572,15 @@ def report(results: list[SeedResult], reference: dict[str, Any], settings: Setti
             "",
             f"Interval between two strikes (start to start, all seeds): median {_median(gaps)} s, "
             f"max {max(gaps):.1f} s (a strike waits until enough members are healthy).",
+        ]
+    hits = [sorted(t for strike in r.strikes for t in strike.hits_s) for r in results]
+    apart = [b - a for seed_hits in hits for a, b in zip(seed_hits, seed_hits[1:], strict=False)]
+    if apart:
+        within = sum(gap <= 8.0 for gap in apart)
+        lines += [
+            "",
+            f"Interval between two hits (a member signalled or throttled, then the next one, all seeds): "
+            f"median {_median(apart)} s, max {max(apart):.1f} s; {within} of {len(apart)} within 8 s.",
         ]
     walls = [r.wall_s for r in results if r.passed]
     if walls:
