@@ -43,8 +43,8 @@ frameworks: install
 	$(PY) -c "import transformers, lightning, accelerate" 2>/dev/null || $(PY) -m pip install -q -e ".[frameworks]"
 
 lint: install
-	$(PY) -m ruff check src tests benchmarks examples tools
-	$(PY) -m ruff format --check src tests benchmarks examples tools
+	$(PY) -m ruff check src tests testbed benchmarks examples tools
+	$(PY) -m ruff format --check src tests testbed benchmarks examples tools
 	$(PY) -m mypy
 
 # The documentation site (mkdocs.yml): docs/ plus the API reference from the docstrings, into site/ (git-ignored).
@@ -66,7 +66,7 @@ compat: install
 # The SLURM and multi-host tests (tests/cli/test_slurm*.py, test_multinode.py; in make test-all) run real daemons and
 # network namespaces: as root, `make testbed` installs what they need once (.ci/run does it). The tests never
 # install anything; without these packages they skip, naming this command. Keep in step with the PACKAGES
-# of tests/testbed/slurm_cluster.py and tests/testbed/netns.py.
+# of testbed/slurm_cluster.py and testbed/netns.py.
 TESTBED_PACKAGES := slurm-wlm munge iproute2 util-linux
 
 testbed:

@@ -6,7 +6,7 @@
 - The protocol (DESIGN.md): engines compared in rounds whose order alternates (`round_order`, `abba`),
   a step's time is the slowest rank's (`slowest_rank_seconds`), results are per-round ratios reported as
   median [min-max] (`fmt_ratios`), each report says which machine (`machine_line`).
-- Two "hosts": `run_pair` runs a script's worker in each of two network namespaces (tests/testbed/netns.py)
+- Two "hosts": `run_pair` runs a script's worker in each of two network namespaces (testbed/netns.py)
   on a link limited by tc, and returns rank 0's JSON result.
 
 The scripts run as `python benchmarks/NAME.py`: each puts the repository root on sys.path to import this
@@ -280,14 +280,14 @@ def run_pair(
     delay_ms: float = 0.0,
 ) -> dict[str, Any]:
     """`python SCRIPT --worker --out-json F ARGS` on each of two namespace hosts, on a link limited to
-    `rate` (None: unshaped) and, with delay_ms > 0, delayed that long each way (tests/testbed/netns.py's
+    `rate` (None: unshaped) and, with delay_ms > 0, delayed that long each way (testbed/netns.py's
     delaying wire; its CPU seconds over the run come back as "wire_cpu_s"); rank 0 writes its JSON result
     to F, returned here. Needs root.
 
     Each worker gets the env lockstep.init() reads (RANK, WORLD_SIZE, MASTER_ADDR on host 0) and gloo
     bound to its host's veth.
     """
-    from tests.testbed.netns import netns_hosts, wire_cpu_seconds
+    from testbed.netns import netns_hosts, wire_cpu_seconds
 
     with netns_hosts(2, rate=rate, delay_ms=delay_ms) as hosts:
         procs = []

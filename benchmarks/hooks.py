@@ -3,7 +3,7 @@
 For each hook (none, allreduce, fp16, bf16, PowerSGD rank 1 and 4) on lockstep.DistributedDataParallel with
 lockstep.hooks, and on torch's DistributedDataParallel with torch's own hook where torch's works on gloo:
 the bytes handed to collectives per step and the step time, on loopback and on a link limited by tc
-between two network-namespace hosts (tests/testbed/netns.py, as benchmarks/multinode.py does).
+between two network-namespace hosts (testbed/netns.py, as benchmarks/multinode.py does).
 
 Protocol (DESIGN.md): one launch per link; every configuration built from identical weights, fed identical
 data; a gradient parity check first; every configuration warmed up past PowerSGD's start iteration; then

@@ -1,7 +1,7 @@
-"""Benchmark: the delaying wire of tests/testbed/netns.py (round trip, throughput, its own CPU cost).
+"""Benchmark: the delaying wire of testbed/netns.py (round trip, throughput, its own CPU cost).
 
 The kernel here has no netem, so netns_hosts(2, rate=R, delay_ms=D) adds the delay with a userspace
-AF_PACKET forwarder in a middle namespace (tests/testbed/wire.py). This script checks it on the link
+AF_PACKET forwarder in a middle namespace (testbed/wire.py). This script checks it on the link
 low_comm.py uses, once with the plain bridge (no delay) and once with each --delay-ms, at --rate:
 
 - ping: ICMP round trips from host 0 to host 1 (after one for ARP), median and min-max;
@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from benchmarks.common import add_worker_flags, machine_line, run_pair, run_worker, write_report  # noqa: E402
-from tests.testbed.netns import netns_hosts, ping_ms, wire_cpu_seconds  # noqa: E402
+
+from testbed.netns import netns_hosts, ping_ms, wire_cpu_seconds  # noqa: E402
 
 SINK = """
 import socket, sys
@@ -130,7 +131,7 @@ def main() -> None:
         "",
         f"Machine: {machine_line()}. Two network-namespace hosts at {args.rate} (tc tbf on each host's egress); "
         "delay 0: the hosts' veths on a bridge; delay D: the veths' peers in a middle namespace joined by "
-        "tests/testbed/wire.py (AF_PACKET, PACKET_VNET_HDR so offloads pass through), D ms each way. "
+        "testbed/wire.py (AF_PACKET, PACKET_VNET_HDR so offloads pass through), D ms each way. "
         f"ping: {args.pings} ICMP echoes; tcp: {args.tcp_mb} MB one way; all-reduce: {args.numel:,} fp32 "
         f"({args.numel * 4 / 1e6:.1f} MB), median of {args.reps}. Wire CPU: the forwarder's CPU seconds per "
         "second of the phase (1.0 = one core); for the all-reduce, its total over the run (2-rank gloo start-up included).",

@@ -1,8 +1,8 @@
 """Benchmark: training over a slow link, synchronous against low-communication training (issue 28 item 4).
 
-Two network-namespace hosts (tests/testbed/netns.py, as benchmarks/hooks.py does) on a link limited by tc
+Two network-namespace hosts (testbed/netns.py, as benchmarks/hooks.py does) on a link limited by tc
 to --rate (100 Mbit/s by default) and, with --delay-ms D, delayed D ms each way (a round trip of 2 D, as
-netem's `delay D` on each host would give; the kernel here has no netem, so tests/testbed/netns.py's
+netem's `delay D` on each host would give; the kernel here has no netem, so testbed/netns.py's
 userspace wire adds it), each running one rank. The gpt job's model (a character-level GPT, --dim/--depth larger than
 the job's default, so that its gradients are what a slow link notices) trains for the same token budget
 (--steps optimizer steps of --batch sequences of --context characters per rank) in each arm:
@@ -194,7 +194,7 @@ def report(res: dict[str, Any], args: argparse.Namespace, plot: Path) -> str:
     if args.delay_ms:
         link = (
             f"tc tbf on each host's egress, then {args.delay_ms:g} ms one way in each direction (round trip "
-            f"{2 * args.delay_ms:g} ms) from tests/testbed/netns.py's delaying wire, a userspace AF_PACKET "
+            f"{2 * args.delay_ms:g} ms) from testbed/netns.py's delaying wire, a userspace AF_PACKET "
             f"forwarder in a middle namespace (the kernel has no netem); the wire used "
             f"{res['wire_cpu_s']:.1f} CPU s over the whole run"
         )

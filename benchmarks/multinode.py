@@ -1,7 +1,7 @@
 """Benchmark: 2 nodes across two network namespaces with the link limited by tc (issue 7).
 
 For each link rate (unshaped, 10 Gbit/s, 1 Gbit/s, 100 Mbit/s) two "hosts" are built with
-tests/testbed/netns.py (a bridge, one veth each, a tbf on each veth's egress) and one process starts on each,
+testbed/netns.py (a bridge, one veth each, a tbf on each veth's egress) and one process starts on each,
 joined by lockstep.init() over the veth (GLOO_SOCKET_IFNAME). Each pair measures
 
 - the all-reduce bandwidth gloo reaches (bytes each rank sends per second; for 2 ranks an all-reduce of
@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
-from tests.testbed.netns import rate_bits  # noqa: E402
+
+from testbed.netns import rate_bits  # noqa: E402
 
 ENGINES = ("torch", "lockstep", "torch (again)", "torch+fp16", "lockstep+fp16", "lockstep+powerSGD r4")
 MODELS = ("mlp", "resnet", "gpt", "many_small")  # mlp: common.link_mlp; the others: engine_vs_ddp.py's

@@ -16,7 +16,7 @@
 - The periodic sync modes' reference (test_outer_sync.py, tests/gpu): `outer_model`, `outer_inner`,
   `outer_reference`, `scattered_mean`, on any device.
 
-The SLURM cluster and network-namespace "hosts" are a harness, not helpers: tests/testbed/.
+The SLURM cluster and network-namespace "hosts" are a harness, not helpers: testbed/.
 Rank functions handed to lockstep.testing.run_distributed may live here: the ranks import this module.
 """
 
@@ -42,10 +42,10 @@ import lockstep
 from lockstep.engine.outer_codec import codec_for
 from lockstep.engine.outer_sync import MIX, fragment_bounds
 from lockstep.testing.parity import ParityCase, assert_tensors_close, grads_of, params_of, wrap
-from tests.testbed.system import free_port
+from testbed.system import free_port
 
 if TYPE_CHECKING:
-    from tests.testbed.slurm_cluster import SlurmCluster
+    from testbed.slurm_cluster import SlurmCluster
 
 __all__ = [
     "BATCH",
@@ -438,7 +438,7 @@ class HostCopyCounter(torch.Tensor):
 
 # ---------------------------------------------------------------- the tiny job of the SLURM and multi-host tests
 
-TINY = ROOT / "tests" / "testbed" / "tiny_train.py"
+TINY = ROOT / "testbed" / "tiny_train.py"
 TINY_STEPS = "30"
 JOB_TIMEOUT = 120.0  # one tiny job, local, on SLURM or on two hosts
 

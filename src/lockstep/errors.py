@@ -27,7 +27,7 @@ CheckpointError              RuntimeError           a checkpoint cannot be writt
 LaunchError                  RuntimeError           the launcher cannot start or supervise the workers
 DistributedTestError         RuntimeError           lockstep.testing: a function failed or hung on a rank
 ParityError                  AssertionError         lockstep.testing.parity: two trainings differ
-NetnsError                   RuntimeError           tests/testbed/netns.py: a namespace command failed
+NetnsError                   RuntimeError           testbed/netns.py: a namespace command failed
 UnknownNameError             AttributeError         `lockstep.X` for a name lockstep does not export
 TorchInternalAttributeError  AttributeError         an internal of torch's C++ DDP that lockstep lacks
 InternalError                RuntimeError           a bug in lockstep itself (never the user's mistake)
@@ -149,7 +149,7 @@ class UnknownNameError(LockstepError, AttributeError):
 
 
 class NetnsError(LockstepError, RuntimeError):
-    """The test bed's network-namespace "hosts" (tests/testbed/netns.py): a command that builds or shapes
+    """The test bed's network-namespace "hosts" (testbed/netns.py): a command that builds or shapes
     them failed."""
 
 

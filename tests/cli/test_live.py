@@ -515,7 +515,7 @@ def test_two_hosts_one_loses_its_link_and_the_other_goes_on(
     down mid-run. Host 0's ranks evict host 1's (their heartbeats stopped) after the hang timeout, re-form
     and finish, bitwise equal to a fault-free run; host 1's launcher loses the store, stops its workers and
     fails, leaving no process behind."""
-    from tests.testbed.netns import IFNAME, netns_hosts, unavailable_reason
+    from testbed.netns import IFNAME, netns_hosts, unavailable_reason
 
     reason = unavailable_reason()
     if reason:

@@ -1,4 +1,4 @@
-"""Two-node jobs across two network-namespace "hosts" (tests/testbed/netns.py), unshaped and at 1 Gbit/s.
+"""Two-node jobs across two network-namespace "hosts" (testbed/netns.py), unshaped and at 1 Gbit/s.
 
 Each host is its own network stack with one veth on a shared bridge (10.X.Y.0/24); the job's traffic goes
 over that link, not loopback. The tiny training's parameters must be bitwise those of a single-node run
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from testbed.netns import Host, netns_hosts, unavailable_reason
 from tests.helpers import TINY, child_env, result_line
 from tests.helpers import TINY_STEPS as STEPS
-from tests.testbed.netns import Host, netns_hosts, unavailable_reason
 
 RUN_TIMEOUT = 90.0
 

@@ -1,7 +1,7 @@
-"""The delaying wire of tests/testbed/netns.py: two namespace hosts, 10 ms each way, at 100 Mbit/s.
+"""The delaying wire of testbed/netns.py: two namespace hosts, 10 ms each way, at 100 Mbit/s.
 
 The kernel here has no netem; netns_hosts(2, delay_ms=D) joins the hosts through a userspace AF_PACKET
-forwarder in a middle namespace (tests/testbed/wire.py). Checked: an ICMP round trip takes about 2 D,
+forwarder in a middle namespace (testbed/wire.py). Checked: an ICMP round trip takes about 2 D,
 bytes cross intact both ways through tbf and the wire, the forwarder and the namespaces are gone after the
 block, also when the block raises, and the forwarder dies with a process SIGKILLed before its cleanup could
 run. Skipped, with the reason, only where the machine cannot create namespaces (not root, no iproute2).
@@ -18,8 +18,8 @@ import time
 import pytest
 
 from lockstep.errors import ConfigError
+from testbed.netns import netns_hosts, ping_ms, teardown, unavailable_reason, wire_pids
 from tests.helpers import child_env
-from tests.testbed.netns import netns_hosts, ping_ms, teardown, unavailable_reason, wire_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -101,7 +101,7 @@ def test_the_wire_is_killed_when_the_block_raises() -> None:
 
 HOLDER = """
 import sys, time
-import tests.testbed.netns as netns
+import testbed.netns as netns
 with netns.netns_hosts(2, delay_ms=10) as hosts:
     print(" ".join([hosts[0].netns, hosts[1].netns, *map(str, netns.wire_pids(hosts))]), flush=True)
     time.sleep(120)

@@ -1,7 +1,7 @@
 """`srun python script.py` with lockstep.init(), and `lockstep slurm` end to end, on a real SLURM cluster.
 
 The cluster (munged + slurmctld + slurmd, one node, 2 CPUs) is started once for this module by
-tests/testbed/slurm_cluster.py and stopped by PID afterwards; the module is skipped, with the reason, only
+testbed/slurm_cluster.py and stopped by PID afterwards; the module is skipped, with the reason, only
 where the machine cannot host it (not root, or slurm-wlm and munge not installed: `make testbed`).
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from testbed.slurm_cluster import SlurmCluster, slurm_cluster, unavailable_reason
 from tests.helpers import JOB_TIMEOUT, TINY, child_env, result_line, slurm_cli
 from tests.helpers import TINY_STEPS as STEPS
-from tests.testbed.slurm_cluster import SlurmCluster, slurm_cluster, unavailable_reason
 
 pytestmark = pytest.mark.timeout(240)
 

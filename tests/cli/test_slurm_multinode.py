@@ -1,6 +1,6 @@
 """SLURM across two "hosts": two slurmd nodes in two network namespaces, each with its own hostname.
 
-The nodes (node0, node1) are tests/testbed/netns.py hosts; each slurmd runs in its own network, UTS and
+The nodes (node0, node1) are testbed/netns.py hosts; each slurmd runs in its own network, UTS and
 mount namespace with an /etc/hosts that names both nodes, so names resolve as on a real cluster and no
 lockstep flag is needed for addresses. Checks: `srun -N2 -n2` maps SLURM's variables across nodes, and
 `lockstep slurm --nodes 2` (one `lockstep run` per node, node0 hosting the rendezvous) trains to the
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from testbed import netns
+from testbed.slurm_cluster import SlurmCluster, slurm_cluster
+from testbed.slurm_cluster import unavailable_reason as slurm_unavailable
 from tests.helpers import JOB_TIMEOUT, TINY, result_line, slurm_cli
 from tests.helpers import TINY_STEPS as STEPS
-from tests.testbed import netns
-from tests.testbed.slurm_cluster import SlurmCluster, slurm_cluster
-from tests.testbed.slurm_cluster import unavailable_reason as slurm_unavailable
 
 pytestmark = pytest.mark.timeout(240)
 

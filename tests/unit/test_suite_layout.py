@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-# What a test module may import from this package: the one helpers module, the testbed harness, and the
+# What a test module may import from this package: the one helpers module, and the
 # readers behind the suite's rules (stdlib only): src/lockstep's structure, and a test's rank count (tiers).
-SHARED = ("tests.helpers", "tests.testbed", "tests.structure", "tests.tiers")
+SHARED = ("tests.helpers", "tests.structure", "tests.tiers")
 
 
 def _test_modules() -> list[Path]:
@@ -81,3 +81,17 @@ def test_tests_that_start_processes_let_the_kernel_pick_ports() -> None:
         "a port picked by the test can be taken; bind port 0 (tests.helpers.free_port, "
         "Host.free_port in a namespace) or let the component pick:\n" + "\n".join(offenders)
     )
+
+
+def test_no_benchmark_or_tool_imports_the_test_suite() -> None:
+    """What the benchmarks and the test suite share (the multi-host test bed) lives at the top of the
+    repository (testbed/), not under tests/: a benchmark never imports tests."""
+    root = TESTS.parent
+    offenders = [
+        f"{path.relative_to(root)}:{line} imports {name}"
+        for folder in ("benchmarks", "tools", "testbed")
+        for path in sorted((root / folder).rglob("*.py"))
+        for line, name in _imports(path)
+        if name == "tests" or name.startswith("tests.")
+    ]
+    assert not offenders, "share it through testbed/ (or src/lockstep):\n" + "\n".join(offenders)

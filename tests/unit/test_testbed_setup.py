@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.testbed import netns, slurm_cluster
-from tests.testbed.system import SETUP_COMMAND, require_commands
+from testbed import netns, slurm_cluster
+from testbed.system import SETUP_COMMAND, require_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ three-way check behind the engine's tests (`run_parity` trains `ParityCase`s wit
 `ParityRun`s and raises ParityError on the first difference: `assert_parity`, `assert_tensors_close`),
 and from `pool` `RankPool`, rank processes kept alive across calls (torch imported once, a fresh group per
 call; `use_pool` routes run_distributed through one). The network-namespace "hosts" and the delaying wire
-of the multi-host tests and benchmarks are this repository's test bed, not the library's: tests/testbed/.
+of the multi-host tests and benchmarks are this repository's test bed, not the library's: testbed/.
 """
 
 from __future__ import annotations

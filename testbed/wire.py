@@ -1,6 +1,6 @@
 """A delaying wire: forward Ethernet frames between two interfaces, each one `delay_ms` after it arrived.
 
-The kernel here has no netem, so tests/testbed/netns.py adds latency in userspace: the two hosts' veth
+The kernel here has no netem, so testbed/netns.py adds latency in userspace: the two hosts' veth
 peers live in a middle "wire" namespace, and this program (run there, stdlib only, started by file path so
 that it imports nothing of lockstep or torch) reads every frame from one side with an AF_PACKET raw socket
 and sends it out of the other side after the delay: one FIFO queue per direction, stamped at arrival, so

@@ -37,8 +37,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.testbed.netns import Host
-from tests.testbed.system import free_port, is_root, require_commands, stop_process
+from testbed.netns import Host
+from testbed.system import free_port, is_root, require_commands, stop_process
 
 COMMANDS = (
     "munged",
@@ -171,7 +171,7 @@ def slurm_cluster(
 ) -> Iterator[SlurmCluster]:
     """Start munged, slurmctld and slurmd under `root`; yield once the nodes are idle; always stop them.
 
-    With `hosts` (tests/testbed/netns.py), each host is a node named node<i> at its address: its slurmd runs
+    With `hosts` (testbed/netns.py), each host is a node named node<i> at its address: its slurmd runs
     in that network namespace and in its own UTS and mount namespaces (hostname node<i>, an /etc/hosts
     that names every node), slurmctld runs on node0, and `cluster.run` runs client commands there.
     """

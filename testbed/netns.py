@@ -16,7 +16,7 @@ that concurrent test runs never share one). A rate limit is a `tc tbf` on each h
 
 A delay (`delay_ms`, two hosts only): the kernel here has tbf and htb but no netem, so latency cannot come
 from tc. Instead of the bridge, the middle namespace ("wire") holds the two veth peers and runs
-tests/testbed/wire.py, a userspace forwarder that sends every frame out of the other side `delay_ms`
+testbed/wire.py, a userspace forwarder that sends every frame out of the other side `delay_ms`
 after it arrived: `delay_ms` one way in each direction, a round trip of 2 x delay_ms, as netem's `delay`
 on each host's egress would give. The tbf stays on the hosts' egress, before the wire. Measured here
 (benchmarks/results/2026-11-26-link_delay.md, 100 Mbit/s, 10 ms): ping 20.3-20.6 ms median, TCP and
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.errors import ConfigError, InternalError, NetnsError
-from tests.testbed.system import is_root, require_commands
+from testbed.system import is_root, require_commands
 
 IFNAME = "lsnet0"
 COMMANDS = ("ip", "tc", "nsenter")
@@ -222,7 +222,7 @@ def netns_hosts(count: int = 2, *, rate: str | None = None, delay_ms: float = 0.
 
 
 def _start_wire(netns: str, delay_ms: float) -> subprocess.Popen[str]:
-    """Run tests/testbed/wire.py inside `netns` between p0 and p1 (by its path: it imports nothing of
+    """Run testbed/wire.py inside `netns` between p0 and p1 (by its path: it imports nothing of
     lockstep or torch); return once its sockets are open."""
     argv = [sys.executable, str(Path(__file__).with_name("wire.py")), "--delay-ms", str(delay_ms), "p0", "p1"]
     proc = subprocess.Popen(
