@@ -46,6 +46,7 @@ from lockstep.engine.unused import UnusedAgreement
 from lockstep.errors import CommHookResultError, GradientError, InternalError, UsageError, rank_tag
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.waits import wait_tracked
+from lockstep.torch_private import FutureBase, foreach_copy_
 
 CommHook = Callable[[Any, "GradBucket"], "torch.futures.Future[Any]"]
 _IS_NONE = functools.partial(operator.is_, None)
@@ -208,7 +209,7 @@ class BucketLauncher:
                 for pos in range(len(grads)):
                     self.copy_in(b, pos)
             else:
-                torch._foreach_copy_(b.views, grads)  # type: ignore[arg-type]
+                foreach_copy_(b.views, grads)  # type: ignore[arg-type]
                 if self.prescale:
                     b.buffer.mul_(self.inv)
         step.bytes_sent += b.hook_buffer.numel() * b.hook_buffer.element_size()  # gradient payload
@@ -227,7 +228,7 @@ class BucketLauncher:
     def call_hook(self, b: Bucket) -> torch.futures.Future[Any]:
         """Hand bucket b (its hook_buffer) to the communication hook; check what comes back."""
         fut = self.hook(self.hook_state, GradBucket(b, len(self.buckets)))
-        if not isinstance(fut, torch._C.Future):
+        if not isinstance(fut, FutureBase):
             raise CommHookResultError(
                 f"{self.tag}callback must return a torch.futures.Future object, but got "
                 f"{type(fut).__module__}.{type(fut).__qualname__}: the communication hook "
@@ -362,7 +363,7 @@ def write_back_bucket(b: Bucket, *, as_view: bool, skip: set[int]) -> None:
         and not (skip and any(i in skip for i in b.indices))
         and not any(map(_IS_NONE, grads))  # in C: no Python frame per parameter
     ):
-        torch._foreach_copy_(grads, views)  # type: ignore[arg-type]  # one call for the bucket
+        foreach_copy_(grads, views)  # type: ignore[arg-type]  # one call for the bucket
         return
     for pos, p in enumerate(b.params):
         if skip and b.indices[pos] in skip:

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from lockstep.engine.bucket_layout import BucketSpec
 from lockstep.runtime.progress import CollectiveRecord
+from lockstep.torch_private import default_pg, in_coalescing
 
 EAGER_COPY_MIN_NUMEL = 1 << 14  # below this mean size a bucket copies its gradients in one call
 
@@ -120,13 +120,13 @@ def sum_hook(group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futur
     inside a coalescing context) takes `dist.all_reduce`, and so does every bucket while something has
     replaced `dist.all_reduce` (a profiler, a byte counter, lockstep.testing.watch_collectives)."""
     tensor = bucket.buffer()
-    pg = group if group is not None else c10d._world.default_pg
+    pg = group if group is not None else default_pg()
     if (
         dist.all_reduce is _ALL_REDUCE
         and pg is not None
         and type(tensor) is torch.Tensor
         and not tensor.is_complex()
-        and pg not in c10d._world.pg_coalesce_state
+        and not in_coalescing(pg)
     ):
         return pg.allreduce([tensor], _SUM_ASYNC).get_future()
     return dist.all_reduce(tensor, group=group, async_op=True).get_future()  # type: ignore[union-attr]

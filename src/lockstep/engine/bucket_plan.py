@@ -12,10 +12,10 @@ import sys
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from lockstep.engine.bucket_layout import BucketSpec, ParamSpec, assign_buckets, specs_from_index_lists
 from lockstep.engine.policy import SyncPolicy
+from lockstep.torch_private import compute_bucket_assignment_by_size
 
 
 class BucketPlanner:
@@ -65,7 +65,7 @@ class BucketPlanner:
     def _torch_index_lists(self, order: Sequence[int] | None, static_graph: bool) -> list[list[int]]:
         """torch's buckets, from torch's own assignment function, as DistributedDataParallel calls it."""
         first, cap = self.policy.first_bucket_bytes, self.policy.bucket_cap_bytes
-        assign = dist._compute_bucket_assignment_by_size
+        assign = compute_bucket_assignment_by_size
         tensors: list[torch.Tensor] = list(self.params)
         if order is None:  # construction: all in one bucket unless unused parameters are searched for
             one_bucket = static_graph or not self.policy.find_unused_parameters

@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from lockstep.engine.policy import SyncPolicy
+from lockstep.torch_private import active_ddp_module, set_active_ddp_module
 
 # dynamo's first piece is torch's first bucket (1 MiB); it refuses a cap below that
 _DYNAMO_FIRST_BUCKET_BYTES = 1024 * 1024
@@ -48,12 +48,12 @@ class SplitHooks:
         self._before: list[Any] = []  # a stack: a replica may run inside another's forward
 
     def enter(self, _module: nn.Module, _args: Any) -> None:
-        self._before.append(TorchDDP._active_ddp_module)
-        TorchDDP._active_ddp_module = self.view  # type: ignore[assignment]  # dynamo reads bucket_bytes_cap only
+        self._before.append(active_ddp_module())
+        set_active_ddp_module(self.view)  # dynamo reads bucket_bytes_cap only
 
     def leave(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         if self._before:
-            TorchDDP._active_ddp_module = self._before.pop()
+            set_active_ddp_module(self._before.pop())
 
     def register(self, module: nn.Module) -> list[Any]:
         """The two hooks on `module`; their handles, to remove with the replica's."""

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from lockstep.engine.bucket_launch import CommHook
@@ -27,11 +26,17 @@ from lockstep.engine.wrap_checks import (
     check_default_group,
     check_devices,
     check_parameters,
-    default_group,
     refuse_unsupported,
     resolve_group,
 )
 from lockstep.errors import NoProcessGroupError, NotSupportedError, TorchInternalAttributeError, UsageError
+from lockstep.torch_private import (
+    active_ddp_module,
+    default_group,
+    disable_dynamo,
+    eval_frame_callback,
+    set_active_ddp_module,
+)
 
 
 class DistributedDataParallel(JoinableReplica, TorchDDP):
@@ -200,20 +205,20 @@ class DistributedDataParallel(JoinableReplica, TorchDDP):
 
     # Under torch.compile of the wrapper, as with torch's DDP, dynamo skips this frame and compiles the
     # module's forward only, split at bucket boundaries; the engine's bookkeeping runs eagerly.
-    @torch._disable_dynamo(recursive=False)
+    @disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # Outside torch.compile of the wrapper no dynamo callback is set, nothing would trace the engine's
         # calls, and they need no wrapper of their own (two fewer wrapped calls per step)
-        traced = get_eval_frame_callback() is not None
+        traced = eval_frame_callback() is not None
         before, after = (_before_module, _after_module) if traced else (_plain_before, _plain_after)
         module, inputs, kwargs = before(self, inputs, kwargs)
         # what torch's forward sets for dynamo (compile_support.py), restored however the module returns
-        outer = TorchDDP._active_ddp_module
-        TorchDDP._active_ddp_module = self
+        outer = active_ddp_module()
+        set_active_ddp_module(self)
         try:
             output = module(*inputs, **kwargs)
         finally:
-            TorchDDP._active_ddp_module = outer
+            set_active_ddp_module(outer)
         return after(self, output)
 
     @contextmanager
@@ -372,5 +377,5 @@ def _plain_after(ddp: DistributedDataParallel, output: Any) -> Any:
 
 # The forward's engine work under torch.compile of the wrapper, never traced by dynamo (the wrapper's
 # attributes are not a graph's inputs).
-_before_module = torch._disable_dynamo(_plain_before)
-_after_module = torch._disable_dynamo(_plain_after)
+_before_module = disable_dynamo(_plain_before)
+_after_module = disable_dynamo(_plain_after)

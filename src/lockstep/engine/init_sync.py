@@ -15,12 +15,17 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lockstep.errors import CollectiveMismatchError, rank_tag
 from lockstep.runtime.collectives import all_gather_object
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.waits import tracked, wait_tracked, wait_watching_membership
+from lockstep.torch_private import (
+    flatten_dense_tensors,
+    foreach_copy_,
+    preserve_version_counter,
+    unflatten_dense_tensors,
+)
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # like torch: few messages, bounded extra memory
 
@@ -76,7 +81,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.P
     for members in _by_device_and_dtype(tensors):
         for chunk in _chunks(members):
             datas = [t.detach() for t in chunk]
-            flat = _flatten_dense_tensors(datas) if len(datas) > 1 else datas[0].reshape(-1).clone()
+            flat = flatten_dense_tensors(datas) if len(datas) > 1 else datas[0].reshape(-1).clone()
             with tracked("broadcast (parameters and buffers)", (flat,), group):
                 wait_watching_membership(dist.broadcast(flat, src=src, group=group, async_op=True))
             if len(datas) == 1:
@@ -84,7 +89,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.P
                     datas[0].copy_(flat.view_as(datas[0]))
                 continue
             with torch.no_grad():
-                torch._foreach_copy_(datas, list(_unflatten_dense_tensors(flat, datas)))
+                foreach_copy_(datas, list(unflatten_dense_tensors(flat, datas)))
 
 
 class RepeatedBroadcast:
@@ -112,7 +117,7 @@ class RepeatedBroadcast:
         launched = []
         for datas, flat, views in self._messages:
             if self.is_src:
-                torch._foreach_copy_(views, datas)
+                foreach_copy_(views, datas)
             record = PROGRESS.issue("broadcast (buffers)", (flat,), self.group)
             launched.append((record, dist.broadcast(flat, src=self.src, group=self.group, async_op=True)))
         for (datas, _, views), (record, work) in zip(self._messages, launched):
@@ -120,8 +125,8 @@ class RepeatedBroadcast:
             if not self.is_src:
                 # Hidden from autograd's version counters, as torch's buffer sync hides it: a buffer that
                 # an earlier forward saved for its backward (two forwards, one backward) stays usable.
-                with torch.autograd._unsafe_preserve_version_counter(tuple(datas)):
-                    torch._foreach_copy_(datas, views)
+                with preserve_version_counter(tuple(datas)):
+                    foreach_copy_(datas, views)
 
 
 def layout_key(

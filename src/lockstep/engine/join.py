@@ -38,10 +38,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import Join, JoinHook
 
 from lockstep.errors import InternalError, UnevenInputsError
 from lockstep.runtime.waits import tracked, wait_watching_membership
+from lockstep.torch_private import JoinConfig
 
 _SYNC, _REBUILD, _BUFFERS = range(3)  # flags after the per-rank slots of a step record
 
@@ -111,7 +112,7 @@ class JoinReplica(Protocol):
     def join_device(self) -> torch.device: ...
 
     @property
-    def join_config(self) -> _JoinConfig:
+    def join_config(self) -> JoinConfig:
         """Set by torch's Join: enable, throw_on_early_termination."""
         ...
 
@@ -308,7 +309,7 @@ class EngineJoin(Join):
 
     def _close(self) -> None:
         for joinable in self._joinables:
-            joinable._join_config = _JoinConfig.construct_disabled_join_config()
+            joinable._join_config = JoinConfig.construct_disabled_join_config()
         for hook in self._join_hooks:
             if isinstance(hook, EngineJoinHook):
                 hook.replica.leave_join()

@@ -11,10 +11,11 @@ from abc import abstractmethod
 from typing import Any
 
 import torch
-from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from lockstep.engine.join import EngineJoin
 from lockstep.engine.state import ReplicaState
+from lockstep.torch_private import JoinConfig
 
 
 class JoinableReplica(Joinable):
@@ -64,9 +65,9 @@ class JoinableReplica(Joinable):
         return self._engine.join_process_group
 
     @property
-    def _join_config(self) -> _JoinConfig:  # torch's Joinable attribute, read and set by its Join manager
+    def _join_config(self) -> JoinConfig:  # torch's Joinable attribute, read and set by its Join manager
         return self._engine.join_config
 
     @_join_config.setter
-    def _join_config(self, config: _JoinConfig) -> None:
+    def _join_config(self, config: JoinConfig) -> None:
         self._engine.join_config = config

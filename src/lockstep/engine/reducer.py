@@ -65,6 +65,7 @@ from lockstep.engine.step import ArmedForward, ParamStepper, StepState
 from lockstep.engine.unused import unreached
 from lockstep.errors import InternalError, UnusedParameterError, UsageError
 from lockstep.runtime.progress import BACKWARD, PROGRESS
+from lockstep.torch_private import execution_engine
 
 # A gradient this large is reduced in place in its own bucket: no copy into a flat buffer and back
 # (two passes over memory saved, and the buffer's memory), at the price of one more collective.
@@ -237,7 +238,7 @@ class Reducer:
 
     def _queue_finalize(self) -> None:
         self._queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self.finalize)  # type: ignore[attr-defined]
+        execution_engine.queue_callback(self.finalize)
 
     # ---------------------------------------------------------------- post_accumulate_grad
 

@@ -21,17 +21,17 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lockstep.errors import InternalError
 from lockstep.runtime.collectives import gather_rows
+from lockstep.torch_private import BatchNormBase
 
 
 class RunningStats:
     """The tracked BatchNorm layers of a module, their snapshot, and the records of the step under way."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.layers = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+        self.layers = [m for m in module.modules() if isinstance(m, BatchNormBase) and m.track_running_stats]
         self._index = {id(m): i for i, m in enumerate(self.layers)}
         self._snapshot: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._records: dict[int, list[torch.Tensor]] = {}
@@ -54,7 +54,7 @@ class RunningStats:
                 for m in self.layers
             ]
 
-    def _swap_in(self, layer: _BatchNorm, args: tuple[Any, ...]) -> None:
+    def _swap_in(self, layer: BatchNormBase, args: tuple[Any, ...]) -> None:
         """Before a training forward inside a step: scratch buffers and momentum 1 catch the batch's statistics."""
         if self.ordinal is None or not layer.training or not args:
             return
@@ -65,7 +65,7 @@ class RunningStats:
         mean, var = self._scratch[index]
         layer.running_mean, layer.running_var, layer.momentum = mean.zero_(), var.zero_(), 1.0
 
-    def _record(self, layer: _BatchNorm, _args: tuple[Any, ...], _output: Any) -> None:
+    def _record(self, layer: BatchNormBase, _args: tuple[Any, ...], _output: Any) -> None:
         """After the forward (even one that raised): buffers and momentum back; the statistics recorded."""
         index = self._index[id(layer)]
         swapped = self._swapped.pop(index, None)
@@ -117,7 +117,7 @@ def _known_ordinal(ordinal: int | None) -> int:
     return ordinal
 
 
-def _update(layer: _BatchNorm, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:
+def _update(layer: BatchNormBase, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:
     """torch's rule for one training forward: count it, then running = (1 - f) * running + f * batch."""
     tracked, running_mean, running_var = layer.num_batches_tracked, layer.running_mean, layer.running_var
     if tracked is None or running_mean is None or running_var is None:

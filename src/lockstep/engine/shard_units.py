@@ -35,6 +35,7 @@ import torch.distributed as dist
 from lockstep.errors import InternalError
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.waits import wait_tracked
+from lockstep.torch_private import foreach_copy_
 
 # Exactly these classes (not subclasses): the update of each element reads only that element's gradient
 # and state (and per-parameter scalars of the step count), so a step over some parameters, or over 1-D
@@ -240,6 +241,4 @@ class ParamGather:
             wait_tracked(record, work)
             if packed and owner != self.rank:
                 views = message.split([p.numel() for p in packed])
-                torch._foreach_copy_(
-                    [p.detach() for p in packed], [v.view_as(p) for v, p in zip(views, packed)]
-                )
+                foreach_copy_([p.detach() for p in packed], [v.view_as(p) for v, p in zip(views, packed)])

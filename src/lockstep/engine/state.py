@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import _JoinConfig
 
 from lockstep.engine.bucket_launch import CommHook
 from lockstep.engine.init_sync import RepeatedBroadcast, broadcast_coalesced, check_same_model, layout_key
@@ -26,6 +25,7 @@ from lockstep.errors import ConfigError, NoProcessGroupError, NoTrainableParamet
 from lockstep.runtime import watchdog
 from lockstep.runtime.collectives import comm_device
 from lockstep.runtime.progress import PROGRESS
+from lockstep.torch_private import JoinConfig, preserve_version_counter
 
 
 class SyncFlags:
@@ -96,7 +96,7 @@ class ReplicaState:
         self.t_forward = 0.0  # when the forward under way began
         self.mode: EngineMode = choose_mode(self, params, names, sparse)  # once: it never changes
         # join(): torch's Join sets the config (read by its notify_join_context); join.py does the rest.
-        self._join_config = _JoinConfig.construct_disabled_join_config()
+        self._join_config = JoinConfig.construct_disabled_join_config()
         self.join_session: JoinSession | None = None
         # The buffer sync's message layout, made at the first forward that syncs buffers; and torch's
         # modules_buffers: the buffers of the last sync (or of construction), whose number decides whether
@@ -212,12 +212,12 @@ class ReplicaState:
         return self.comm_device
 
     @property
-    def join_config(self) -> _JoinConfig:
+    def join_config(self) -> JoinConfig:
         """torch's join settings (enable, throw_on_early_termination), set by its Join manager."""
         return self._join_config
 
     @join_config.setter
-    def join_config(self, config: _JoinConfig) -> None:
+    def join_config(self, config: JoinConfig) -> None:
         self._join_config = config  # the name torch's Join.notify_join_context reads
 
     @property
@@ -234,7 +234,7 @@ class ReplicaState:
         """Every rank takes the buffers of `group_rank` (join(): the highest rank still training), hidden
         from autograd's version counters like every forward's buffer sync."""
         buffers = self.buffers
-        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+        with preserve_version_counter(tuple(buffers)):
             broadcast_coalesced(buffers, self._global_rank(group_rank), self.group)
 
     def broadcast_model_from(self, group_rank: int) -> None:

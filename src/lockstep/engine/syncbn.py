@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lockstep.errors import ConfigError, rank_tag
 from lockstep.runtime.collectives import comm_device
 from lockstep.runtime.waits import tracked, wait_watching_membership
+from lockstep.torch_private import BatchNormBase
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
@@ -239,7 +239,7 @@ def _input_grad(
     return grad.addcmul_(g, _per_channel(w_invstd, g))
 
 
-class SyncBatchNorm(_BatchNorm):
+class SyncBatchNorm(BatchNormBase):
     """Drop-in for torch.nn.SyncBatchNorm that also works on CPU/gloo (any device, any backend).
 
     Input (N, C, *): 2D to 5D and beyond. In training mode with a process group of more than one rank,
@@ -344,7 +344,7 @@ def convert_sync_batchnorm(
     `module` itself is a BatchNorm layer.
     """
     converted = module
-    if isinstance(module, _BatchNorm):
+    if isinstance(module, BatchNormBase):
         converted = _convert_layer(module, process_group, layer_class)
     for name, child in module.named_children():
         converted.add_module(name, convert_sync_batchnorm(child, process_group, layer_class=layer_class))
@@ -352,7 +352,7 @@ def convert_sync_batchnorm(
 
 
 def _convert_layer(
-    layer: _BatchNorm, process_group: dist.ProcessGroup | None, layer_class: type[SyncBatchNorm]
+    layer: BatchNormBase, process_group: dist.ProcessGroup | None, layer_class: type[SyncBatchNorm]
 ) -> SyncBatchNorm:
     new = layer_class(
         layer.num_features,

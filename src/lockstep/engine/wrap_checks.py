@@ -25,6 +25,7 @@ from lockstep.errors import (
     NoTrainableParametersError,
     NotSupportedError,
 )
+from lockstep.torch_private import default_group  # looked up at each use, never held
 
 
 def check_comm_hook(hook: Any) -> None:
@@ -58,13 +59,6 @@ def refuse_unsupported(**settings: Any) -> None:
                 f"lockstep.DistributedDataParallel does not support {name} (got {value!r}); leave it None, "
                 "or use torch.nn.parallel.DistributedDataParallel for this model (docs/compat.md)"
             )
-
-
-def default_group() -> dist.ProcessGroup:
-    """The default process group, looked up now (never held: destroy_process_group() must end it)."""
-    from torch.distributed.distributed_c10d import _get_default_group
-
-    return _get_default_group()
 
 
 def resolve_group(

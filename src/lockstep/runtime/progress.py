@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from lockstep.runtime.phase_clock import PhaseClock
+from lockstep.torch_private import default_pg
 
 STARTUP = "startup"
 FORWARD = "forward"
@@ -152,7 +152,7 @@ class Progress:
         """Stamp the next sequence number of `group` on a collective about to be issued; return its record."""
         if not self.enabled:
             return _UNTRACKED
-        pg = group if group is not None else c10d._world.default_pg  # dist.group.WORLD, without its property
+        pg = group if group is not None else default_pg()  # dist.group.WORLD, without its property
         key = id(pg)
         seq = self._seqs[key] = self._seqs.get(key, 0) + 1
         name = self._group_names.get(key)

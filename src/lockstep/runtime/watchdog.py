@@ -53,6 +53,7 @@ from lockstep.runtime.sigterm_guard import SigtermGuard
 from lockstep.runtime.straggler_eviction import eviction_for
 from lockstep.runtime.straggler_reports import StragglerWatch
 from lockstep.runtime.topology import hang_timeout_from_env, report_dir_from_env
+from lockstep.torch_private import default_store
 
 STALL_EXIT_CODE = 124  # like timeout(1): the job ran out of time waiting
 SLOW_FACTOR = 5.0  # checkpoint/evaluate phases and the first steps may keep others waiting this much longer
@@ -385,7 +386,7 @@ atexit.register(_stop_at_exit)
 def _store(timeout: float) -> Any:
     """A connection of the watchdog's own to the default group's store, under lockstep's prefix."""
     try:
-        base = dist.distributed_c10d._get_default_store()
+        base = default_store()
         own = base.clone()  # type: ignore[attr-defined]  # in torch, not in its stubs
         own.set_timeout(timedelta(seconds=store_timeout_for(timeout)))
         return dist.PrefixStore(_PREFIX, own)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.utils import _pytree as pytree
 
 from lockstep.errors import ConfigError
+from lockstep.torch_private import pytree
 
 
 class BatchSettings(Protocol):

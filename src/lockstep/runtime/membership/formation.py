@@ -34,6 +34,7 @@ from lockstep.runtime.membership import keys
 from lockstep.runtime.membership.core import GroupState
 from lockstep.runtime.membership.host import Host
 from lockstep.runtime.membership.records import Fault, Membership, first_line
+from lockstep.torch_private import set_group_timeout
 
 EVICTED_EXIT_CODE = 75  # a worker the survivors left out (it was too late to check in): EX_TEMPFAIL
 FORM_TIMEOUT_S = 30.0  # longest wait for a new group to form (below the 60 s check-in timeout)
@@ -116,7 +117,7 @@ class Formation:
                 f"({first_line(exc)}): a member died while it formed"
             ) from exc
         if bounded < self.timeout:
-            dist.distributed_c10d._set_pg_timeout(self.timeout)  # collectives keep the job's own timeout
+            set_group_timeout(self.timeout)  # collectives keep the job's own timeout
         self._confirm_formed(bounded.total_seconds())
 
     def _confirm_formed(self, wait_s: float) -> None:

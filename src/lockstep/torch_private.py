@@ -1,0 +1,108 @@
+"""Every private name of torch's that lockstep uses, in one place: what it is, why no public one serves.
+
+torch does not promise these names from one release to the next. Reading them here, and only here, means a
+torch upgrade that renames one breaks one module, at import or in tests/unit/test_torch_private.py (which
+checks that each exists in the installed torch), instead of a training run somewhere later. Each was
+checked on torch 2.13 (the version this project pins and tests); where torch has a public equivalent,
+lockstep uses that instead and the name is not here.
+
+| name | torch's | why lockstep needs it |
+| --- | --- | --- |
+| `FutureBase` | `torch._C.Future` | a comm hook's result is checked as torch's DDP checks it: c10d's futures are not torch.futures.Future |
+| `foreach_copy_` | `torch._foreach_copy_` | one kernel launch copies a bucket's gradients (DDP's own reducer copies in C++) |
+| `flatten_dense_tensors`, `unflatten_dense_tensors` | `torch._utils` | the start-up broadcast packs a model's tensors as torch's DDP does |
+| `preserve_version_counter` | `torch.autograd._unsafe_preserve_version_counter` | copying synced values into parameters must not bump their version (torch's DDP writes them in C++) |
+| `BatchNormBase` | `torch.nn.modules.batchnorm._BatchNorm` | the base class of every batch norm (SyncBatchNorm derives from it, as torch's does) |
+| `JoinConfig` | `torch.distributed.algorithms.join._JoinConfig` | the attribute torch's Join manager sets on a Joinable |
+| `pytree` | `torch.utils._pytree` | moves a batch of any nesting to the device (torch's DDP uses it too) |
+| `disable_dynamo`, `eval_frame_callback` | `torch._disable_dynamo`, `torch._C._dynamo.eval_frame` | torch.compile support: frames dynamo must not trace, and whether it traces now |
+| `active_ddp_module` / `set_active_ddp_module` | `DistributedDataParallel._active_ddp_module` | dynamo's DDPOptimizer reads the wrapper it splits graphs for there |
+| `execution_engine` | `torch.autograd.Variable._execution_engine` | queue_callback: run the reducer's finalization once backward ends |
+| `compute_bucket_assignment_by_size` | `torch.distributed._compute_bucket_assignment_by_size` | torch's own bucket layout, bit for bit |
+| `default_pg`, `in_coalescing` | `distributed_c10d._world` | the default group without a property's checks, per collective (the hot path) |
+| `default_group` | `distributed_c10d._get_default_group` | the default group, raising as torch does when there is none |
+| `default_store` | `distributed_c10d._get_default_store` | the hang watchdog opens a connection of its own to the group's store |
+| `set_group_timeout` | `distributed_c10d._set_pg_timeout` | a live group forms under a short timeout and then keeps the job's own |
+
+One more lives in launch/worker.py, which must not import torch (it is the bootstrap of every worker, before
+the program imports anything): the name of the excepthook torch installs per rank
+(`_distributed_excepthook`), whose closure it reads to print one rank prefix, not one per re-formed group.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
+from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
+from torch.autograd import _unsafe_preserve_version_counter as preserve_version_counter
+from torch.distributed import distributed_c10d as _c10d
+from torch.distributed.algorithms.join import _JoinConfig as JoinConfig
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "FutureBase",
+    "BatchNormBase",
+    "JoinConfig",
+    "active_ddp_module",
+    "compute_bucket_assignment_by_size",
+    "default_group",
+    "default_pg",
+    "default_store",
+    "disable_dynamo",
+    "eval_frame_callback",
+    "execution_engine",
+    "flatten_dense_tensors",
+    "foreach_copy_",
+    "in_coalescing",
+    "preserve_version_counter",
+    "pytree",
+    "set_active_ddp_module",
+    "set_group_timeout",
+    "unflatten_dense_tensors",
+]
+
+FutureBase = torch._C.Future
+foreach_copy_ = torch._foreach_copy_
+disable_dynamo = torch._disable_dynamo
+compute_bucket_assignment_by_size = dist._compute_bucket_assignment_by_size  # type: ignore[attr-defined]
+execution_engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+
+
+def default_pg() -> Any:
+    """The default process group or None, without `dist.group.WORLD`'s property (once per collective)."""
+    return _c10d._world.default_pg
+
+
+def in_coalescing(pg: Any) -> bool:
+    """Whether a coalescing context (`dist._coalescing_manager`) is open on `pg`."""
+    return pg in _c10d._world.pg_coalesce_state
+
+
+def default_group() -> dist.ProcessGroup:
+    """The default process group; raises as torch does when none is initialized."""
+    return _c10d._get_default_group()
+
+
+def default_store() -> Any:
+    """The store the default process group was formed over."""
+    return _c10d._get_default_store()
+
+
+def set_group_timeout(timeout: timedelta) -> None:
+    """The default group's timeout for its collectives from now on."""
+    _c10d._set_pg_timeout(timeout)
+
+
+def active_ddp_module() -> Any:
+    return _TorchDDP._active_ddp_module
+
+
+def set_active_ddp_module(module: Any) -> None:
+    _TorchDDP._active_ddp_module = module
