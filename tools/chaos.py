@@ -23,8 +23,12 @@ record: in summary.json's `faults` (a member) or in the launcher's lines (a repl
 The tool reads the job's c10d store (the launcher prints its address) to see the members and the join
 queue; it never writes to it.
 
-    python tools/chaos.py --seeds 50 --report benchmarks/results/2026-11-28-chaos.md
+A seed still running at --timeout is stopped; its folder then holds `stalled.txt`: the membership keys of
+every generation (who checked in, who formed) and, where py-spy is installed, every worker's Python stacks.
+
+    python tools/chaos.py --seeds 50 --report benchmarks/results/2026-11-29-chaos.md
     python tools/chaos.py --seeds 1 --first 7 --json out.json    # one seed, as the test suite runs it
+    python tools/chaos.py --seeds 20 --kinds joiner_admitted double --timeout 200   # hunt one race
 
 Exit code 0 when every seed passed.
 """
@@ -36,6 +40,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -73,6 +78,7 @@ class Settings:
     gap: tuple[float, float] = (2.0, 8.0)  # seconds between faults, drawn uniformly
     replacements: int = 20
     timeout_s: float = 420.0  # one run, end to end
+    kinds: tuple[str, ...] = KINDS  # the kinds a schedule draws from (--kinds: a few, to hunt one race)
 
     def command(self, run_dir: Path) -> list[str]:
         return [
@@ -234,10 +240,45 @@ class Job:
         try:
             return self.proc.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
+            self.snapshot(self.run_dir.parent / "stalled.txt")
             self.stop()
             return None
         finally:
             self.log.close()
+
+    def snapshot(self, path: Path) -> None:
+        """What a stalled job looked like, for its post-mortem: the membership keys of every generation and,
+        where py-spy is installed, each running worker's Python stacks."""
+        lines: list[str] = []
+        if self.store is not None:
+            lines.append(f"changes = {int(self.store.add(LIVE + 'changes', 0))}")
+            generation, empty = 0, 0
+            while empty < 20:  # generations are numbered densely; a run of empty ones is past the last
+                found = {
+                    w: [m for m in range(64) if self.has(f"gen{generation}/{w}/{m}")]
+                    for w in ("in", "formed")
+                }
+                key = f"gen{generation}/members"
+                members = bytes(self.store.get(LIVE + key)).decode() if self.has(key) else None
+                empty = empty + 1 if members is None and not found["in"] else 0
+                if empty == 0:
+                    lines.append(
+                        f"gen{generation}: members={members} in={found['in']} formed={found['formed']}"
+                    )
+                generation += 1
+        for member in range(64):
+            if self.store is not None and self.has(f"dead/{member}"):
+                lines.append(f"dead/{member} = {bytes(self.store.get(LIVE + f'dead/{member}')).decode()}")
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        for member in range(LAUNCHED + 64):
+            pid = self.pid(member)
+            if pid is None or not Path(f"/proc/{pid}").exists() or not Path(spy).exists():
+                continue
+            dump = subprocess.run(
+                [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+            )
+            lines += [f"==== member {member} (pid {pid})", dump.stdout, dump.stderr]
+        path.write_text("\n".join(lines) + "\n")
 
     def stop(self) -> None:
         """Stop the job and leave nothing behind: the launcher stops its workers on SIGTERM (each worker
@@ -424,7 +465,7 @@ def _signal(pid: int, sig: int) -> bool:
 def schedule(seed: int, settings: Settings) -> list[tuple[float, str]]:
     """The seed's faults: (gap before it in seconds, kind); kinds cycle through a seeded permutation."""
     rng = random.Random(seed)
-    kinds = list(KINDS)
+    kinds = list(settings.kinds)
     rng.shuffle(kinds)
     return [(rng.uniform(*settings.gap), kinds[i % len(kinds)]) for i in range(settings.faults)]
 
@@ -644,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--steps", type=int, default=Settings.steps)
     parser.add_argument("--faults", type=int, default=Settings.faults, help="faults a seed")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS, help="the kinds to strike")
+    parser.add_argument("--timeout", type=float, default=Settings.timeout_s, help="seconds a seed may run")
     parser.add_argument(
         "--gap",
         type=float,
@@ -664,7 +707,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # SIGTERM (a test's time out, a shell's kill): leave through the exception path, which stops the job
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(128 + signal.SIGTERM))
-    settings = Settings(steps=args.steps, faults=args.faults, gap=tuple(args.gap))
+    settings = Settings(
+        steps=args.steps,
+        faults=args.faults,
+        gap=tuple(args.gap),
+        timeout_s=args.timeout,
+        kinds=tuple(args.kinds),
+    )
     if args.render is not None:
         reference = json.loads((args.workdir / f"reference-{settings.steps}.json").read_text())
         text = report(_load_results(args.render), reference, settings)

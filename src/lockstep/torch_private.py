@@ -22,6 +22,7 @@ lockstep uses that instead and the name is not here.
 | `default_pg`, `in_coalescing` | `distributed_c10d._world` | the default group without a property's checks, per collective (the hot path) |
 | `default_group` | `distributed_c10d._get_default_group` | the default group, raising as torch does when there is none |
 | `default_store` | `distributed_c10d._get_default_store` | the hang watchdog opens a connection of its own to the group's store |
+| `reset_group_names` | `distributed_c10d._world.group_count` | a failed init_process_group leaves torch's group-name counter one up (only destroying a formed group resets it): the next group would be named apart from its peers' and never meet them |
 | `set_group_timeout` | `distributed_c10d._set_pg_timeout` | a live group forms under a short timeout and then keeps the job's own |
 
 One more lives in launch/worker.py, which must not import torch (it is the bootstrap of every worker, before
@@ -62,6 +63,7 @@ __all__ = [
     "foreach_copy_",
     "in_coalescing",
     "preserve_version_counter",
+    "reset_group_names",
     "pytree",
     "set_active_ddp_module",
     "set_group_timeout",
@@ -93,6 +95,16 @@ def default_group() -> dist.ProcessGroup:
 def default_store() -> Any:
     """The store the default process group was formed over."""
     return _c10d._get_default_store()
+
+
+def reset_group_names() -> None:
+    """Name the next default group as torch names the first one ("0"). torch counts the groups it names
+    (`_world.group_count`) and resets the count when the default group is destroyed, so that processes
+    re-forming after a failure agree on the name, and on the store keys under it. An init_process_group
+    that fails counts too, and no destroy follows: without this, a member whose formation failed while its
+    peers' succeeded would name every later group one apart from theirs, and no formation would ever
+    complete again (the live-mode stall of benchmarks/results/2026-11-29-chaos.md)."""
+    _c10d._world.group_count = 0
 
 
 def set_group_timeout(timeout: timedelta) -> None:

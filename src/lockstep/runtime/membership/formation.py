@@ -34,7 +34,7 @@ from lockstep.runtime.membership import keys
 from lockstep.runtime.membership.core import GroupState
 from lockstep.runtime.membership.host import Host
 from lockstep.runtime.membership.records import Fault, Membership, first_line
-from lockstep.torch_private import set_group_timeout
+from lockstep.torch_private import reset_group_names, set_group_timeout
 
 EVICTED_EXIT_CODE = 75  # a worker the survivors left out (it was too late to check in): EX_TEMPFAIL
 FORM_TIMEOUT_S = 30.0  # longest wait for a new group to form (below the 60 s check-in timeout)
@@ -107,6 +107,7 @@ class Formation:
         m = self.state.membership
         prefix = dist.PrefixStore(keys.generation_prefix(m.generation), self.state.store)
         bounded = min(self.timeout, form_timeout(self.host.hang_timeout()))
+        reset_group_names()  # a failed formation left torch's count of group names one up (torch_private.py)
         try:
             dist.init_process_group(
                 self.backend, store=prefix, rank=m.rank, world_size=m.world_size, timeout=bounded
