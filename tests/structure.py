@@ -310,7 +310,9 @@ def resolve_absolute(name: str, *, depth: int = 0) -> str | None:
         if owner in MODULES:
             rest = ".".join(pieces[cut:])
             found = resolve_class(rest, owner, depth=depth + 1)
-            if found is None:
+            # None is fine for a name the owner imports from outside (lockstep.torch_private re-exports
+            # torch's _BatchNorm): that class is torch's, not a class statement of src/lockstep
+            if found is None and rest.split(".")[0] not in _names(owner).imports:
                 raise LookupError(
                     f"{name!r}: {owner} defines no class {rest!r} and imports none by that name"
                 )
