@@ -46,6 +46,41 @@ def test_a_rank_that_raises_ends_the_live_job_without_a_replacement(tmp_path: Pa
     assert not (out / "done-0").exists() and not (out / "logs" / "rank2").exists()
 
 
+@pytest.mark.parametrize("loop", ["fit", "loop"])
+@pytest.mark.parametrize("raisers", [(1,), (0, 1, 2)], ids=["one rank", "every rank"])
+def test_a_runtime_error_of_the_programs_own_ends_the_live_job_at_once_named_once(
+    tmp_path: Path, loop: str, raisers: tuple[int, ...]
+) -> None:
+    """gloo reports a dead peer as a RuntimeError: before, a program's own RuntimeError started a recovery
+    like one (release the replica, re-form), and the others met a closed connection. Now it ends the job at
+    once on every rank, with fit and with LiveLoop: no recovery, no "go on" line, no transport error."""
+    out = tmp_path / "raise"
+    events = tuple(f"raise_runtime:{r}:3" for r in raisers) + ((loop,) if loop == "loop" else ())
+    result = _run(out, "-n", "3", "--min-world", "1", events=events)
+    ended = time.time()
+    err = result.stderr
+    assert result.returncode == 1, err
+    assert err.count("lockstep run: FAILED") == 1, err
+    summary = err[err.index("lockstep run: FAILED") :]
+    named = [r for r in raisers if f"RuntimeError: boom on launch rank {r} at step 3" in summary]
+    assert named == list(raisers), summary
+    first = min(float((out / f"raised-{r}").read_text()) for r in raisers)
+    assert ended - first < 15.0, err  # within seconds: nobody waits for a re-formation or a timeout
+    for quiet in (
+        "ranks go on",
+        "replacement rank",
+        "finished on",
+        "Connection",
+        "gloo",
+        "MembershipChanged",
+    ):
+        assert quiet not in err, err
+    for rank in set(range(3)) - set(raisers):
+        assert f"rank {rank} was killed by SIGTERM (exit code -15) (stopped by the launcher)" in summary
+        assert "Traceback" not in (out / "logs" / f"rank{rank}" / "stderr.log").read_text()
+    assert not list(out.glob("done-*")) and not (out / "logs" / "rank3").exists()
+
+
 def test_with_a_restart_left_the_whole_job_restarts_from_its_last_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "restart"
     result = _run(out, "-n", "2", "--min-world", "1", "--max-restarts", "1", events=("raise:1:5",))

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, cast
 
 import pytest
+import torch.distributed as dist
 
 from lockstep.errors import InternalError, MembershipChanged, UsageError, WorldTooSmallError
-from lockstep.runtime.membership.recovery import LiveRecovery, is_lost_member
+from lockstep.runtime.membership.core import GroupState
+from lockstep.runtime.membership.phases import GenerationPhase
+from lockstep.runtime.membership.records import Membership
+from lockstep.runtime.membership.recovery import LiveRecovery, is_lost_member, lost_member_or_changed
 from lockstep.trainer.step_driver import Outcome, RolledBack, StepDriver
 
 
@@ -81,7 +86,8 @@ def test_a_failure_no_loss_explains_is_the_programs_own() -> None:
     ("exc", "lost"),
     [
         (MembershipChanged("the group lost a member"), True),
-        (RuntimeError("Connection closed by peer"), True),  # gloo's word for a dead peer
+        (dist.DistNetworkError("connection to the store lost"), True),  # a DistError: the transport's
+        (RuntimeError("loss is NaN"), False),  # gloo's type, but raised by the program
         (InternalError("after a change of members the ranks stand at different steps"), False),
         (WorldTooSmallError("1 remain, fewer than --min-world 2"), False),
         (UsageError("no_sync() inside accumulate()"), False),
@@ -91,5 +97,23 @@ def test_a_failure_no_loss_explains_is_the_programs_own() -> None:
 def test_only_a_transport_failure_or_a_membership_signal_can_be_a_lost_member(
     exc: BaseException, lost: bool
 ) -> None:
-    """lockstep's own errors end the job: a recovery would hide them (and loop on them)."""
-    assert is_lost_member(exc) is lost
+    """lockstep's own errors and the program's end the job: a recovery would hide them (and loop on them)."""
+    try:
+        raise exc  # from this test's code: the program's, for a RuntimeError
+    except BaseException as raised:  # noqa: BLE001
+        assert is_lost_member(raised) is lost
+
+
+def test_a_failure_while_the_store_counts_a_change_of_members_recovers_wherever_it_was_raised() -> None:
+    """The membership's verdict: a RuntimeError raised outside the transport's code still recovers when a
+    change of members was counted since this generation formed; lockstep's own errors never do."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    state = GroupState(store, Membership(1, (0, 1), 0), GenerationPhase.TRAINING)
+    state.see_changes()
+    try:
+        raise RuntimeError("raised where no collective is")
+    except RuntimeError as exc:
+        assert not lost_member_or_changed(state, exc)
+        state.count_change()  # a peer died meanwhile
+        assert lost_member_or_changed(state, exc)
+    assert not lost_member_or_changed(state, InternalError("the ranks stand at different steps"))

@@ -5,7 +5,8 @@ and calls, from its own places:
 
 - `recover(exc)` when a collective failed: re-form over the survivors, rebuild the replica on the new
   group, make every member stand at the same step, re-cut the shards. The loop then redoes the step it
-  was in, or the work after a step it was doing. False when nobody left: the error is the program's own.
+  was in, or the work after a step it was doing. False when the error is not a lost member's (raised by
+  the program's own code, `is_lost_member`) or nobody left: the error is the program's own.
 - `admit_joiners(step)` after each completed step: a growth that rank 0 planned one step ago happens, the
   replacements receive the state from rank 0.
 - `receive_state()`: a replacement's first act: the state of the run it joins, from rank 0.
@@ -20,13 +21,16 @@ the run, which then redoes that work on every member.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch.distributed as dist
 
 from lockstep.errors import InternalError, LockstepError, MembershipChanged, StateLostError
+from lockstep.runtime.membership.core import GroupState
 from lockstep.runtime.membership.group import LiveGroup, PlaceT
 from lockstep.runtime.membership.host import Place
 from lockstep.runtime.membership.records import Fault
@@ -88,9 +92,9 @@ class LiveRecovery(Generic[PlaceT]):
         """A collective failed: re-form over the survivors and re-cut the work. False when no member left
         (the error is the program's own): the caller re-raises it. A member lost while the group re-forms,
         rebuilds the replica or sends a replacement its state makes the survivors do it all again."""
-        if not is_lost_member(exc):
-            return False
         group = self.group
+        if not lost_member_or_changed(group.state, exc):
+            return False
         before = group.membership.members
         self.run.release_replica()
         fault = group.reform(exc)
@@ -188,12 +192,48 @@ class LiveRecovery(Generic[PlaceT]):
 
 
 def is_lost_member(exc: BaseException) -> bool:
-    """Whether a failure can be a lost member's doing: a transport error (gloo reports a dead peer as a
-    plain RuntimeError) or lockstep's own signal that the members changed. lockstep's other errors
-    (InternalError, StateLostError, WorldTooSmallError, a usage error) never are: they end the job."""
+    """Whether a failure can be a lost member's doing, and so starts a recovery: lockstep's own signal that
+    the members changed, or a transport error. gloo reports a dead peer as a plain RuntimeError, so the
+    type cannot tell a transport error from the program's own RuntimeError (its forward, its loss, a check
+    of its own): where it was raised does (`raised_by_transport`). The program's own exception ends the job
+    at once on every rank (the launcher stops the others), with no re-formation; so do lockstep's other
+    errors (InternalError, StateLostError, WorldTooSmallError, a usage error). The membership has the last
+    word: a recovery after which the same members stand says the error was not a lost member's
+    (`LiveRecovery.recover` returns False)."""
     if isinstance(exc, MembershipChanged):
         return True
-    return isinstance(exc, FAILURES) and not isinstance(exc, LockstepError)
+    if isinstance(exc, LockstepError) or not isinstance(exc, FAILURES):
+        return False
+    return isinstance(exc, dist.DistError) or raised_by_transport(exc)
+
+
+def lost_member_or_changed(state: GroupState, exc: BaseException) -> bool:
+    """`is_lost_member(exc)`, or the membership's verdict: a failure that is no lockstep error, while the
+    store counts a change of members since this generation formed (a transport error that surfaced outside
+    torch.distributed's and lockstep's code, if there is such a path, still recovers)."""
+    if is_lost_member(exc):
+        return True
+    return isinstance(exc, FAILURES) and not isinstance(exc, LockstepError) and state.changed()
+
+
+# Where collectives are issued and waited on: torch.distributed, and lockstep itself (its engine's buckets,
+# its own small collectives, the membership's store calls). Real paths: a frame's file name is compared.
+_TRANSPORT_DIRS = tuple(
+    os.path.realpath(os.path.dirname(cast(str, module.__file__))) + os.sep
+    for module in (dist, sys.modules[__name__.split(".", 1)[0]])
+)
+
+
+def raised_by_transport(exc: BaseException) -> bool:
+    """The innermost frame of `exc`'s traceback is torch.distributed's or lockstep's code: a collective, a
+    wait or a store call failed there (an error in C++ surfaces in the Python frame that called it). The
+    program's code, and torch's outside torch.distributed (a shape mismatch in a forward), are not."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return os.path.realpath(tb.tb_frame.f_code.co_filename).startswith(_TRANSPORT_DIRS)
 
 
 def retry_at_start(group: LiveGroup[Any] | None, work: Callable[[], T]) -> T:
@@ -203,7 +243,7 @@ def retry_at_start(group: LiveGroup[Any] | None, work: Callable[[], T]) -> T:
         try:
             return work()
         except FAILURES as exc:
-            if group is None or not is_lost_member(exc):
+            if group is None or not lost_member_or_changed(group.state, exc):
                 raise
             before = group.membership.members
             group.reform(exc)
