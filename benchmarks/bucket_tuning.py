@@ -2,7 +2,7 @@
 
 Three engines per model, all `lockstep.replicate` from the same weights, fed the same batches, SGD:
 - `tuned`: bucket_cap_mb="auto"; it first runs its tuning steps (each distinct candidate cap in two
-  passes, engine/bucket_tuner.py), which are timed apart (the tuning's own cost);
+  passes, engine/buckets/bucket_tuner.py), which are timed apart (the tuning's own cost);
 - `fixed` and `fixed2`: bucket_cap_mb=25 (torch's default), fixed2 only for the noise floor.
 After the tuning the fixed engines take the tuned one's weights and one step of each is checked for equal
 gradients (bitwise at world 2). Then rounds in A-B-C-C-B-A order, each block a warm-up step then timed

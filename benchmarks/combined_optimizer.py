@@ -6,7 +6,7 @@ optimizer's step, the LR schedule's step), with AdamW (torch's defaults) on iden
 - `both`: lockstep.DistributedDataParallel with the gradients as views of the buckets, the optimizer
   sharded (ShardedOptimizer) and overlapped (the engine steps this rank's share of each bucket during
   backward, the owners' broadcasts start then): what `FitConfig(overlap_optimizer=True,
-  shard_optimizer=True)` runs (trainer/loop.py, trainer/optim.py, trainer/steps.py);
+  shard_optimizer=True)` runs (trainer/loop.py, trainer/run/optim.py, trainer/run/steps.py);
 - `torch`: torch's DistributedDataParallel and the plain AdamW; `torch2`, the same again (the noise floor);
 - with `--arms all`, also fit's other settings, each timed against torch: `plain` (lockstep, plain
   AdamW), `overlap` (overlap_optimizer only) and `shard` (shard_optimizer only, gradients as views).
@@ -75,7 +75,7 @@ class _Engine:
             sharded = kind in ("shard", "both")  # fit then makes the gradients views of the buckets
             self.model = lockstep.DistributedDataParallel(self.module, gradient_as_bucket_view=sharded)
             self.opt = ShardedOptimizer(self.inner) if sharded else self.inner
-            if kind in ("overlap", "both"):  # as trainer/steps.py's Stepper.overlap does it
+            if kind in ("overlap", "both"):  # as trainer/run/steps.py's Stepper.overlap does it
                 self.opt = overlap_optimizer(self.model, self.opt, clip_grad_norm=False, scaler=None)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.inner, lambda step: 1.0)
 

@@ -4,7 +4,7 @@ Arms, on identical weights and batches, each training with SGD:
 - `torch` / `torch+compile`: torch's DistributedDataParallel around the module, eager / around
   `torch.compile(module)` (dynamo's DDPOptimizer splits the compiled graph at bucket boundaries);
 - `lockstep` / `lockstep+compile`: lockstep.DistributedDataParallel, the same two ways (lockstep sets
-  what torch's DDP sets for dynamo: engine/compile_support.py);
+  what torch's DDP sets for dynamo: engine/dropin/compile_support.py);
 - `lockstep+compile-unsplit`: the compiled arm with `torch._dynamo.config.optimize_ddp=False`, dynamo's
   whole graph: what lockstep did before compile_support.py (main at 15b8c82 never split);
 - `replicate` / `replicate+compile`: `lockstep.replicate(module)` / `lockstep.replicate(torch.compile(module))`
@@ -52,7 +52,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
 import lockstep  # noqa: E402
-from lockstep.engine.stats import union_ms  # noqa: E402
+from lockstep.engine.core.stats import union_ms  # noqa: E402
 from lockstep.testing import run_distributed  # noqa: E402
 
 ARMS = (

@@ -1,7 +1,7 @@
 """Diagnostic: what the missing-gradient flag's read costs a step (issue 27's CUDA suspect).
 
 After each synced backward the drop-in class reads one element of the last reduced bucket (`.item()`:
-engine/unused.py, `UnusedAgreement.read`) to agree, on every rank, whether some parameter had no gradient.
+engine/buckets/unused.py, `UnusedAgreement.read`) to agree, on every rank, whether some parameter had no gradient.
 On a GPU that read waits for the device: a synchronisation per step that torch's DDP does not make, and the
 first suspect for the 1.37x the issue measured on small, fast steps on an H200. This script times, on the
 no-op process group of benchmarks/engine_overhead.py, torch's DDP against lockstep's drop-in class as it is
@@ -28,7 +28,7 @@ from benchmarks import noop_group  # noqa: E402
 from benchmarks.common import fmt_ratios, machine_line, round_order  # noqa: E402
 from benchmarks.engine_overhead import DTYPES, Arm, _model  # noqa: E402
 
-from lockstep.engine.unused import UnusedAgreement  # noqa: E402
+from lockstep.engine.buckets.unused import UnusedAgreement  # noqa: E402
 
 ARMS = ("torch", "lockstep", "lockstep_no_read")
 _READ = UnusedAgreement.read

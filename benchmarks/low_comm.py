@@ -49,7 +49,7 @@ from lockstep.jobs import datasets, models  # noqa: E402
 from lockstep.plan import QUANTIZED_SYNC_DTYPES  # noqa: E402
 from lockstep.testing import run_distributed, watch_collectives  # noqa: E402
 
-# --sync-dtype to SyncPolicy.delta_dtype: casts, then the quantized outer gradients (engine/outer_codec.py)
+# --sync-dtype to SyncPolicy.delta_dtype: casts, then the quantized outer gradients (engine/core/outer_codec.py)
 DTYPES: dict[str, Any] = {"fp32": None, "bf16": torch.bfloat16, **{q: q for q in QUANTIZED_SYNC_DTYPES}}
 ARMS = ("ddp", "ddp_powersgd", "torch_post_local_sgd", "local_sgd", "diloco", "streaming_diloco")
 

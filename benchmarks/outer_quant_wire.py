@@ -10,7 +10,7 @@ comm_bytes (its payload, or what its inputs send the others) and the formula:
 - fp32 (not deterministic): a ring all-reduce, 2 (W - 1) / W * 4n per rank;
 - bf16, and the quantized formats at W = 2: an all-gather of the payload p, (W - 1) * p per rank (bf16:
   2n; int8: 4 ceil(n/128) + n; int4 and fp4_e3m0: 4 ceil(n/128) + ceil(n/2));
-- the quantized formats at W >= 3 (engine/outer_reduce.py): a reduce-scatter of the W chunks' payloads
+- the quantized formats at W >= 3 (engine/periodic/outer_reduce.py): a reduce-scatter of the W chunks' payloads
   p_j (each rank sends the W - 1 others': (W - 1) / W * sum p_j per rank on average), then a ring
   all-gather of the mean chunks padded to max p_j ((W - 1) * max p_j): about 2 (W - 1) / W * p.
   `--schemes gather` forces the gather there instead (the scheme before it), `--schemes scatter` the
@@ -33,8 +33,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import lockstep  # noqa: E402
-from lockstep.engine import outer_reduce  # noqa: E402
-from lockstep.engine.outer_codec import codec_for  # noqa: E402
+from lockstep.engine.core.outer_codec import codec_for  # noqa: E402
+from lockstep.engine.periodic import outer_reduce  # noqa: E402
 from lockstep.testing import run_distributed  # noqa: E402
 
 FORMATS: dict[str, Any] = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8", "int4": "int4"}

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 import lockstep
-from lockstep.engine.outer_codec import codec_for
-from lockstep.engine.outer_sync import MIX, fragment_bounds
+from lockstep.engine.core.outer_codec import codec_for
+from lockstep.engine.periodic.outer_sync import MIX, fragment_bounds
 from lockstep.testing.parity import ParityCase, assert_tensors_close, grads_of, params_of, wrap
 from testbed.system import free_port
 
@@ -592,7 +592,7 @@ def gpu_device() -> torch.device:
 # (DiLoCo), fragment by fragment on their staggered steps, each applied fragment_delay inner steps after
 # its launch (one by default; several may be in flight at once) and merged with the local values
 # (streaming). Quantized outer gradients over 3 ranks or more take the engine's reduce-scatter
-# (engine/outer_reduce.py): `scattered_mean` writes it out.
+# (engine/periodic/outer_reduce.py): `scattered_mean` writes it out.
 
 OUTER_STEPS, OUTER_EVERY = 9, 3
 

@@ -300,7 +300,7 @@ def resolve_class(dotted: str, module: str, *, depth: int = 0) -> str | None:
 
 
 def resolve_absolute(name: str, *, depth: int = 0) -> str | None:
-    """Like resolve_class, for an absolute dotted name ('lockstep.engine.reducer.Reducer')."""
+    """Like resolve_class, for an absolute dotted name ('lockstep.engine.buckets.reducer.Reducer')."""
     name = _lockstep_root_target(name)
     if name.split(".")[0] != "lockstep":
         return None
@@ -322,7 +322,7 @@ def resolve_absolute(name: str, *, depth: int = 0) -> str | None:
 
 @cache
 def classes() -> dict[str, ClassStatement]:
-    """Every class statement of src/lockstep by key ('lockstep.engine.reducer.Reducer')."""
+    """Every class statement of src/lockstep by key ('lockstep.engine.buckets.reducer.Reducer')."""
     found: dict[str, ClassStatement] = {}
     for module, path in MODULES.items():
         for statement in _statements_of(module, ast.parse(path.read_text(), filename=str(path))):

@@ -6,6 +6,36 @@ type checkers and IDEs read the real names from the `TYPE_CHECKING` imports belo
 The public subpackages (`lockstep.engine`, `.data`, `.checkpoint`, `.runtime`, `.trainer`, `.nn`, `.hooks`,
 `.testing`, `.errors`) import their names eagerly; the names here are re-exports of theirs.
 tests/unit/test_public_api.py pins the whole surface (names and signatures).
+
+Modules:
+- __main__.py: `python -m lockstep ...`: the same as the `lockstep` console script.
+- cli.py: The `lockstep` command: a thin dispatcher to its subcommands (run, slurm, env, train, compare).
+- errors.py: The lockstep exception hierarchy: every error a user can meet, each with a message that says what
+  to do.
+- hooks.py: Public communication hooks under torch's names: only the import changes.
+- nn.py: Public neural-network layers of lockstep: SyncBatchNorm that works on every device and backend.
+- plan.py: The run's plan: which of a run's settings combine, decided once from one table, before any worker
+  starts.
+- torch_private.py: Every private name of torch's that lockstep uses, in one place: what it is, why no public
+  one serves.
+- checkpoint/: Atomic, rank-0-written, weights_only-loadable checkpoints of everything a run needs to continue
+  exactly.
+- data/: Sharding samples across ranks: a world-size-independent, resumable training order and exact
+  evaluation.
+- engine/: lockstep's own data-parallel engine: replicas kept identical by averaging gradients during
+  backward.
+- jobs/: Built-in training jobs (`lockstep train JOB`): models, data that ships with the install, and their
+  configs.
+- launch/: The launcher: `lockstep run` (local and multi-node, on torch's elastic agent), `lockstep slurm`,
+  `lockstep env`.
+- runtime/: Who am I and how do I talk to the others: topology, process group, small collectives, rank-aware
+  logs.
+- startup/: lockstep's DistributedDataParallel under torch's names (`use_lockstep_ddp()`), and the Lightning
+  strategy.
+- testing/: Testing distributed code for real: N gloo ranks in subprocesses with a hard timeout, and parity
+  checks.
+- trainer/: The trainer: `fit()`, the loop that puts engine, sampler, checkpoints, metrics and progress
+  together.
 """
 
 from __future__ import annotations

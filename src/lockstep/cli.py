@@ -28,7 +28,7 @@ commands:
 # Each command is "module:function", a `main(argv: list[str]) -> int` imported only when chosen.
 _COMMANDS: dict[str, str] = {
     "run": "lockstep.cli:_run_main",
-    "slurm": "lockstep.launch.slurm:main",
+    "slurm": "lockstep.launch.slurm.slurm:main",
     "env": "lockstep.launch.envinfo:main",
     "train": "lockstep.jobs.cli:main",
     "compare": "lockstep.checkpoint.compare:main",

@@ -19,14 +19,14 @@ too), or `HookState(group, sum_in_fp32=True)` to sum half-precision payloads in 
 
 from __future__ import annotations
 
-from lockstep.engine.compression import (
+from lockstep.engine.comm.compression import (
     BytesCounter,
     HookState,
     allreduce_hook,
     bf16_compress_hook,
     fp16_compress_hook,
 )
-from lockstep.engine.powersgd import PowerSGDState, powerSGD_hook
+from lockstep.engine.comm.powersgd import PowerSGDState, powerSGD_hook
 
 __all__ = [
     "BytesCounter",

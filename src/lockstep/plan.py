@@ -27,10 +27,10 @@ from lockstep.errors import ConfigError
 # The sync modes' names (SyncPolicy.sync, FitConfig.sync): every step, then the periodic ones.
 SYNC_MODES = ("allreduce", "local_sgd", "diloco", "streaming_diloco")
 SYNC_KEYS = tuple(f"sync={mode}" for mode in SYNC_MODES[1:])
-# streaming_diloco's fragment layouts (SyncPolicy.fragment_layout, FitConfig.fragment_layout; engine/fragments.py)
+# streaming_diloco's fragment layouts (SyncPolicy.fragment_layout, FitConfig.fragment_layout; engine/periodic/fragments.py)
 FRAGMENT_LAYOUTS = ("strided", "sliced", "contiguous")
 # What a periodic sync's values travel in (FitConfig.sync_dtype, SyncPolicy.delta_dtype): casts, then the
-# quantized formats of the outer gradients (engine/outer_codec.py).
+# quantized formats of the outer gradients (engine/core/outer_codec.py).
 SYNC_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "fp4_e3m0")
 QUANTIZED_SYNC_DTYPES = SYNC_DTYPES[3:]
 

@@ -22,7 +22,7 @@ import os, sys, threading, torch
 from torch import nn
 from torch.utils.data import TensorDataset
 import lockstep
-from lockstep.trainer.config import FitConfig
+from lockstep.trainer.settings.config import FitConfig
 
 class HeldToy(nn.Module):
     """The tutorial's ToyModel; in the first attempt, rank 1 stops in its HOLD_AT-th forward, says so in a

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from lockstep.data.sampler import epoch_order
-from lockstep.trainer.config import FitConfig
-from lockstep.trainer.low_comm import engine_policy
+from lockstep.trainer.run.low_comm import engine_policy
+from lockstep.trainer.settings.config import FitConfig
 from tests.helpers import run_cli, run_live_program
 
 PROGRAM = Path(__file__).with_name("live_program.py")

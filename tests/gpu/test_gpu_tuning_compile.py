@@ -1,7 +1,7 @@
 """GPU tier, the bucket tuner and torch.compile on CUDA (issue 38), with the bits their CPU tests promise.
 
 - The bucket tuner (bucket_cap_mb="auto"): on CUDA it times whole steps between device synchronizations
-  (engine/bucket_tuner.py); every candidate timed, the fixed-cap run's bits, the same choice on each rank;
+  (engine/buckets/bucket_tuner.py); every candidate timed, the fixed-cap run's bits, the same choice on each rank;
   lockstep.fit with bucket_cap_mb="auto" on CUDA keeps the default run's bits.
 - torch.compile with inductor (Triton kernels on CUDA) and the engine's graph splitting (issue 27): the
   split-compiled training (the drop-in class and replicate) equals torch's DDP compiled the same way, bit
@@ -30,9 +30,9 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import lockstep
-from lockstep.engine.bucket_tuner import TuningPlan
+from lockstep.engine.buckets.bucket_tuner import TuningPlan
 from lockstep.testing import run_distributed
-from lockstep.trainer.config import FitConfig
+from lockstep.trainer.settings.config import FitConfig
 from tests.helpers import GPU_BACKEND, GPU_DEVICE, GPU_MARKS, GPU_TIER_ON_CPU, batch, build, gpu_device
 
 pytestmark = GPU_MARKS

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import lockstep
-from lockstep.engine.bucket_tuner import TuningPlan
+from lockstep.engine.buckets.bucket_tuner import TuningPlan
 from lockstep.testing import run_distributed
 from tests.helpers import batch, build
 

@@ -1,4 +1,4 @@
-"""The buckets' memory at the rebuild (engine/bucket_memory.py, Bucket.release; runtime/waits.py): after the
+"""The buckets' memory at the rebuild (engine/buckets/bucket_memory.py, Bucket.release; runtime/waits.py): after the
 first synced step the reducer lays its buckets out again in rank 0's ready order; the old buckets' memory
 must go then, not stay beside the new buckets through the next backward (+1 model's worth of gradients at
 the run's peak: measured 0.83 -> 0.74 of torch's peak RSS on the benchmark MLP with the sharded, overlapped

@@ -1,4 +1,4 @@
-"""Fast hooks (engine/reducer.py): C hooks for small gradients, one Python trigger per bucket.
+"""Fast hooks (engine/buckets/reducer.py): C hooks for small gradients, one Python trigger per bucket.
 
 The buckets must launch with the same bits as torch's DDP whatever the order in which gradients arrive,
 including when that order changes from one step to the next (a trigger that is no longer the last one

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import lockstep.engine.reducer as reducer
+import lockstep.engine.buckets.reducer as reducer
 from lockstep.testing.parity import run_parity
 from tests.helpers import case
 

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, TensorDataset
 import lockstep
 from lockstep.jobs.models import ToyModel
 from lockstep.testing import run_distributed
-from lockstep.trainer.config import FitConfig
+from lockstep.trainer.settings.config import FitConfig
 from tests.helpers import HostCopyCounter
 
 

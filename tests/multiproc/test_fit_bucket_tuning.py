@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 import lockstep
 from lockstep.testing import run_distributed
-from lockstep.trainer.config import FitConfig
+from lockstep.trainer.settings.config import FitConfig
 
 TIMEOUT = 180
 WIDTH = 256  # 12 layers of 256 x 256: 3 MiB of small gradients, so 1 MiB and 25 MiB give different buckets

@@ -106,7 +106,7 @@ def _local_state_numel(run_dir: str) -> tuple[int, int]:
     seen: list[int] = []
 
     def record(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # during the sharded step, the optimizer's state is this rank's share (engine/shard_optimizer.py)
+        # during the sharded step, the optimizer's state is this rank's share (engine/optim/shard_optimizer.py)
         seen.append(sum(t.numel() for s in opt.state.values() for t in s.values() if t.dim() > 0))
 
     def optimizer(params: Any) -> torch.optim.Optimizer:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lockstep
-from lockstep.engine.outer_codec import codec_for
+from lockstep.engine.core.outer_codec import codec_for
 from lockstep.errors import ConfigError
 from lockstep.jobs import catalog
 from lockstep.testing import run_distributed
@@ -167,7 +167,7 @@ def test_a_checkpoint_at_a_rounds_end_resumes_at_another_world_size(tmp_path: Pa
 def _load_saved_workers(round_end: bool) -> dict[str, Any]:
     """On 3 ranks: load a `workers` entry saved by 2 (their momentum buffers 1.0 and 2.0, the parameters
     equal); what each rank's optimizer holds afterwards, or the error."""
-    from lockstep.trainer.low_comm import WorkerStates
+    from lockstep.trainer.run.low_comm import WorkerStates
 
     def worker(momentum: float) -> dict[str, Any]:
         torch.manual_seed(0)

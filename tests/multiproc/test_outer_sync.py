@@ -8,7 +8,7 @@ anchor (DiLoCo), fragment by fragment on their staggered steps, each applied fra
 its launch (one by default; several may be in flight at once) and merged with the local values (streaming).
 The ranks end with the reference's parameters bit for bit; the bytes they report must be what the mode sends;
 a resume from sync_state_dict() mid-round must continue exactly. Quantized outer gradients over 3 ranks or
-more take the engine's reduce-scatter (engine/outer_reduce.py): tests.helpers.scattered_mean writes it out.
+more take the engine's reduce-scatter (engine/periodic/outer_reduce.py): tests.helpers.scattered_mean writes it out.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 import lockstep
-from lockstep.engine.outer_codec import NonFiniteOuterGradient, codec_for
-from lockstep.engine.outer_sync import fragment_bounds
+from lockstep.engine.core.outer_codec import NonFiniteOuterGradient, codec_for
+from lockstep.engine.periodic.outer_sync import fragment_bounds
 from lockstep.errors import ConfigError, NotSupportedError
 from lockstep.runtime.progress import PROGRESS
 from lockstep.testing import run_distributed
@@ -291,12 +291,12 @@ def test_fragments_are_contiguous_balanced_and_never_empty() -> None:
 
 # ---------------------------------------------------------------- over 3 and 4 ranks
 #
-# Quantized outer gradients over 3 and 4 ranks (engine/outer_reduce.py): a quantized reduce-scatter of
+# Quantized outer gradients over 3 and 4 ranks (engine/periodic/outer_reduce.py): a quantized reduce-scatter of
 # 128-value-block chunks, then an all-gather of the re-quantized mean chunks, against this module's
 # reference (tests.helpers.scattered_mean): the ranks end with the reference's bits, runs repeat bitwise, a
 # resume mid-round (waited for, or live mode's contributions sent again) continues bit for bit, streaming
 # DiLoCo's means in flight are their second phase (the first is waited for at the launch: rank 0 may wait
-# for a mean alone, engine/outer_reduce.py), comm_bytes is what each rank sends the others in both.
+# for a mean alone, engine/periodic/outer_reduce.py), comm_bytes is what each rank sends the others in both.
 # Deterministic mode where a test compares with the reference: the float32 buffers are then gathered and
 # summed in rank order too (else gloo's all-reduce sums them in its order). The models: _model()'s (72
 # values, fewer blocks than ranks: some chunks empty) and a wider one (1,809 values: 15 blocks, no

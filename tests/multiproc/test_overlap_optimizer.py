@@ -25,10 +25,10 @@ from torch.utils.data import TensorDataset
 
 import lockstep
 import lockstep.hooks
-from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.optim.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.replicate import overlap_optimizer
 from lockstep.testing import run_distributed
-from lockstep.trainer.config import FitConfig
+from lockstep.trainer.settings.config import FitConfig
 from tests.helpers import ReductionsStarted, WaitInBackward, small_batch, warmup_decay
 
 TINY_BUCKETS = {"bucket_cap_mb": 1e-4, "first_bucket_mb": 1e-4}  # about one parameter per bucket

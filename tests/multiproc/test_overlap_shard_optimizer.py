@@ -357,7 +357,7 @@ def test_fit_overlapped_and_sharded_gives_the_plain_bits_and_resumes_both_ways(t
 
 
 def test_fit_with_a_bucket_size_overlapped_and_sharded_gives_the_plain_bits(tmp_path: Path) -> None:
-    # bucket_cap_mb set: fit replicates the module through the handle (trainer/buckets.py), not the drop-in
+    # bucket_cap_mb set: fit replicates the module through the handle (trainer/run/buckets.py), not the drop-in
     sized = {"bucket_cap_mb": 0.001}
     plain = _legs(tmp_path / "plain", [(sized, None)])
     both = _legs(tmp_path / "both", [({**sized, **BOTH}, None)])

@@ -124,7 +124,7 @@ def _leave_a_mark(what: str) -> None:
     elif what == "hang timeout":
         lockstep.init(hang_timeout=50)  # the group exists: only this process's setting changes
     elif what == "module constant":
-        from lockstep.engine import exact
+        from lockstep.engine.deterministic import exact
 
         exact.BUCKET_ELEMENTS = 140_000  # as a test of deterministic mode does, for its model
 
@@ -135,7 +135,7 @@ def _leave_a_mark(what: str) -> None:
         ("dtype", "default dtype"),
         ("thread", "left-behind"),
         ("hang timeout", "_hang_timeout changed"),
-        ("module constant", "lockstep.engine.exact.BUCKET_ELEMENTS rebound"),
+        ("module constant", "lockstep.engine.deterministic.exact.BUCKET_ELEMENTS rebound"),
     ],
 )
 def test_a_worker_not_back_in_its_starting_state_is_replaced(pool: RankPool, what: str, why: str) -> None:

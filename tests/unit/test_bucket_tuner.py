@@ -1,4 +1,4 @@
-"""The bucket tuner's pure decisions (engine/bucket_tuner.py): which caps to try, in which order, which to keep."""
+"""The bucket tuner's pure decisions (engine/buckets/bucket_tuner.py): which caps to try, in which order, which to keep."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from lockstep.engine.bucket_layout import ParamSpec, assign_buckets
-from lockstep.engine.bucket_tuner import (
+from lockstep.engine.buckets.bucket_layout import ParamSpec, assign_buckets
+from lockstep.engine.buckets.bucket_tuner import (
     CANDIDATE_CAPS_MB,
     BucketTuner,
     TuningPlan,
@@ -18,8 +18,8 @@ from lockstep.engine.bucket_tuner import (
     distinct_caps,
     trial_order,
 )
-from lockstep.engine.policy import SyncPolicy
-from lockstep.engine.stats import StatsRecorder
+from lockstep.engine.core.policy import SyncPolicy
+from lockstep.engine.core.stats import StatsRecorder
 from lockstep.errors import ConfigError
 
 MB = 1024 * 1024

@@ -1,12 +1,17 @@
-"""Bucket assignment (engine/bucket_layout.py): devices, dtypes, order, caps, rebuild order."""
+"""Bucket assignment (engine/buckets/bucket_layout.py): devices, dtypes, order, caps, rebuild order."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lockstep.engine.bucket_layout import ParamSpec, assign_buckets, complete_order, specs_from_index_lists
-from lockstep.engine.policy import SyncPolicy
+from lockstep.engine.buckets.bucket_layout import (
+    ParamSpec,
+    assign_buckets,
+    complete_order,
+    specs_from_index_lists,
+)
+from lockstep.engine.core.policy import SyncPolicy
 from lockstep.errors import ConfigError, InternalError
 
 MB = 1024 * 1024

@@ -52,9 +52,21 @@ NOT_SENT = {
         "torch.frombuffer(bytearray(data)",
     ): "_encode: callers .to(device)",
     ("runtime/collectives.py", "empty", "torch.empty(0, dtype=torch.uint8)"): "_encode: callers .to(device)",
-    ("engine/bucket_memory.py", "empty", "torch.empty(0, dtype=dtype)"): "a solo bucket's unused placeholder",
-    ("engine/powersgd.py", "empty", "torch.empty(0)"): "placeholder replaced before any collective",
-    ("engine/powersgd.py", "randn", "torch.randn(mem.q.numel(), generator"): "copied into Q (on its device)",
+    (
+        "engine/buckets/bucket_memory.py",
+        "empty",
+        "torch.empty(0, dtype=dtype)",
+    ): "a solo bucket's unused placeholder",
+    (
+        "engine/comm/powersgd.py",
+        "empty",
+        "torch.empty(0)",
+    ): "placeholder replaced before any collective",
+    (
+        "engine/comm/powersgd.py",
+        "randn",
+        "torch.randn(mem.q.numel(), generator",
+    ): "copied into Q (on its device)",
     ("data/gather.py", "empty", "torch.empty(0, *shape, dtype=dtype)"): "copied into a comm_device buffer",
     ("data/gather.py", "arange", "torch.arange(num_samples)"): "local comparison of indices",
 }

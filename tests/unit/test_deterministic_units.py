@@ -11,11 +11,16 @@ import torch
 
 from lockstep.checkpoint.compare import compare_states, state_sha256
 from lockstep.data import MicroBatchSampler
-from lockstep.engine import fixed_point
-from lockstep.engine.fixed_point import EXACT_BITS, HEADROOM_BITS, powers_of_two, scale_exponents
+from lockstep.engine.deterministic import fixed_point
+from lockstep.engine.deterministic.fixed_point import (
+    EXACT_BITS,
+    HEADROOM_BITS,
+    powers_of_two,
+    scale_exponents,
+)
 from lockstep.errors import ConfigError
 from lockstep.runtime.micro_batches import micro_batch_seed, owned_micro_batches
-from lockstep.trainer.batches import BatchPlan, plan_batches
+from lockstep.trainer.run.batches import BatchPlan, plan_batches
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Streaming DiLoCo's fragment layouts (engine/fragments.py) and DiLoCo's outer momentum ramp.
+"""Streaming DiLoCo's fragment layouts (engine/periodic/fragments.py) and DiLoCo's outer momentum ramp.
 
 strided: layer i (a module's own parameters) in fragment i mod F; sliced: every parameter's rows in F
 blocks, the fragments of equal size, each a view that writes through to its parameter; contiguous:
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import lockstep
-from lockstep.engine.fragments import Part, layout_fragments
-from lockstep.engine.outer_sync import OuterSync
+from lockstep.engine.periodic.fragments import Part, layout_fragments
+from lockstep.engine.periodic.outer_sync import OuterSync
 from lockstep.errors import ConfigError
 from lockstep.jobs.models import TinyGPT
 

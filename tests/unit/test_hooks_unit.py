@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from lockstep import hooks
-from lockstep.engine.compression import BytesCounter, group_of
-from lockstep.engine.powersgd import orthogonalize_, plan_bucket
+from lockstep.engine.comm.compression import BytesCounter, group_of
+from lockstep.engine.comm.powersgd import orthogonalize_, plan_bucket
 from lockstep.errors import ConfigError
 
 

@@ -1,7 +1,7 @@
 """What the launcher and the runtime must agree on, and the launcher's own typed pieces (issue 15).
 
 - the attempt number `lockstep run` writes for each worker (launch/rank_logs.py) is the one the worker's
-  Topology reads (runtime/topology.py), by the one name in runtime/env_contract.py, and it wins over
+  Topology reads (runtime/env/topology.py), by the one name in runtime/env/env_contract.py, and it wins over
   torch's per-node restart count;
 - a stopping signal is a LaunchError that torch's agent still recognises as its SignalException;
 - numeric flags of `lockstep run` fail as ConfigError naming the flag and the value;
@@ -21,8 +21,8 @@ from lockstep.launch.local import LaunchState
 from lockstep.launch.rank_logs import RunDirLogs
 from lockstep.launch.signals import LaunchInterrupted
 from lockstep.launch.spec import parse_run_args
-from lockstep.runtime import env_contract
-from lockstep.runtime.topology import resolve_topology
+from lockstep.runtime.env import env_contract
+from lockstep.runtime.env.topology import resolve_topology
 
 
 def _agent_envs(restart_count: int) -> dict[int, dict[str, str]]:

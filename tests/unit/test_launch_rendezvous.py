@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from lockstep.launch.rank_logs import RunDirLogs
 from lockstep.launch.rendezvous import AgreedAttempt, agree_attempt
-from lockstep.runtime.env_contract import ATTEMPT_VAR
+from lockstep.runtime.env.env_contract import ATTEMPT_VAR
 
 
 def round_store(job_store: dist.Store, run_id: str, round_: int) -> dist.Store:

@@ -14,7 +14,7 @@ import pytest
 from lockstep.launch import worker
 from lockstep.launch.live_account import Ending, ending, outcome
 from lockstep.launch.live_workers import LiveWorker
-from lockstep.runtime.env_contract import MEMBER_ID_VAR
+from lockstep.runtime.env.env_contract import MEMBER_ID_VAR
 
 
 class _Ended:

@@ -1,4 +1,4 @@
-"""The outer sync's wire formats (engine/outer_codec.py): int8, int4 and fp4_e3m0 with a float32 scale per
+"""The outer sync's wire formats (engine/core/outer_codec.py): int8, int4 and fp4_e3m0 with a float32 scale per
 block of 128 values. Round-trip error bounds, the payload's size and layout (nibbles two a byte), zeros,
 sizes that are no multiple of a block, inf/NaN refused naming the parameter, float32 on the input's
 device, and the same bytes every time."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lockstep.engine.outer_codec import (
+from lockstep.engine.core.outer_codec import (
     BLOCK,
     NonFiniteOuterGradient,
     _pack_nibbles,

@@ -1,4 +1,4 @@
-"""The quantized outer sync's reduce-scatter (engine/outer_reduce.py), without processes: which means take
+"""The quantized outer sync's reduce-scatter (engine/periodic/outer_reduce.py), without processes: which means take
 it, how the values are cut into the ranks' chunks, and the bytes a rank hands to its two collectives."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lockstep.engine.outer_codec import BLOCK, codec_for
-from lockstep.engine.outer_reduce import chunk_bounds, scatters, sent_bytes
+from lockstep.engine.core.outer_codec import BLOCK, codec_for
+from lockstep.engine.periodic.outer_reduce import chunk_bounds, scatters, sent_bytes
 
 
 def test_quantized_means_over_3_ranks_or_more_scatter_and_the_others_do_not() -> None:

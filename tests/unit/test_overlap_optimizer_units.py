@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from lockstep.engine.optimizer_steps import fallback_reason
-from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.optim.optimizer_steps import fallback_reason
+from lockstep.engine.optim.overlapped_optimizer import OverlappedOptimizer
 from lockstep.errors import UsageError
-from lockstep.trainer.config import FitConfig
-from lockstep.trainer.config_sources import config_from_mapping, read_overrides
+from lockstep.trainer.settings.config import FitConfig
+from lockstep.trainer.settings.config_sources import config_from_mapping, read_overrides
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-2),
@@ -208,7 +208,7 @@ def test_fit_setting_and_its_flag() -> None:
 
 
 def test_a_plain_optimizer_is_stepped_as_whole_parameters_chosen_once() -> None:
-    from lockstep.engine.shard_overlap import WholeParams
+    from lockstep.engine.optim.shard_overlap import WholeParams
 
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -23,7 +23,7 @@ from lockstep.plan import (
     markdown_table,
     rule_for,
 )
-from lockstep.trainer.config import FitConfig
+from lockstep.trainer.settings.config import FitConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""trainer/registry.py: one set of named entries serves checkpoints, a replacement's transfer and a mark."""
+"""trainer/run/registry.py: one set of named entries serves checkpoints, a replacement's transfer and a mark."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lockstep.errors import InternalError
-from lockstep.trainer.metrics import TrainMetrics
-from lockstep.trainer.registry import EVERY, LIVE, StateRegistry, Use
-from lockstep.trainer.run_state import RunState
+from lockstep.trainer.reporting.metrics import TrainMetrics
+from lockstep.trainer.run.registry import EVERY, LIVE, StateRegistry, Use
+from lockstep.trainer.run.run_state import RunState
 
 
 class Box:

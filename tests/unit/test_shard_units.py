@@ -1,4 +1,4 @@
-"""engine/shard_units.py: which parameters are cut into pieces, and why that keeps the bits.
+"""engine/optim/shard_units.py: which parameters are cut into pieces, and why that keeps the bits.
 
 A sharded optimizer steps 1-D pieces of a parameter only for the classes of ELEMENTWISE: each must give,
 piece by piece, the bits of the whole step (foreach or not, with the options that add state). If a torch
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from lockstep.engine.shard_units import ELEMENTWISE, MIN_PIECE_NUMEL, Units, default_piece_numel
+from lockstep.engine.optim.shard_units import ELEMENTWISE, MIN_PIECE_NUMEL, Units, default_piece_numel
 
 OPTIONS: dict[type[torch.optim.Optimizer], dict[str, Any]] = {
     torch.optim.SGD: {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
@@ -100,8 +100,8 @@ def test_state_is_cut_and_joined_back_per_parameter() -> None:
 
 
 def test_one_table_says_what_is_cut_and_what_overlaps() -> None:
-    from lockstep.engine.optimizer_steps import PER_PARAMETER_OPTIMIZERS
-    from lockstep.engine.shard_units import ELEMENTWISE_OPTIMIZERS, OVERLAPPED
+    from lockstep.engine.optim.optimizer_steps import PER_PARAMETER_OPTIMIZERS
+    from lockstep.engine.optim.shard_units import ELEMENTWISE_OPTIMIZERS, OVERLAPPED
 
     assert ELEMENTWISE == tuple(ELEMENTWISE_OPTIMIZERS)
     assert OVERLAPPED == (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -109,7 +109,7 @@ def test_one_table_says_what_is_cut_and_what_overlaps() -> None:
 
 
 def test_swapped_params_gives_back_the_lists_and_state_even_after_an_error() -> None:
-    from lockstep.engine.shard_units import swapped_params
+    from lockstep.engine.optim.shard_units import swapped_params
 
     a, b, c = (torch.nn.Parameter(torch.zeros(3)) for _ in range(3))
     opt = torch.optim.SGD([{"params": [a, b]}, {"params": [c], "lr": 0.5}], lr=0.1)

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from lockstep.errors import ConfigError
-from lockstep.launch.slurm import parse_args
-from lockstep.launch.slurm_script import port_expression, render_script
-from lockstep.launch.slurm_spec import SlurmSpec, time_limit_seconds
-from lockstep.runtime.topology import slurm_port
+from lockstep.launch.slurm.slurm import parse_args
+from lockstep.launch.slurm.slurm_script import port_expression, render_script
+from lockstep.launch.slurm.slurm_spec import SlurmSpec, time_limit_seconds
+from lockstep.runtime.env.topology import slurm_port
 
 NODE = (
     '  bash -c \'trap "" USR1; exec "$0" -m lockstep run --nnodes "$SLURM_NNODES" '

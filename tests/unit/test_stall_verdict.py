@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from lockstep.errors import ConfigError
+from lockstep.runtime.env.topology import DEFAULT_HANG_TIMEOUT, hang_timeout_from_env
 from lockstep.runtime.stall_verdict import (
     BUSY,
     EXITED,
@@ -19,7 +20,6 @@ from lockstep.runtime.stall_verdict import (
     format_report,
     judge,
 )
-from lockstep.runtime.topology import DEFAULT_HANG_TIMEOUT, hang_timeout_from_env
 
 TIMEOUT, SLOW = 10.0, 5.0
 

@@ -1,4 +1,4 @@
-"""trainer/step_driver.py: a step's outcome (DONE / REDO / ROLLED_BACK), the except-recover sequence once."""
+"""trainer/run/step_driver.py: a step's outcome (DONE / REDO / ROLLED_BACK), the except-recover sequence once."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from lockstep.runtime.membership.core import GroupState
 from lockstep.runtime.membership.phases import GenerationPhase
 from lockstep.runtime.membership.records import Membership
 from lockstep.runtime.membership.recovery import LiveRecovery, is_lost_member, lost_member_or_changed
-from lockstep.trainer.step_driver import Outcome, RolledBack, StepDriver
+from lockstep.trainer.run.step_driver import Outcome, RolledBack, StepDriver
 
 
 class FakeRecovery:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from lockstep.errors import ConfigError
+from lockstep.runtime.env.topology import evict_stragglers_from_env
 from lockstep.runtime.straggler_eviction import StragglerEviction
 from lockstep.runtime.straggler_reports import Assessment, StragglerPolicy
-from lockstep.runtime.topology import evict_stragglers_from_env
 
 
 def _a(rank: int, factor: float, excess_ms: float = 20.0, reference: int = 0) -> Assessment:

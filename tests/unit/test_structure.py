@@ -35,17 +35,17 @@ MAX_OBJECT_LINES = 400  # a class with its in-repo bases
 # The reducer's modules (launch, wait and scale per bucket; the exact mode's reducer) and the optimizer's
 # (steps, the overlapped and the sharded optimizer): an optimizer is built on the reducer, never under it.
 BELOW_THE_REDUCER = (
-    "lockstep.engine.reducer",
-    "lockstep.engine.arrivals",
-    "lockstep.engine.bucket_launch",
-    "lockstep.engine.exact",
+    "lockstep.engine.buckets.reducer",
+    "lockstep.engine.buckets.arrivals",
+    "lockstep.engine.buckets.bucket_launch",
+    "lockstep.engine.deterministic.exact",
 )
 OPTIMIZER = (
-    "lockstep.engine.optimizer_steps",
-    "lockstep.engine.overlapped_optimizer",
-    "lockstep.engine.shard_optimizer",
-    "lockstep.engine.shard_units",
-    "lockstep.engine.shard_overlap",
+    "lockstep.engine.optim.optimizer_steps",
+    "lockstep.engine.optim.overlapped_optimizer",
+    "lockstep.engine.optim.shard_optimizer",
+    "lockstep.engine.optim.shard_units",
+    "lockstep.engine.optim.shard_overlap",
 )
 
 
@@ -215,7 +215,7 @@ def test_a_class_is_measured_with_the_bases_it_has_in_the_repo() -> None:
     table = classes()
     assert lineage("lockstep.runtime.process_group.JoinedTopology") == [
         "lockstep.runtime.process_group.JoinedTopology",
-        "lockstep.runtime.topology.Topology",
+        "lockstep.runtime.env.topology.Topology",
     ]
     config_error = lineage("lockstep.errors.ConfigError")
     assert (
@@ -224,8 +224,8 @@ def test_a_class_is_measured_with_the_bases_it_has_in_the_repo() -> None:
     assert lineage("lockstep.errors.LockstepError") == [
         "lockstep.errors.LockstepError"
     ]  # Exception: not ours
-    assert resolve_absolute("lockstep.Topology") == "lockstep.runtime.topology.Topology"
+    assert resolve_absolute("lockstep.Topology") == "lockstep.runtime.env.topology.Topology"
     assert resolve_absolute("torch.nn.Module") is None
     with pytest.raises(LookupError):
-        resolve_absolute("lockstep.runtime.topology.NoSuchClass")
+        resolve_absolute("lockstep.runtime.env.topology.NoSuchClass")
     assert all(table[k].lines >= 1 for k in table)

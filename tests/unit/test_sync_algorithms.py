@@ -17,9 +17,8 @@ from torch import nn
 
 import lockstep
 from lockstep import plan
-from lockstep.engine import policy as policy_module
-from lockstep.engine.outer_sync import OuterSync
-from lockstep.engine.sync_algorithms import (
+from lockstep.engine.core import policy as policy_module
+from lockstep.engine.core.sync_algorithms import (
     ALGORITHMS,
     EVERY_STEP,
     MIX,
@@ -31,10 +30,11 @@ from lockstep.engine.sync_algorithms import (
     is_periodic,
     parse_sync,
 )
+from lockstep.engine.periodic.outer_sync import OuterSync
 from lockstep.errors import ConfigError
 
 SRC = Path(lockstep.__file__).resolve().parent
-PARSER = SRC / "engine" / "sync_algorithms.py"
+PARSER = SRC / "engine" / "core" / "sync_algorithms.py"
 NAMES = {"allreduce", "local_sgd", "diloco", "streaming_diloco"}
 TABLES = {"SYNC_MODES", "ALGORITHMS", "EVERY_STEP"}  # the parser's own: comparing against them is parsing too
 
@@ -188,7 +188,7 @@ def test_no_module_but_the_parser_compares_a_sync_name() -> None:
         for line in _sync_comparisons(path.read_text()):
             offenders.append(f"{path.relative_to(SRC.parent)}:{line}")
     assert not offenders, (
-        "`sync` is read in engine/sync_algorithms.py only (parse_sync, is_periodic, SyncPolicy.algorithm "
+        "`sync` is read in engine/core/sync_algorithms.py only (parse_sync, is_periodic, SyncPolicy.algorithm "
         "and the class's flags); these compare a sync name:\n" + "\n".join(offenders)
     )
     assert _sync_comparisons(PARSER.read_text()), "the parser itself compares: the checker must see it"

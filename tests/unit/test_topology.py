@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lockstep.errors import ConfigError
-from lockstep.runtime.topology import (
+from lockstep.runtime.env.topology import (
     Topology,
     detect_launcher,
     expand_hostlist,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lockstep.errors import ConfigError
-from lockstep.trainer.batches import batch_len, split_batch, to_device
-from lockstep.trainer.metrics import MetricBuffer
+from lockstep.trainer.reporting.metrics import MetricBuffer
+from lockstep.trainer.run.batches import batch_len, split_batch, to_device
 from tests.helpers import HostCopyCounter
 
 Pair = namedtuple("Pair", ["image", "label"])

@@ -16,9 +16,9 @@ from lockstep.errors import ConfigError
 from lockstep.jobs import datasets
 from lockstep.jobs.catalog import DigitsConfig, GptConfig
 from lockstep.jobs.cli import resolve_config
-from lockstep.trainer.config import FitConfig, Source
-from lockstep.trainer.config_sources import config_from_mapping, read_overrides
-from lockstep.trainer.optim import lr_factor
+from lockstep.trainer.run.optim import lr_factor
+from lockstep.trainer.settings.config import FitConfig, Source
+from lockstep.trainer.settings.config_sources import config_from_mapping, read_overrides
 
 
 def test_overrides_parse_both_spellings() -> None:
@@ -180,7 +180,7 @@ def test_shard_optimizer_is_a_flag_of_lockstep_train() -> None:
 
 def test_shard_optimizer_refuses_periodic_sync() -> None:
     # (overlap_optimizer combines with it: tests/multiproc/test_overlap_shard_optimizer.py)
-    from lockstep.trainer.optim import maybe_sharded
+    from lockstep.trainer.run.optim import maybe_sharded
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     assert maybe_sharded(optimizer, FitConfig(), live=False) is optimizer
@@ -206,7 +206,7 @@ def test_bucket_cap_mb_is_a_number_auto_or_none_from_every_source() -> None:
 
 
 def test_bucket_cap_mb_reaches_the_policy_where_there_are_buckets() -> None:
-    from lockstep.trainer.buckets import fit_policy, tunes_buckets
+    from lockstep.trainer.run.buckets import fit_policy, tunes_buckets
 
     assert fit_policy(FitConfig(), live=False).bucket_cap_mb == 25.0
     assert fit_policy(FitConfig(bucket_cap_mb="auto"), live=False).tune_buckets

@@ -17,8 +17,8 @@ import lockstep
 from lockstep.errors import ConfigError
 from lockstep.jobs.catalog import GptConfig, ResnetConfig, ToyConfig
 from lockstep.jobs.cli import resolve_config
-from lockstep.trainer.config import FitConfig, Source
-from lockstep.trainer.config_sources import config_from_mapping, read_overrides
+from lockstep.trainer.settings.config import FitConfig, Source
+from lockstep.trainer.settings.config_sources import config_from_mapping, read_overrides
 
 # (settings, the message's "field=value" part, the expected-type part) for each kind of wrong value
 WRONG_FROM_PYTHON = [

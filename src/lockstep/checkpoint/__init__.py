@@ -4,8 +4,27 @@ Public: `CheckpointManager(run_dir, keep=3)` (save, load, steps), `CheckpointLay
 checkpoints live on disk) and `Stateful` (the state_dict()/load_state_dict() protocol every entry follows;
 checkpoints never import the engine or the data package), `compare_checkpoints` (are two checkpoints or
 runs bitwise equal, and if not, the first entry that differs) and `state_sha256` (the hash summary.json
-records). The modules behind them: layout (pure paths), compare,
-storage (atomic writes), meta (meta.json), rng (every rank's RNG states), stateful and manager.
+records).
+
+Modules:
+- background.py: Checkpoints written on a thread of the writer rank while training goes on (one write at a
+  time).
+- compare.py: Bitwise comparison of runs: a hash of a state, and the first tensor where two checkpoints
+  differ.
+- layout.py: Where a run's checkpoints live on disk: pure path arithmetic, no I/O.
+- manager.py: `CheckpointManager`: rank 0 writes atomic, checksummed checkpoints; every rank loads the newest
+  valid one.
+- meta.py: meta.json: what a checkpoint directory holds (step, world size, versions, each file's size and
+  sha256).
+- rng.py: Random number generator states (python, numpy, torch, cuda) as plain JSON, captured and restored per
+  rank.
+- serialize.py: A checkpoint's entries read from the run's objects, the bytes of its files, and the way back
+  (load_plan).
+- snapshot.py: A background save's copy of a checkpoint's entries in CPU memory, reused from one save to the
+  next.
+- stateful.py: The one door between checkpoints and the objects they hold: state_dict() / load_state_dict().
+- storage.py: Durable file operations: atomic writes (temp file, fsync, rename, fsync dir), checksums, clear
+  I/O errors.
 """
 
 from __future__ import annotations

@@ -4,6 +4,15 @@ Public: `DistributedSampler` (drop-in for torch's, plus state_dict() and mid-epo
 size), `MicroBatchSampler` (deterministic mode: each step's fixed micro-batches, this rank's share),
 `EvalSampler` (every sample on exactly one rank, no padding) and the collectives that combine per-rank
 evaluation results, `gather_eval` (rows with their indices) and `reduce_eval` (sums and counts).
+
+Modules:
+- eval_sampler.py: Shard an evaluation set so that every sample is seen by exactly one rank, with no padding.
+- gather.py: Combine per-rank evaluation results exactly: per-sample rows with their indices, or sums and
+  counts.
+- micro_batch_sampler.py: Deterministic mode's sampler: each step's global batch cut into fixed micro-batches,
+  the same at any world size.
+- sampler.py: Shard each epoch's sample order across ranks so that it depends only on (seed, epoch) and
+  resumes exactly.
 """
 
 from __future__ import annotations

@@ -2,25 +2,42 @@
 
 Public: `DistributedDataParallel` (drop-in for torch's class) and `replicate` (native, in place) with the
 `ReplicaHandle` it returns, `SyncPolicy` (the engine's frozen settings), `EngineStats`/`StepStats` (what
-`stats()` returns) and `GradBucket` (what a communication hook receives). Behind them (docs/engine.md
-has the map): the faces (ddp, replicate, joinable, wrap_checks), the per-model state and its mode
-(state, mode), the bucketed reducer and its phases (reducer, phase, bucket_launch, bucket_plan,
-bucket_layout, bucket_memory, fast_hooks, step, unused, shadow, stats), the optimizer overlapped with
-communication (optimizer_steps, overlapped_optimizer, shard_overlap), accumulate() and deterministic
-mode (micro_step, exact, exact_buckets, fixed_point, small_grads, running_stats), wrap-time sync
-(init_sync), uneven inputs (join), sharded optimizer state (shard_optimizer: `ShardedOptimizer`, what
-`ReplicaHandle.shard_optimizer()` returns), the settings (policy) and the old class path for pickles (api);
-compression and powersgd (comm hooks) are public in lockstep.hooks, syncbn in lockstep.nn.
+`stats()` returns) and `GradBucket` (what a communication hook receives). The two faces
+and the per-model core sit here; each engine behind them has a folder of its own (docs/engine.md draws
+the whole). ddp.py and syncbn.py stay here because pickled models name their classes by module path.
+
+Modules:
+- api.py: Where models pickled before the engine's faces had modules of their own find the drop-in class.
+- ddp.py: `DistributedDataParallel`: torch's drop-in class on lockstep's engine (torch's arguments,
+  attributes, flags).
+- replicate.py: `replicate`: lockstep's native face, a module made a replica in place, and the `ReplicaHandle`
+  it returns.
+- syncbn.py: SyncBatchNorm on any device and backend: batch statistics shared across ranks in forward and
+  backward.
+- buckets/: The bucketed reducer: the default engine, averaging gradients in buckets while backward runs.
+- comm/: Communication hooks with torch's contract, public in `lockstep.hooks` under torch's names.
+- core/: What every part of the engine shares, at the bottom of it: the settings (`SyncPolicy`, with the names
+  it reads: the periodic sync algorithms and the wire formats of their deltas), the statistics, and the wrap-
+  time agreement of every rank on the model.
+- deterministic/: Deterministic mode and `accumulate()`: the same bits at any world size.
+- dropin/: What the drop-in class (engine/ddp.py) owes torch's contract beyond training: checks, logging data,
+  `model.reducer`, the Joinable protocol and torch.compile.
+- optim/: The optimizer wrappers: the optimizer stepped bucket by bucket in backward, and its state sharded
+  (ZeRO-1).
+- periodic/: Periodic (low-communication) sync: replicas step on their own and meet every H steps (DiLoCo and
+  kin).
+- replica/: One replica's engine: its state (wrap-time sync, the buffer sync, torch's switches, join()) and
+  its mode, chosen once from the policy: bucketed, exact (deterministic) or periodic.
 """
 
 from __future__ import annotations
 
-from lockstep.engine.bucket_memory import GradBucket
+from lockstep.engine.buckets.bucket_memory import GradBucket
+from lockstep.engine.core.policy import SyncPolicy
+from lockstep.engine.core.stats import EngineStats, StepStats
 from lockstep.engine.ddp import DistributedDataParallel
-from lockstep.engine.policy import SyncPolicy
+from lockstep.engine.optim.shard_optimizer import ShardedOptimizer
 from lockstep.engine.replicate import ReplicaHandle, replicate
-from lockstep.engine.shard_optimizer import ShardedOptimizer
-from lockstep.engine.stats import EngineStats, StepStats
 
 __all__ = [
     "DistributedDataParallel",

@@ -14,14 +14,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from lockstep.engine.bucket_launch import CommHook
-from lockstep.engine.ddp_logging import logging_data
-from lockstep.engine.joinable import JoinableReplica
-from lockstep.engine.policy import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, SyncPolicy
-from lockstep.engine.state import ReplicaState
-from lockstep.engine.stats import EngineStats
-from lockstep.engine.torch_reducer import TorchReducerFace
-from lockstep.engine.wrap_checks import (
+from lockstep.engine.buckets.bucket_launch import CommHook
+from lockstep.engine.core.policy import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, SyncPolicy
+from lockstep.engine.core.stats import EngineStats
+from lockstep.engine.dropin.ddp_logging import logging_data
+from lockstep.engine.dropin.joinable import JoinableReplica
+from lockstep.engine.dropin.torch_reducer import TorchReducerFace
+from lockstep.engine.dropin.wrap_checks import (
     check_comm_hook,
     check_default_group,
     check_devices,
@@ -29,6 +28,7 @@ from lockstep.engine.wrap_checks import (
     refuse_unsupported,
     resolve_group,
 )
+from lockstep.engine.replica.state import ReplicaState
 from lockstep.errors import NoProcessGroupError, NotSupportedError, TorchInternalAttributeError, UsageError
 from lockstep.torch_private import (
     active_ddp_module,

@@ -10,16 +10,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.engine.bucket_launch import CommHook
-from lockstep.engine.compile_support import SplitHooks
-from lockstep.engine.joinable import JoinableReplica
-from lockstep.engine.outer_sync import OuterSync
-from lockstep.engine.overlapped_optimizer import OverlappedOptimizer
-from lockstep.engine.periodic_mode import PeriodicMode
-from lockstep.engine.policy import SyncPolicy
-from lockstep.engine.shard_optimizer import ShardedOptimizer
-from lockstep.engine.state import ReplicaState
-from lockstep.engine.stats import EngineStats
+from lockstep.engine.buckets.bucket_launch import CommHook
+from lockstep.engine.core.policy import SyncPolicy
+from lockstep.engine.core.stats import EngineStats
+from lockstep.engine.dropin.compile_support import SplitHooks
+from lockstep.engine.dropin.joinable import JoinableReplica
+from lockstep.engine.optim.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.optim.shard_optimizer import ShardedOptimizer
+from lockstep.engine.periodic.outer_sync import OuterSync
+from lockstep.engine.periodic.periodic_mode import PeriodicMode
+from lockstep.engine.replica.state import ReplicaState
 from lockstep.errors import ConfigError, NotSupportedError
 
 
@@ -130,7 +130,7 @@ class ReplicaHandle(JoinableReplica):
         optimizer's momentum); the same on every rank. The rank's parameters and inner optimizer state are
         the caller's to save. wait=False (streaming): a fragment's mean still in flight is not waited for;
         the state holds this rank's contribution to each instead, sent again over the group of the replica
-        it is loaded into (live mode's rollback: engine/outer_sync.py)."""
+        it is loaded into (live mode's rollback: engine/periodic/outer_sync.py)."""
         return self._periodic("sync_state_dict()").state_dict(wait=wait)
 
     def load_sync_state_dict(self, state: dict[str, Any]) -> None:
@@ -171,7 +171,7 @@ class ReplicaHandle(JoinableReplica):
                 least 2**18); only for an elementwise optimizer.
 
         Returns:
-            A ShardedOptimizer (see lockstep.engine.shard_optimizer).
+            A ShardedOptimizer (see lockstep.engine.optim.shard_optimizer).
 
         Raises:
             ConfigError: not a torch optimizer, a parameter listed twice, or piece_numel with an

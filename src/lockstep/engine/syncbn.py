@@ -24,9 +24,6 @@ gradients come back in the parameters' dtype. A rank with an empty batch still j
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -34,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from lockstep.engine.deterministic.running_stats import in_micro_batch_statistics
 from lockstep.errors import ConfigError, rank_tag
 from lockstep.runtime.collectives import comm_device
 from lockstep.runtime.waits import tracked, wait_watching_membership
@@ -42,19 +40,6 @@ from lockstep.torch_private import BatchNormBase
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
 _WIRE_DTYPE = torch.float64
-# Inside a deterministic step the micro-batch is the batch: SyncBatchNorm normalizes with its statistics and
-# communicates nothing (ranks run different numbers of micro-batches; the statistics must not depend on them).
-_MICRO_BATCH_STATISTICS: ContextVar[bool] = ContextVar("lockstep_syncbn_micro_batch", default=False)
-
-
-@contextmanager
-def micro_batch_statistics() -> Iterator[None]:
-    """SyncBatchNorm layers use their own batch's statistics inside the block (deterministic mode)."""
-    token = _MICRO_BATCH_STATISTICS.set(True)
-    try:
-        yield
-    finally:
-        _MICRO_BATCH_STATISTICS.reset(token)
 
 
 def _reduce_dims(x: torch.Tensor) -> list[int]:
@@ -289,7 +274,7 @@ class SyncBatchNorm(BatchNormBase):
 
     def _sync_group(self) -> dist.ProcessGroup | None:
         """The group to synchronize over, or None when there is nobody to synchronize with."""
-        if _MICRO_BATCH_STATISTICS.get() or not (dist.is_available() and dist.is_initialized()):
+        if in_micro_batch_statistics() or not (dist.is_available() and dist.is_initialized()):
             return None
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         if dist.get_rank(group) < 0:

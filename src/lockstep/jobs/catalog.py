@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 from lockstep.errors import ConfigError
 from lockstep.jobs import datasets, models
 from lockstep.jobs.configs import DigitsConfig, GptConfig, MnistConfig, ResnetConfig, ToyConfig
-from lockstep.trainer.config import FitConfig
+from lockstep.trainer.settings.config import FitConfig
 
 
 @dataclass

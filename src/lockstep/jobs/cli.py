@@ -19,8 +19,8 @@ from typing import Any
 from lockstep.errors import ConfigError
 from lockstep.jobs.configs import CONFIGS
 from lockstep.plan import Plan, RunSettings
-from lockstep.trainer.config import FitConfig, Source, config_to_dict
-from lockstep.trainer.config_sources import (
+from lockstep.trainer.settings.config import FitConfig, Source, config_to_dict
+from lockstep.trainer.settings.config_sources import (
     bool_settings,
     config_from_mapping,
     load_config_file,

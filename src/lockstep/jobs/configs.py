@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from lockstep.trainer.config import Bound, FitConfig, at_least
+from lockstep.trainer.settings.config import Bound, FitConfig, at_least
 
 DEFAULT_MNIST_DIR = "/usr/share/datasets/fashion-mnist/"
 

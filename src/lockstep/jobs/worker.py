@@ -7,8 +7,8 @@ import sys
 from lockstep.jobs.catalog import build, job
 from lockstep.runtime import init, shutdown
 from lockstep.trainer.api import fit
-from lockstep.trainer.config import Source
-from lockstep.trainer.config_sources import config_from_mapping, load_config_file
+from lockstep.trainer.settings.config import Source
+from lockstep.trainer.settings.config_sources import config_from_mapping, load_config_file
 
 
 def run_job(name: str, config_path: str) -> dict:

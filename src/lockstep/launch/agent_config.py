@@ -154,11 +154,13 @@ def worker_env(spec: LaunchSpec, threads: str, interface: str | None) -> dict[st
     """The variables every worker gets on top of the launcher's environment (`--env` wins)."""
     env = {"OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
     if spec.hang_timeout is not None:
-        from lockstep.runtime.env_contract import HANG_TIMEOUT_VAR  # lockstep.runtime loads torch: only now
+        from lockstep.runtime.env.env_contract import (
+            HANG_TIMEOUT_VAR,  # lockstep.runtime loads torch: only now
+        )
 
         env[HANG_TIMEOUT_VAR] = f"{spec.hang_timeout:g}"
     if spec.evict_stragglers is not None:
-        from lockstep.runtime.env_contract import EVICT_STRAGGLERS_VAR
+        from lockstep.runtime.env.env_contract import EVICT_STRAGGLERS_VAR
 
         env[EVICT_STRAGGLERS_VAR] = f"{spec.evict_stragglers:g}"
     if interface:

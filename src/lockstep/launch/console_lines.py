@@ -21,7 +21,7 @@ def attempt_line(
     run_dir: str,
 ) -> str:
     """The line shown when the agent starts attempt `attempt`: the header for the first, else a restart line."""
-    from lockstep.runtime.env_contract import RESTART_COUNT_VAR  # lockstep.runtime loads torch: only now
+    from lockstep.runtime.env.env_contract import RESTART_COUNT_VAR  # lockstep.runtime loads torch: only now
 
     if attempt == 0:
         return header(spec, env0, threads_note, run_dir)
@@ -44,7 +44,7 @@ def header(spec: LaunchSpec, env0: Mapping[str, str], threads_note: str, run_dir
     """The first line: what was resolved (processes x nodes, backend, endpoint, threads, logs)."""
     import torch
 
-    from lockstep.runtime.env_contract import (
+    from lockstep.runtime.env.env_contract import (
         GROUP_WORLD_SIZE_VAR,
         MASTER_ADDR_VAR,
         MASTER_PORT_VAR,

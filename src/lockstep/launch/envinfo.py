@@ -1,7 +1,7 @@
 """`lockstep env`: what a user pastes into a bug report (versions, backends, devices, threads, topology).
 
 `collect(env)` gathers the facts into a plain dict (JSON-ready, `lockstep env --json`); `render` prints
-them as aligned lines. The launcher and Topology come from lockstep.runtime.topology, from the mapping
+them as aligned lines. The launcher and Topology come from lockstep.runtime.env.topology, from the mapping
 given, so an inconsistent environment shows its error message instead of failing.
 """
 
@@ -19,7 +19,7 @@ from lockstep.errors import ConfigError
 
 # Variables that decide how a job starts; shown when set.
 _RELEVANT_PREFIXES = ("SLURM_", "TORCHELASTIC_", "NCCL_", "GLOO_", "TORCH_DISTRIBUTED", "LOCKSTEP_")
-# With runtime/env_contract.TORCHRUN_VARS and CUDA_VISIBLE_DEVICES_VAR (read in `collect`: they load torch).
+# With runtime/env/env_contract.TORCHRUN_VARS and CUDA_VISIBLE_DEVICES_VAR (read in `collect`: they load torch).
 _RELEVANT_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED")
 _SLURM_SHOWN = (
     "SLURM_JOB_ID",
@@ -42,8 +42,8 @@ def collect(env: Mapping[str, str]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lockstep import __version__
-    from lockstep.runtime.env_contract import CUDA_VISIBLE_DEVICES_VAR, TORCHRUN_VARS
-    from lockstep.runtime.topology import detect_launcher, resolve_topology
+    from lockstep.runtime.env.env_contract import CUDA_VISIBLE_DEVICES_VAR, TORCHRUN_VARS
+    from lockstep.runtime.env.topology import detect_launcher, resolve_topology
 
     info: dict[str, Any] = {
         "python": f"{platform.python_version()} ({sys.executable})",

@@ -45,7 +45,7 @@ from lockstep.launch.live_supervisor import LiveSupervisor, NodeLayout
 from lockstep.launch.live_workers import LiveWorker, start_worker, stop_workers
 from lockstep.launch.process_sweep import kill_leftovers
 from lockstep.launch.spec import LaunchSpec, check_entrypoint
-from lockstep.runtime import env_contract as ev
+from lockstep.runtime.env import env_contract as ev
 
 STORE_OP_S = (
     5.0  # a launcher's store calls give up after this (another node's launcher: the link may be gone)

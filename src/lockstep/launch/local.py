@@ -81,7 +81,7 @@ class LaunchState:
     def record(self, ranks: Mapping[int, str], env0: Mapping[str, str]) -> None:
         """An attempt started: `ranks` maps its global ranks to their directories; `env0` is the
         environment of its first worker."""
-        from lockstep.runtime.env_contract import WORLD_SIZE_VAR  # lockstep.runtime loads torch: only now
+        from lockstep.runtime.env.env_contract import WORLD_SIZE_VAR  # lockstep.runtime loads torch: only now
 
         self.world_size = int(env0.get(WORLD_SIZE_VAR, "0")) or None
         self.rank_dirs.update(ranks)

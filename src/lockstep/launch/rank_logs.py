@@ -7,7 +7,7 @@ error file through TORCHELASTIC_ERROR_FILE (worker.ERROR_FILE_VAR). Attempt k > 
 
 The attempt number k is the job's, the same on every node: the one the rendezvous agreed for the round
 (launch/rendezvous.py), else (static rendezvous) the number of attempts this node started before. Each
-worker gets it as ATTEMPT_VAR (runtime/env_contract.py, which says why torch's own restart count is not
+worker gets it as ATTEMPT_VAR (runtime/env/env_contract.py, which says why torch's own restart count is not
 enough), its store prefix in runtime/process_group.py.
 """
 
@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, S
 from lockstep.launch.failure_report import HANG_REPORT
 from lockstep.launch.rendezvous import AgreedAttempt
 from lockstep.launch.worker import ERROR_FILE_VAR, PID_FILE
-from lockstep.runtime.env_contract import ATTEMPT_VAR, RANK_VAR, REPORT_DIR_VAR
+from lockstep.runtime.env.env_contract import ATTEMPT_VAR, RANK_VAR, REPORT_DIR_VAR
 
 # Called with (the job's attempt, {global rank: its directory}, the first worker's environment).
 OnAttempt = Callable[[int, Mapping[int, str], Mapping[str, str]], None]

@@ -11,7 +11,7 @@ rendezvous handler (the behaviour is torch's, unchanged) and, after each complet
 number through the round's store, which all its nodes share: the node of group rank 0 takes the next value
 of a counter kept on the job's store (`add`, atomic), publishes it under the round's prefix, and every node
 reads it there. The launcher passes the number to its workers as LOCKSTEP_ATTEMPT (launch/rank_logs.py;
-the name is runtime/env_contract.ATTEMPT_VAR), and runtime/topology.py prefers it to
+the name is runtime/env/env_contract.ATTEMPT_VAR), and runtime/env/topology.py prefers it to
 TORCHELASTIC_RESTART_COUNT. Only public c10d Store calls are used.
 """
 

@@ -40,7 +40,9 @@ _BOOTSTRAP_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
 _LOCKSTEP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 PID_FILE = "pid"  # in the rank directory, next to the error file: read by launch/process_sweep.py
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"  # set by torch's agent from launch/rank_logs.py's placement
-MEMBER_ID_VAR = "LOCKSTEP_MEMBER_ID"  # runtime/env_contract.py's (this bootstrap imports nothing of torch's)
+MEMBER_ID_VAR = (
+    "LOCKSTEP_MEMBER_ID"  # runtime/env/env_contract.py's (this bootstrap imports nothing of torch's)
+)
 
 
 def main(argv: list[str] | None = None) -> None:

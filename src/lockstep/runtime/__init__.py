@@ -1,14 +1,43 @@
 """Who am I and how do I talk to the others: topology, process group, small collectives, rank-aware logs.
 
-Modules: topology (pure: environment -> Topology, for torchrun, SLURM, explicit arguments or nothing),
-slurm_notation (SLURM's host and task lists), env_contract (the environment variables launcher and runtime
-share), process_group (init/shutdown; init returns a JoinedTopology, a Topology that `with` can own),
-collectives (rank queries and small typed collectives), logging (rank-aware loggers), and the hang
-watchdog: progress (what this process is doing: step, phase, numbered collectives), watchdog (the thread
-that publishes it to the c10d store and judges a stall) and stall_verdict (the judgement and the report);
-phase_clock and straggler_reports time each phase per step and name a rank persistently slower than the others
-(`stragglers()` returns rank 0's reports). The launcher
-imports this package: nothing here imports the engine.
+The launcher imports this package: nothing here imports the engine.
+
+Modules:
+- collectives.py: Small typed collectives that every layer needs: rank queries, barrier, scalar means, JSON
+  objects.
+- hang_report.py: After a hang verdict: every rank's final state joined into one report, written once and
+  printed everywhere.
+- live_host.py: The process around a live group: runtime's side of membership/host.py's `Host`.
+- logging.py: Rank-aware logging: INFO from global rank 0 only; warnings and errors from every rank, prefixed
+  [rank r/w].
+- micro_batches.py: Which rank computes which micro-batch of a step, and the random seed of each: pure, world-
+  size aware.
+- peer_heartbeats.py: The other ranks' heartbeats as the hang watchdog reads them: each rank's latest state,
+  and whether it lives.
+- phase_clock.py: Time per phase per step on the main thread, kept in a fixed ring, summarised for the
+  straggler reports.
+- process_group.py: Own the default process group's lifetime: form it from a Topology, leave it, explain
+  failures.
+- process_inspection.py: Look at a process without asking it: Python stacks of this one, and whether a peer on
+  this host still runs.
+- progress.py: Always-on progress tracking: what this process is doing now (step, phase, the collective it
+  waits in).
+- sigterm_guard.py: Hold the launcher's SIGTERM back while this rank waits in a collective, so a failure's
+  report gets out.
+- stall_verdict.py: Judge a stall from every rank's published state, and write the one report a user reads.
+- state_transfer.py: Send a training state (nested state dicts) from one rank to the others over the process
+  group.
+- straggler_eviction.py: Dropping a straggler in live mode (`lockstep run --min-world M --evict-stragglers
+  FACTOR`).
+- straggler_reports.py: Straggler reports: name a rank that is persistently slower than the others, by how
+  much and in which phase.
+- waits.py: How the main thread waits on lockstep's collectives: tracked for the hang watchdog, given up on a
+  lost member.
+- watchdog.py: The hang watchdog: a thread per process that publishes this rank's progress and names a stall.
+- env/: Where this process stands, from its environment alone: the variables launcher and runtime share,
+  SLURM's notations, and the `Topology` they make (pure: no process group, no torch.distributed).
+- membership/: Live membership: the group's generations over one c10d store, so that training survives a lost
+  rank.
 """
 
 from __future__ import annotations
@@ -24,12 +53,12 @@ from lockstep.runtime.collectives import (
     is_main,
     main_process_first,
 )
+from lockstep.runtime.env.slurm_notation import expand_hostlist
+from lockstep.runtime.env.topology import Topology, resolve_topology
 from lockstep.runtime.logging import get_logger
 from lockstep.runtime.process_group import JoinedTopology, init, is_initialized, shutdown
 from lockstep.runtime.progress import phase
-from lockstep.runtime.slurm_notation import expand_hostlist
 from lockstep.runtime.straggler_reports import StragglerReport, stragglers
-from lockstep.runtime.topology import Topology, resolve_topology
 
 __all__ = [
     "JoinedTopology",

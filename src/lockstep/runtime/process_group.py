@@ -24,16 +24,16 @@ import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
 from lockstep.errors import BackendUnavailableError, ConfigError, InitTimeoutError, rank_tag
 from lockstep.runtime import watchdog
-from lockstep.runtime.env_contract import CUDA_VISIBLE_DEVICES_VAR
-from lockstep.runtime.live_host import ProcessHost
-from lockstep.runtime.membership.group import LiveGroup, form_live_group
-from lockstep.runtime.progress import JOINING, PROGRESS
-from lockstep.runtime.topology import (
+from lockstep.runtime.env.env_contract import CUDA_VISIBLE_DEVICES_VAR
+from lockstep.runtime.env.topology import (
     Topology,
     live_settings_from_env,
     report_dir_from_env,
     resolve_topology,
 )
+from lockstep.runtime.live_host import ProcessHost
+from lockstep.runtime.membership.group import LiveGroup, form_live_group
+from lockstep.runtime.progress import JOINING, PROGRESS
 
 
 def unpin_world_group_defaults() -> None:

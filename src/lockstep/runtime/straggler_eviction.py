@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from lockstep.runtime.env.topology import evict_stragglers_from_env
 from lockstep.runtime.straggler_reports import Assessment, StragglerPolicy, reference_name
-from lockstep.runtime.topology import evict_stragglers_from_env
 
 
 class Evicts(Protocol):

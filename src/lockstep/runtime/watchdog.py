@@ -45,6 +45,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lockstep.runtime import hang_report, stall_verdict
+from lockstep.runtime.env.topology import hang_timeout_from_env, report_dir_from_env
 from lockstep.runtime.membership.host import Watched as MembershipWatch  # what live mode hands in
 from lockstep.runtime.peer_heartbeats import PeerHeartbeats
 from lockstep.runtime.process_inspection import all_stacks, format_stack
@@ -52,7 +53,6 @@ from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user
 from lockstep.runtime.sigterm_guard import SigtermGuard
 from lockstep.runtime.straggler_eviction import eviction_for
 from lockstep.runtime.straggler_reports import StragglerWatch
-from lockstep.runtime.topology import hang_timeout_from_env, report_dir_from_env
 from lockstep.torch_private import default_store
 
 STALL_EXIT_CODE = 124  # like timeout(1): the job ran out of time waiting

@@ -20,6 +20,10 @@ The Lightning strategy "lockstep" (lightning_strategy.py) is registered by `regi
 when Lightning's strategies load, if Lightning is installed: every `lockstep run` worker asks for it
 (launch/worker.py), so that `strategy="lockstep"` is the one word a Lightning program changes.
 Nothing here is imported by `import lockstep`; this module itself imports only the standard library.
+
+Modules:
+- lightning_strategy.py: The Lightning strategy "lockstep": Lightning's DDP strategy with lockstep's
+  DistributedDataParallel.
 """
 
 from __future__ import annotations

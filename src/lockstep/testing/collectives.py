@@ -18,7 +18,7 @@ import torch.distributed as dist
 def watch_collectives(on_tensor: Callable[[torch.Tensor], None]) -> Iterator[None]:
     """Call `on_tensor(tensor)` for each tensor passed to all_reduce / all_gather inside the block, and for
     the whole input of each all_to_all_single (the quantized outer sync's reduce-scatter at W >= 3,
-    engine/outer_reduce.py: its own chunk included, which comm_bytes leaves out)."""
+    engine/periodic/outer_reduce.py: its own chunk included, which comm_bytes leaves out)."""
     real_reduce, real_gather, real_scatter = dist.all_reduce, dist.all_gather, dist.all_to_all_single
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from lockstep.engine import DistributedDataParallel, replicate
-from lockstep.engine.policy import SyncPolicy
+from lockstep.engine.core.policy import SyncPolicy
 from lockstep.errors import ConfigError, ParityError, rank_tag
 from lockstep.testing.spawn import run_distributed
 

@@ -44,7 +44,7 @@ from datetime import timedelta
 from typing import Any
 
 from lockstep.errors import ConfigError
-from lockstep.runtime import env_contract as ec
+from lockstep.runtime.env import env_contract as ec
 from lockstep.testing import spawn
 from lockstep.testing.pool_worker import READY_TIMEOUT, worker_main
 

@@ -31,7 +31,7 @@ import traceback
 import warnings
 from typing import Any, NoReturn, cast
 
-from lockstep.runtime import env_contract as ec
+from lockstep.runtime.env import env_contract as ec
 
 READY_TIMEOUT = 30.0  # leaving the group after a call: bounded, or the pool is replaced
 # Threads that may stay: multiprocessing's queue feeder (the results), tqdm's monitor (started by the first
@@ -120,7 +120,7 @@ def _fail(results: Any, task: int, rank: int) -> NoReturn:
 
 def _import_all_of_lockstep() -> None:
     """Every lockstep module, imported before any call: each one's globals are then in the snapshot
-    before the call that first uses it (one that imports lockstep.engine.exact to set its
+    before the call that first uses it (one that imports lockstep.engine.deterministic.exact to set its
     BUCKET_ELEMENTS is seen doing so). Only to watch them: nothing here uses them."""
     package = sys.modules["lockstep"]
     for info in pkgutil.walk_packages(package.__path__, "lockstep."):

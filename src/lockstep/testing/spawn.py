@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from lockstep.errors import DistributedTestError
-from lockstep.runtime import env_contract as ec
+from lockstep.runtime.env import env_contract as ec
 
 DEFAULT_TIMEOUT = 90.0
 # The lockstep.testing.pool.RankPool that run_distributed offers its calls to (set by pool.use_pool).

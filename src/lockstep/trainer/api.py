@@ -15,9 +15,9 @@ from torch.utils.data import Dataset, IterableDataset
 
 from lockstep.errors import ConfigError
 from lockstep.runtime import init
-from lockstep.trainer.config import FitConfig
 from lockstep.trainer.loop import FitRun
-from lockstep.trainer.steps import LossFn
+from lockstep.trainer.run.steps import LossFn
+from lockstep.trainer.settings.config import FitConfig
 
 
 @dataclass

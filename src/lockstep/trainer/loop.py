@@ -26,29 +26,30 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from lockstep.checkpoint import CheckpointManager
-from lockstep.engine.sync_algorithms import parse_sync
+from lockstep.engine.core.sync_algorithms import parse_sync
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError, InternalError
 from lockstep.plan import Plan, Reduction, RunSettings
 from lockstep.runtime import barrier, broadcast_object
+from lockstep.runtime.env.topology import Topology
 from lockstep.runtime.process_group import live_group
 from lockstep.runtime.progress import DATA, PROGRESS
-from lockstep.runtime.topology import Topology
-from lockstep.trainer.batches import plan_batches
-from lockstep.trainer.buckets import bucket_summary, tunes_buckets
-from lockstep.trainer.config import FitConfig
-from lockstep.trainer.device import choose_device
-from lockstep.trainer.evaluation import Evaluation
-from lockstep.trainer.live_side import FitLive, NotLive
-from lockstep.trainer.low_comm import PeriodicRun
-from lockstep.trainer.metrics import TrainMetrics
-from lockstep.trainer.optim import build_optimizer, build_scheduler, maybe_sharded
-from lockstep.trainer.progress import ProgressBar
-from lockstep.trainer.replica import FitReplica
-from lockstep.trainer.run_log import RunLog
-from lockstep.trainer.run_state import RunState
-from lockstep.trainer.step_driver import Outcome, RolledBack
-from lockstep.trainer.steps import LossFn, Stepper
+from lockstep.trainer.live.live_side import FitLive, NotLive
+from lockstep.trainer.reporting.metrics import TrainMetrics
+from lockstep.trainer.reporting.progress import ProgressBar
+from lockstep.trainer.reporting.run_log import RunLog
+from lockstep.trainer.run.batches import plan_batches
+from lockstep.trainer.run.buckets import bucket_summary, tunes_buckets
+from lockstep.trainer.run.device import choose_device
+from lockstep.trainer.run.evaluation import Evaluation
+from lockstep.trainer.run.low_comm import PeriodicRun
+from lockstep.trainer.run.optim import build_optimizer, build_scheduler, maybe_sharded
+from lockstep.trainer.run.replica import FitReplica
+from lockstep.trainer.run.run_state import RunState
+from lockstep.trainer.run.step_driver import Outcome, RolledBack
+from lockstep.trainer.run.steps import LossFn, Stepper
+from lockstep.trainer.run.train_data import TrainData
+from lockstep.trainer.settings.config import FitConfig
 from lockstep.trainer.summary import (
     build_summary,
     checkpoint_summary,
@@ -56,7 +57,6 @@ from lockstep.trainer.summary import (
     publish_summary,
     straggler_summary,
 )
-from lockstep.trainer.train_data import TrainData
 
 
 class FitRun:

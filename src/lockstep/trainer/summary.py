@@ -9,11 +9,11 @@ from typing import Any
 from lockstep.checkpoint import CheckpointManager
 from lockstep.checkpoint.compare import state_sha256
 from lockstep.runtime import get_logger, stragglers
-from lockstep.trainer.batches import BatchPlan
-from lockstep.trainer.config import FitConfig, config_to_dict
-from lockstep.trainer.progress import ProgressBar
-from lockstep.trainer.run_log import RunLog
-from lockstep.trainer.run_state import RunState
+from lockstep.trainer.reporting.progress import ProgressBar
+from lockstep.trainer.reporting.run_log import RunLog
+from lockstep.trainer.run.batches import BatchPlan
+from lockstep.trainer.run.run_state import RunState
+from lockstep.trainer.settings.config import FitConfig, config_to_dict
 
 
 def straggler_summary() -> dict[str, Any]:

@@ -7,6 +7,8 @@
 - formation.py: check in, agree on the members, form the group, leave a broken one;
 - commit.py: a step counts on every member or on none;
 - admission.py: replacements queue and are admitted at a step boundary;
+- host.py: what a live group needs from the process it runs in: the `Host` it is handed, and the `Place`
+  it renumbers;
 - group.py: `LiveGroup`, this worker's side, composed of the above;
 - recovery.py: `LiveRecovery`, the training loop's side (fit and LiveLoop), talking to the run through
   the `Recoverable` Protocol.

@@ -1,0 +1,216 @@
+"""SyncPolicy: the frozen user knobs of the data-parallel engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lockstep.engine.core.outer_codec import codec_for
+from lockstep.engine.core.sync_algorithms import SYNC_MODES as SYNC_MODES  # re-exported: FitConfig's choices
+from lockstep.engine.core.sync_algorithms import SyncAlgorithm, parse_sync
+from lockstep.errors import ConfigError
+from lockstep.plan import Plan, RunSettings
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_FIRST_BUCKET_MB = 1.0
+AUTO = "auto"  # bucket_cap_mb chosen by measurement (bucket_tuner.py)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    """How gradients are bucketed and synchronized; every field has torch DDP's meaning and default.
+
+    - bucket_cap_mb: size of every bucket after the first (MiB). "auto" (lockstep's, opt-in): chosen by
+      measurement over the first synced steps after the rebuild among 1, 4, 10, 25, 50 and 100 MiB, the
+      same on every rank (engine/buckets/bucket_tuner.py); the choice and every candidate's timings are in
+      `stats().extras`. Not with torch_bucket_layout, deterministic or a sync other than "allreduce".
+    - first_bucket_mb: size of the first bucket, at most bucket_cap_mb (small, so that the first
+      all-reduce starts early in backward).
+    - find_unused_parameters: detect parameters not reached from the forward's outputs and reduce
+      without them; parameters no rank used keep their `.grad` untouched (None stays None).
+    - static_graph: the set of used parameters and how often each is used never changes; the first
+      iteration reduces at the end of backward and learns the pattern, later ones overlap.
+    - gradient_as_bucket_view: after reduction `param.grad` is a view into the flat bucket (saves a
+      copy and the memory of a second copy of the gradients).
+    - broadcast_buffers: broadcast buffers (BatchNorm running stats) from rank 0 before each forward
+      that follows a synced training forward, like torch.
+    - reduce_dtype: dtype of the bucket (the all-reduce). None: float16/bfloat16 gradients are reduced
+      in float32 (summing in half precision loses bits with every rank) and cast back; every other dtype
+      is reduced as is. Set it to torch.bfloat16/float16 to communicate in the parameter dtype.
+    - upcast_half_precision: with reduce_dtype None, reduce float16/bfloat16 gradients in float32 (True,
+      lockstep's default) or in their own dtype (False: torch's DDP, which the drop-in class follows).
+    - torch_bucket_layout: lay buckets out exactly as torch's DDP does (torch's own assignment function;
+      one bucket per dtype and device in the first step unless find_unused_parameters, rebuilt once in
+      the observed ready order unless find_unused_parameters without static_graph; no solo buckets, no
+      status element). Ring all-reduces then sum the same elements in the same order as torch's, so the
+      bits equal torch's at any world size. False (lockstep's own layout): large gradients are reduced
+      in place and the missing-gradient count rides in the last bucket. The drop-in class sets True.
+    - deterministic: lockstep's deterministic mode (not torch's): training steps run through
+      `handle.accumulate(fn, micro_batches, num_micro_batches=K, step=i)` and give the same bits at any
+      world size: an exact fixed-point sum of per-micro-batch gradients, random numbers seeded per
+      micro-batch, BatchNorm statistics per micro-batch, running buffers replayed in order. Buckets,
+      communication hooks and join() do not apply; a training forward outside accumulate() raises.
+
+    Low-communication training (lockstep's, opt-in; engine/periodic/outer_sync.py): with `sync` other than
+    "allreduce" no gradient is averaged in backward; each replica steps its own optimizer and calls
+    `handle.after_optimizer_step()` after each step, which syncs every `sync_every` steps:
+    - sync: "allreduce" (every step, the default), "local_sgd" (average the parameters), "diloco" (an
+      outer Nesterov SGD step on the averaged outer gradient, anchor - local), "streaming_diloco" (DiLoCo
+      on `fragments` pieces of the model, their syncs staggered over the round).
+    - sync_every (H), outer_lr, outer_momentum, fragments: the rounds' settings.
+    - warmup_steps: data-parallel steps before the first round (gradients averaged before each optimizer
+      step, through handle.before_optimizer_step()); the rounds start after them, from equal replicas.
+    - outer_momentum_warmup: the outer momentum rises linearly from 0 at each fragment's first outer step
+      to outer_momentum at its (outer_momentum_warmup + 1)-th (0: outer_momentum from the first).
+    - fragment_layout (streaming_diloco): "sliced" (the default: every parameter's rows cut in F blocks,
+      equal fragments), "strided" (layer i in fragment i mod F) or "contiguous" (engine/periodic/fragments.py).
+    - mix (streaming_diloco): the local share when a fragment's outer step is merged, mix * local +
+      (1 - mix) * global (Streaming DiLoCo's alpha; the anchor is the global value, saved before the mix).
+    - fragment_delay (streaming_diloco): the inner steps a fragment's mean is in flight, overlapping them
+      (Streaming DiLoCo's tau): launched after step t, it is applied after step t + fragment_delay (1 by
+      default; 0: waited for at once; at most sync_every, so that a fragment never has two in flight).
+    - delta_dtype: what the averaged values travel in: None (float32), torch.bfloat16 or torch.float16,
+      or a quantized format for the outer gradients of diloco and streaming_diloco, "int8", "int4" or
+      "fp4_e3m0" (per block of 128 values with a float32 scale; engine/core/outer_codec.py). The sum is in
+      float32. Quantized over 3 ranks or more, the mean is quantized again for its all-gather after a
+      quantized reduce-scatter (engine/periodic/outer_reduce.py: the payload ratio saved on the wire at any W).
+    With deterministic=True the average is gathered and summed in rank order (the same bits run after
+    run); accumulate(), buckets, hooks and join() do not apply.
+    """
+
+    bucket_cap_mb: float | str = DEFAULT_BUCKET_CAP_MB
+    first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    broadcast_buffers: bool = True
+    reduce_dtype: torch.dtype | None = None
+    upcast_half_precision: bool = True
+    torch_bucket_layout: bool = False
+    deterministic: bool = False
+    sync: str = "allreduce"
+    sync_every: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    warmup_steps: int = 0
+    mix: float = 0.5
+    outer_momentum_warmup: int = 10
+    fragment_layout: str = "sliced"
+    fragment_delay: int = 1
+    fragments: int = 1
+    delta_dtype: torch.dtype | str | None = None
+
+    def __post_init__(self) -> None:
+        self._check_sync()
+        for name in ("bucket_cap_mb", "first_bucket_mb"):
+            value = getattr(self, name)
+            if name == "bucket_cap_mb" and value == AUTO:
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                also = " or 'auto'" if name == "bucket_cap_mb" else ""
+                raise ConfigError(f"SyncPolicy.{name} must be a positive number of MiB{also}, got {value!r}")
+        if self.reduce_dtype is not None and not (
+            isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
+        ):
+            raise ConfigError(
+                f"SyncPolicy.reduce_dtype must be None or a floating torch.dtype, got {self.reduce_dtype!r}"
+            )
+        # Which knobs combine (deterministic, the sync, "auto" against the bucket knobs) and which mode the
+        # engine runs: the plan's (kept beside the fields: the policy stays a frozen value of its knobs)
+        object.__setattr__(self, "_plan", Plan.of(self.run_settings()))
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of these knobs (lockstep/plan.py): its `reduction` is the engine's mode."""
+        plan: Plan = self.__dict__["_plan"]
+        return plan
+
+    def run_settings(self) -> RunSettings:
+        """The knobs the plan (lockstep/plan.py) decides from."""
+        return RunSettings(
+            deterministic=self.deterministic,
+            sync=self.sync,
+            sync_dtype=codec_for(self.delta_dtype).name,
+            bucket_cap_mb=AUTO if self.tune_buckets else None,
+            static_graph=self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            torch_bucket_layout=self.torch_bucket_layout,
+            reduce_dtype=self.reduce_dtype,
+        )
+
+    @property
+    def tune_buckets(self) -> bool:
+        """bucket_cap_mb="auto": the bucket tuner picks the cap (bucket_tuner.py)."""
+        return self.bucket_cap_mb == AUTO
+
+    @property
+    def algorithm(self) -> type[SyncAlgorithm] | None:
+        """The periodic sync algorithm `sync` names (engine/core/sync_algorithms.py); None for "allreduce"."""
+        return parse_sync(self.sync, what="SyncPolicy.sync")
+
+    @property
+    def periodic(self) -> bool:
+        """True for the low-communication modes: the replicas meet every sync_every steps, not every step."""
+        return self.algorithm is not None
+
+    def _check_sync(self) -> None:
+        algorithm = self.algorithm  # ConfigError naming the choices for an unknown name
+        if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
+            raise ConfigError(f"SyncPolicy.sync_every must be an int >= 1, got {self.sync_every!r}")
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError(
+                f"SyncPolicy needs outer_lr > 0 and 0 <= outer_momentum < 1; got {self.outer_lr!r} and "
+                f"{self.outer_momentum!r}"
+            )
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"SyncPolicy.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if not isinstance(self.outer_momentum_warmup, int) or self.outer_momentum_warmup < 0:
+            raise ConfigError(
+                f"SyncPolicy.outer_momentum_warmup must be an int >= 0, got {self.outer_momentum_warmup!r}"
+            )
+        if not 0 <= self.mix < 1:
+            raise ConfigError(f"SyncPolicy.mix must be in [0, 1), got {self.mix!r}")
+        if not isinstance(self.fragments, int) or self.fragments < 1:
+            raise ConfigError(f"SyncPolicy.fragments must be an int >= 1, got {self.fragments!r}")
+        if self.fragments > 1 and not (algorithm and algorithm.fragmented):
+            raise ConfigError(
+                f"SyncPolicy.fragments={self.fragments} applies to sync='streaming_diloco' only"
+            )
+        self._check_delay(delayed=bool(algorithm and algorithm.delayed))
+        if codec_for(self.delta_dtype).quantized and algorithm is None:  # ConfigError for an unknown one
+            raise ConfigError(
+                f"SyncPolicy.delta_dtype={self.delta_dtype!r} quantizes the outer gradients of a periodic sync "
+                "(sync='diloco' or 'streaming_diloco'); with sync='allreduce' leave it at None"
+            )
+
+    def _check_delay(self, *, delayed: bool) -> None:
+        delay = self.fragment_delay
+        if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
+            raise ConfigError(f"SyncPolicy.fragment_delay must be an int >= 0, got {delay!r}")
+        if delay != 1 and not delayed:
+            raise ConfigError(f"SyncPolicy.fragment_delay={delay} applies to sync='streaming_diloco' only")
+        if delayed and delay > self.sync_every:
+            raise ConfigError(
+                f"SyncPolicy.fragment_delay={delay} must be at most sync_every={self.sync_every}: a "
+                "fragment's mean is applied before the fragment syncs again"
+            )
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        """The cap in bytes ("auto": the default's, until the tuner chooses)."""
+        cap = DEFAULT_BUCKET_CAP_MB if isinstance(self.bucket_cap_mb, str) else self.bucket_cap_mb
+        return int(cap * 1024 * 1024)
+
+    @property
+    def first_bucket_bytes(self) -> int:
+        # never above the cap: asking for small buckets gives a small first one too
+        return min(int(self.first_bucket_mb * 1024 * 1024), self.bucket_cap_bytes)
+
+    def bucket_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        """The dtype in which gradients of `grad_dtype` are communicated."""
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        return torch.float32 if grad_dtype in _LOW_PRECISION and self.upcast_half_precision else grad_dtype

@@ -1,0 +1,79 @@
+"""One step driver for fit's loop and `LiveLoop`: a step's work, and what a lost member makes of it.
+
+Every step, and every piece of work between steps that issues collectives (a log, an evaluation, a
+checkpoint, the end of a round), runs through a `StepDriver`. Its outcome is one of `Outcome`:
+
+- DONE: the work completed.
+- REDO: a member was lost in it; the group re-formed over the survivors (runtime/membership/recovery.py)
+  and every member stands where the work started: the caller cuts its data for the new group again and
+  redoes the work.
+- ROLLED_BACK: a member was lost, and the run went back to its last round mark (a low-communication run in
+  live mode: trainer/live/live_rounds.py); the caller carries on from the mark (`RolledBack` takes the loop
+  there).
+
+The except-recover sequence is written here only. Outside live mode a failure is the program's own: it
+propagates, as does one that no member's loss explains (`recover()` says so).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Protocol, TypeVar, cast
+
+from lockstep.errors import LockstepError
+from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery
+
+T = TypeVar("T")
+
+
+class Outcome(enum.Enum):
+    """How one attempt at a step (or at work between steps) ended."""
+
+    DONE = "done"  # completed
+    REDO = "redo"  # a member was lost: re-cut for the survivors and do it again
+    ROLLED_BACK = "rolled_back"  # a member was lost: the run stands at its last round mark
+
+
+class RolledBack(LockstepError):  # noqa: N818 (not an error: control flow back to the loop's top)
+    """The run went back to its last round mark over a new group: the loop continues from there."""
+
+
+class Rollback(Protocol):
+    """Where a loss takes the run back to a mark instead of redoing the work (trainer/live/live_rounds.py)."""
+
+    @property
+    def active(self) -> bool:
+        """A mark stands to go back to."""
+
+
+class StepDriver:
+    """Runs a loop's work through live recovery (see the module doc)."""
+
+    def __init__(self, recovery: LiveRecovery | None, rollback: Rollback | None = None) -> None:
+        self.recovery, self.rollback = recovery, rollback
+
+    @property
+    def changes(self) -> int:
+        """Membership changes so far (lost or grown): a loop re-cuts its iteration when this moved."""
+        return 0 if self.recovery is None else self.recovery.changes
+
+    def attempt(self, work: Callable[[], T]) -> tuple[Outcome, T | None]:
+        """work() once: (DONE, its result), or, a member lost in it, (REDO or ROLLED_BACK, None)."""
+        try:
+            return Outcome.DONE, work()
+        except FAILURES as exc:
+            if self.recovery is None or not self.recovery.recover(exc):
+                raise
+        rolled_back = self.rollback is not None and self.rollback.active
+        return (Outcome.ROLLED_BACK if rolled_back else Outcome.REDO), None
+
+    def run(self, work: Callable[[], T]) -> T:
+        """work() to completion, done again over the survivors when a member is lost in it (REDO);
+        RolledBack when the run went back to its mark instead."""
+        while True:
+            outcome, result = self.attempt(work)
+            if outcome is Outcome.DONE:
+                return cast(T, result)  # DONE carries work()'s result
+            if outcome is Outcome.ROLLED_BACK:
+                raise RolledBack

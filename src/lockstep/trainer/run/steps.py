@@ -1,0 +1,174 @@
+"""One optimizer step of fit: its forwards and backwards, the metrics they give, then the optimizer.
+
+Two ways to run a step, chosen once per run (trainer/loop.py):
+- `ddp_step`: the default. This rank's micro-batches through torch's drop-in face (DistributedDataParallel),
+  or the module replicated in place with bucket_cap_mb="auto" (trainer/run/buckets.py), gradients
+  accumulated locally (no_sync) and reduced on the last backward;
+- `micro_batched_step`: deterministic and live mode. The step's K micro-batches are spread over the ranks
+  and run through the engine's accumulate(): an exact sum in deterministic mode,
+  the bucketed float all-reduce otherwise. In live mode the step counts on every member or on none
+  (membership.commit), and its metric rows go to the store with it, where the survivors find them if
+  this rank is lost before the next log.
+
+With config.overlap_optimizer, `ddp_step`'s optimizer is an OverlappedOptimizer that the engine steps
+bucket by bucket during the synced backward (`Stepper.overlap`); `_update` is unchanged: its
+`scaler.step` finishes what is left, or takes the plain step where the engine fell back. With
+config.shard_optimizer as well, it wraps the run's ShardedOptimizer: the engine steps this rank's share
+of each bucket and starts the owners' broadcasts; `scaler.step` waits for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.engine.optim.overlapped_optimizer import OverlappedOptimizer
+from lockstep.engine.replicate import overlap_optimizer
+from lockstep.errors import InternalError, rank_tag
+from lockstep.plan import Plan, Reduction
+from lockstep.runtime.membership.group import LiveGroup
+from lockstep.runtime.progress import OPTIMIZER, PROGRESS
+from lockstep.trainer.reporting.metrics import MetricBuffer, OrderedMetrics
+from lockstep.trainer.run.batches import BatchPlan, batch_len, split_batch, to_device
+from lockstep.trainer.run.device import autocast
+from lockstep.trainer.run.run_state import RunState
+from lockstep.trainer.settings.config import FitConfig
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class Stepper:
+    """Runs fit's steps on a run's state."""
+
+    def __init__(
+        self,
+        state: RunState,
+        config: FitConfig,
+        plan: BatchPlan,
+        loss_fn: LossFn,
+        device: torch.device,
+        live: LiveGroup | None,
+    ) -> None:
+        self.state, self.config, self.plan, self.loss_fn, self.device = state, config, plan, loss_fn, device
+        self.live = live
+        self.outer: Any = None  # low-communication training: the replica handle that syncs after each step
+        self.synced = False  # ... and whether the last step synced
+        self.replica: Any = None  # bucket_cap_mb="auto": ddp_step's handle (its model is the module itself)
+        # what _update steps: the run's optimizer, or the one the engine steps bucket by bucket
+        # (a ShardedOptimizer offers what GradScaler and clipping read: param_groups, step; every rank
+        # holds every averaged gradient, so found_inf and the gradient norm agree across ranks)
+        self.optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, state.optimizer)
+
+    def overlap(self, model: nn.Module, modes: Plan) -> None:
+        """With config.overlap_optimizer, the engine steps the optimizer bucket by bucket during the
+        backward of the drop-in `model` (the run's state keeps the optimizer itself: checkpoints and
+        the schedule see it). Where fit's steps never reduce in backward (a periodic sync, deterministic
+        and live mode's micro-batches), the step stays plain, for the reason the plan gives, said once."""
+        if not self.config.overlap_optimizer:
+            return
+        if modes.reduction is not Reduction.BUCKETED or self.plan.num_micro_batches:
+            rule = modes.fallback("overlap_optimizer")
+            if rule is None:
+                raise InternalError(f"the plan has no fallback for overlap_optimizer in {modes.settings}")
+            tag = rank_tag(dist.get_rank(), dist.get_world_size())
+            self.optimizer = OverlappedOptimizer(self.optimizer, fallback=rule.reason, tag=tag)
+            return
+        self.optimizer = overlap_optimizer(  # the engine asks the plan too (clipping, the fp16 scaler)
+            model,  # type: ignore[arg-type]  # the drop-in class (a JoinableReplica)
+            self.optimizer,  # the run's own, sharded (a ShardedOptimizer) with config.shard_optimizer
+            clip_grad_norm=self.config.clip_grad_norm is not None,
+            scaler=self.state.scaler,
+        )
+
+    def rebind(self, handle: Any) -> None:
+        """Live mode, a low-communication run: the replica was rebuilt; its new handle syncs after each step."""
+        self.outer = handle
+
+    def ddp_step(self, model: nn.Module, world_size: int, batches: list[Any], *, local: bool = False) -> None:
+        """This rank's micro-batches of the step through the DDP wrapper `model` (or, `local`, the plain
+        module), then the optimizer."""
+        state = self.state
+        counts = []
+        for index, batch in enumerate(batches):
+            inputs, targets = to_device(split_batch(batch), self.device)
+            counts.append(batch_len(targets))
+            last = index == len(batches) - 1
+            # Accumulate locally; the engine reduces the summed gradients only on the group's last backward.
+            with contextlib.nullcontext() if last or local else (self.replica or model).no_sync():  # type: ignore[operator]
+                with autocast(self.config.precision, self.device):
+                    outputs = model(inputs)
+                    loss = self.loss_fn(outputs, targets)
+                state.scaler.scale(loss / len(batches)).backward()
+            pending = cast(MetricBuffer, state.metrics.pending)
+            state.metrics.record(pending, "train", outputs, targets, loss, counts[-1])
+        # A step's global batch: cut into micro-batches (deterministic and live mode, where the ranks may own
+        # unequal numbers of them), or this rank's share times the ranks.
+        self._update(self.plan.global_batch_size if self.plan.num_micro_batches else sum(counts) * world_size)
+
+    def local_step(self, module: nn.Module, world_size: int, batches: list[Any]) -> bool:
+        """Low-communication training (FitConfig.sync): this rank's batches of the step through its own
+        module, no gradient averaged, then the optimizer and the handle's outer sync when one is due.
+        True when the step ended with an outer sync (a round's end, for local_sgd and diloco)."""
+        self.synced = False
+        self.ddp_step(module, world_size, batches, local=True)
+        return self.synced
+
+    def micro_batched_step(self, handle: Any, model: nn.Module, batches: list[Any]) -> None:
+        """One step of K micro-batches (deterministic or live mode): this rank's through the engine's
+        accumulate(), exact in deterministic mode, the bucketed float all-reduce otherwise."""
+        state = self.state
+        num = self.plan.num_micro_batches
+        owned = handle.owned_micro_batches(num)
+        results = handle.accumulate(
+            lambda batch: self._micro_step(model, batch),
+            dict(zip(owned, batches)),
+            num_micro_batches=num,
+            step=state.counters.step,
+            seed=self.config.seed,
+        )
+        metrics = cast(OrderedMetrics, state.metrics.pending)
+        names = state.metrics.names("train")
+        rows = OrderedMetrics() if self.live is not None else metrics
+        for ordinal, (sums, count) in results.items():
+            rows.add(metrics.num_rows + ordinal, sums, count, names)  # rows since the last reduce
+        if self.live is not None:
+            # The step counts on every member or on none; its rows go with it to the store, where the
+            # survivors find them if this rank is lost before the next log.
+            packed = rows.packed()
+            self.live.commit(state.counters.step, packed)
+            state.metrics.unlogged.append((state.counters.step, self.live.membership.generation))
+            metrics.add_packed(packed, names)
+        metrics.num_rows += num
+        self._update(self.plan.global_batch_size)
+
+    def _micro_step(self, model: nn.Module, batch: Any) -> tuple[dict[str, torch.Tensor], int]:
+        """Forward and backward of one micro-batch (through accumulate()); its metric sums and sample count."""
+        inputs, targets = to_device(split_batch(batch), self.device)
+        with autocast(self.config.precision, self.device):
+            outputs = model(inputs)
+            loss = self.loss_fn(outputs, targets)
+        self.state.scaler.scale(loss).backward()
+        return self.state.metrics.sums("train", outputs, targets, loss, batch_len(targets))
+
+    def _update(self, samples: int) -> None:
+        """The optimizer's part of a step, after the gradients are averaged; `samples` over all ranks."""
+        state = self.state
+        PROGRESS.set_phase(OPTIMIZER)
+        if self.outer is not None:
+            self.outer.before_optimizer_step()  # a low-communication run's warm-up: averaged gradients
+        if self.config.clip_grad_norm is not None:
+            state.scaler.unscale_(self.optimizer)  # the object step() gets: the scaler tracks it by id
+            torch.nn.utils.clip_grad_norm_(state.module.parameters(), self.config.clip_grad_norm)
+        state.scaler.step(self.optimizer)
+        state.scaler.update()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.scheduler.step()
+        if self.outer is not None:
+            self.synced = self.outer.after_optimizer_step()  # every sync_every steps: the replicas meet
+        state.counters.samples += samples
+        state.sampler.advance(samples)
