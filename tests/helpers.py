@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import multiprocessing as mp
 import os
 import re
 import subprocess
@@ -31,11 +32,13 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import lockstep
@@ -108,6 +111,18 @@ DOCS = ROOT / "docs"
 # ---------------------------------------------------------------- processes and the CLI
 
 RUN_TIMEOUT = 120.0  # a hang fails the test; a loaded 2-core machine still finishes a run in ~10-20 s
+
+
+def start_members(target: Callable[..., None], members: tuple[int, ...]) -> tuple[Any, list[Any], Any]:
+    """Spawned processes `target(store_port, member, results)`, one per member, around a TCPStore that this
+    process hosts: (the store, which must outlive them, the processes, the results queue)."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(store.port, member, results)) for member in members]
+    for proc in procs:
+        proc.start()
+    return store, procs, results
 
 
 def alive(pid: int) -> bool:

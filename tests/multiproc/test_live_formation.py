@@ -10,7 +10,6 @@ stall that chaos seeds 20 and 47 of benchmarks/results/2026-11-29-chaos.md ended
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from datetime import timedelta
 from typing import Any
@@ -24,6 +23,7 @@ from lockstep.runtime.membership.core import GroupState
 from lockstep.runtime.membership.formation import Formation
 from lockstep.runtime.membership.phases import GenerationPhase
 from lockstep.runtime.membership.records import Membership
+from tests.helpers import start_members
 
 GO = "test/member1-may-form"
 
@@ -68,12 +68,7 @@ def _member(port: int, member: int, results: Any) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_member_whose_formation_failed_forms_the_next_generation_with_its_peers() -> None:
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(store.port, member, results)) for member in (0, 1)]
-    for proc in procs:
-        proc.start()
+    _store, procs, results = start_members(_member, (0, 1))
     got = dict(results.get(timeout=60) for _ in procs)
     for proc in procs:
         proc.join(timeout=30)

@@ -9,7 +9,6 @@ kind of collective, and raises RuntimeErrors of its own, and reports how each wa
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from datetime import timedelta
 from typing import Any
@@ -22,6 +21,7 @@ from torch import nn
 from lockstep.engine import replicate
 from lockstep.runtime.collectives import all_reduce_mean
 from lockstep.runtime.membership.recovery import is_lost_member
+from tests.helpers import start_members
 
 GONE = "test/member1-gone"
 
@@ -70,12 +70,7 @@ def _member(port: int, member: int, results: Any) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_dead_peer_is_a_lost_member_wherever_and_the_programs_own_runtime_error_is_not() -> None:
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(store.port, member, results)) for member in (0, 1)]
-    for proc in procs:
-        proc.start()
+    _store, procs, results = start_members(_member, (0, 1))
     got = results.get(timeout=75)
     for proc in procs:
         proc.join(timeout=30)
