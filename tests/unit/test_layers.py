@@ -36,7 +36,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "checkpoint": L0 | L1,
     "nn": {"engine"},
     "hooks": {"engine"},
-    "launch": L0 | L1 | {"plan", "startup"},
+    "launch": L0 | L1 | {"startup"},
     # lockstep's class under torch's names and the Lightning strategy: stdlib at import, the engine when used
     "startup": {"engine"},
     "trainer": L0 | L1 | L2 | {"plan", "torch_private"},

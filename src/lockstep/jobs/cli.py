@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="M",
         help="live mode: when a rank dies the others go on without a restart while at least M remain "
-        "(needs --deterministic and --global-batch-size); with --max-restarts R, up to R replacements join",
+        "(with --deterministic, with the bits of a run without faults); with --max-restarts R, up to R "
+        "replacements join",
     )
     parser.add_argument(
         "--hang-timeout",
@@ -146,6 +147,18 @@ def save_config(config: FitConfig, run_dir: Path) -> Path:
     return path
 
 
+def plan_of(args: argparse.Namespace, config: FitConfig) -> Plan:
+    """The run's plan from its settings and its launch: the verdict of `lockstep train` on them (a refused
+    pair: PlanRefused, one line and exit status 2 in cli.py), the same table `fit` asks."""
+    settings = RunSettings.of(
+        config,
+        world_size=args.nproc_per_node,
+        live=args.min_world is not None,
+        max_restarts=args.max_restarts,
+    )
+    return Plan.of(settings, flags=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -158,13 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.nproc_per_node < 1:
         parser.error(f"-n {args.nproc_per_node}: need at least 1 process")
-    settings = RunSettings.of(
-        config,
-        world_size=args.nproc_per_node,
-        live=args.min_world is not None,
-        max_restarts=args.max_restarts,
-    )
-    plan = Plan.of(settings, flags=True)  # a refused pair: PlanRefused, one line and exit status 2 (cli.py)
+    plan = plan_of(args, config)
     for note in plan.notes():
         print(f"lockstep train: note: {note}", file=sys.stderr)
     config = dataclasses.replace(config, global_batch_size=plan.global_batch_size)

@@ -28,7 +28,6 @@ from lockstep.launch.flag_values import (
     parse_nnodes,
     seconds_flag,
 )
-from lockstep.plan import Plan, RunSettings
 
 STANDALONE_ENDPOINT = "127.0.0.1:0"  # port 0: the kernel picks a free port atomically when the store binds
 LOG_MODES = ("rank0", "all")
@@ -113,16 +112,6 @@ def validate(spec: LaunchSpec) -> None:
         _check_live(spec)
     if spec.evict_stragglers is not None:
         _check_eviction(spec)
-    # The launch's own settings against the run's plan (lockstep/plan.py), before any worker starts; the
-    # trainer checks the rest of the table with the same plan.
-    Plan.of(
-        RunSettings(
-            live=spec.min_world is not None,
-            max_restarts=spec.max_restarts,
-            world_size=spec.nproc_per_node * spec.max_nodes,
-        ),
-        flags=True,
-    )
     if spec.shutdown_grace < 0:
         raise ConfigError(f"shutdown_grace must be >= 0 seconds, got {spec.shutdown_grace!r}")
     if spec.logs not in LOG_MODES:

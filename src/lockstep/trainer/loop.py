@@ -29,7 +29,7 @@ from lockstep.checkpoint import CheckpointManager
 from lockstep.engine.core.sync_algorithms import parse_sync
 from lockstep.engine.syncbn import convert_sync_batchnorm
 from lockstep.errors import ConfigError, InternalError
-from lockstep.plan import Plan, Reduction, RunSettings
+from lockstep.plan import Reduction
 from lockstep.runtime import barrier, broadcast_object
 from lockstep.runtime.env.topology import Topology
 from lockstep.runtime.process_group import live_group
@@ -49,7 +49,7 @@ from lockstep.trainer.run.run_state import RunState
 from lockstep.trainer.run.step_driver import Outcome, RolledBack
 from lockstep.trainer.run.steps import LossFn, Stepper
 from lockstep.trainer.run.train_data import TrainData
-from lockstep.trainer.settings.config import FitConfig
+from lockstep.trainer.settings.config import FitConfig, plan_of
 from lockstep.trainer.summary import (
     build_summary,
     checkpoint_summary,
@@ -85,7 +85,7 @@ class FitRun:
         )
         # Which settings combine and the engine's mode: the plan's (lockstep/plan.py; `lockstep train` checked
         # it before launch, a program of your own meets its refusal here)
-        self.modes = Plan.of(RunSettings.of(config, world_size=topo.world_size, live=self.live is not None))
+        self.modes = plan_of(config, topo.world_size, live=self.live is not None)
         self.periodic = self.modes.reduction is Reduction.PERIODIC  # local steps, outer syncs
         # a step: K micro-batches through accumulate() (the periodic modes step each rank's alone)
         self.micro_batched = self.plan.num_micro_batches > 0 and not self.periodic

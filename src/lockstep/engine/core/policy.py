@@ -25,7 +25,8 @@ class SyncPolicy:
     - bucket_cap_mb: size of every bucket after the first (MiB). "auto" (lockstep's, opt-in): chosen by
       measurement over the first synced steps after the rebuild among 1, 4, 10, 25, 50 and 100 MiB, the
       same on every rank (engine/buckets/bucket_tuner.py); the choice and every candidate's timings are in
-      `stats().extras`. Not with torch_bucket_layout, deterministic or a sync other than "allreduce".
+      `stats().extras`. Not with torch_bucket_layout. A cap of the user's ("auto", or other than torch's
+      25) is refused with deterministic or a periodic sync, which have no buckets (lockstep/plan.py).
     - first_bucket_mb: size of the first bucket, at most bucket_cap_mb (small, so that the first
       all-reduce starts early in backward).
     - find_unused_parameters: detect parameters not reached from the forward's outputs and reduce
@@ -133,7 +134,8 @@ class SyncPolicy:
             deterministic=self.deterministic,
             sync=self.sync,
             sync_dtype=codec_for(self.delta_dtype).name,
-            bucket_cap_mb=AUTO if self.tune_buckets else None,
+            # A cap other than torch's default is the user's (a dataclass cannot tell 25 passed from unset)
+            bucket_cap_mb=None if self.bucket_cap_mb == DEFAULT_BUCKET_CAP_MB else self.bucket_cap_mb,
             static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             find_unused_parameters=self.find_unused_parameters,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from lockstep.errors import ConfigError
-from lockstep.plan import FRAGMENT_LAYOUTS, SYNC_DTYPES, SYNC_MODES
+from lockstep.plan import FRAGMENT_LAYOUTS, SYNC_DTYPES, SYNC_MODES, Plan, RunSettings
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -240,6 +240,12 @@ class FitConfig:
         source = Source.python(type(self))
         for f in fields(self):
             setattr(self, f.name, check_setting(type(self), f.name, getattr(self, f.name), source))
+
+
+def plan_of(config: FitConfig, world_size: int, *, live: bool) -> Plan:
+    """fit's verdict on its settings (lockstep/plan.py: PlanRefused for a pair that does not combine), and
+    the engine's mode; `lockstep train` asks the same table of the same settings before launch."""
+    return Plan.of(RunSettings.of(config, world_size=world_size, live=live))
 
 
 def check_setting(cls: type, name: str, value: Any, source: Source) -> Any:
