@@ -5,8 +5,9 @@ the sync mode, the bucket size, accumulation, clipping, precision, restarts). Ev
 runs, falls back (one of the two does not apply, and the run says why, once) or is refused (with what to
 do instead). This module holds that table (`RULES`; a pair not in it runs) and nothing else decides it:
 
-- the launcher (`lockstep train`, `lockstep run`) builds the plan from the settings and the launch before
-  starting a worker, so a refused pair is one line and exit status 2, never a traceback per rank;
+- `lockstep train` builds the plan from the settings and the launch before starting a worker, so a refused
+  pair is one line and exit status 2, never a traceback per rank (`lockstep run` starts a program whose
+  settings it does not know: the program's `fit` or SyncPolicy meets the refusal);
 - the trainer and the engine ask the same plan (`Plan.of(...)`, `Plan.fallback(key)`) when they choose
   their modes, so a program that calls `lockstep.fit` without the launcher gets the same answer.
 
