@@ -106,7 +106,9 @@ def test_every_rule_gets_the_tables_verdict_through_every_door(rule: Rule) -> No
             doors["fit"] = _through_fit(rule)
     seen = {door: verdict for door, verdict in doors.items() if verdict is not None}
     assert seen, f"no door sets {rule.first} with {rule.second}"
-    assert set(seen.values()) == {rule.verdict}, f"{rule.first} with {rule.second}: the table says {rule.verdict}, {seen}"
+    assert set(seen.values()) == {rule.verdict}, (
+        f"{rule.first} with {rule.second}: the table says {rule.verdict}, {seen}"
+    )
 
 
 def test_a_bucket_size_with_a_periodic_sync_is_refused_by_both_doors() -> None:
