@@ -20,6 +20,7 @@ from lockstep.engine.deterministic.fixed_point import (
 )
 from lockstep.errors import ConfigError
 from lockstep.runtime.micro_batches import micro_batch_seed, owned_micro_batches
+from lockstep.trainer.live.live_side import live_batch_plan
 from lockstep.trainer.run.batches import BatchPlan, plan_batches
 
 
@@ -57,17 +58,15 @@ def test_deterministic_micro_batches_do_not_depend_on_the_world_size() -> None:
 
 def test_live_mode_cuts_micro_batches_without_deterministic_mode_too() -> None:
     # The global batch defaults to the per-rank batch on every launched rank, at any current world size.
-    assert {plan_batches(Settings(batch_size=8, grad_accum_steps=2), w, live_world=4) for w in (4, 3, 1)} == {
+    assert {live_batch_plan(Settings(batch_size=8, grad_accum_steps=2), w, 4) for w in (4, 3, 1)} == {
         BatchPlan(64, 8, 0, 8)
     }
-    assert plan_batches(Settings(global_batch_size=24, micro_batch_size=4), 3, live_world=4) == BatchPlan(
-        24, 4, 0, 6
-    )
+    assert live_batch_plan(Settings(global_batch_size=24, micro_batch_size=4), 3, 4) == BatchPlan(24, 4, 0, 6)
     with pytest.raises(ConfigError, match="into 2 micro-batches of 12, fewer than the ranks"):
-        plan_batches(Settings(global_batch_size=24, micro_batch_size=12), 4, live_world=4)
+        live_batch_plan(Settings(global_batch_size=24, micro_batch_size=12), 4, 4)
     # deterministic mode keeps its own rules (an explicit global batch)
     with pytest.raises(ConfigError, match="needs a global batch"):
-        plan_batches(Settings(deterministic=True), 2, live_world=2)
+        live_batch_plan(Settings(deterministic=True), 2, 2)
 
 
 def test_owners_are_round_robin_and_seeds_ignore_the_rank() -> None:

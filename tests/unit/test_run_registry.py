@@ -9,7 +9,7 @@ import torch
 
 from lockstep.errors import InternalError
 from lockstep.trainer.reporting.metrics import TrainMetrics
-from lockstep.trainer.run.registry import EVERY, LIVE, StateRegistry, Use
+from lockstep.trainer.run.registry import EVERY, RECOVERY, StateRegistry, Use
 from lockstep.trainer.run.run_state import RunState
 
 
@@ -33,7 +33,7 @@ def test_each_use_gets_its_entries_in_registration_order() -> None:
     assert reg.checkpoint_entries() == {"a": a, "b": b}
     assert reg.snapshot(Use.TRANSFER) == {"a": {"value": 1}}
     assert reg.snapshot(Use.MARK) == {"a": {"value": 1}, "c": {"value": 3}}
-    assert reg.keys(LIVE) == ["a", "c"]
+    assert reg.keys(RECOVERY) == ["a", "c"]
     tree = reg.snapshot(Use.MARK)
     a.value, c.value = 10, 30
     reg.restore(tree, Use.MARK)
@@ -43,7 +43,7 @@ def test_each_use_gets_its_entries_in_registration_order() -> None:
 def test_a_host_snapshot_is_a_copy_and_restores_again() -> None:
     reg = StateRegistry()
     t = torch.ones(3)
-    reg.register_state_dict_fn("t", lambda s: t.copy_(s), lambda: t, uses=LIVE)
+    reg.register_state_dict_fn("t", lambda s: t.copy_(s), lambda: t, uses=RECOVERY)
     mark = reg.snapshot(Use.MARK, host=True)
     t.add_(1)
     assert mark["t"].tolist() == [1.0, 1.0, 1.0]

@@ -181,11 +181,13 @@ def test_shard_optimizer_is_a_flag_of_lockstep_train() -> None:
 def test_shard_optimizer_refuses_periodic_sync() -> None:
     # (overlap_optimizer combines with it: tests/multiproc/test_overlap_shard_optimizer.py)
     from lockstep.trainer.run.optim import maybe_sharded
+    from lockstep.trainer.settings.config import plan_of
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    assert maybe_sharded(optimizer, FitConfig(), live=False) is optimizer
+    assert maybe_sharded(optimizer, FitConfig()) is optimizer
+    # fit's door (the run's plan, built once in trainer/loop.py) refuses it before anything is sharded
     with pytest.raises(ConfigError, match="shard_optimizer=True with sync='diloco'"):
-        maybe_sharded(optimizer, FitConfig(shard_optimizer=True, sync="diloco"), live=False)
+        plan_of(FitConfig(shard_optimizer=True, sync="diloco"), 1, live=False)
 
 
 def test_bucket_cap_mb_is_a_number_auto_or_none_from_every_source() -> None:
@@ -207,14 +209,18 @@ def test_bucket_cap_mb_is_a_number_auto_or_none_from_every_source() -> None:
 
 def test_bucket_cap_mb_reaches_the_policy_where_there_are_buckets() -> None:
     from lockstep.trainer.run.buckets import fit_policy, tunes_buckets
+    from lockstep.trainer.settings.config import plan_of
 
-    assert fit_policy(FitConfig(), live=False).bucket_cap_mb == 25.0
-    assert fit_policy(FitConfig(bucket_cap_mb="auto"), live=False).tune_buckets
+    assert fit_policy(FitConfig()).bucket_cap_mb == 25.0
+    assert fit_policy(FitConfig(bucket_cap_mb="auto")).tune_buckets
     assert tunes_buckets(FitConfig(bucket_cap_mb="auto")) and not tunes_buckets(FitConfig(bucket_cap_mb=10))
-    assert fit_policy(FitConfig(bucket_cap_mb=10, global_batch_size=8), live=True).bucket_cap_mb == 10.0
+    live_cap = FitConfig(bucket_cap_mb=10, global_batch_size=8)
+    plan_of(live_cap, 2, live=True)  # a number of MiB runs in live mode
+    assert fit_policy(live_cap).bucket_cap_mb == 10.0
+    # fit's door (the run's plan, built once in trainer/loop.py) refuses where there are no buckets to size
     with pytest.raises(ConfigError, match="bucket_cap_mb='auto' does not apply with deterministic=True"):
-        fit_policy(FitConfig(bucket_cap_mb="auto", deterministic=True, global_batch_size=8), live=False)
+        plan_of(FitConfig(bucket_cap_mb="auto", deterministic=True, global_batch_size=8), 1, live=False)
     with pytest.raises(ConfigError, match="bucket_cap_mb=4.0 does not apply with sync='local_sgd'"):
-        fit_policy(FitConfig(bucket_cap_mb=4, sync="local_sgd"), live=False)
+        plan_of(FitConfig(bucket_cap_mb=4, sync="local_sgd"), 1, live=False)
     with pytest.raises(ConfigError, match="does not run in live mode"):
-        fit_policy(FitConfig(bucket_cap_mb="auto"), live=True)
+        plan_of(FitConfig(bucket_cap_mb="auto"), 1, live=True)

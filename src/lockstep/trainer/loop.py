@@ -5,12 +5,13 @@ evaluation reduction, and the checkpoint save. Progress and logging only print o
 communicate, so no rank can be left waiting in a collective that rank 0 alone entered.
 
 The run's parts: the replica (replica.py), its state, each entry registered once (run_state.py), the
-steps (steps.py), evaluation (evaluation.py), metrics (metrics.py), the summary (summary.py), and its side
-of live mode (live_side.py: `FitLive` in live mode, `NotLive` otherwise), through whose driver every step
-and every collective work between steps runs (step_driver.py: DONE, REDO, ROLLED_BACK). In live mode the
-`FitLive` part is the run's `Recoverable` (runtime/membership/recovery.py). A low-communication run in
-live mode counts its rounds on every member or on none, and goes back to a round's start when a member is
-lost (live_rounds.py): the loop then carries on from there (`RolledBack`).
+steps (steps.py), evaluation (evaluation.py), metrics (metrics.py), the summary (summary.py), and its
+side: live mode or not, chosen once (trainer/live/live_side.py, `side_of_run`). The loop asks the side
+without knowing which it holds; through the side's driver the replica's start-up, every step and every
+collective work between steps run (step_driver.py: DONE, REDO, ROLLED_BACK). In live mode the side is the
+run's `Recoverable` (runtime/membership/recovery.py); a low-communication run there counts its rounds on
+every member or on none, and goes back to a round's start when a member is lost (live_rounds.py): the
+loop then carries on from there (`RolledBack`).
 """
 
 from __future__ import annotations
@@ -32,22 +33,20 @@ from lockstep.errors import ConfigError, InternalError
 from lockstep.plan import Reduction
 from lockstep.runtime import barrier, broadcast_object
 from lockstep.runtime.env.topology import Topology
-from lockstep.runtime.process_group import live_group
 from lockstep.runtime.progress import DATA, PROGRESS
-from lockstep.trainer.live.live_side import FitLive, NotLive
+from lockstep.trainer.live.live_side import side_of_run
 from lockstep.trainer.reporting.metrics import TrainMetrics
 from lockstep.trainer.reporting.progress import ProgressBar
 from lockstep.trainer.reporting.run_log import RunLog
-from lockstep.trainer.run.batches import plan_batches
 from lockstep.trainer.run.buckets import bucket_summary, tunes_buckets
 from lockstep.trainer.run.device import choose_device
 from lockstep.trainer.run.evaluation import Evaluation
 from lockstep.trainer.run.low_comm import PeriodicRun
-from lockstep.trainer.run.optim import build_optimizer, build_scheduler, maybe_sharded
+from lockstep.trainer.run.optim import build_optimizer, build_scheduler
 from lockstep.trainer.run.replica import FitReplica
 from lockstep.trainer.run.run_state import RunState
 from lockstep.trainer.run.step_driver import Outcome, RolledBack
-from lockstep.trainer.run.steps import LossFn, Stepper
+from lockstep.trainer.run.steps import LossFn, Stepper, stepped_optimizer
 from lockstep.trainer.run.train_data import TrainData
 from lockstep.trainer.settings.config import FitConfig, plan_of
 from lockstep.trainer.summary import (
@@ -76,16 +75,12 @@ class FitRun:
         self.device = choose_device(config.device)
         torch.manual_seed(config.seed + topo.rank)  # per-rank streams for dropout/augmentation
         self.module = (convert_sync_batchnorm(model) if config.sync_batchnorm else model).to(self.device)
-        self.live = live_group()
-        # Live mode cuts every step into micro-batches (as deterministic mode does), so that a step lost
-        # with a rank is redone over the survivors with the same samples; its global batch defaults to
-        # the per-rank batch on every launched rank.
-        self.plan = plan_batches(
-            config, topo.world_size, live_world=self.live.launch_world_size if self.live else None
-        )
+        self.side = side_of_run(config, topo)  # live mode or not, chosen once (live_side.py)
         # Which settings combine and the engine's mode: the plan's (lockstep/plan.py; `lockstep train` checked
-        # it before launch, a program of your own meets its refusal here)
-        self.modes = plan_of(config, topo.world_size, live=self.live is not None)
+        # it before launch, a program of your own meets its refusal here), built once and handed down
+        self.modes = plan_of(config, topo.world_size, live=self.side.live)
+        # The step's cut (live mode cuts every step into micro-batches, as deterministic mode does)
+        self.plan = self.side.batch_plan(config, topo.world_size)
         self.periodic = self.modes.reduction is Reduction.PERIODIC  # local steps, outer syncs
         # a step: K micro-batches through accumulate() (the periodic modes step each rank's alone)
         self.micro_batched = self.plan.num_micro_batches > 0 and not self.periodic
@@ -93,7 +88,7 @@ class FitRun:
         # stepping alone (sync: the handle syncs every sync_every steps) or with its bucket size tuned
         # (bucket_cap_mb="auto": the drop-in face keeps torch's), else torch's drop-in face.
         in_place = self.micro_batched or self.periodic or tunes_buckets(config)
-        self.replica = FitReplica(self.module, config, self.device, topo, self.live, in_place=in_place)
+        self.replica = FitReplica(self.module, config, self.device, self.side, in_place=in_place)
         self.model, handle = self.replica.model, self.replica.handle
         self.data = TrainData(
             train_data, config, self.plan, self.replica.topo, pin=self.device.type == "cuda"
@@ -114,7 +109,7 @@ class FitRun:
         optimizer = (make_optimizer or (lambda p: build_optimizer(p, config)))(self.module.parameters())
         self.state = RunState(
             self.module,
-            maybe_sharded(optimizer, config, live=self.live is not None),
+            self.side.sharded(optimizer, config),
             build_scheduler(optimizer, config, self.total_steps),
             torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16"),
             self.sampler,
@@ -126,39 +121,45 @@ class FitRun:
         main = self.replica.topo.is_main
         self.runlog = RunLog(self.run_dir, enabled=main)
         self.bar = ProgressBar(self.total_steps, enabled=main, mode=config.progress)
-        self.stepper = Stepper(self.state, config, self.plan, loss_fn, self.device, self.live)
-        self.stepper.replica = handle if tunes_buckets(config) else None  # no_sync() for ddp_step
-        self.stepper.overlap(
-            self.replica.engine, self.modes
-        )  # overlap_optimizer: the engine steps the buckets
+        self.stepper = Stepper(
+            self.state,
+            config,
+            self.plan,
+            loss_fn,
+            self.device,
+            # overlap_optimizer: the engine steps the buckets
+            optimizer=stepped_optimizer(self.state, config, self.plan, self.modes, self.replica.engine),
+            commit=self.side.commit_step,
+            no_sync=handle if tunes_buckets(config) else None,  # ddp_step's no_sync() with tuned buckets
+            outer=handle if self.periodic else None,  # its outer sync follows each step
+        )
         self.periodic_run = PeriodicRun(handle, self.module, optimizer) if self.periodic else None
         if self.periodic_run is not None:
-            self.stepper.outer = handle
             self.replica.followers += [self.periodic_run, self.stepper]  # they follow a rebuilt handle
             algorithm = parse_sync(config.sync)
             fragmented = algorithm is not None and algorithm.fragmented
             self.state.register_outer_sync(self.periodic_run, streaming=fragmented)
-        # Live mode's side (live_side.py): recovery, replacements, a low-communication run's rounds; every
-        # step and every collective work between steps goes through its driver (step_driver.py).
-        self.live_side: FitLive | NotLive = NotLive()
-        if self.live is not None:
-            output, shards = (self.runlog, self.bar), (self.data, self.evaluation)
-            self.live_side = FitLive(
-                self.live, config, replica=self.replica, state=self.state, shards=shards, output=output
-            )
+        # From now on a lost member recovers the run (live mode): its replacements, a low-communication run's
+        # rounds; every step and every collective work between steps goes through the side's driver.
+        self.side.attach(
+            replica=self.replica,
+            state=self.state,
+            shards=(self.data, self.evaluation),
+            output=(self.runlog, self.bar),
+        )
 
     # ---- phases -------------------------------------------------------------------------------------------
 
     def train(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Train to the end; (the summary, the logged history)."""
-        if self.live_side.receive_state():  # a replacement: the state comes from a peer, not a checkpoint
+        if self.side.receive_state():  # a replacement: the state comes from a peer, not a checkpoint
             self.bar.advance(self.counters.step)
             if self.sampler.epoch > self.counters.epoch:  # admitted after an epoch's last step: the members
                 self.counters.epoch += 1  # close that epoch now (checkpoint, evaluation), and so does it
                 self._retry(self._end_of_epoch)
         else:
             self._retry(self._maybe_resume)
-        self.live_side.mark_round()  # live mode, low-communication run: where a lost member's round is redone from
+        self.side.mark_round()  # live mode, low-communication run: where a lost member's round is redone from
         started, start_samples, start_step = time.monotonic(), self.counters.samples, self.counters.step
         start_bytes = comm_bytes_so_far(self.replica.engine)
         self._train_to_end()
@@ -168,7 +169,7 @@ class FitRun:
             self.config,
             world_size=self.replica.topo.world_size,
             plan=self.plan,
-            restarts=self.live.attempt if self.live is not None else None,
+            restarts=self.side.restarts,
             run=(wall, self.counters.samples - start_samples, self.counters.step - start_step),
             comm_bytes=comm_bytes_so_far(self.replica.engine) - start_bytes,
         )
@@ -178,7 +179,7 @@ class FitRun:
             summary.update(self.periodic_run.summary(self.record.faults))
         if self.replica.topo.is_main:
             publish_summary(summary, self.run_dir, self.runlog, self.bar)
-        self.live_side.close()  # published: a loss in the last barrier goes back nowhere
+        self.side.close()  # published: a loss in the last barrier goes back nowhere
         self._retry(barrier)
         return summary, list(self.runlog.records)
 
@@ -192,7 +193,7 @@ class FitRun:
                 self._retry(self._end_of_run)
                 return
             except RolledBack:
-                self.live_side.rolled_back()
+                self.side.rolled_back()
                 self.bar.message(f"live: the round is redone from step {self.counters.step}")
                 self.bar.advance(self.counters.step)
 
@@ -246,7 +247,7 @@ class FitRun:
             if len(group) < wanted or not (group or self.micro_batched):
                 steps_left = 0  # the loader ended early (the dataset shrank under it): the epoch is done
                 break
-            outcome, synced = self.live_side.driver.attempt(partial(self._step, group))
+            outcome, synced = self.side.driver.attempt(partial(self._step, group))
             if outcome is Outcome.ROLLED_BACK:  # back to the round's start, maybe in an earlier epoch
                 raise RolledBack
             if outcome is Outcome.REDO:  # live mode: the survivors go on
@@ -261,14 +262,14 @@ class FitRun:
                 self._retry(self.periodic_run.finish)  # before the last checkpoint and evaluation
             changed = self._retry(self._after_step)
             # replacements join; a round ends after its sync's step (at an epoch's end: below)
-            changed = self.live_side.after_step(synced=bool(synced), more=steps_left > 0) or changed
+            changed = self.side.after_step(synced=bool(synced), more=steps_left > 0) or changed
             if changed and steps_left > 0:  # the shards were cut again: iterate the rest of the epoch anew
                 micro_batches, steps_left, micro_left = self.data.iterate()
         if steps_left > 0:
             return  # stopped by the step budget in the middle of an epoch: stay in it (resumable)
         self.counters.epoch += 1
         self._retry(self._end_of_epoch)
-        self.live_side.end_of_epoch(synced=self.stepper.synced)
+        self.side.end_of_epoch(synced=self.stepper.synced)
 
     def _step(self, group: list[Any]) -> bool:
         """One step; True when it ended with an outer sync (a low-communication run's round)."""
@@ -296,7 +297,7 @@ class FitRun:
     def _retry(self, work: Callable[[], Any]) -> bool:
         """work(), done again over the survivors if a member is lost in its collectives (live mode).
         True when the group changed meanwhile (the loop re-cuts its iteration)."""
-        driver = self.live_side.driver
+        driver = self.side.driver
         before = driver.changes
         driver.run(work)  # a low-communication run's loss: back to the round's start, RolledBack
         return driver.changes != before
@@ -316,9 +317,7 @@ class FitRun:
         if metrics.pending.count == 0 and not force:
             return
         means, count = metrics.pending.reduce(metrics.names("train"))  # collective: every rank is here
-        if self.live is not None:
-            self.live.forget_rows(metrics.unlogged)  # logged: a later loss need not recover them
-            metrics.unlogged = []
+        self.side.logged(metrics)  # live mode: a later loss need not recover these rows
         if count == 0:
             return
         record = {

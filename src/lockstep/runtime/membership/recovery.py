@@ -10,8 +10,10 @@ and calls, from its own places:
 - `admit_joiners(step)` after each completed step: a growth that rank 0 planned one step ago happens, the
   replacements receive the state from rank 0.
 - `receive_state()`: a replacement's first act: the state of the run it joins, from rank 0.
-- `retry(work)`: work between steps that issues collectives (evaluation, a checkpoint), done again over
-  the survivors when a member is lost in it.
+
+The loop reaches `recover` through its step driver (trainer/run/step_driver.py), for its steps, the work
+between them (evaluation, a checkpoint) and the admissions alike; before the run exists, the start-up's
+collectives recover through `StartUpRecovery`.
 
 After every change the members compare their progress marks (the step first: a step counts on every
 member or on none, membership/commit.py, so a difference is an InternalError on every rank); marks that
@@ -24,7 +26,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch.distributed as dist
@@ -35,7 +36,6 @@ from lockstep.runtime.membership.group import LiveGroup, PlaceT
 from lockstep.runtime.membership.host import Place
 from lockstep.runtime.membership.records import Fault
 
-T = TypeVar("T")
 PlaceIn = TypeVar("PlaceIn", bound=Place, contravariant=True)  # what the run is handed: runtime's Topology
 NO_STATE = -1  # the step a replacement reports before it received its state
 FAILURES = (RuntimeError, dist.DistError)  # how a lost member surfaces in a collective
@@ -110,18 +110,15 @@ class LiveRecovery(Generic[PlaceT]):
 
     def admit_joiners(self, step: int, next_step: int | None = None) -> bool:
         """At a step boundary: let in the replacements that rank 0 planned for this step. True when the
-        group changed (the loop re-cuts its iteration), also when a member was lost while doing so.
-        `next_step`: the boundary after this one when growth happens only at some steps (the ends of a
-        low-communication run's rounds; called only there)."""
+        group changed (the loop re-cuts its iteration). `next_step`: the boundary after this one when growth
+        happens only at some steps (the ends of a low-communication run's rounds; called only there). A
+        member or a replacement lost in the growth raises, and the loop's step driver recovers from it
+        like from any other loss (trainer/run/step_driver.py, `changed_by`)."""
         joiners = self.group.joiners_due(step, next_step)
         if not joiners:
             return False
-        try:
-            self.run.release_replica()
-            self._rejoin(self.group.reform(f"replacements {joiners} join after step {step}", joiners))
-        except FAILURES as exc:  # a member or the replacement died in the growth
-            if not self.recover(exc):
-                raise
+        self.run.release_replica()
+        self._rejoin(self.group.reform(f"replacements {joiners} join after step {step}", joiners))
         return True
 
     def receive_state(self) -> None:
@@ -236,16 +233,23 @@ def raised_by_transport(exc: BaseException) -> bool:
     return os.path.realpath(tb.tb_frame.f_code.co_filename).startswith(_TRANSPORT_DIRS)
 
 
-def retry_at_start(group: LiveGroup[Any] | None, work: Callable[[], T]) -> T:
-    """work() with collectives at start-up (replicating a model, loading a checkpoint), done again over
-    the survivors when a member is lost in it. Outside live mode (`group` None): work() once."""
-    while True:
-        try:
-            return work()
-        except FAILURES as exc:
-            if group is None or not lost_member_or_changed(group.state, exc):
-                raise
-            before = group.membership.members
-            group.reform(exc)
-            if group.membership.members == before and not isinstance(exc, MembershipChanged):
-                raise  # nobody left: the error is the program's own
+class StartUpRecovery(Generic[PlaceT]):
+    """Live recovery before the loop's run exists: a member lost in the start-up's collectives (replicating
+    a model, loading a checkpoint) re-forms the group over the survivors, and the step driver does the
+    work again (trainer/run/step_driver.py). There is no replica to release or state to converge yet."""
+
+    def __init__(self, group: LiveGroup[PlaceT]) -> None:
+        self.group = group
+        self.changes = 0
+
+    def recover(self, exc: BaseException) -> bool:
+        """Re-form over the survivors; False when no member's loss explains `exc` (nobody left)."""
+        group = self.group
+        if not lost_member_or_changed(group.state, exc):
+            return False
+        before = group.membership.members
+        group.reform(exc)
+        if group.membership.members == before and not isinstance(exc, MembershipChanged):
+            return False  # nobody left: the error is the program's own
+        self.changes += 1
+        return True

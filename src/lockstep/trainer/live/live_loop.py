@@ -33,8 +33,9 @@ from lockstep.engine import ReplicaHandle, ShardedOptimizer, replicate
 from lockstep.engine.core.policy import SyncPolicy
 from lockstep.errors import ConfigError, InternalError, NotSupportedError
 from lockstep.runtime.env.topology import Topology
+from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.records import Fault
-from lockstep.runtime.membership.recovery import LiveRecovery, retry_at_start
+from lockstep.runtime.membership.recovery import LiveRecovery, StartUpRecovery
 from lockstep.runtime.process_group import live_group
 from lockstep.trainer.run.registry import StateRegistry, Use
 from lockstep.trainer.run.step_driver import Outcome, StepDriver
@@ -110,15 +111,17 @@ class LiveLoop:
         self.faults: list[dict[str, Any]] = []
         self.registry = self._register()
         group = live_group()
-        self.handle: ReplicaHandle | None = retry_at_start(
-            group, lambda: replicate(model, policy=self.policy)
+        self.members: Alone | Members = Alone() if group is None else Members(group)  # chosen once
+        # through the members' step driver: in live mode a member lost in the start-up is survived
+        self.handle: ReplicaHandle | None = self.members.driver.run(
+            lambda: replicate(model, policy=self.policy)
         )
-        self.recovery = LiveRecovery(group, self) if group is not None else None
-        self.driver = StepDriver(self.recovery)  # each step, and retry()'s work
-        if self.recovery is not None:
-            self.faults = self.recovery.startup_faults()  # members lost before this loop began
-            if self.recovery.group.needs_state:
-                self.recovery.receive_state()
+        self.members.attach(self)
+
+    @property
+    def driver(self) -> StepDriver:
+        """Each step, the admissions and retry()'s work run through it."""
+        return self.members.driver
 
     @property
     def epoch(self) -> int:
@@ -134,7 +137,7 @@ class LiveLoop:
         while steps_left > 0:
             # Replacements join at the top of a step: there they stand where a new process starts, after
             # the program's own work of the step before (its scheduler step, say), whose state they receive.
-            if self.recovery is not None and self.recovery.admit_joiners(self.step):
+            if self.driver.changed_by(partial(self.members.admit_joiners, self.step)):
                 batches, steps_left = self._cut()
             num = self.sampler.num_micro_batches
             owned = self._handle().owned_micro_batches(num)
@@ -154,8 +157,7 @@ class LiveLoop:
         results = self._handle().accumulate(
             micro_step, mine, num_micro_batches=self.sampler.num_micro_batches, step=self.step, seed=self.seed
         )
-        if self.recovery is not None:
-            self.recovery.group.commit(self.step)  # the step counts on every member or on none
+        self.members.commit(self.step)  # live mode: the step counts on every member or on none
         self.optimizer.step()
         return results
 
@@ -238,6 +240,47 @@ class LiveLoop:
 
     def regrouped(self, fault: Fault) -> None:
         """Nothing of the loop's own: a program of yours logs what it keeps."""
+
+
+class Alone:
+    """LiveLoop outside live mode (a plain `lockstep run`, torchrun): the group never changes, a failure is
+    the program's own."""
+
+    def __init__(self) -> None:
+        self.driver = StepDriver()
+
+    def attach(self, loop: LiveLoop) -> None:
+        pass
+
+    def admit_joiners(self, step: int) -> bool:
+        return False
+
+    def commit(self, step: int) -> None:
+        pass
+
+
+class Members:
+    """LiveLoop in live mode: the group's recovery (runtime/membership/recovery.py), with the loop as its
+    Recoverable once the replica exists."""
+
+    def __init__(self, group: LiveGroup[Topology]) -> None:
+        self.group = group
+        self.driver = StepDriver(StartUpRecovery(group))  # until the loop exists: the start-up's collectives
+
+    def attach(self, loop: LiveLoop) -> None:
+        """The loop's replica exists: from now on a loss recovers it; a replacement receives its state."""
+        self.recovery = LiveRecovery(self.group, loop)
+        self.driver = StepDriver(self.recovery)
+        loop.faults = self.recovery.startup_faults()  # members lost before this loop began
+        if self.group.needs_state:
+            self.recovery.receive_state()
+
+    def admit_joiners(self, step: int) -> bool:
+        """Replacements join at the top of a step (a loss in it raises: the loop's driver recovers)."""
+        return self.recovery.admit_joiners(step)
+
+    def commit(self, step: int) -> None:
+        self.group.commit(step)
 
 
 def _take(iterator: Iterator[list[int]], count: int) -> list[list[int]]:

@@ -41,14 +41,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lockstep.engine.core.sync_algorithms import parse_sync
 from lockstep.engine.periodic.outer_sync import due_fragments, in_flight_entries
 from lockstep.errors import LockstepError
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.micro_batches import owned_micro_batches
 from lockstep.trainer.run.registry import Use
 from lockstep.trainer.run.run_state import RunState
-from lockstep.trainer.settings.config import FitConfig
 
 
 class RoundMark:
@@ -94,15 +92,6 @@ class LiveRounds:
         self.dropped: dict[str, Any] | None = None  # streaming: what the last rollback dropped
         self.armed = False  # a change of members happened: the rebuilt replica gets the mark back
         self.closed = False  # the run ended (its last barrier): nothing is redone any more
-
-    @classmethod
-    def of_run(cls, group: LiveGroup | None, state: RunState, config: FitConfig) -> LiveRounds | None:
-        """A low-communication run's rounds in live mode, else None (streaming: by fragment syncs)."""
-        algorithm = parse_sync(config.sync)
-        if group is None or algorithm is None:
-            return None
-        streaming = config.fragments if algorithm.delayed else None
-        return cls(group, state, config.sync_every, fragments=streaming)
 
     @property
     def active(self) -> bool:

@@ -1,19 +1,28 @@
-"""fit's side of live mode: a part of `FitRun`, what runtime/membership/recovery.py asks of it (its Recoverable).
+"""fit's side of live mode: a part of `FitRun`, chosen once per run, and what runtime/membership/recovery.py
+asks of it (its Recoverable).
 
-`FitRun` (trainer/loop.py) holds one of two objects behind one small interface, chosen once: `FitLive` in
-live mode, `NotLive` otherwise. Through it the loop runs its steps and its collective work (`driver`,
-trainer/run/step_driver.py), a replacement receives its state (`receive_state`), replacements join after a
-step (`after_step`), and a low-communication run counts its rounds (`mark_round`, `after_step`,
-`end_of_epoch`, `rolled_back`, `close`).
+`side_of_run` makes the choice, once: `NotLive` outside live mode, `FitLive` in it (`FitLiveRounds` for a
+low-communication run, whose rounds count on every member or on none). `FitRun` (trainer/loop.py) holds
+the one it gets and asks it, without knowing which it holds:
+
+- while the run is built: the batch cut (`batch_plan`: live mode cuts every step into micro-batches), this
+  rank's place after the start-up (`topology`), the optimizer's shards (`sharded`: two copies of each in
+  live mode), how a micro-batched step's metric rows are kept (`commit_step`: in live mode the step counts
+  on every member or on none, its rows on the store), and the step driver through which the start-up's
+  collectives, every step and every collective work between steps run (`driver`,
+  trainer/run/step_driver.py);
+- once the run's parts exist (`attach`): a replacement receives its state (`receive_state`), replacements
+  join after a step (`after_step`), logged rows are forgotten (`logged`), and a low-communication run
+  counts its rounds (`mark_round`, `after_step`, `end_of_epoch`, `rolled_back`, `close`).
 
 `FitLive` is the run's `Recoverable`: live recovery reaches the run only through its few methods (release
 and rebuild the replica, progress marks, state_dict, reshard, take over rank 0's duties). It holds the
 parts of the run it works on: the replica (trainer/run/replica.py), the run's state and its registry
 (trainer/run/run_state.py, trainer/run/registry.py), what is cut over the ranks (the training data and the
-evaluation), and rank 0's metric log and progress bar, which a process that becomes rank 0 takes over. A
-low-communication run (FitConfig.sync) goes back to its round's start on a loss (trainer/live/live_rounds.py):
-`discard_step` arms that, `rebuild_replica` does it on the new replica; a streaming DiLoCo run goes back
-to its last fragment's sync, and the fault's record says what it dropped.
+evaluation), and rank 0's metric log and progress bar, which a process that becomes rank 0 takes over.
+`FitLiveRounds` goes back to its round's start on a loss (trainer/live/live_rounds.py): `discard_step`
+arms that, `rebuild_replica` does it on the new replica; a streaming DiLoCo run goes back to its last
+fragment's sync, and the fault's record says what it dropped.
 """
 
 from __future__ import annotations
@@ -21,14 +30,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import torch
+
+from lockstep.engine.core.sync_algorithms import parse_sync
+from lockstep.errors import ConfigError
 from lockstep.runtime.env.topology import Topology
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.records import Fault
-from lockstep.runtime.membership.recovery import LiveRecovery
+from lockstep.runtime.membership.recovery import LiveRecovery, StartUpRecovery
+from lockstep.runtime.process_group import live_group
 from lockstep.trainer.live.live_rounds import LiveRounds
 from lockstep.trainer.live.live_takeover import describe_change, take_over_log, take_over_rows
+from lockstep.trainer.reporting.metrics import OrderedMetrics, TrainMetrics
 from lockstep.trainer.reporting.progress import ProgressBar
 from lockstep.trainer.reporting.run_log import RunLog
+from lockstep.trainer.run.batches import BatchPlan, BatchSettings, micro_batch_cut, plan_batches
+from lockstep.trainer.run.optim import maybe_sharded
 from lockstep.trainer.run.registry import Use
 from lockstep.trainer.run.replica import FitReplica
 from lockstep.trainer.run.run_state import RunState
@@ -42,11 +59,70 @@ class Sharded(Protocol):
     def reshard(self, topology: Topology) -> None: ...
 
 
+def side_of_run(config: FitConfig, topology: Topology) -> NotLive | FitLive:
+    """Live mode or not, chosen once for the run (see the module doc); `topology`: this rank's as launched."""
+    group = live_group()
+    if group is None:
+        return NotLive(topology)
+    if parse_sync(config.sync) is None:
+        return FitLive(group)
+    return FitLiveRounds(group, config)
+
+
+def live_batch_plan(config: BatchSettings, world_size: int, launched: int) -> BatchPlan:
+    """Live mode's cut of a step: into micro-batches, as deterministic mode does, so that a step lost with a
+    rank is redone over the survivors with the same samples; the global batch defaults to the per-rank
+    batch on every one of the `launched` ranks. Each of them needs a micro-batch of every step."""
+    if config.deterministic:
+        return plan_batches(config, world_size)
+    total = config.global_batch_size
+    if total is None:
+        total = config.batch_size * config.grad_accum_steps * launched
+    plan = micro_batch_cut(config, total)
+    if plan.num_micro_batches < launched:
+        raise ConfigError(
+            f"live mode on {launched} ranks cuts each step of {total} samples into "
+            f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, fewer than the ranks: every "
+            "rank needs one; lower micro_batch_size, raise global_batch_size, or use deterministic=True"
+        )
+    return plan
+
+
 class NotLive:
     """FitRun outside live mode: nothing to receive, to admit or to go back to; a failure is the program's."""
 
-    def __init__(self) -> None:
-        self.driver = StepDriver(None)
+    live = False
+    restarts = None  # summary.json's `restarts`: live mode's count of whole-job restarts
+
+    def __init__(self, topology: Topology) -> None:
+        self.launched = topology
+        self.driver = StepDriver()
+
+    def batch_plan(self, config: FitConfig, world_size: int) -> BatchPlan:
+        return plan_batches(config, world_size)
+
+    def topology(self) -> Topology:
+        return self.launched
+
+    def sharded(self, optimizer: torch.optim.Optimizer, config: FitConfig) -> Any:
+        return maybe_sharded(optimizer, config)
+
+    def attach(
+        self,
+        *,
+        replica: FitReplica,
+        state: RunState,
+        shards: Sequence[Sharded],
+        output: tuple[RunLog, ProgressBar],
+    ) -> None:
+        pass
+
+    def commit_step(self, step: int, rows: OrderedMetrics, metrics: TrainMetrics) -> None:
+        """A micro-batched step's rows join the pending ones."""
+        metrics.pending.merge(rows)  # type: ignore[union-attr]  # micro-batched: OrderedMetrics
+
+    def logged(self, metrics: TrainMetrics) -> None:
+        pass
 
     def receive_state(self) -> bool:
         return False
@@ -70,23 +146,65 @@ class NotLive:
 class FitLive:
     """FitRun's side of live mode (see the module doc)."""
 
-    def __init__(
+    replica: FitReplica
+    state: RunState
+    shards: Sequence[Sharded]
+    runlog: RunLog
+    bar: ProgressBar
+    recovery: LiveRecovery[Topology]
+
+    live = True
+
+    def __init__(self, group: LiveGroup[Topology]) -> None:
+        self.group = group
+        self.restarts = group.attempt  # whole-job restarts before this one (summary.json's `restarts`)
+        # Until the run's parts exist, a member lost in the start-up's collectives is survived like any other.
+        self.driver = StepDriver(StartUpRecovery(group))
+
+    # ---- while the run is built -------------------------------------------------------------------------------
+
+    def batch_plan(self, config: FitConfig, world_size: int) -> BatchPlan:
+        return live_batch_plan(config, world_size, self.group.launch_world_size)
+
+    def topology(self) -> Topology:
+        """This rank's place after the start-up (members may have been lost meanwhile)."""
+        return self.group.topology()
+
+    def sharded(self, optimizer: torch.optim.Optimizer, config: FitConfig) -> Any:
+        """Each share kept by two ranks; the all-gather waits until the step counted (`gather()` after it)."""
+        return maybe_sharded(optimizer, config, copies=2, defer_gather=True)
+
+    def attach(
         self,
-        group: LiveGroup,
-        config: FitConfig,
         *,
         replica: FitReplica,
         state: RunState,
         shards: Sequence[Sharded],
         output: tuple[RunLog, ProgressBar],
     ) -> None:
-        self.group, self.replica, self.state, self.shards = group, replica, state, shards
+        """The run's parts exist: from now on a loss recovers the run."""
+        self.replica, self.state, self.shards = replica, state, shards
         self.runlog, self.bar = output
-        # a low-communication run: a round counts on every member or on none (live_rounds.py)
-        self.rounds = LiveRounds.of_run(group, state, config)
-        self.recovery = LiveRecovery(group, self)
-        self.driver = StepDriver(self.recovery, self.rounds)
+        self.recovery = LiveRecovery(self.group, self)
+        self.driver = StepDriver(self.recovery, self.rollback())
         state.record.faults = self.recovery.startup_faults()
+
+    def rollback(self) -> LiveRounds | None:
+        """What a loss takes the run back to instead of redoing the step: nothing (FitLiveRounds: a round mark)."""
+        return None
+
+    def commit_step(self, step: int, rows: OrderedMetrics, metrics: TrainMetrics) -> None:
+        """The step counts on every member or on none; its rows go with it to the store, where the survivors
+        find them if this rank is lost before the next log."""
+        packed = rows.packed()
+        self.group.commit(step, packed)
+        metrics.unlogged.append((step, self.group.membership.generation))
+        metrics.pending.add_packed(packed, metrics.names("train"))  # type: ignore[union-attr]  # OrderedMetrics
+
+    def logged(self, metrics: TrainMetrics) -> None:
+        """The rows since the last log are logged: a later loss need not recover them."""
+        self.group.forget_rows(metrics.unlogged)
+        metrics.unlogged = []
 
     # ---- what the loop calls ----------------------------------------------------------------------------------
 
@@ -98,47 +216,22 @@ class FitLive:
         return True
 
     def mark_round(self) -> None:
-        """A low-communication run: keep this rank's state as where a lost member's round is redone from."""
-        if self.rounds is not None:
-            self.rounds.mark(len(self.runlog.records) if self.runlog.enabled else None)
+        pass
 
     def after_step(self, *, synced: bool, more: bool) -> bool:
-        """After a step and its work: replacements join (a low-communication run: at a round's end, after
-        the step whose outer sync ended it, unless the epoch ends with it: end_of_epoch). True when the
-        group changed (the loop re-cuts its iteration)."""
-        if self.rounds is None:
-            return self.recovery.admit_joiners(self.state.counters.step)
-        return synced and more and self._end_round(self.rounds)
+        """After a step and its work: replacements join. True when the group changed (the loop re-cuts its
+        iteration)."""
+        step = self.state.counters.step
+        return self.driver.changed_by(lambda: self.recovery.admit_joiners(step))
 
     def end_of_epoch(self, *, synced: bool) -> None:
-        """After the epoch's end (its checkpoint, its evaluation): a round that ended with the epoch's last step."""
-        if self.rounds is not None and synced:
-            self._end_round(self.rounds)
+        pass
 
     def rolled_back(self) -> None:
-        """The run went back to its round's start: the metric log as it was there."""
-        if self.rounds is not None:
-            self.rounds.rewind_log(self.runlog)
+        pass
 
     def close(self) -> None:
-        """The summary is published: a loss in the last barrier goes back nowhere."""
-        if self.rounds is not None:
-            self.rounds.closed = True
-
-    def _end_round(self, rounds: LiveRounds) -> bool:
-        """After the step whose outer sync ended a round (and its logs, evaluation, checkpoint, the epoch's
-        end): the round counts on every member or on none (a loss: RolledBack, step_driver.py), a new mark,
-        then the replacements join. True when the group grew."""
-        handle, step = self.replica.handle, self.state.counters.step
-        if handle is None:
-            return False
-        self.driver.run(lambda: rounds.settle(handle, step))  # streaming: before a growth
-        self.driver.run(lambda: rounds.commit(step))
-        self.mark_round()
-        if not rounds.round_end(step):  # streaming: a fragment's sync inside the round
-            return False
-        # A member lost while the group grows takes everyone back to this mark: where they stand anyway.
-        return self.recovery.admit_joiners(step, next_step=step + rounds.sync_every)
+        pass
 
     # ---- the Recoverable (runtime/membership/recovery.py) ---------------------------------------------------
 
@@ -151,22 +244,13 @@ class FitLive:
         self.replica.release()
 
     def rebuild_replica(self, topology: Topology) -> None:
-        self.replica.rebuild(topology)  # a low-communication run's outer state moves to the new handle
-        if self.rounds is not None:  # after a loss: back to the round's start (after the replica's broadcast)
-            self.rounds.rebuilt()
+        self.replica.rebuild(topology)
 
     def discard_step(self) -> None:
         self.state.optimizer.zero_grad(set_to_none=True)
-        if self.rounds is not None:
-            self.rounds.discard()
 
     def marks(self) -> dict[str, Any]:
-        marks = self.state.marks()
-        if self.rounds is not None:
-            # A periodic run's metrics are this rank's own sums (unequal counts across ranks); a loss takes
-            # every member back to the same mark, so they cannot disagree on what was logged.
-            marks.pop("pending_metrics")
-        return marks
+        return self.state.marks()
 
     def reconcile(self, mark: str) -> None:
         self.state.reconcile(mark)
@@ -183,12 +267,87 @@ class FitLive:
             shard.reshard(topology)
 
     def regrouped(self, fault: Fault) -> None:
-        record, step = self.state.record, self.state.counters.step
-        if self.rounds is not None and self.rounds.dropped is not None and record.faults:
-            record.faults[-1]["dropped"] = self.rounds.dropped  # streaming: what the rollback dropped
-            self.rounds.dropped = None
+        step = self.state.counters.step
         if self.replica.topo.rank == 0:
             take_over_rows(self.group, self.state.metrics, fault.lost)
             if not self.runlog.enabled:  # this rank became rank 0 (the old one was lost)
                 take_over_log(self.runlog, self.bar, step)
         self.bar.message(describe_change(fault, step))
+
+
+class FitLiveRounds(FitLive):
+    """A low-communication run (FitConfig.sync) in live mode: a round counts on every member or on none
+    (trainer/live/live_rounds.py); replacements join at a round's end."""
+
+    rounds: LiveRounds
+
+    def __init__(self, group: LiveGroup[Topology], config: FitConfig) -> None:
+        super().__init__(group)
+        algorithm = parse_sync(config.sync)
+        self.sync_every = config.sync_every
+        self.fragments = config.fragments if algorithm is not None and algorithm.delayed else None
+
+    def rollback(self) -> LiveRounds:
+        self.rounds = LiveRounds(self.group, self.state, self.sync_every, fragments=self.fragments)
+        return self.rounds
+
+    def mark_round(self) -> None:
+        """Keep this rank's state as where a lost member's round is redone from."""
+        self.rounds.mark(len(self.runlog.records) if self.runlog.enabled else None)
+
+    def after_step(self, *, synced: bool, more: bool) -> bool:
+        """At a round's end, after the step whose outer sync ended it, unless the epoch ends with it
+        (end_of_epoch): the round counts, then replacements join. True when the group changed."""
+        return synced and more and self._end_round()
+
+    def end_of_epoch(self, *, synced: bool) -> None:
+        """After the epoch's end (its checkpoint, its evaluation): a round that ended with the epoch's last step."""
+        if synced:
+            self._end_round()
+
+    def rolled_back(self) -> None:
+        """The run went back to its round's start: the metric log as it was there."""
+        self.rounds.rewind_log(self.runlog)
+
+    def close(self) -> None:
+        """The summary is published: a loss in the last barrier goes back nowhere."""
+        self.rounds.closed = True
+
+    def _end_round(self) -> bool:
+        """After the step whose outer sync ended a round (and its logs, evaluation, checkpoint, the epoch's
+        end): the round counts on every member or on none (a loss: RolledBack, step_driver.py), a new mark,
+        then the replacements join. True when the group grew."""
+        rounds, handle, step = self.rounds, self.replica.handle, self.state.counters.step
+        if handle is None:
+            return False
+        self.driver.run(lambda: rounds.settle(handle, step))  # streaming: before a growth
+        self.driver.run(lambda: rounds.commit(step))
+        self.mark_round()
+        if not rounds.round_end(step):  # streaming: a fragment's sync inside the round
+            return False
+        # A member lost while the group grows takes everyone back to this mark: where they stand anyway.
+        return self.driver.changed_by(
+            lambda: self.recovery.admit_joiners(step, next_step=step + rounds.sync_every)
+        )
+
+    def rebuild_replica(self, topology: Topology) -> None:
+        super().rebuild_replica(topology)  # the outer state moves to the new handle
+        self.rounds.rebuilt()  # after a loss: back to the round's start (after the replica's broadcast)
+
+    def discard_step(self) -> None:
+        super().discard_step()
+        self.rounds.discard()
+
+    def marks(self) -> dict[str, Any]:
+        marks = super().marks()
+        # A periodic run's metrics are this rank's own sums (unequal counts across ranks); a loss takes every
+        # member back to the same mark, so they cannot disagree on what was logged.
+        marks.pop("pending_metrics")
+        return marks
+
+    def regrouped(self, fault: Fault) -> None:
+        record = self.state.record
+        if self.rounds.dropped is not None and record.faults:
+            record.faults[-1]["dropped"] = self.rounds.dropped  # streaming: what the rollback dropped
+            self.rounds.dropped = None
+        super().regrouped(fault)

@@ -109,6 +109,10 @@ class OrderedMetrics:
         ]
         return torch.cat(rows).numpy().tobytes() if rows else b""
 
+    def merge(self, other: OrderedMetrics) -> None:
+        """`other`'s rows (a step's, by ordinal) held here from now on."""
+        self._rows.update(other._rows)
+
     def add_packed(self, data: bytes, names: list[str]) -> None:
         """Rows that `packed` gave (a lost member's): held here from now on."""
         if not data:

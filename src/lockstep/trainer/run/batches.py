@@ -29,25 +29,10 @@ class BatchPlan:
     num_micro_batches: int  # deterministic and live mode: micro-batches per step over all ranks (0 otherwise)
 
 
-def plan_batches(config: BatchSettings, world_size: int, *, live_world: int | None = None) -> BatchPlan:
+def plan_batches(config: BatchSettings, world_size: int) -> BatchPlan:
     """The step's cut for `config` on `world_size` ranks, or a ConfigError naming the sizes to change.
-
-    `live_world`: live mode's launched world size. Live mode cuts every step into micro-batches like
-    deterministic mode (a step lost with a rank is redone over the survivors with the same samples); its
-    global batch defaults to the per-rank batch on every launched rank.
-    """
+    (Live mode cuts its steps its own way: trainer/live/live_side.py, `live_batch_plan`.)"""
     total = config.global_batch_size
-    if live_world is not None and not config.deterministic:
-        if total is None:
-            total = config.batch_size * config.grad_accum_steps * live_world
-        plan = _micro_batch_cut(config, total)
-        if plan.num_micro_batches < live_world:
-            raise ConfigError(
-                f"live mode on {live_world} ranks cuts each step of {total} samples into "
-                f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, fewer than the ranks: every "
-                "rank needs one; lower micro_batch_size, raise global_batch_size, or use deterministic=True"
-            )
-        return plan
     if total is None:
         if config.deterministic:
             raise ConfigError(
@@ -57,7 +42,7 @@ def plan_batches(config: BatchSettings, world_size: int, *, live_world: int | No
         per_rank = config.batch_size * config.grad_accum_steps
         return BatchPlan(per_rank * world_size, config.batch_size, config.grad_accum_steps, 0)
     if config.deterministic:
-        return _micro_batch_cut(config, total)
+        return micro_batch_cut(config, total)
     if total % world_size:
         raise ConfigError(
             f"global_batch_size={total} does not split evenly over {world_size} ranks; choose a multiple of "
@@ -73,7 +58,7 @@ def plan_batches(config: BatchSettings, world_size: int, *, live_world: int | No
     return BatchPlan(total, micro, share // micro, 0)
 
 
-def _micro_batch_cut(config: BatchSettings, total: int) -> BatchPlan:
+def micro_batch_cut(config: BatchSettings, total: int) -> BatchPlan:
     """A global batch of `total` samples as whole micro-batches of a fixed size, at any world size."""
     micro = config.micro_batch_size or min(config.batch_size, total)
     if total % micro:

@@ -13,7 +13,6 @@ import dataclasses
 from typing import Any
 
 from lockstep.engine.core.policy import AUTO, SyncPolicy
-from lockstep.plan import Plan, RunSettings
 from lockstep.trainer.run.low_comm import engine_policy
 from lockstep.trainer.settings.config import FitConfig
 
@@ -25,13 +24,13 @@ def tunes_buckets(config: FitConfig) -> bool:
     return config.bucket_cap_mb == AUTO
 
 
-def fit_policy(config: FitConfig, *, live: bool) -> SyncPolicy:
-    """The replica's policy (low_comm.engine_policy) with the run's bucket size, where buckets exist."""
-    policy = engine_policy(config, live=live)
+def fit_policy(config: FitConfig) -> SyncPolicy:
+    """The replica's policy (low_comm.engine_policy) with the run's bucket size, where buckets exist (the
+    run's plan refused a size with deterministic mode, a periodic sync or, "auto", live mode at the door)."""
+    policy = engine_policy(config)
     cap = config.bucket_cap_mb
     if cap is None:
         return policy
-    Plan.of(RunSettings.of(config, world_size=1, live=live))  # with deterministic, a sync or live: refused
     # shard_optimizer, the memory-saving option: the gradients as views of the buckets, as in loop.py
     return dataclasses.replace(policy, bucket_cap_mb=cap, gradient_as_bucket_view=config.shard_optimizer)
 

@@ -39,17 +39,13 @@ _DTYPES: dict[str, torch.dtype | str | None] = {"fp32": None, "bf16": torch.bflo
 _DTYPES.update({name: name for name in QUANTIZED_SYNC_DTYPES})
 
 
-def engine_policy(config: FitConfig, *, live: bool) -> SyncPolicy:
+def engine_policy(config: FitConfig) -> SyncPolicy:
     """The replica's policy for fit's micro-batched steps (exact in deterministic mode, float sums
     otherwise), or for low-communication training (deterministic: the outer sums in rank order). Every
-    sync runs in live mode (`live`): trainer/live/live_rounds.py says what a lost member costs in each."""
+    sync runs in live mode too: trainer/live/live_rounds.py says what a lost member costs in each (the
+    run's plan refused a warm-up there at the door)."""
     if not is_periodic(config.sync):
         return SyncPolicy(deterministic=config.deterministic)
-    if live and config.sync_warmup:
-        raise ConfigError(
-            f"sync_warmup={config.sync_warmup} does not apply in live mode (--min-world): its rounds go back "
-            "to the last outer sync, which a warm-up does not have; leave sync_warmup at 0"
-        )
     return SyncPolicy(
         deterministic=config.deterministic,
         sync=config.sync,

@@ -8,7 +8,6 @@ from collections.abc import Iterable
 import torch
 
 from lockstep.engine.optim.shard_optimizer import ShardedOptimizer
-from lockstep.plan import Plan, RunSettings
 from lockstep.trainer.settings.config import FitConfig
 
 
@@ -46,13 +45,13 @@ def build_scheduler(
 
 
 def maybe_sharded(
-    optimizer: torch.optim.Optimizer, config: FitConfig, *, live: bool
+    optimizer: torch.optim.Optimizer, config: FitConfig, *, copies: int = 1, defer_gather: bool = False
 ) -> torch.optim.Optimizer | ShardedOptimizer:
-    """The optimizer fit's steps run: sharded over the ranks (ZeRO-1) with config.shard_optimizer. In live
-    mode each share is kept by two ranks, and the all-gather waits until the step counted (fit's loop
-    calls `gather()` after the step, `regroup()` after a change of members). With overlap_optimizer too,
-    the engine steps this sharded optimizer bucket by bucket (trainer/run/steps.py, `Stepper.overlap`)."""
+    """The optimizer fit's steps run: sharded over the ranks (ZeRO-1) with config.shard_optimizer (the run's
+    plan refused it with a periodic sync at the door). `copies`: ranks that keep each share; `defer_gather`:
+    the all-gather waits until the step counted (fit's loop calls `gather()` after the step, `regroup()`
+    after a change of members): live mode asks for both (trainer/live/live_side.py). With overlap_optimizer
+    too, the engine steps this sharded optimizer bucket by bucket (trainer/run/steps.py, `stepped_optimizer`)."""
     if not config.shard_optimizer:
         return optimizer
-    Plan.of(RunSettings.of(config, world_size=1, live=live))  # with a periodic sync: refused by the table
-    return ShardedOptimizer(optimizer, copies=2 if live else 1, defer_gather=live)
+    return ShardedOptimizer(optimizer, copies=copies, defer_gather=defer_gather)

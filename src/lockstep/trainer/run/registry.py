@@ -9,7 +9,7 @@ does. Each entry says which uses it serves (`Use`):
   entry's key: it reaches the object only through checkpoint/stateful.py, which stores a model's tensors
   in safetensors and collects a sharded optimizer's state first. The keys are those of older checkpoints.
 - `TRANSFER`: what rank 0 sends a replacement (runtime/state_transfer.py; live mode).
-- `MARK`: a live rollback's mark (trainer/live/live_rounds.py), kept in host memory and put back later.
+- `MARK`: a rollback's mark (trainer/live/live_rounds.py), kept in host memory and put back later.
 
 `snapshot(use)` and `restore(tree, use)` are the one place where a run's state becomes a tree and back:
 fit's run (trainer/run/run_state.py and trainer/run/low_comm.py register its entries), its round marks and
@@ -36,10 +36,10 @@ class Use(enum.Flag):
 
     CHECKPOINT = enum.auto()  # a checkpoint file (CheckpointManager stores the entry's object)
     TRANSFER = enum.auto()  # rank 0's state sent to a replacement
-    MARK = enum.auto()  # a live rollback's mark, in host memory
+    MARK = enum.auto()  # a rollback's mark, in host memory
 
 
-LIVE = Use.TRANSFER | Use.MARK
+RECOVERY = Use.TRANSFER | Use.MARK  # what a recovery needs: a replacement's state, a rollback's mark
 EVERY = Use.CHECKPOINT | Use.TRANSFER | Use.MARK
 
 
@@ -67,7 +67,7 @@ class StateRegistry:
         load: Callable[[Any], None],
         save: Callable[[], Any],
         *,
-        uses: Use = LIVE,
+        uses: Use = RECOVERY,
         target: Any = None,
         required: bool = True,
     ) -> None:

@@ -1,10 +1,12 @@
 """fit's replica of the model over the current group: lockstep's handle, or torch's drop-in face.
 
 A `FitReplica` is a part of `FitRun` (trainer/loop.py): the model the steps run, the replica handle when
-the module is replicated in place, and this rank's place in the group (`topo`). In live mode the group
-changes: `release()` drops the replica (nothing may keep the old group alive) and `rebuild(topology)`
-replicates the module over the new group; the objects that follow the handle (a low-communication run's
-outer state, the stepper that syncs after each step) are rebound to it (`followers`).
+the module is replicated in place, and this rank's place in the group (`topo`). The replica is made
+through the run's step driver (trainer/run/step_driver.py), so that in live mode a member lost in its
+start-up collectives is survived like any other. When the group changes, `release()` drops the replica
+(nothing may keep the old group alive) and `rebuild(topology)` replicates the module over the new group;
+the objects that follow the handle (a low-communication run's outer state, the stepper that syncs after
+each step) are rebound to it (`followers`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ from torch import nn
 
 from lockstep.engine import DistributedDataParallel, ReplicaHandle, replicate
 from lockstep.runtime.env.topology import Topology
-from lockstep.runtime.membership.group import LiveGroup
-from lockstep.runtime.membership.recovery import retry_at_start
 from lockstep.trainer.run.buckets import fit_policy
+from lockstep.trainer.run.step_driver import StepDriver
 from lockstep.trainer.settings.config import FitConfig
 
 
@@ -28,40 +29,38 @@ class Follower(Protocol):
     def rebind(self, handle: Any) -> None: ...
 
 
+class Start(Protocol):
+    """The run's side that the replica starts through: its step driver, and this rank's place after it."""
+
+    driver: StepDriver
+
+    def topology(self) -> Topology: ...
+
+
 class FitReplica:
     """The model fit's steps run, over the current group (see the module doc)."""
 
     def __init__(
-        self,
-        module: nn.Module,
-        config: FitConfig,
-        device: torch.device,
-        topo: Topology,
-        live: LiveGroup | None,
-        *,
-        in_place: bool,
+        self, module: nn.Module, config: FitConfig, device: torch.device, start: Start, *, in_place: bool
     ) -> None:
         """`in_place`: the module replicated in place, stepped through the handle (accumulate() in
         deterministic and live mode, a low-communication run, bucket_cap_mb="auto"); else torch's
         drop-in face."""
-        self.module, self.config, self.topo = module, config, topo
-        self.live = live is not None
+        self.module, self.config = module, config
         self.handle: ReplicaHandle | None = None
         self.followers: list[Follower] = []
-        if not in_place:
-            self.model: nn.Module = DistributedDataParallel(
+        self.model: nn.Module = module
+        if in_place:
+            policy = fit_policy(config)
+            self.handle = start.driver.run(lambda: replicate(module, policy=policy))
+        else:
+            self.model = DistributedDataParallel(
                 module,
                 device_ids=[device.index] if device.type == "cuda" else None,
                 bucket_cap_mb=cast("float | None", config.bucket_cap_mb),  # a number or None: torch's
                 gradient_as_bucket_view=config.shard_optimizer,  # sharded: one copy of the gradients
             )
-            return
-        policy = fit_policy(config, live=self.live)
-        # Live mode: a member lost in the replica's start-up collectives is survived like any other.
-        self.handle = retry_at_start(live, lambda: replicate(module, policy=policy))
-        if live is not None:  # the members may have changed meanwhile
-            self.topo = live.topology()
-        self.model = module
+        self.topo: Topology = start.topology()  # live mode: the members may have changed meanwhile
 
     @property
     def engine(self) -> Any:
@@ -77,6 +76,6 @@ class FitReplica:
     def rebuild(self, topology: Topology) -> None:
         """Replicate the module over the group just formed; its followers take the new handle."""
         self.topo = topology
-        self.handle = replicate(self.module, policy=fit_policy(self.config, live=self.live))
+        self.handle = replicate(self.module, policy=fit_policy(self.config))
         for follower in self.followers:
             follower.rebind(self.handle)

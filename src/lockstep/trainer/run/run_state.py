@@ -27,7 +27,7 @@ from torch import nn
 from lockstep.checkpoint import rng
 from lockstep.engine.optim.shard_optimizer import ShardedOptimizer
 from lockstep.trainer.reporting.metrics import TrainMetrics
-from lockstep.trainer.run.registry import EVERY, LIVE, StateRegistry, Use
+from lockstep.trainer.run.registry import EVERY, RECOVERY, StateRegistry, Use
 
 
 class TrainCounters:
@@ -118,11 +118,11 @@ class RunState:
         reg.register(
             "progress", self.counters
         )  # the checkpoint's key for the counters: older ones use it too
-        reg.register("record", self.record, uses=LIVE)
+        reg.register("record", self.record, uses=RECOVERY)
         reg.register_state_dict_fn(
             "faults", self.record.load_faults, lambda: self.record.faults, uses=Use.TRANSFER
         )
-        reg.register("metrics", self.metrics, uses=LIVE)
+        reg.register("metrics", self.metrics, uses=RECOVERY)
         reg.register_state_dict_fn(
             "metric_sums", self._load_pending, lambda: self.metrics.pending, uses=Use.MARK
         )

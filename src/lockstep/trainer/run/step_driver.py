@@ -11,8 +11,12 @@ checkpoint, the end of a round), runs through a `StepDriver`. Its outcome is one
   live mode: trainer/live/live_rounds.py); the caller carries on from the mark (`RolledBack` takes the loop
   there).
 
-The except-recover sequence is written here only. Outside live mode a failure is the program's own: it
-propagates, as does one that no member's loss explains (`recover()` says so).
+The except-recover sequence is written here only: the start-up's collectives (replicating the model), the
+steps, the work between steps and the admission of replacements all recover through a driver. The driver
+knows nothing of the mode: it is given a `Recovery` (live mode's, runtime/membership/recovery.py, or
+`NoRecovery`: a failure is the program's own and propagates) and a `Rollback` (a low-communication run's
+round marks, or none), chosen once by the loop. A failure that no member's loss explains propagates too
+(`recover()` says so).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar, cast
 
 from lockstep.errors import LockstepError
-from lockstep.runtime.membership.recovery import FAILURES, LiveRecovery
+from lockstep.runtime.membership.recovery import FAILURES
 
 T = TypeVar("T")
 
@@ -39,6 +43,18 @@ class RolledBack(LockstepError):  # noqa: N818 (not an error: control flow back 
     """The run went back to its last round mark over a new group: the loop continues from there."""
 
 
+class Recovery(Protocol):
+    """What the driver asks when work failed (runtime/membership/recovery.py's LiveRecovery and
+    StartUpRecovery, or NoRecovery)."""
+
+    @property
+    def changes(self) -> int:
+        """Membership changes so far (lost or grown)."""
+
+    def recover(self, exc: BaseException) -> bool:
+        """Re-form over the survivors; False when no member's loss explains `exc` (the caller re-raises)."""
+
+
 class Rollback(Protocol):
     """Where a loss takes the run back to a mark instead of redoing the work (trainer/live/live_rounds.py)."""
 
@@ -47,26 +63,47 @@ class Rollback(Protocol):
         """A mark stands to go back to."""
 
 
-class StepDriver:
-    """Runs a loop's work through live recovery (see the module doc)."""
+class NoRecovery:
+    """Outside live mode: the group never changes, and a failure is the program's own."""
 
-    def __init__(self, recovery: LiveRecovery | None, rollback: Rollback | None = None) -> None:
-        self.recovery, self.rollback = recovery, rollback
+    changes = 0
+
+    def recover(self, exc: BaseException) -> bool:
+        return False
+
+
+class NoRollback:
+    """No round marks (every run but a low-communication one in live mode): a loss redoes the work."""
+
+    active = False
+
+
+class StepDriver:
+    """Runs a loop's work through recovery (see the module doc)."""
+
+    def __init__(self, recovery: Recovery | None = None, rollback: Rollback | None = None) -> None:
+        self.recovery: Recovery = recovery or NoRecovery()
+        self.rollback: Rollback = rollback or NoRollback()
 
     @property
     def changes(self) -> int:
         """Membership changes so far (lost or grown): a loop re-cuts its iteration when this moved."""
-        return 0 if self.recovery is None else self.recovery.changes
+        return self.recovery.changes
 
     def attempt(self, work: Callable[[], T]) -> tuple[Outcome, T | None]:
         """work() once: (DONE, its result), or, a member lost in it, (REDO or ROLLED_BACK, None)."""
         try:
             return Outcome.DONE, work()
         except FAILURES as exc:
-            if self.recovery is None or not self.recovery.recover(exc):
+            if not self.recovery.recover(exc):
                 raise
-        rolled_back = self.rollback is not None and self.rollback.active
-        return (Outcome.ROLLED_BACK if rolled_back else Outcome.REDO), None
+        return (Outcome.ROLLED_BACK if self.rollback.active else Outcome.REDO), None
+
+    def changed_by(self, work: Callable[[], bool]) -> bool:
+        """work() once, which tells whether it changed the group (replacements admitted): True when it did,
+        or when a member was lost in it (the group re-formed meanwhile; the loop re-cuts its iteration)."""
+        outcome, changed = self.attempt(work)
+        return outcome is not Outcome.DONE or bool(changed)
 
     def run(self, work: Callable[[], T]) -> T:
         """work() to completion, done again over the survivors when a member is lost in it (REDO);

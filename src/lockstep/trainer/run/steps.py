@@ -6,12 +6,15 @@ Two ways to run a step, chosen once per run (trainer/loop.py):
   accumulated locally (no_sync) and reduced on the last backward;
 - `micro_batched_step`: deterministic and live mode. The step's K micro-batches are spread over the ranks
   and run through the engine's accumulate(): an exact sum in deterministic mode,
-  the bucketed float all-reduce otherwise. In live mode the step counts on every member or on none
-  (membership.commit), and its metric rows go to the store with it, where the survivors find them if
-  this rank is lost before the next log.
+  the bucketed float all-reduce otherwise. The step's metric rows are handed to the run's `commit`
+  (trainer/live/live_side.py: in live mode the step counts on every member or on none, and its rows go to
+  the store with it, where the survivors find them if this rank is lost before the next log).
+
+A Stepper is built in its mode, once: what `_update` steps, the handle whose no_sync() a tuned-bucket step
+uses, the handle whose outer sync follows each step of a low-communication run, and the commit.
 
 With config.overlap_optimizer, `ddp_step`'s optimizer is an OverlappedOptimizer that the engine steps
-bucket by bucket during the synced backward (`Stepper.overlap`); `_update` is unchanged: its
+bucket by bucket during the synced backward (`stepped_optimizer`); `_update` is unchanged: its
 `scaler.step` finishes what is left, or takes the plain step where the engine fell back. With
 config.shard_optimizer as well, it wraps the run's ShardedOptimizer: the engine steps this rank's share
 of each bucket and starts the owners' broadcasts; `scaler.step` waits for them.
@@ -31,19 +34,46 @@ from lockstep.engine.optim.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.replicate import overlap_optimizer
 from lockstep.errors import InternalError, rank_tag
 from lockstep.plan import Plan, Reduction
-from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.progress import OPTIMIZER, PROGRESS
-from lockstep.trainer.reporting.metrics import MetricBuffer, OrderedMetrics
+from lockstep.trainer.reporting.metrics import MetricBuffer, OrderedMetrics, TrainMetrics
 from lockstep.trainer.run.batches import BatchPlan, batch_len, split_batch, to_device
 from lockstep.trainer.run.device import autocast
 from lockstep.trainer.run.run_state import RunState
 from lockstep.trainer.settings.config import FitConfig
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+# How a micro-batched step's metric rows are kept: (step, its rows, the run's metrics) (live_side.py)
+Commit = Callable[[int, OrderedMetrics, TrainMetrics], None]
+
+
+def stepped_optimizer(
+    state: RunState, config: FitConfig, batches: BatchPlan, modes: Plan, model: nn.Module
+) -> Any:
+    """What fit's steps step: the run's optimizer (a ShardedOptimizer offers what GradScaler and clipping
+    read: param_groups, step; every rank holds every averaged gradient, so found_inf and the gradient norm
+    agree across ranks), or, with config.overlap_optimizer, the one the engine steps bucket by bucket
+    during the backward of the drop-in `model` (the run's state keeps the optimizer itself: checkpoints and
+    the schedule see it). Where fit's steps never reduce in backward (a periodic sync, deterministic and
+    live mode's micro-batches), the step stays plain, for the reason the plan gives, said once."""
+    optimizer = cast(torch.optim.Optimizer, state.optimizer)
+    if not config.overlap_optimizer:
+        return optimizer
+    if modes.reduction is not Reduction.BUCKETED or batches.num_micro_batches:
+        rule = modes.fallback("overlap_optimizer")
+        if rule is None:
+            raise InternalError(f"the plan has no fallback for overlap_optimizer in {modes.settings}")
+        tag = rank_tag(dist.get_rank(), dist.get_world_size())
+        return OverlappedOptimizer(optimizer, fallback=rule.reason, tag=tag)
+    return overlap_optimizer(  # the engine asks the plan too (clipping, the fp16 scaler)
+        model,  # type: ignore[arg-type]  # the drop-in class (a JoinableReplica)
+        optimizer,  # the run's own, sharded (a ShardedOptimizer) with config.shard_optimizer
+        clip_grad_norm=config.clip_grad_norm is not None,
+        scaler=state.scaler,
+    )
 
 
 class Stepper:
-    """Runs fit's steps on a run's state."""
+    """Runs fit's steps on a run's state, in the mode it is built in (see the module doc)."""
 
     def __init__(
         self,
@@ -52,41 +82,23 @@ class Stepper:
         plan: BatchPlan,
         loss_fn: LossFn,
         device: torch.device,
-        live: LiveGroup | None,
+        *,
+        optimizer: Any,
+        commit: Commit,
+        no_sync: Any = None,
+        outer: Any = None,
     ) -> None:
+        """`optimizer`: what `_update` steps (`stepped_optimizer`); `commit`: keeps a micro-batched step's
+        metric rows; `no_sync`: bucket_cap_mb="auto", ddp_step's handle (its model is the module itself);
+        `outer`: low-communication training, the replica handle that syncs after each step."""
         self.state, self.config, self.plan, self.loss_fn, self.device = state, config, plan, loss_fn, device
-        self.live = live
-        self.outer: Any = None  # low-communication training: the replica handle that syncs after each step
-        self.synced = False  # ... and whether the last step synced
-        self.replica: Any = None  # bucket_cap_mb="auto": ddp_step's handle (its model is the module itself)
-        # what _update steps: the run's optimizer, or the one the engine steps bucket by bucket
-        # (a ShardedOptimizer offers what GradScaler and clipping read: param_groups, step; every rank
-        # holds every averaged gradient, so found_inf and the gradient norm agree across ranks)
-        self.optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, state.optimizer)
-
-    def overlap(self, model: nn.Module, modes: Plan) -> None:
-        """With config.overlap_optimizer, the engine steps the optimizer bucket by bucket during the
-        backward of the drop-in `model` (the run's state keeps the optimizer itself: checkpoints and
-        the schedule see it). Where fit's steps never reduce in backward (a periodic sync, deterministic
-        and live mode's micro-batches), the step stays plain, for the reason the plan gives, said once."""
-        if not self.config.overlap_optimizer:
-            return
-        if modes.reduction is not Reduction.BUCKETED or self.plan.num_micro_batches:
-            rule = modes.fallback("overlap_optimizer")
-            if rule is None:
-                raise InternalError(f"the plan has no fallback for overlap_optimizer in {modes.settings}")
-            tag = rank_tag(dist.get_rank(), dist.get_world_size())
-            self.optimizer = OverlappedOptimizer(self.optimizer, fallback=rule.reason, tag=tag)
-            return
-        self.optimizer = overlap_optimizer(  # the engine asks the plan too (clipping, the fp16 scaler)
-            model,  # type: ignore[arg-type]  # the drop-in class (a JoinableReplica)
-            self.optimizer,  # the run's own, sharded (a ShardedOptimizer) with config.shard_optimizer
-            clip_grad_norm=self.config.clip_grad_norm is not None,
-            scaler=self.state.scaler,
-        )
+        self.optimizer: torch.optim.Optimizer = optimizer
+        self.commit, self.no_sync, self.outer = commit, no_sync, outer
+        self.synced = False  # whether the last step ended with an outer sync
 
     def rebind(self, handle: Any) -> None:
-        """Live mode, a low-communication run: the replica was rebuilt; its new handle syncs after each step."""
+        """A low-communication run over a new group: the replica was rebuilt; its new handle syncs after each
+        step."""
         self.outer = handle
 
     def ddp_step(self, model: nn.Module, world_size: int, batches: list[Any], *, local: bool = False) -> None:
@@ -99,7 +111,7 @@ class Stepper:
             counts.append(batch_len(targets))
             last = index == len(batches) - 1
             # Accumulate locally; the engine reduces the summed gradients only on the group's last backward.
-            with contextlib.nullcontext() if last or local else (self.replica or model).no_sync():  # type: ignore[operator]
+            with contextlib.nullcontext() if last or local else (self.no_sync or model).no_sync():  # type: ignore[operator]
                 with autocast(self.config.precision, self.device):
                     outputs = model(inputs)
                     loss = self.loss_fn(outputs, targets)
@@ -133,16 +145,10 @@ class Stepper:
         )
         metrics = cast(OrderedMetrics, state.metrics.pending)
         names = state.metrics.names("train")
-        rows = OrderedMetrics() if self.live is not None else metrics
+        rows = OrderedMetrics()
         for ordinal, (sums, count) in results.items():
             rows.add(metrics.num_rows + ordinal, sums, count, names)  # rows since the last reduce
-        if self.live is not None:
-            # The step counts on every member or on none; its rows go with it to the store, where the
-            # survivors find them if this rank is lost before the next log.
-            packed = rows.packed()
-            self.live.commit(state.counters.step, packed)
-            state.metrics.unlogged.append((state.counters.step, self.live.membership.generation))
-            metrics.add_packed(packed, names)
+        self.commit(state.counters.step, rows, state.metrics)  # live mode: the step counts, or raises
         metrics.num_rows += num
         self._update(self.plan.global_batch_size)
 
