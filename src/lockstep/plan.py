@@ -1,15 +1,25 @@
 """The run's plan: which of a run's settings combine, decided once from one table, before any worker starts.
 
 A run's modes come from a handful of settings (deterministic, live, the optimizer's overlap and sharding,
-the sync mode, the bucket size, accumulation, clipping, precision, restarts). Every pair of them either
-runs, falls back (one of the two does not apply, and the run says why, once) or is refused (with what to
-do instead). This module holds that table (`RULES`; a pair not in it runs) and nothing else decides it:
+the sync mode and what it sends, its warm-up and fragments, the bucket size, accumulation, clipping,
+precision, restarts, the engine's own knobs). Every pair of them either runs, falls back (one of the two
+does not apply, and the run says why, once) or is refused (with what to do instead). This module holds
+that table (`RULES`; a pair not in it runs) and the two checks on values that no pair states
+(`VALUE_CHECKS`: deterministic mode needs a global batch; float live mode needs a micro-batch of every step
+per rank), and nothing else decides them. Each door builds the plan once, from its own names, and hands it
+down:
 
-- `lockstep train` builds the plan from the settings and the launch before starting a worker, so a refused
-  pair is one line and exit status 2, never a traceback per rank (`lockstep run` starts a program whose
-  settings it does not know: the program's `fit` or SyncPolicy meets the refusal);
-- the trainer and the engine ask the same plan (`Plan.of(...)`, `Plan.fallback(key)`) when they choose
-  their modes, so a program that calls `lockstep.fit` without the launcher gets the same answer.
+- `lockstep train` (jobs/cli.py `plan_of`) builds it from the settings and the launch before starting a
+  worker, so a refusal is one line and exit status 2, never a traceback per rank (`lockstep run` starts a
+  program whose settings it does not know: the program's `fit` or SyncPolicy meets the refusal), and its
+  --help says what each flag does not combine with from the same table (`flag_verdicts`);
+- `lockstep.fit` (trainer/settings/config.py `plan_of`) builds it from its FitConfig and world;
+- the native API: SyncPolicy builds it from its knobs (`SyncPolicy.plan`), and the replica's
+  `overlap_optimizer` asks that plan, with the call's clipping and scaler added (or the plan fit passes);
+  LiveLoop's own setting is `live_loop`.
+
+The same setting gets the same verdict at every door (tests/unit/test_plan_doors.py sets every pair and
+every value check through each).
 
 docs/modes.md shows the table as `markdown_table()` writes it (a test keeps the two equal). Standard
 library only: the launcher imports it without torch.
@@ -20,14 +30,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from lockstep.errors import ConfigError
 
 # The sync modes' names (SyncPolicy.sync, FitConfig.sync): every step, then the periodic ones.
 SYNC_MODES = ("allreduce", "local_sgd", "diloco", "streaming_diloco")
-SYNC_KEYS = tuple(f"sync={mode}" for mode in SYNC_MODES[1:])
+SYNC_KEYS = tuple(f"sync={mode}" for mode in SYNC_MODES[1:])  # the periodic ones
+# a sync other than streaming DiLoCo's, which has no fragments
+UNFRAGMENTED_SYNC_KEYS = tuple(f"sync={mode}" for mode in SYNC_MODES[:-1])
 # streaming_diloco's fragment layouts (SyncPolicy.fragment_layout, FitConfig.fragment_layout; engine/periodic/fragments.py)
 FRAGMENT_LAYOUTS = ("strided", "sliced", "contiguous")
 # What a periodic sync's values travel in (FitConfig.sync_dtype, SyncPolicy.delta_dtype): casts, then the
@@ -64,10 +76,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("live", "--min-world", "live mode (--min-world)"),
     Setting("overlap_optimizer", "--overlap-optimizer true", "overlap_optimizer=True"),
     Setting("shard_optimizer", "--shard-optimizer true", "shard_optimizer=True"),
+    Setting("sync=allreduce", "--sync allreduce", "sync='allreduce'"),
     Setting("sync=local_sgd", "--sync local_sgd", "sync='local_sgd'"),
     Setting("sync=diloco", "--sync diloco", "sync='diloco'"),
     Setting("sync=streaming_diloco", "--sync streaming_diloco", "sync='streaming_diloco'"),
     *(Setting(f"sync_dtype={d}", f"--sync-dtype {d}", f"sync_dtype={d!r}") for d in QUANTIZED_SYNC_DTYPES),
+    Setting("sync_warmup", "--sync-warmup {sync_warmup}", "sync_warmup={sync_warmup}"),
+    Setting("fragments", "--fragments {fragments}", "fragments={fragments}"),
+    Setting("fragment_delay", "--fragment-delay {fragment_delay}", "fragment_delay={fragment_delay}"),
     Setting("bucket_cap_mb=auto", "--bucket-cap-mb auto", "bucket_cap_mb='auto'"),
     Setting("bucket_cap_mb", "--bucket-cap-mb {bucket_cap_mb}", "bucket_cap_mb={bucket_cap_mb!r}"),
     Setting(
@@ -83,6 +99,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("find_unused_parameters", "find_unused_parameters=True", "find_unused_parameters=True"),
     Setting("torch_bucket_layout", "torch_bucket_layout=True", "torch_bucket_layout=True"),
     Setting("reduce_dtype", "reduce_dtype={reduce_dtype}", "reduce_dtype={reduce_dtype}"),
+    # The native live API (trainer/live/live_loop.py): the steps driven by a LiveLoop of the user's.
+    Setting("live_loop", "LiveLoop(...)", "LiveLoop(...)"),
 )
 ENGINE_KNOBS = (
     "static_graph",
@@ -91,6 +109,8 @@ ENGINE_KNOBS = (
     "torch_bucket_layout",
     "reduce_dtype",
 )
+# The settings that no flag of `lockstep train` sets: the engine's knobs and LiveLoop.
+PYTHON_ONLY = (*ENGINE_KNOBS, "live_loop")
 _BY_KEY = {s.key: s for s in SETTINGS}
 
 
@@ -124,6 +144,9 @@ _PLACEHOLDERS = {
     "clip_grad_norm": "X",
     "max_restarts": "R",
     "reduce_dtype": "DTYPE",
+    "sync_warmup": "N",
+    "fragments": "F",
+    "fragment_delay": "D",
 }
 
 
@@ -141,6 +164,13 @@ _NOT_IN_BACKWARD = "a periodic sync averages no gradient in backward"
 _NO_SHARED_STEP = "each rank steps all of its own parameters between syncs; there is no shared step to shard"
 
 
+_NO_ROUNDS = "every step averages the gradients already: there are no rounds to warm up (the same bits)"
+_NO_FRAGMENTS = "only streaming DiLoCo syncs the model in fragments"
+_NOT_QUANTIZED = (
+    "a quantized dtype applies to a periodic sync's outer gradients only (diloco, streaming_diloco): the "
+    "every-step all-reduce averages the gradients in fp32"
+)
+
 _PARAMETERS_ROUNDED = (
     "local SGD averages the parameters themselves, which a quantized wire would round every round (only "
     "DiLoCo's outer gradients, anchor - local, are quantized)"
@@ -157,6 +187,9 @@ def _rules() -> Iterator[Rule]:
             _PARAMETERS_ROUNDED,
             "use --sync diloco (or streaming_diloco) to send quantized outer gradients, or send fp32 or bf16",
             "does not apply with",
+        )
+        yield Rule(
+            f"sync_dtype={dtype}", "sync=allreduce", falls_back, _NOT_QUANTIZED, "", "does not apply with"
         )
     for sync in SYNC_KEYS:
         yield Rule(
@@ -214,8 +247,41 @@ def _rules() -> Iterator[Rule]:
         "grad_accum_steps",
         "deterministic",
         falls_back,
-        "deterministic mode cuts each step's global batch into micro-batches of micro_batch_size; "
-        "grad_accum_steps only sizes the global batch when global_batch_size is not given",
+        "deterministic mode cuts each step's global batch (global_batch_size) into micro-batches of "
+        "micro_batch_size; grad_accum_steps does not apply",
+    )
+    yield Rule("sync_warmup", "sync=allreduce", falls_back, _NO_ROUNDS, "", "does not apply with")
+    yield Rule(
+        "sync_warmup",
+        "live",
+        refused,
+        "live mode's rounds go back to the last outer sync, which a warm-up does not have",
+        "leave sync_warmup at 0",
+        "does not apply with",
+    )
+    for sync in UNFRAGMENTED_SYNC_KEYS:
+        yield Rule(
+            "fragments",
+            sync,
+            refused,
+            _NO_FRAGMENTS,
+            "leave fragments at 1, or use sync streaming_diloco",
+            "does not apply with",
+        )
+        yield Rule(
+            "fragment_delay",
+            sync,
+            refused,
+            _NO_FRAGMENTS + ": there is no fragment's mean in flight to delay",
+            "leave fragment_delay at 1, or use sync streaming_diloco",
+            "does not apply with",
+        )
+    yield Rule(
+        "shard_optimizer",
+        "live_loop",
+        refused,
+        "LiveLoop does not re-cut a ShardedOptimizer's shares when the members change",
+        "pass the optimizer itself, or use lockstep.fit with FitConfig(shard_optimizer=True) in live mode",
     )
 
 
@@ -232,36 +298,46 @@ def rule_for(first: str, second: str) -> Rule:
 
 
 class PlanRefused(ConfigError):
-    """Two settings that do not combine: the message is one line naming both and what to do instead."""
+    """Settings that do not combine: the message is one line naming them and what to do instead (`rule`: the
+    table's pair, or the value check)."""
 
-    def __init__(self, message: str, rule: Rule) -> None:
+    def __init__(self, message: str, rule: Rule | ValueCheck) -> None:
         super().__init__(message)
         self.rule = rule
 
 
 @dataclass(frozen=True)
 class RunSettings:
-    """The facts the plan decides from: a run's settings (FitConfig's names) and its launch."""
+    """The facts the plan decides from: a run's settings (FitConfig's names) and its launch.
+
+    `sync` None and `batch_size` None say that the door does not know them: RunSettings() has no key of the
+    table, and the engine's doors (SyncPolicy), which cut no batch, skip the batch checks (VALUE_CHECKS).
+    Every door that has a sync mode (fit, `lockstep train`, SyncPolicy) passes it, "allreduce" included."""
 
     deterministic: bool = False
     live: bool = False
     overlap_optimizer: bool = False
     shard_optimizer: bool = False
-    sync: str = "allreduce"
+    sync: str | None = None
     sync_dtype: str = "fp32"
+    sync_warmup: int = 0
+    fragments: int = 1
+    fragment_delay: int = 1
     bucket_cap_mb: float | str | None = None
     grad_accum_steps: int = 1
     clip_grad_norm: float | None = None
     precision: str = "fp32"
     max_restarts: int = 0
-    batch_size: int = 32
+    batch_size: int | None = None
     global_batch_size: int | None = None
-    world_size: int = 1
+    micro_batch_size: int | None = None
+    world_size: int = 1  # launched ranks (live mode's launched world, whatever the survivors)
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
     find_unused_parameters: bool = False
     torch_bucket_layout: bool = False
     reduce_dtype: object = None  # a torch.dtype (this module does not import torch)
+    live_loop: bool = False
 
     @classmethod
     def of(cls, config: object, *, world_size: int, live: bool = False, max_restarts: int = 0) -> RunSettings:
@@ -279,8 +355,11 @@ class RunSettings:
             "live": self.live,
             "overlap_optimizer": self.overlap_optimizer,
             "shard_optimizer": self.shard_optimizer,
-            f"sync={self.sync}": True,  # "sync=allreduce" (every step, the default) is no key of the table
-            f"sync_dtype={self.sync_dtype}": True,  # nor are the casts (fp32, bf16, fp16)
+            f"sync={self.sync}": self.sync is not None,  # "sync=allreduce" too, where the door says it
+            f"sync_dtype={self.sync_dtype}": True,  # the casts (fp32, bf16, fp16) are no keys of the table
+            "sync_warmup": self.sync_warmup > 0,
+            "fragments": self.fragments > 1,
+            "fragment_delay": self.fragment_delay != 1,
             "bucket_cap_mb=auto": isinstance(cap, str),
             "bucket_cap_mb": cap is not None and not isinstance(cap, str),
             "grad_accum_steps": self.grad_accum_steps > 1,
@@ -289,8 +368,93 @@ class RunSettings:
             "max_restarts": self.max_restarts > 0,
             **{knob: bool(getattr(self, knob)) for knob in ENGINE_KNOBS[:-1]},
             "reduce_dtype": self.reduce_dtype is not None,
+            "live_loop": self.live_loop,
         }
         return [s.key for s in SETTINGS if on.get(s.key)]
+
+    def live_cut(self) -> tuple[int, int, int] | None:
+        """Live mode's cut of a step without deterministic mode (trainer/run/batches.py, plan_batches): the
+        global batch (default: the per-rank batch on every launched rank), the micro-batch size (default:
+        batch_size) and the micro-batches of a step; None where the door cuts no batch."""
+        if self.batch_size is None:
+            return None
+        total = self.global_batch_size or self.batch_size * self.grad_accum_steps * self.world_size
+        micro = self.micro_batch_size or min(self.batch_size, total)
+        return total, micro, total // micro
+
+    def facts(self) -> dict[str, object]:
+        """The fields, and the values the plan computes from them (what the lines are formatted with)."""
+        cut = self.live_cut() or (0, 0, 0)
+        return {
+            **dataclasses.asdict(self),
+            "step_samples": cut[0],
+            "step_micro_batch_size": cut[1],
+            "step_micro_batches": cut[2],
+        }
+
+
+@dataclass(frozen=True)
+class ValueCheck:
+    """A check on values that no pair of switches states: the setting `key` is refused where `refuses` holds.
+    `flag` and `python` spell the case (formatted with RunSettings.facts()), as the command line and as
+    Python write it; so does `instead`."""
+
+    key: str
+    flag: str
+    python: str
+    reason: str
+    instead_flag: str
+    instead_python: str
+    refuses: Callable[[RunSettings], bool]
+    short: str  # the case in a few words, after "refused" in `lockstep train --help`
+
+    def line(self, settings: RunSettings | None, *, flags: bool) -> str:
+        values = _PLACEHOLDERS_FACTS if settings is None else settings.facts()
+        case = (self.flag if flags else self.python).format(**values)
+        instead = self.instead_flag if flags else self.instead_python
+        return f"{case}: {self.reason}; {instead}"
+
+
+def _needs_a_global_batch(s: RunSettings) -> bool:
+    return s.batch_size is not None and s.deterministic and s.global_batch_size is None
+
+
+def _too_few_micro_batches(s: RunSettings) -> bool:
+    cut = s.live_cut()
+    return s.live and not s.deterministic and cut is not None and cut[2] < s.world_size
+
+
+VALUE_CHECKS: tuple[ValueCheck, ...] = (
+    ValueCheck(
+        "deterministic",
+        "--deterministic without --global-batch-size",
+        "deterministic=True without global_batch_size",
+        "the same bits at any world size need a global batch that does not depend on it (one made up from "
+        "the ranks of this launch would change at a resume on another number of ranks)",
+        "pass one, e.g. --global-batch-size 64 --micro-batch-size 8",
+        "set one, e.g. FitConfig(deterministic=True, global_batch_size=64, micro_batch_size=8)",
+        _needs_a_global_batch,
+        "without --global-batch-size",
+    ),
+    ValueCheck(
+        "live",
+        "--min-world without --deterministic on {world_size} ranks, {step_micro_batches} micro-batches of "
+        "{step_micro_batch_size} in a step of {step_samples} samples",
+        "live mode (--min-world) without deterministic=True on {world_size} ranks, {step_micro_batches} "
+        "micro-batches of {step_micro_batch_size} in a step of {step_samples} samples",
+        "live mode cuts each step into micro-batches, and every launched rank needs one (fewer than the ranks)",
+        "lower --micro-batch-size, raise --global-batch-size, or add --deterministic",
+        "lower micro_batch_size, raise global_batch_size, or use deterministic=True",
+        _too_few_micro_batches,
+        "without --deterministic where a step has fewer micro-batches than ranks",
+    ),
+)
+_PLACEHOLDERS_FACTS = {
+    "world_size": "N",
+    "step_micro_batches": "K",
+    "step_micro_batch_size": "M",
+    "step_samples": "G",
+}
 
 
 @dataclass(frozen=True)
@@ -299,12 +463,11 @@ class Plan:
 
     settings: RunSettings
     fallbacks: tuple[Rule, ...]
-    # deterministic mode without one: the per-rank batch on every launched rank (default_global_batch)
-    global_batch_size: int | None
 
     @classmethod
     def of(cls, settings: RunSettings, *, flags: bool = False) -> Plan:
-        """The plan, or PlanRefused for the first refused pair (its line spelled as flags, or as Python)."""
+        """The plan, or PlanRefused for the first refused pair, else the first value check that refuses (its
+        line spelled as flags, or as Python)."""
         fallbacks = []
         for first, second in itertools.combinations(settings.keys(), 2):
             rule = rule_for(first, second)
@@ -312,7 +475,10 @@ class Plan:
                 raise PlanRefused(rule.line(settings, flags=flags), rule)
             if rule.verdict is Verdict.FALLS_BACK:
                 fallbacks.append(rule)
-        return cls(settings, tuple(fallbacks), _global_batch(settings))
+        for check in VALUE_CHECKS:
+            if check.refuses(settings):
+                raise PlanRefused(check.line(settings, flags=flags), check)
+        return cls(settings, tuple(fallbacks))
 
     @property
     def reduction(self) -> Reduction:
@@ -327,30 +493,31 @@ class Plan:
         return next((r for r in self.fallbacks if r.first == key), None)
 
     def notes(self, *, flags: bool = True) -> list[str]:
-        """One line per fallback (and per value the plan chose), for the launcher to print once."""
-        lines = [rule.line(self.settings, flags=flags) for rule in self.fallbacks]
-        s = self.settings
-        if s.sync_dtype in QUANTIZED_SYNC_DTYPES and self.reduction is not Reduction.PERIODIC:
-            lines.append(
-                f"--sync-dtype {s.sync_dtype} applies to a periodic sync's outer gradients only (--sync diloco or "
-                "streaming_diloco): with --sync allreduce the gradients are averaged in fp32 every step"
-            )
-        if self.global_batch_size != s.global_batch_size:
-            lines.append(
-                f"--deterministic without --global-batch-size: the global batch is {self.global_batch_size} "
-                f"(batch_size {s.batch_size} x grad_accum_steps {s.grad_accum_steps} x {s.world_size} ranks), "
-                "fixed in config.json; pass --global-batch-size to choose it"
-            )
-        return lines
+        """One line per fallback, for the launcher to print once."""
+        return [rule.line(self.settings, flags=flags) for rule in self.fallbacks]
 
 
-def _global_batch(settings: RunSettings) -> int | None:
-    """Deterministic mode needs a global batch that does not depend on the world size; without one the
-    launcher fixes the per-rank batch on every launched rank (live mode's default), saved in config.json
-    so that a resume at another world size keeps it."""
-    if settings.deterministic and settings.global_batch_size is None:
-        return settings.batch_size * settings.grad_accum_steps * settings.world_size
-    return settings.global_batch_size
+def flag_of(key: str) -> str:
+    """The setting `key` as the table shows it on the command line (a placeholder for its value)."""
+    return _name(_BY_KEY[key], None, flags=True)
+
+
+def flag_verdicts(key: str) -> str:
+    """What the table says of the setting `key` against the others, as `lockstep train --help` shows it:
+    "refused with --sync diloco, ...; falls back with ...; refused ..." ('' where every pair runs)."""
+    parts = []
+    for verdict in (Verdict.REFUSED, Verdict.FALLS_BACK):
+        others = [
+            flag_of(r.second if r.first == key else r.first)
+            for r in RULES
+            if r.verdict is verdict
+            and key in (r.first, r.second)
+            and not {r.first, r.second} & set(PYTHON_ONLY)
+        ]
+        if others:
+            parts.append(f"{verdict.value} with {', '.join(dict.fromkeys(others))}")
+    parts += [f"refused {check.short}" for check in VALUE_CHECKS if check.key == key]
+    return "; ".join(parts)
 
 
 def markdown_table() -> str:
@@ -360,4 +527,7 @@ def markdown_table() -> str:
         first, second = (_name(_BY_KEY[key], None, flags=True) for key in (rule.first, rule.second))
         pair = f"`{first}` {rule.joined} `{second}`"
         rows.append(f"| {pair} | {rule.verdict.value} | {rule.reason} | {rule.instead or '-'} |")
+    for check in VALUE_CHECKS:  # the checks on values, after the pairs
+        case = check.flag.format(**_PLACEHOLDERS_FACTS)
+        rows.append(f"| `{case}` | {Verdict.REFUSED.value} | {check.reason} | {check.instead_flag} |")
     return "\n".join(rows) + "\n"
