@@ -33,6 +33,7 @@ that needs every gradient first (clipping by global norm, the fp16 GradScaler's 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -67,6 +68,24 @@ def fallback_reason(optimizer: torch.optim.Optimizer, plan: Plan) -> str | None:
         )
     rule = plan.fallback("overlap_optimizer")
     return None if rule is None else rule.reason
+
+
+def overlap_plan(
+    plan: Plan, *, clip_grad_norm: bool, scaler: Any, sharded: bool = False, live: bool = False
+) -> Plan:
+    """The native API's plan for `handle.overlap_optimizer`: the replica's (its SyncPolicy's, built when
+    the policy was made) with what the call says: the overlap, clipping, an enabled fp16 GradScaler, a
+    sharded optimizer, live mode's sharding (PlanRefused where the table refuses them)."""
+    fp16 = scaler is not None and scaler.is_enabled()
+    settings = dataclasses.replace(
+        plan.settings,
+        overlap_optimizer=True,
+        clip_grad_norm=1.0 if clip_grad_norm else None,
+        precision="fp16" if fp16 else plan.settings.precision,
+        shard_optimizer=sharded,
+        live=live or plan.settings.live,
+    )
+    return Plan.of(settings)
 
 
 # The interface the reducer calls and its default (step.py), under the names they had here.

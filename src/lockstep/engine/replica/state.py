@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -23,7 +22,7 @@ from lockstep.engine.core.init_sync import (
 )
 from lockstep.engine.core.policy import SyncPolicy
 from lockstep.engine.core.stats import EngineStats
-from lockstep.engine.optim.optimizer_steps import fallback_reason
+from lockstep.engine.optim.optimizer_steps import fallback_reason, overlap_plan
 from lockstep.engine.optim.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.optim.shard_optimizer import ShardedOptimizer
 from lockstep.engine.replica.mode import EngineMode, choose_mode
@@ -202,16 +201,9 @@ class ReplicaState:
                 "pass the optimizer itself (e.g. torch.optim.AdamW(...))"
             )
         if plan is None:
-            fp16 = scaler is not None and scaler.is_enabled()
-            plan = Plan.of(
-                dataclasses.replace(
-                    self.policy.plan.settings,
-                    overlap_optimizer=True,
-                    clip_grad_norm=1.0 if clip_grad_norm else None,
-                    precision="fp16" if fp16 else "fp32",
-                    shard_optimizer=isinstance(optimizer, ShardedOptimizer),
-                    live=live,
-                )
+            sharded = isinstance(optimizer, ShardedOptimizer)
+            plan = overlap_plan(
+                self.policy.plan, clip_grad_norm=clip_grad_norm, scaler=scaler, sharded=sharded, live=live
             )
         elif live and not plan.settings.live:
             raise ConfigError(
