@@ -21,9 +21,9 @@ import tempfile
 import time
 
 # The settings of issue 34, each as the flags a user adds. Deterministic mode needs a global batch that does
-# not depend on the world size; the plan picks one (and says so) when the user gives none.
+# not depend on the world size (the plan refuses it without one: lockstep/plan.py's VALUE_CHECKS).
 SETTINGS: dict[str, list[str]] = {
-    "deterministic": ["--deterministic"],
+    "deterministic": ["--deterministic", "--global-batch-size", "64"],
     "live": ["--min-world", "1"],
     "overlap_optimizer": ["--overlap-optimizer", "true"],
     "shard_optimizer": ["--shard-optimizer", "true"],

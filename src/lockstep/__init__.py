@@ -16,6 +16,8 @@ Modules:
 - nn.py: Public neural-network layers of lockstep: SyncBatchNorm that works on every device and backend.
 - plan.py: The run's plan: which of a run's settings combine, decided once from one table, before any worker
   starts.
+- plan_table.py: The table of lockstep/plan.py: the run settings as each door names them, and what every pair
+  of them does.
 - torch_private.py: Every private name of torch's that lockstep uses, in one place: what it is, why no public
   one serves.
 - checkpoint/: Atomic, rank-0-written, weights_only-loadable checkpoints of everything a run needs to continue

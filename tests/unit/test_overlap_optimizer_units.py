@@ -7,12 +7,14 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from lockstep.engine.optim.optimizer_steps import fallback_reason
+from lockstep.engine.core.policy import SyncPolicy
+from lockstep.engine.optim.optimizer_steps import fallback_reason, overlap_plan
 from lockstep.engine.optim.overlapped_optimizer import OverlappedOptimizer
 from lockstep.errors import UsageError
 from lockstep.trainer.settings.config import FitConfig
@@ -110,22 +112,29 @@ def test_hooks_registered_on_the_wrapper_are_the_wrapped_optimizers() -> None:
     assert not inner._optimizer_step_post_hooks
 
 
+def _reason(optimizer: torch.optim.Optimizer, *, clip_grad_norm: bool, scaler: Any) -> str | None:
+    """The fallback of `handle.overlap_optimizer(optimizer, ...)` on an all-reduce replica: its policy's
+    plan with what the call says (optimizer_steps.overlap_plan)."""
+    plan = overlap_plan(SyncPolicy().plan, clip_grad_norm=clip_grad_norm, scaler=scaler)
+    return fallback_reason(optimizer, plan)
+
+
 def test_fallback_reasons_name_what_needs_every_gradient() -> None:
     params = list(_model().parameters())
     for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
-        assert fallback_reason(cls(params, lr=0.1), clip_grad_norm=False, scaler=None) is None
-    rms = fallback_reason(torch.optim.RMSprop(params), clip_grad_norm=False, scaler=None)
+        assert _reason(cls(params, lr=0.1), clip_grad_norm=False, scaler=None) is None
+    rms = _reason(torch.optim.RMSprop(params), clip_grad_norm=False, scaler=None)
     assert rms is not None and "torch.optim.rmsprop.RMSprop" in rms and "does not know" in rms
 
     class MySGD(torch.optim.SGD):
         pass
 
-    assert "MySGD" in str(fallback_reason(MySGD(params, lr=0.1), clip_grad_norm=False, scaler=None))
+    assert "MySGD" in str(_reason(MySGD(params, lr=0.1), clip_grad_norm=False, scaler=None))
     sgd = torch.optim.SGD(params, lr=0.1)
-    assert "clipping by global norm" in str(fallback_reason(sgd, clip_grad_norm=True, scaler=None))
+    assert "clipping by global norm" in str(_reason(sgd, clip_grad_norm=True, scaler=None))
     enabled, disabled = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu", enabled=False)
-    assert "GradScaler's inf check" in str(fallback_reason(sgd, clip_grad_norm=False, scaler=enabled))
-    assert fallback_reason(sgd, clip_grad_norm=False, scaler=disabled) is None
+    assert "GradScaler's inf check" in str(_reason(sgd, clip_grad_norm=False, scaler=enabled))
+    assert _reason(sgd, clip_grad_norm=False, scaler=disabled) is None
 
 
 def test_a_fallback_says_why_once_and_steps_plainly() -> None:

@@ -4,6 +4,7 @@ as the code writes it."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -89,8 +90,10 @@ def _settings_for(keys: tuple[str, ...]) -> RunSettings:
             values[name] = 2
         elif name == "clip_grad_norm":
             values[name] = 1.0
-        elif name == "max_restarts":
+        elif name in ("max_restarts", "sync_warmup"):
             values[name] = 1
+        elif name in ("fragments", "fragment_delay"):
+            values[name] = 2
         else:
             values[name] = True
     return RunSettings(**values)  # type: ignore[arg-type]
@@ -158,23 +161,46 @@ def test_quantized_outer_gradients_need_diloco_s_outer_gradients() -> None:
             "parameters themselves.*; use --sync diloco",
         ):
             Plan.of(RunSettings(sync="local_sgd", sync_dtype=dtype), flags=True)
-        # without a periodic sync the gradients go on in fp32 every step, and the launcher says so
-        notes = Plan.of(RunSettings(sync_dtype=dtype)).notes()
-        assert notes == [
-            f"--sync-dtype {dtype} applies to a periodic sync's outer gradients only (--sync diloco or "
-            "streaming_diloco): with --sync allreduce the gradients are averaged in fp32 every step"
+        # with the every-step all-reduce the gradients go on in fp32: the table's fallback, said once
+        settings = RunSettings(sync="allreduce", sync_dtype=dtype)
+        assert settings.keys() == ["sync=allreduce", f"sync_dtype={dtype}"]
+        assert Plan.of(settings).notes() == [
+            f"--sync-dtype {dtype} does not apply with --sync allreduce: a quantized dtype applies to a periodic "
+            "sync's outer gradients only (diloco, streaming_diloco): the every-step all-reduce averages the "
+            "gradients in fp32"
         ]
 
 
-def test_deterministic_mode_gets_a_global_batch_fixed_at_launch() -> None:
-    plan = Plan.of(RunSettings(deterministic=True, batch_size=16, grad_accum_steps=2, world_size=3))
-    assert plan.global_batch_size == 96
-    assert any(
-        "the global batch is 96 (batch_size 16 x grad_accum_steps 2 x 3 ranks)" in n for n in plan.notes()
-    )
-    given = Plan.of(RunSettings(deterministic=True, global_batch_size=64, world_size=3))
-    assert given.global_batch_size == 64 and given.notes() == []
-    assert Plan.of(RunSettings(world_size=3)).global_batch_size is None  # the trainer's own rule
+def test_deterministic_mode_needs_a_global_batch_that_the_world_size_does_not_make() -> None:
+    # A default made from this launch's ranks would change at a resume on another number of ranks.
+    with pytest.raises(
+        PlanRefused, match=r"^--deterministic without --global-batch-size: .*; pass one, e\.g\. "
+    ):
+        Plan.of(RunSettings(deterministic=True, batch_size=16, grad_accum_steps=2, world_size=3), flags=True)
+    with pytest.raises(
+        PlanRefused, match=r"^deterministic=True without global_batch_size: .*; set one, e\.g\. "
+    ):
+        Plan.of(RunSettings.of(FitConfig(deterministic=True), world_size=3))
+    given = Plan.of(RunSettings(deterministic=True, batch_size=16, global_batch_size=64, world_size=3))
+    assert given.notes() == []
+    assert Plan.of(RunSettings(deterministic=True)).notes() == []  # SyncPolicy's door cuts no batch
+
+
+def test_float_live_mode_needs_a_micro_batch_per_launched_rank() -> None:
+    few = RunSettings(live=True, batch_size=32, global_batch_size=24, micro_batch_size=12, world_size=4)
+    assert few.live_cut() == (24, 12, 2)
+    with pytest.raises(
+        PlanRefused,
+        match=r"^--min-world without --deterministic on 4 ranks, 2 micro-batches of 12 in a step of 24 samples: "
+        r".*; lower --micro-batch-size, raise --global-batch-size, or add --deterministic$",
+    ):
+        Plan.of(few, flags=True)
+    Plan.of(dataclasses.replace(few, micro_batch_size=4))  # 6 micro-batches: every rank has one
+    Plan.of(dataclasses.replace(few, live=False))  # outside live mode the step is cut by rank
+    # deterministic mode's micro-batches need not match the ranks
+    Plan.of(dataclasses.replace(few, deterministic=True))
+    # the default global batch: the per-rank batch on every launched rank
+    assert RunSettings(live=True, batch_size=8, grad_accum_steps=2, world_size=4).live_cut() == (64, 8, 8)
 
 
 def test_the_plan_and_the_configs_import_without_torch() -> None:

@@ -21,6 +21,7 @@ from lockstep.engine.periodic.outer_sync import OuterSync
 from lockstep.engine.periodic.periodic_mode import PeriodicMode
 from lockstep.engine.replica.state import ReplicaState
 from lockstep.errors import ConfigError, NotSupportedError
+from lockstep.plan import Plan
 
 
 class ReplicaHandle(JoinableReplica):
@@ -283,10 +284,12 @@ def overlap_optimizer(
     *,
     clip_grad_norm: bool,
     scaler: Any,
+    plan: Plan | None = None,
 ) -> OverlappedOptimizer:
     """`ReplicaHandle.overlap_optimizer` for either face: fit's use of the drop-in class, whose own
-    methods keep torch's semantics (torch's DDP has no overlapped optimizer under its names)."""
-    return model._engine.overlap_optimizer(optimizer, clip_grad_norm=clip_grad_norm, scaler=scaler)
+    methods keep torch's semantics (torch's DDP has no overlapped optimizer under its names). `plan`: the
+    run's, built at the door (fit's; lockstep/plan.py), which says whether the overlap falls back."""
+    return model._engine.overlap_optimizer(optimizer, clip_grad_norm=clip_grad_norm, scaler=scaler, plan=plan)
 
 
 class _ForwardHooks:

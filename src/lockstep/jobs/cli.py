@@ -10,7 +10,6 @@ saves the config in the run directory, and starts N workers that each run
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 from lockstep.errors import ConfigError
 from lockstep.jobs.configs import CONFIGS
-from lockstep.plan import Plan, RunSettings
+from lockstep.plan import PYTHON_ONLY, SETTINGS, Plan, RunSettings, flag_of, flag_verdicts
 from lockstep.trainer.settings.config import FitConfig, Source, config_to_dict
 from lockstep.trainer.settings.config_sources import (
     bool_settings,
@@ -49,7 +48,26 @@ and a long one keeps the paper's 0.9; --sync-warmup N averages gradients for N s
 every parameter's rows cut in F equal blocks; strided: layer i in fragment i mod F), --fragment-mix
 (default 0.5: a merge keeps half of the local values), --fragment-delay (default 1: a fragment's mean
 is in flight for 1 inner step; more hides a slower link).
+
+Which settings do not combine (lockstep/plan.py's table, docs/modes.md):
+{verdicts}
 """
+
+
+def verdicts_help() -> str:
+    """Each flag of the run's plan with what the table says of it against the others (the plan's words)."""
+    lines = []
+    for setting in SETTINGS:
+        verdicts = flag_verdicts(setting.key)
+        if setting.key not in PYTHON_ONLY and verdicts:
+            lines.append(f"  {flag_of(setting.key)}: {verdicts}")
+    return "\n".join(lines)
+
+
+def flag_help(text: str, key: str) -> str:
+    """An argument's own help, then what the plan says of it ('' added where every pair runs)."""
+    verdicts = flag_verdicts(key)
+    return f"{text} ({verdicts})" if verdicts else text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lockstep train",
         description="Train a built-in job data-parallel on N processes, on data that ships with the install.",
-        epilog=EPILOG.format(jobs=jobs),
+        epilog=EPILOG.format(jobs=jobs, verdicts=verdicts_help()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("job", choices=sorted(CONFIGS), metavar="JOB", help="one of: " + ", ".join(CONFIGS))
@@ -84,9 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="M",
-        help="live mode: when a rank dies the others go on without a restart while at least M remain "
-        "(with --deterministic, with the bits of a run without faults); with --max-restarts R, up to R "
-        "replacements join",
+        help=flag_help(
+            "live mode: when a rank dies the others go on without a restart while at least M remain "
+            "(with --deterministic, with the bits of a run without faults); with --max-restarts R, up to R "
+            "replacements join",
+            "live",
+        ),
     )
     parser.add_argument(
         "--hang-timeout",
@@ -174,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_of(args, config)
     for note in plan.notes():
         print(f"lockstep train: note: {note}", file=sys.stderr)
-    config = dataclasses.replace(config, global_batch_size=plan.global_batch_size)
     run_dir = Path(config.run_dir)
     config_path = save_config(config, run_dir)
     from lockstep.launch.local import launch

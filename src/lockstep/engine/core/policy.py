@@ -133,7 +133,10 @@ class SyncPolicy:
         return RunSettings(
             deterministic=self.deterministic,
             sync=self.sync,
-            sync_dtype=codec_for(self.delta_dtype).name,
+            sync_dtype=codec_for(self.delta_dtype).name,  # ConfigError for an unknown one
+            sync_warmup=self.warmup_steps,
+            fragments=self.fragments,
+            fragment_delay=self.fragment_delay,
             # A cap other than torch's default is the user's (a dataclass cannot tell 25 passed from unset)
             bucket_cap_mb=None if self.bucket_cap_mb == DEFAULT_BUCKET_CAP_MB else self.bucket_cap_mb,
             static_graph=self.static_graph,
@@ -177,23 +180,13 @@ class SyncPolicy:
             raise ConfigError(f"SyncPolicy.mix must be in [0, 1), got {self.mix!r}")
         if not isinstance(self.fragments, int) or self.fragments < 1:
             raise ConfigError(f"SyncPolicy.fragments must be an int >= 1, got {self.fragments!r}")
-        if self.fragments > 1 and not (algorithm and algorithm.fragmented):
-            raise ConfigError(
-                f"SyncPolicy.fragments={self.fragments} applies to sync='streaming_diloco' only"
-            )
+        # fragments, fragment_delay and a quantized delta_dtype against the sync mode: the plan's (run_settings)
         self._check_delay(delayed=bool(algorithm and algorithm.delayed))
-        if codec_for(self.delta_dtype).quantized and algorithm is None:  # ConfigError for an unknown one
-            raise ConfigError(
-                f"SyncPolicy.delta_dtype={self.delta_dtype!r} quantizes the outer gradients of a periodic sync "
-                "(sync='diloco' or 'streaming_diloco'); with sync='allreduce' leave it at None"
-            )
 
     def _check_delay(self, *, delayed: bool) -> None:
         delay = self.fragment_delay
         if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
             raise ConfigError(f"SyncPolicy.fragment_delay must be an int >= 0, got {delay!r}")
-        if delay != 1 and not delayed:
-            raise ConfigError(f"SyncPolicy.fragment_delay={delay} applies to sync='streaming_diloco' only")
         if delayed and delay > self.sync_every:
             raise ConfigError(
                 f"SyncPolicy.fragment_delay={delay} must be at most sync_every={self.sync_every}: a "

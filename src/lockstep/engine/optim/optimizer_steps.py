@@ -33,6 +33,7 @@ that needs every gradient first (clipping by global norm, the fp16 GradScaler's 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -43,7 +44,7 @@ from lockstep.engine.buckets.bucket_memory import Bucket
 from lockstep.engine.buckets.step import NoStepper, ParamStepper
 from lockstep.engine.optim.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.optim.shard_units import OVERLAPPED
-from lockstep.plan import Plan, RunSettings
+from lockstep.plan import Plan
 
 PER_PARAMETER_OPTIMIZERS = OVERLAPPED  # shard_units.ELEMENTWISE_OPTIMIZERS, the one table
 ACCUMULATE_REASON = (
@@ -56,22 +57,35 @@ DETERMINISTIC_REASON = (
 )
 
 
-def fallback_reason(optimizer: torch.optim.Optimizer, *, clip_grad_norm: bool, scaler: Any) -> str | None:
-    """Why `optimizer` cannot step bucket by bucket, or None when it can."""
+def fallback_reason(optimizer: torch.optim.Optimizer, plan: Plan) -> str | None:
+    """Why `optimizer` cannot step bucket by bucket in the run `plan` (the one its door built: the
+    overlap's fallbacks are the table's, e.g. clipping, the fp16 scaler, live mode), or None when it can."""
     if type(optimizer) not in PER_PARAMETER_OPTIMIZERS:
         known = ", ".join(f"torch.optim.{cls.__name__}" for cls in PER_PARAMETER_OPTIMIZERS)
         return (
             f"lockstep does not know that {type(optimizer).__module__}.{type(optimizer).__qualname__} "
             f"steps each parameter from its own gradient alone (it overlaps {known})"
         )
+    rule = plan.fallback("overlap_optimizer")
+    return None if rule is None else rule.reason
+
+
+def overlap_plan(
+    plan: Plan, *, clip_grad_norm: bool, scaler: Any, sharded: bool = False, live: bool = False
+) -> Plan:
+    """The native API's plan for `handle.overlap_optimizer`: the replica's (its SyncPolicy's, built when
+    the policy was made) with what the call says: the overlap, clipping, an enabled fp16 GradScaler, a
+    sharded optimizer, live mode's sharding (PlanRefused where the table refuses them)."""
     fp16 = scaler is not None and scaler.is_enabled()
-    settings = RunSettings(
+    settings = dataclasses.replace(
+        plan.settings,
         overlap_optimizer=True,
         clip_grad_norm=1.0 if clip_grad_norm else None,
-        precision="fp16" if fp16 else "fp32",
+        precision="fp16" if fp16 else plan.settings.precision,
+        shard_optimizer=sharded,
+        live=live or plan.settings.live,
     )
-    rule = Plan.of(settings).fallback("overlap_optimizer")  # the plan's table: clipping, the fp16 scaler
-    return None if rule is None else rule.reason
+    return Plan.of(settings)
 
 
 # The interface the reducer calls and its default (step.py), under the names they had here.

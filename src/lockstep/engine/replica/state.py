@@ -22,11 +22,12 @@ from lockstep.engine.core.init_sync import (
 )
 from lockstep.engine.core.policy import SyncPolicy
 from lockstep.engine.core.stats import EngineStats
-from lockstep.engine.optim.optimizer_steps import fallback_reason
+from lockstep.engine.optim.optimizer_steps import fallback_reason, overlap_plan
 from lockstep.engine.optim.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.optim.shard_optimizer import ShardedOptimizer
 from lockstep.engine.replica.mode import EngineMode, choose_mode
 from lockstep.errors import ConfigError, NoProcessGroupError, NoTrainableParametersError, rank_tag
+from lockstep.plan import Plan
 from lockstep.runtime import watchdog
 from lockstep.runtime.collectives import comm_device
 from lockstep.runtime.progress import PROGRESS
@@ -175,11 +176,21 @@ class ReplicaState:
         self.reducer.register_comm_hook(state, hook)
 
     def overlap_optimizer(
-        self, optimizer: torch.optim.Optimizer | ShardedOptimizer, *, clip_grad_norm: bool, scaler: Any
+        self,
+        optimizer: torch.optim.Optimizer | ShardedOptimizer,
+        *,
+        clip_grad_norm: bool,
+        scaler: Any,
+        plan: Plan | None = None,
     ) -> OverlappedOptimizer:
-        """`optimizer`, stepped by the engine bucket by bucket where it can be (ReplicaHandle.overlap_optimizer)."""
+        """`optimizer`, stepped by the engine bucket by bucket where it can be (ReplicaHandle.overlap_optimizer).
+
+        Whether it can be is the run's plan's (lockstep/plan.py): `plan`, the one the door built (fit's), or
+        else this replica's policy's plan with what this call says (the overlap, clipping, the scaler, a
+        sharded optimizer, live mode's sharding)."""
+        live = False
         if isinstance(optimizer, ShardedOptimizer):
-            self._check_shard(optimizer)
+            live = self._check_shard(optimizer)
             inner = optimizer.optimizer
         elif isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, OverlappedOptimizer):
             inner = optimizer
@@ -189,21 +200,35 @@ class ReplicaState:
                 f"(or the ShardedOptimizer that shard_optimizer returned), got {type(optimizer).__qualname__}; "
                 "pass the optimizer itself (e.g. torch.optim.AdamW(...))"
             )
-        reason = fallback_reason(inner, clip_grad_norm=clip_grad_norm, scaler=scaler)
+        if plan is None:
+            sharded = isinstance(optimizer, ShardedOptimizer)
+            plan = overlap_plan(
+                self.policy.plan, clip_grad_norm=clip_grad_norm, scaler=scaler, sharded=sharded, live=live
+            )
+        elif live and not plan.settings.live:
+            raise ConfigError(
+                f"{self.tag}overlap_optimizer got a ShardedOptimizer of live mode (copies=2, "
+                "defer_gather=True) for a plan without live mode: pass handle.shard_optimizer(optimizer) of "
+                "this replica's handle"
+            )
+        reason = fallback_reason(inner, plan)
         return self.mode.overlap_optimizer(self, optimizer, reason)
 
-    def _check_shard(self, shard: ShardedOptimizer) -> None:
-        """A ShardedOptimizer the engine may step: over this replica's ranks, one owner per share, and
-        gathering in its step (live mode's copies and deferred gather are fit's, which takes the plain step)."""
+    def _check_shard(self, shard: ShardedOptimizer) -> bool:
+        """A ShardedOptimizer the engine may step: over this replica's ranks. True for live mode's sharding
+        (two copies of each share, the gather deferred: fit's), which the plan's verdict on overlapping in
+        live mode (it falls back) decides; one copy gathering in its step otherwise."""
         ours = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
         theirs = dist.get_process_group_ranks(shard.group if shard.group is not None else dist.group.WORLD)
-        if ours != theirs or shard.copies != 1 or shard.defer_gather:
+        live = shard.copies == 2 and shard.defer_gather
+        if ours != theirs or not (live or (shard.copies == 1 and not shard.defer_gather)):
             raise ConfigError(
                 f"{self.tag}overlap_optimizer takes the ShardedOptimizer that this replica's "
                 f"shard_optimizer() returned (over ranks {ours}, one copy of each share); this one is over "
                 f"ranks {theirs} with copies={shard.copies}, defer_gather={shard.defer_gather}: pass "
                 "handle.shard_optimizer(optimizer) of this replica's handle"
             )
+        return live
 
     # torch's Joinable protocol (the DDP wrapper and the handle forward to these)
     def join_hook(self, **kwargs: Any) -> EngineJoinHook:

@@ -243,8 +243,11 @@ class FitConfig:
 
 
 def plan_of(config: FitConfig, world_size: int, *, live: bool) -> Plan:
-    """fit's verdict on its settings (lockstep/plan.py: PlanRefused for a pair that does not combine), and
-    the engine's mode; `lockstep train` asks the same table of the same settings before launch."""
+    """fit's verdict on its settings (lockstep/plan.py: PlanRefused for a pair that does not combine, or for
+    a value it checks: deterministic mode without a global batch, live mode without deterministic with fewer
+    micro-batches than ranks), and the engine's mode; `lockstep train` asks the same table of the same
+    settings before launch. `world_size`: the launched ranks (in live mode the launch's, which the
+    micro-batch check counts, whatever the survivors)."""
     return Plan.of(RunSettings.of(config, world_size=world_size, live=live))
 
 
