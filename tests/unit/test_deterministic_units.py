@@ -22,6 +22,7 @@ from lockstep.errors import ConfigError
 from lockstep.runtime.micro_batches import micro_batch_seed, owned_micro_batches
 from lockstep.trainer.live.live_side import live_batch_plan
 from lockstep.trainer.run.batches import BatchPlan, plan_batches
+from lockstep.trainer.settings.config import FitConfig, plan_of
 
 
 @dataclass
@@ -50,8 +51,9 @@ def test_deterministic_micro_batches_do_not_depend_on_the_world_size() -> None:
         for w in (1, 3, 5)
     }
     assert plans == {BatchPlan(48, 8, 0, 6)}
-    with pytest.raises(ConfigError, match="needs a global batch"):
-        plan_batches(Settings(deterministic=True), 2)
+    # fit's door refuses deterministic mode without a global batch (the plan's check, lockstep/plan.py)
+    with pytest.raises(ConfigError, match="deterministic=True without global_batch_size: the same bits"):
+        plan_of(FitConfig(deterministic=True), 2, live=False)
     with pytest.raises(ConfigError, match="not a multiple of the micro-batch size 32"):
         plan_batches(Settings(global_batch_size=48, deterministic=True), 2)
 
@@ -62,11 +64,15 @@ def test_live_mode_cuts_micro_batches_without_deterministic_mode_too() -> None:
         BatchPlan(64, 8, 0, 8)
     }
     assert live_batch_plan(Settings(global_batch_size=24, micro_batch_size=4), 3, 4) == BatchPlan(24, 4, 0, 6)
-    with pytest.raises(ConfigError, match="into 2 micro-batches of 12, fewer than the ranks"):
-        live_batch_plan(Settings(global_batch_size=24, micro_batch_size=12), 4, 4)
+    # fit's door (the plan, on the launched ranks) refuses a cut that leaves a rank without a micro-batch
+    with pytest.raises(ConfigError, match="on 4 ranks, 2 micro-batches of 12 in a step of 24 samples"):
+        plan_of(FitConfig(global_batch_size=24, micro_batch_size=12), 4, live=True)
     # deterministic mode keeps its own rules (an explicit global batch)
-    with pytest.raises(ConfigError, match="needs a global batch"):
-        live_batch_plan(Settings(deterministic=True), 2, 2)
+    assert live_batch_plan(Settings(global_batch_size=24, micro_batch_size=12, deterministic=True), 3, 4) == (
+        BatchPlan(24, 12, 0, 2)
+    )
+    with pytest.raises(ConfigError, match="deterministic=True without global_batch_size"):
+        plan_of(FitConfig(deterministic=True), 2, live=True)
 
 
 def test_owners_are_round_robin_and_seeds_ignore_the_rank() -> None:

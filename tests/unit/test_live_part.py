@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import re
 import tokenize
-from pathlib import Path
 
 from lockstep.trainer.live.live_side import FitLive, FitLiveRounds, NotLive
 from tests.structure import SRC

@@ -36,7 +36,6 @@ from lockstep.plan import (
     flag_verdicts,
 )
 from lockstep.trainer.live.live_loop import LiveLoop
-from lockstep.trainer.run.batches import plan_batches
 from lockstep.trainer.settings.config import FitConfig
 from lockstep.trainer.settings.config import plan_of as fit_plan_of
 
@@ -214,8 +213,6 @@ def test_every_value_check_gets_one_verdict_through_every_door(
     doors: dict[str, Any] = {
         "lockstep train": lambda: plan_of(args, resolve_config(args.job, None, rest, None)),
         "fit's plan": lambda: fit_plan_of(config, WORLD, live=live),
-        # the trainer's own cut (trainer/run/batches.py), which the plan's check comes before
-        "fit's batch cut": lambda: plan_batches(config, WORLD, live_world=WORLD if live else None),
     }
     verdicts = {}
     for door, ask in doors.items():

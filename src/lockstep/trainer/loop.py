@@ -48,7 +48,7 @@ from lockstep.trainer.run.run_state import RunState
 from lockstep.trainer.run.step_driver import Outcome, RolledBack
 from lockstep.trainer.run.steps import LossFn, Stepper, stepped_optimizer
 from lockstep.trainer.run.train_data import TrainData
-from lockstep.trainer.settings.config import FitConfig, plan_of
+from lockstep.trainer.settings.config import FitConfig
 from lockstep.trainer.summary import (
     build_summary,
     checkpoint_summary,
@@ -78,7 +78,7 @@ class FitRun:
         self.side = side_of_run(config, topo)  # live mode or not, chosen once (live_side.py)
         # Which settings combine and the engine's mode: the plan's (lockstep/plan.py; `lockstep train` checked
         # it before launch, a program of your own meets its refusal here), built once and handed down
-        self.modes = plan_of(config, topo.world_size, live=self.side.live)
+        self.modes = self.side.plan(config, topo.world_size)
         # The step's cut (live mode cuts every step into micro-batches, as deterministic mode does)
         self.plan = self.side.batch_plan(config, topo.world_size)
         self.periodic = self.modes.reduction is Reduction.PERIODIC  # local steps, outer syncs

@@ -32,6 +32,7 @@ from lockstep.data.micro_batch_sampler import MicroBatchSampler
 from lockstep.engine import ReplicaHandle, ShardedOptimizer, replicate
 from lockstep.engine.core.policy import SyncPolicy
 from lockstep.errors import ConfigError, InternalError, NotSupportedError
+from lockstep.plan import Plan, PlanRefused, RunSettings
 from lockstep.runtime.env.topology import Topology
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.records import Fault
@@ -94,11 +95,16 @@ class LiveLoop:
                 f"LiveLoop needs a lockstep.data.MicroBatchSampler (each step's micro-batches fixed at any "
                 f"world size), got {type(sampler).__name__}"
             )
-        if isinstance(optimizer, ShardedOptimizer):
-            raise NotSupportedError(
-                "LiveLoop does not re-cut a ShardedOptimizer's shares when the members change; pass the "
-                "optimizer itself, or use lockstep.fit with FitConfig(shard_optimizer=True) in live mode"
-            )
+        settings = RunSettings(
+            live=True,
+            live_loop=True,
+            deterministic=deterministic,
+            shard_optimizer=isinstance(optimizer, ShardedOptimizer),
+        )
+        try:
+            Plan.of(settings)  # LiveLoop's door: the table's verdict (lockstep/plan.py)
+        except PlanRefused as refused:  # what LiveLoop cannot do yet (a sharded optimizer's shares)
+            raise NotSupportedError(str(refused)) from None
         if not sampler.drop_last:
             raise ConfigError(
                 "LiveLoop needs MicroBatchSampler(drop_last=True): every step is a whole global batch"

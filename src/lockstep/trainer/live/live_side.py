@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from lockstep.engine.core.sync_algorithms import parse_sync
-from lockstep.errors import ConfigError
+from lockstep.plan import Plan
 from lockstep.runtime.env.topology import Topology
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.records import Fault
@@ -50,7 +50,7 @@ from lockstep.trainer.run.registry import Use
 from lockstep.trainer.run.replica import FitReplica
 from lockstep.trainer.run.run_state import RunState
 from lockstep.trainer.run.step_driver import StepDriver
-from lockstep.trainer.settings.config import FitConfig
+from lockstep.trainer.settings.config import FitConfig, plan_of
 
 
 class Sharded(Protocol):
@@ -72,20 +72,14 @@ def side_of_run(config: FitConfig, topology: Topology) -> NotLive | FitLive:
 def live_batch_plan(config: BatchSettings, world_size: int, launched: int) -> BatchPlan:
     """Live mode's cut of a step: into micro-batches, as deterministic mode does, so that a step lost with a
     rank is redone over the survivors with the same samples; the global batch defaults to the per-rank
-    batch on every one of the `launched` ranks. Each of them needs a micro-batch of every step."""
+    batch on every one of the `launched` ranks (the run's plan refused a cut that leaves one of them
+    without a micro-batch: lockstep/plan.py, VALUE_CHECKS)."""
     if config.deterministic:
         return plan_batches(config, world_size)
     total = config.global_batch_size
     if total is None:
         total = config.batch_size * config.grad_accum_steps * launched
-    plan = micro_batch_cut(config, total)
-    if plan.num_micro_batches < launched:
-        raise ConfigError(
-            f"live mode on {launched} ranks cuts each step of {total} samples into "
-            f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, fewer than the ranks: every "
-            "rank needs one; lower micro_batch_size, raise global_batch_size, or use deterministic=True"
-        )
-    return plan
+    return micro_batch_cut(config, total)
 
 
 class NotLive:
@@ -97,6 +91,10 @@ class NotLive:
     def __init__(self, topology: Topology) -> None:
         self.launched = topology
         self.driver = StepDriver()
+
+    def plan(self, config: FitConfig, world_size: int) -> Plan:
+        """The run's plan, built once (fit's door)."""
+        return plan_of(config, world_size, live=False)
 
     def batch_plan(self, config: FitConfig, world_size: int) -> BatchPlan:
         return plan_batches(config, world_size)
@@ -162,6 +160,11 @@ class FitLive:
         self.driver = StepDriver(StartUpRecovery(group))
 
     # ---- while the run is built -------------------------------------------------------------------------------
+
+    def plan(self, config: FitConfig, world_size: int) -> Plan:
+        """The run's plan, built once (fit's door): on the launched ranks, which each need a micro-batch of
+        every step whatever the survivors."""
+        return plan_of(config, self.group.launch_world_size, live=True)
 
     def batch_plan(self, config: FitConfig, world_size: int) -> BatchPlan:
         return live_batch_plan(config, world_size, self.group.launch_world_size)

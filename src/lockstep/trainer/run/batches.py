@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, InternalError
 from lockstep.torch_private import pytree
 
 
@@ -34,11 +34,8 @@ def plan_batches(config: BatchSettings, world_size: int) -> BatchPlan:
     (Live mode cuts its steps its own way: trainer/live/live_side.py, `live_batch_plan`.)"""
     total = config.global_batch_size
     if total is None:
-        if config.deterministic:
-            raise ConfigError(
-                "deterministic=True needs a global batch that does not depend on the world size: set "
-                "global_batch_size (e.g. --global-batch-size 64 --micro-batch-size 8)"
-            )
+        if config.deterministic:  # the run's plan refused it at the door (lockstep/plan.py, VALUE_CHECKS)
+            raise InternalError("deterministic mode without a global batch reached the batch cut")
         per_rank = config.batch_size * config.grad_accum_steps
         return BatchPlan(per_rank * world_size, config.batch_size, config.grad_accum_steps, 0)
     if config.deterministic:

@@ -69,6 +69,7 @@ def stepped_optimizer(
         optimizer,  # the run's own, sharded (a ShardedOptimizer) with config.shard_optimizer
         clip_grad_norm=config.clip_grad_norm is not None,
         scaler=state.scaler,
+        plan=modes,  # the run's, built once at fit's door
     )
 
 
