@@ -4,6 +4,8 @@
   runtime/membership is one of its own; a module at the top of src/lockstep is a unit of its own);
   imports inside functions and type-only imports count: either is a dependency;
 - nothing below the reducer imports an optimizer: the reducer's modules reach none of the optimizer's;
+- the bucketed reducer (engine/buckets/) reaches no module of the periodic sync (engine/periodic/, the
+  algorithms, the wire formats), directly or through SyncPolicy: it reads BucketSettings only;
 - object sizes: a module is at most 400 lines, a class statement at most 300, and a class measured
   together with the classes it inherits from in src/lockstep (its MRO within the repo: a chain of bases
   that each stay under a limit is still one object) at most 400. Protocols count like any class.
@@ -168,6 +170,67 @@ def test_the_chain_finder_gives_the_shortest_chain() -> None:
     graph = {"r": {"a": 1, "b": 2}, "a": {"c": 1}, "b": {"o": 4}, "c": {"o": 1}, "o": {}}
     assert chain_to("r", {"o"}, graph) == ["r", "b", "o"]
     assert chain_to("a", {"r"}, graph) is None
+
+
+# ---- the bucketed reducer reaches no periodic sync ------------------------------------------------------------
+
+# The periodic sync's modules: its engine mode (engine/periodic/), the algorithms and the wire formats of
+# the outer gradients, and the part of SyncPolicy that holds them. The bucketed reducer reads only its own
+# part of the policy (engine/core/bucket_settings.py): none of these is below it, directly or through
+# engine/core/policy.py (which imports them).
+PERIODIC_SYNC = (
+    "lockstep.engine.core.sync_algorithms",
+    "lockstep.engine.core.outer_codec",
+    "lockstep.engine.core.periodic_settings",
+)
+BUCKETED_REDUCER = "lockstep.engine.buckets"
+
+
+def _periodic_sync() -> set[str]:
+    periodic = {
+        m for m in MODULES if m == "lockstep.engine.periodic" or m.startswith("lockstep.engine.periodic.")
+    }
+    return periodic | set(PERIODIC_SYNC)
+
+
+def _bucketed_reducer() -> list[str]:
+    return sorted(m for m in MODULES if m == BUCKETED_REDUCER or m.startswith(BUCKETED_REDUCER + "."))
+
+
+def test_the_named_periodic_modules_exist() -> None:
+    """The check below would pass vacuously on a renamed module: rename it in PERIODIC_SYNC too."""
+    missing = [m for m in PERIODIC_SYNC if m not in MODULES]
+    assert not missing, f"modules named in PERIODIC_SYNC that do not exist: {missing}"
+    assert len(_periodic_sync()) > len(PERIODIC_SYNC), "engine/periodic/ has no module"
+    assert "lockstep.engine.buckets.reducer" in _bucketed_reducer()
+
+
+def test_the_bucketed_reducer_imports_no_periodic_module() -> None:
+    graph = import_graph()
+    targets = _periodic_sync()
+    problems = []
+    for start in _bucketed_reducer():
+        chain = chain_to(start, targets, graph)
+        if chain is not None:
+            steps = " -> ".join(
+                f"{b} ({_where(a, graph[a][b])})" for a, b in zip(chain, chain[1:], strict=False)
+            )
+            problems.append(f"{start} -> {steps}")
+    assert not problems, (
+        "engine/buckets/ reaches the periodic sync (read the bucket knobs from BucketSettings, "
+        "engine/core/bucket_settings.py, not from SyncPolicy):\n" + "\n".join(problems)
+    )
+
+
+def test_the_periodic_check_sees_the_chain_through_the_policy() -> None:
+    """A bucket module that imported SyncPolicy's module would fail the check above: policy.py reaches the
+    periodic sync, and the settings module the reducer reads does not."""
+    graph = import_graph()
+    chain = chain_to("lockstep.engine.core.policy", _periodic_sync(), graph)
+    assert chain is not None and chain[0] == "lockstep.engine.core.policy"
+    assert chain_to("lockstep.engine.core.bucket_settings", _periodic_sync(), graph) is None
+    injected = {**graph, "lockstep.engine.buckets.step": {"lockstep.engine.core.policy": 1}}
+    assert chain_to("lockstep.engine.buckets.reducer", _periodic_sync(), injected) is not None
 
 
 # ---- object sizes -------------------------------------------------------------------------------------------

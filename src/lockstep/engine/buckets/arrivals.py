@@ -1,12 +1,13 @@
 """The reducer's per-parameter path: a parameter's `.grad` is complete for this backward.
 
-This runs once per parameter and backward, so it is written for the fewest Python frames: the hook
-(`post_accumulate_grad`, registered as `functools.partial(post_accumulate_grad, i)` by fast_hooks.py)
-handles the common case itself (a step under way, settled buckets, first time ready, no graph to keep
-out): it marks the parameter ready, copies a large gradient into its bucket scaled by 1/world (one
-pass), and launches the bucket when it is complete. Everything else (the first gradient of a step,
-no_sync, static_graph's counts, a gradient that arrives twice, backward(create_graph=True)) goes
-through `arrived`.
+This runs once per parameter and backward, so it is written for the fewest Python frames. What a
+gradient that counts for the step does is written once, `mark_ready`: it marks the parameter ready,
+copies a large gradient into its bucket scaled by 1/world (one pass), and launches the bucket when it is
+complete. The hook (`post_accumulate_grad`, registered as `functools.partial(post_accumulate_grad, i)`
+by fast_hooks.py) calls it directly in the common case (a step under way, first time ready, no graph to
+keep out), and so does the fast hooks' drain (fast_hooks.py); everything else (the first gradient of a
+step, no_sync, static_graph's counts, a gradient that arrives twice, backward(create_graph=True)) goes
+through `arrived`, and finalize marks the missing ones.
 
 `GradientArrivals` is a part the Reducer (reducer.py) holds, as `arrivals`, next to its BucketLauncher
 (bucket_launch.py: copy-in, launch, write-back), which it is handed. It owns what arrived when: the
@@ -69,33 +70,12 @@ class GradientArrivals:
         if self._reported:
             self.drain()
         step = self.step
-        if (
-            step is None
-            or step.hits is not None
-            or step.ready[i]
-            or self.order is not None
-            or torch.is_grad_enabled()
-        ):
+        if step is None or step.hits is not None or step.ready[i] or torch.is_grad_enabled():
             self.arrived(i)
             return
-        # The common case, `arrived` and `mark_ready` inlined (one Python frame per parameter, not four):
-        # a step under way, settled buckets, first time ready, no graph to keep out.
-        self.used[i] = step.ready[i] = 1
-        launcher = self.launcher
-        b, pos = launcher.where[i]
-        if b.eager and launcher.communicates:
-            grad = b.params[pos].grad
-            if launcher.prescale and not b.widen and grad is not None and not grad.is_sparse:
-                torch.mul(grad, launcher.inv, out=b.views[pos])
-            else:
-                launcher.copy_in(b, pos)
-        b.pending -= 1
-        if b.pending == 0:
-            b.last_ready = i
-            if not step.defer:
-                launcher.launch_completed(step)
-                if self._owner.phase is REDUCING:
-                    launcher.stepper.poll(launcher.buckets, step.next_bucket, launcher.write_back_one)
+        # The common case, `arrived` inlined: a step under way, first time ready, no graph to keep out
+        self.used[i] = 1
+        self.mark_ready(step, i)
 
     def arrived(self, i: int) -> None:
         """Param i's gradient is complete (the common case, a step under way and first time ready, in
@@ -125,7 +105,10 @@ class GradientArrivals:
         self.mark_ready(step, i)
 
     def mark_ready(self, step: StepState, i: int) -> None:
-        """Parameter i's gradient counts for this step (a missing one too, in finalize: zeros or no_sync's)."""
+        """Parameter i's gradient counts for this step: the one per-parameter path, from the Python hook,
+        the general path, the fast hooks' drain (fast_hooks.py) and finalize (a missing one: zeros or
+        no_sync's). It copies a large gradient into its bucket, scaled by 1/world on the way (the small
+        ones are copied at launch), and launches the buckets it completes, in order."""
         step.ready[i] = 1
         if self.order is not None:
             self.order.append(i)
@@ -136,9 +119,8 @@ class GradientArrivals:
         b.pending -= 1
         if b.pending == 0:
             b.last_ready = i
-        if b.pending == 0 and not step.defer:
-            launcher.launch_completed(step)
-            if (
-                self._owner.phase is REDUCING
-            ):  # in finalize, buckets step after the ranks agree on unused ones
-                launcher.stepper.poll(launcher.buckets, step.next_bucket, launcher.write_back_one)
+            if not step.defer:
+                launcher.launch_completed(step)
+                # in finalize, buckets step after the ranks agree on unused ones
+                if self._owner.phase is REDUCING:
+                    launcher.stepper.poll(launcher.buckets, step.next_bucket, launcher.write_back_one)

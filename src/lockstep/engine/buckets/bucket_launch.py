@@ -41,7 +41,7 @@ from lockstep.engine.buckets.bucket_plan import BucketPlanner
 from lockstep.engine.buckets.shadow import mirror_backward
 from lockstep.engine.buckets.step import ArmedForward, ParamStepper, StepState
 from lockstep.engine.buckets.unused import UnusedAgreement
-from lockstep.engine.core.policy import SyncPolicy
+from lockstep.engine.core.bucket_settings import BucketSettings
 from lockstep.engine.core.stats import StatsRecorder, union_ms
 from lockstep.errors import CommHookResultError, GradientError, InternalError, UsageError, rank_tag
 from lockstep.runtime.progress import PROGRESS
@@ -66,7 +66,7 @@ class BucketLauncher:
         self,
         params: Sequence[torch.nn.Parameter],
         names: Sequence[str],
-        policy: SyncPolicy,
+        settings: BucketSettings,
         group: dist.ProcessGroup | None,
         *,
         rank: int,
@@ -76,7 +76,7 @@ class BucketLauncher:
         dropped: Callable[[], None],
         stepper: ParamStepper,
     ) -> None:
-        self.params, self.names, self.policy, self.group = list(params), list(names), policy, group
+        self.params, self.names, self.settings, self.group = list(params), list(names), settings, group
         self.rank, self.world, self.device = rank, world_size, device
         self._n = len(self.params)
         self.tag = rank_tag(rank, world_size)
@@ -90,9 +90,9 @@ class BucketLauncher:
         self.prescale = True  # the built-in hook sums: gradients are scaled by 1/world on their way in
         self._divisor = world_size
         self.inv = _scale(world_size)
-        self.static_graph = policy.static_graph
+        self.static_graph = settings.static_graph
         self.stats = StatsRecorder()
-        self.planner = BucketPlanner(self.params, self.names, sparse, policy)
+        self.planner = BucketPlanner(self.params, self.names, sparse, settings)
         self._layout: list[BucketSpec] | None = None
         # the last build's order and solo size: relayout builds again from them at another cap
         self._built_from: tuple[Sequence[int] | None, int | None] = (None, None)
@@ -114,7 +114,7 @@ class BucketLauncher:
         if layout == self._layout:  # the observed order gives the same buckets: keep their memory and views
             return
         self._layout = layout
-        status = not self.policy.torch_bucket_layout  # torch's layout has no room for the status element
+        status = not self.settings.torch_bucket_layout  # torch's layout has no room for the status element
         # the old buckets' memory goes before the new is allocated: a rebuild never holds both (+1 model's
         # worth of gradients at the peak otherwise)
         for b in self.buckets:
@@ -283,7 +283,7 @@ class BucketLauncher:
         return self.unused.agree(
             missing,
             used,
-            tolerant=self.policy.find_unused_parameters or self.static_graph,
+            tolerant=self.settings.find_unused_parameters or self.static_graph,
             learned_static=learned_static,
             signal=self.missing_signal(),
         )
@@ -306,7 +306,7 @@ class BucketLauncher:
 
     def missing_signal(self) -> str:
         """How missing gradients reach the other ranks (unused.UnusedAgreement.signal)."""
-        tolerant = self.policy.find_unused_parameters or self.static_graph
+        tolerant = self.settings.find_unused_parameters or self.static_graph
         return self.unused.signal(tolerant=tolerant, summed=self.hook is sum_hook, last=self.buckets[-1])
 
     # ---------------------------------------------------------------- wait and write back (finalize)
@@ -314,7 +314,7 @@ class BucketLauncher:
     def write_back(self) -> None:
         """finalize: each bucket not yet written back is waited for and written back, then reported."""
         as_view, skip, last = (
-            self.policy.gradient_as_bucket_view,
+            self.settings.gradient_as_bucket_view,
             self.unused.globally_unused,
             self.buckets[-1],
         )
@@ -326,7 +326,7 @@ class BucketLauncher:
     def write_back_one(self, b: Bucket) -> None:
         """During backward: bucket b's all-reduce is done; its averages go into .grad now. Its parameters
         all had a gradient in this backward (optimizer_steps.py defers the others), so none is skipped."""
-        write_back_bucket(b, as_view=self.policy.gradient_as_bucket_view, skip=set())
+        write_back_bucket(b, as_view=self.settings.gradient_as_bucket_view, skip=set())
 
     def record_stats(self, step: StepState, armed: ArmedForward | None, t_end_backward: float) -> None:
         """The step's timings (stats.py): forward, backward, communication and its overlap, finalize."""

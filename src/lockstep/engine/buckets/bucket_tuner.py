@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.engine.buckets.bucket_layout import BucketSpec
-from lockstep.engine.core.policy import DEFAULT_BUCKET_CAP_MB
+from lockstep.engine.core.bucket_settings import DEFAULT_BUCKET_CAP_MB
 from lockstep.engine.core.stats import StatsRecorder
 
 CANDIDATE_CAPS_MB = (1.0, 4.0, 10.0, 25.0, 50.0, 100.0)

@@ -17,27 +17,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from lockstep.engine.buckets.bucket_memory import Bucket
 from lockstep.engine.buckets.step import ArmedForward, StepState
 
-if TYPE_CHECKING:
-    from lockstep.engine.buckets.bucket_launch import BucketLauncher
-
 
 class Arrivals(Protocol):
-    """What draining needs of the reducer's arrivals (arrivals.py): the step state, how a gradient is
-    marked ready, and their bucket launcher (where each parameter goes, the scale, the copy, the launch)."""
+    """What draining needs of the reducer's arrivals (arrivals.py): the step state and how a gradient is
+    marked ready (`mark_ready`, the one per-parameter path: the copy, the launch)."""
 
     armed: ArmedForward | None
     step: StepState | None
     order: list[int] | None
     index_of: dict[int, int]
     used: bytearray
-    launcher: BucketLauncher
 
     def post_accumulate_grad(self, i: int, _param: torch.Tensor | None = None) -> None:
         """The Python hook of parameter i."""
@@ -45,6 +41,10 @@ class Arrivals(Protocol):
 
     def arrived(self, i: int) -> None:
         """Parameter i's gradient is complete (the general path)."""
+        ...
+
+    def mark_ready(self, step: StepState, i: int) -> None:
+        """Parameter i's gradient counts for `step` (used[i] is the caller's)."""
         ...
 
     def start_step(self) -> StepState:
@@ -109,36 +109,23 @@ class FastHooks:
 
     def _drain_ready(self, batch: list[torch.Tensor]) -> None:
         """drain() for a synced step whose bucket order is settled: the reducer's `arrived` inlined for
-        parameters of flat buckets ready for the first time (0.4 us each instead of 1, plus the copy of a
-        large gradient; the fast hooks are on such parameters only). Any other arrival takes the general
-        path, in its turn."""
+        parameters ready for the first time (the fast hooks are on parameters of flat buckets only), each
+        taking the reducer's one per-parameter path (`mark_ready`: the copy of a large gradient, the
+        launch). Any other arrival takes the general path, in its turn."""
         r = self.reducer
         step = r.step or r.start_step()
         if step.hits is not None:
             for p in batch:
                 r.arrived(r.index_of[id(p)])
             return
-        launcher = r.launcher
-        index_of, where, used, ready = r.index_of, launcher.where, r.used, step.ready
-        inv, prescale = launcher.inv, launcher.prescale
+        index_of, used, ready, mark_ready = r.index_of, r.used, step.ready, r.mark_ready
         for p in batch:
             i = index_of[id(p)]
-            b, pos = where[i]
             if ready[i]:
                 r.arrived(i)
                 continue
-            used[i] = ready[i] = 1
-            if b.eager:  # its copy into the bucket, scaled on the way, as its own hook would have made it
-                grad = p.grad
-                if prescale and not b.widen and grad is not None and not grad.is_sparse:
-                    torch.mul(grad, inv, out=b.views[pos])
-                else:
-                    launcher.copy_in(b, pos)
-            b.pending -= 1
-            if b.pending == 0:
-                b.last_ready = i
-                if not step.defer:
-                    launcher.launch_completed(step)
+            used[i] = 1
+            mark_ready(step, i)
 
     def forget_buckets(self) -> None:
         """The reducer builds its buckets again: the last choice's key must not keep the old ones alive."""

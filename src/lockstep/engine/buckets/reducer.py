@@ -71,7 +71,7 @@ from lockstep.engine.buckets.phase import (
 )
 from lockstep.engine.buckets.step import ArmedForward, ParamStepper, StepState
 from lockstep.engine.buckets.unused import unreached
-from lockstep.engine.core.policy import SyncPolicy
+from lockstep.engine.core.bucket_settings import BucketSettings
 from lockstep.errors import InternalError, UnusedParameterError, UsageError
 from lockstep.runtime.progress import BACKWARD, PROGRESS
 from lockstep.torch_private import execution_engine
@@ -89,7 +89,7 @@ class Reducer:
         self,
         params: Sequence[torch.nn.Parameter],
         names: Sequence[str],
-        policy: SyncPolicy,
+        settings: BucketSettings,
         group: dist.ProcessGroup | None,
         *,
         rank: int,
@@ -101,7 +101,7 @@ class Reducer:
         self.launcher = launcher = BucketLauncher(
             params,
             names,
-            policy,
+            settings,
             group,
             rank=rank,
             world_size=world_size,
@@ -112,12 +112,14 @@ class Reducer:
         )
         self.arrivals = GradientArrivals(launcher, self, launcher.params)
         # the launcher's fixed facts, read by join.py, ddp.py, the tuner and handle.stats()
-        self.params, self.policy, self.group, self.device = launcher.params, policy, group, device
+        self.params, self.settings, self.group, self.device = launcher.params, settings, group, device
         self.world, self.stats, self._tag = world_size, launcher.stats, launcher.tag
         self._n = len(self.params)
         self.rebuilt = False
         # ready order of the first synced step, for the rebuild; torch never rebuilds with find_unused_parameters
-        self.arrivals.order = None if launcher.planner.skips_rebuild(static_graph=policy.static_graph) else []
+        self.arrivals.order = (
+            None if launcher.planner.skips_rebuild(static_graph=settings.static_graph) else []
+        )
         self._order_complete = False
         self._static_unused: list[int] = []  # learned by static_graph in its first step, with its counts
         # torch's ddp_graph_static: no two synced forwards (find_unused_parameters) left different unused
@@ -173,7 +175,7 @@ class Reducer:
         self.phase = phase
 
     def _rebuild(self, order: Sequence[int] | None) -> None:
-        solo = None if self.policy.gradient_as_bucket_view else SOLO_BUCKET_BYTES
+        solo = None if self.settings.gradient_as_bucket_view else SOLO_BUCKET_BYTES
         self.launcher.build(order, solo_bytes=solo)
 
     def enable_static_graph(self) -> None:
@@ -211,7 +213,7 @@ class Reducer:
         arrivals = self.arrivals
         if arrivals.static_hits is not None:
             forward_unused = self._static_unused
-        elif self.policy.find_unused_parameters and not self.launcher.static_graph:
+        elif self.settings.find_unused_parameters and not self.launcher.static_graph:
             forward_unused = unreached(outputs, arrivals.index_of)
             self._note_unused(frozenset(forward_unused))
         else:
@@ -349,10 +351,10 @@ class Reducer:
             allowed=launcher.communicates
             and arrivals.order is None
             and not launcher.static_graph
-            and not self.policy.find_unused_parameters,
+            and not self.settings.find_unused_parameters,
         )
         PROGRESS.end_step()
-        if learned_static and self.policy.torch_bucket_layout and arrivals.order is not None:
+        if learned_static and self.settings.torch_bucket_layout and arrivals.order is not None:
             arrivals.order = []  # torch observes the ready order in the second step of a static graph
         else:
             self._order_complete = arrivals.order is not None

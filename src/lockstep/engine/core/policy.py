@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
+from lockstep.engine.core.bucket_settings import AUTO as AUTO  # re-exported: fit's bucket size
+from lockstep.engine.core.bucket_settings import DEFAULT_BUCKET_CAP_MB as DEFAULT_BUCKET_CAP_MB
+from lockstep.engine.core.bucket_settings import DEFAULT_FIRST_BUCKET_MB as DEFAULT_FIRST_BUCKET_MB
+from lockstep.engine.core.bucket_settings import BucketSettings
 from lockstep.engine.core.outer_codec import codec_for
+from lockstep.engine.core.periodic_settings import PeriodicSettings
 from lockstep.engine.core.sync_algorithms import SYNC_MODES as SYNC_MODES  # re-exported: FitConfig's choices
-from lockstep.engine.core.sync_algorithms import SyncAlgorithm, parse_sync
-from lockstep.errors import ConfigError
+from lockstep.engine.core.sync_algorithms import SyncAlgorithm
 from lockstep.plan import Plan, RunSettings
 
-DEFAULT_BUCKET_CAP_MB = 25.0
-DEFAULT_FIRST_BUCKET_MB = 1.0
-AUTO = "auto"  # bucket_cap_mb chosen by measurement (bucket_tuner.py)
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Which of SyncPolicy's knobs each part takes: the bucketed reducer's and the periodic sync's (the other
+# two, broadcast_buffers and deterministic, are the replica's: engine/replica/)
+BUCKET_KNOBS = tuple(f.name for f in fields(BucketSettings))
+PERIODIC_KNOBS = tuple(f.name for f in fields(PeriodicSettings))
 
 
 @dataclass(frozen=True)
 class SyncPolicy:
     """How gradients are bucketed and synchronized; every field has torch DDP's meaning and default.
+
+    Each knob is read by one part of the engine, and the policy hands each part its own: `bucket_settings`
+    (BucketSettings, engine/core/bucket_settings.py: the bucket knobs, what the bucketed reducer reads) and
+    `periodic_settings` (PeriodicSettings, engine/core/periodic_settings.py: the knobs of the periodic
+    sync, what engine/periodic/ reads); broadcast_buffers and deterministic are the replica's. Every knob
+    is also a field of the policy, so `dataclasses.replace(policy, bucket_cap_mb=...)` builds both again.
 
     - bucket_cap_mb: size of every bucket after the first (MiB). "auto" (lockstep's, opt-in): chosen by
       measurement over the first synced steps after the rebuild among 1, 4, 10, 25, 50 and 100 MiB, the
@@ -104,23 +114,26 @@ class SyncPolicy:
     delta_dtype: torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
-        self._check_sync()
-        for name in ("bucket_cap_mb", "first_bucket_mb"):
-            value = getattr(self, name)
-            if name == "bucket_cap_mb" and value == AUTO:
-                continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                also = " or 'auto'" if name == "bucket_cap_mb" else ""
-                raise ConfigError(f"SyncPolicy.{name} must be a positive number of MiB{also}, got {value!r}")
-        if self.reduce_dtype is not None and not (
-            isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
-        ):
-            raise ConfigError(
-                f"SyncPolicy.reduce_dtype must be None or a floating torch.dtype, got {self.reduce_dtype!r}"
-            )
+        # Each part checks its own knobs (the periodic ones first, as before the split): the same errors
+        periodic = PeriodicSettings(**{name: getattr(self, name) for name in PERIODIC_KNOBS})
+        buckets = BucketSettings(**{name: getattr(self, name) for name in BUCKET_KNOBS})
+        object.__setattr__(self, "_periodic_settings", periodic)
+        object.__setattr__(self, "_bucket_settings", buckets)
         # Which knobs combine (deterministic, the sync, "auto" against the bucket knobs) and which mode the
         # engine runs: the plan's (kept beside the fields: the policy stays a frozen value of its knobs)
         object.__setattr__(self, "_plan", Plan.of(self.run_settings()))
+
+    @property
+    def bucket_settings(self) -> BucketSettings:
+        """The knobs the bucketed reducer reads (engine/buckets/): bucket_settings.py."""
+        settings: BucketSettings = self.__dict__["_bucket_settings"]
+        return settings
+
+    @property
+    def periodic_settings(self) -> PeriodicSettings:
+        """The knobs the periodic sync reads (engine/periodic/): periodic_settings.py."""
+        settings: PeriodicSettings = self.__dict__["_periodic_settings"]
+        return settings
 
     @property
     def plan(self) -> Plan:
@@ -146,66 +159,31 @@ class SyncPolicy:
             reduce_dtype=self.reduce_dtype,
         )
 
+    # What the parts derive from their knobs, here too for the readers of the policy
     @property
     def tune_buckets(self) -> bool:
         """bucket_cap_mb="auto": the bucket tuner picks the cap (bucket_tuner.py)."""
-        return self.bucket_cap_mb == AUTO
+        return self.bucket_settings.tune_buckets
 
     @property
     def algorithm(self) -> type[SyncAlgorithm] | None:
         """The periodic sync algorithm `sync` names (engine/core/sync_algorithms.py); None for "allreduce"."""
-        return parse_sync(self.sync, what="SyncPolicy.sync")
+        return self.periodic_settings.algorithm
 
     @property
     def periodic(self) -> bool:
         """True for the low-communication modes: the replicas meet every sync_every steps, not every step."""
-        return self.algorithm is not None
-
-    def _check_sync(self) -> None:
-        algorithm = self.algorithm  # ConfigError naming the choices for an unknown name
-        if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
-            raise ConfigError(f"SyncPolicy.sync_every must be an int >= 1, got {self.sync_every!r}")
-        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
-            raise ConfigError(
-                f"SyncPolicy needs outer_lr > 0 and 0 <= outer_momentum < 1; got {self.outer_lr!r} and "
-                f"{self.outer_momentum!r}"
-            )
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ConfigError(f"SyncPolicy.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        if not isinstance(self.outer_momentum_warmup, int) or self.outer_momentum_warmup < 0:
-            raise ConfigError(
-                f"SyncPolicy.outer_momentum_warmup must be an int >= 0, got {self.outer_momentum_warmup!r}"
-            )
-        if not 0 <= self.mix < 1:
-            raise ConfigError(f"SyncPolicy.mix must be in [0, 1), got {self.mix!r}")
-        if not isinstance(self.fragments, int) or self.fragments < 1:
-            raise ConfigError(f"SyncPolicy.fragments must be an int >= 1, got {self.fragments!r}")
-        # fragments, fragment_delay and a quantized delta_dtype against the sync mode: the plan's (run_settings)
-        self._check_delay(delayed=bool(algorithm and algorithm.delayed))
-
-    def _check_delay(self, *, delayed: bool) -> None:
-        delay = self.fragment_delay
-        if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
-            raise ConfigError(f"SyncPolicy.fragment_delay must be an int >= 0, got {delay!r}")
-        if delayed and delay > self.sync_every:
-            raise ConfigError(
-                f"SyncPolicy.fragment_delay={delay} must be at most sync_every={self.sync_every}: a "
-                "fragment's mean is applied before the fragment syncs again"
-            )
+        return self.periodic_settings.periodic
 
     @property
     def bucket_cap_bytes(self) -> int:
         """The cap in bytes ("auto": the default's, until the tuner chooses)."""
-        cap = DEFAULT_BUCKET_CAP_MB if isinstance(self.bucket_cap_mb, str) else self.bucket_cap_mb
-        return int(cap * 1024 * 1024)
+        return self.bucket_settings.bucket_cap_bytes
 
     @property
     def first_bucket_bytes(self) -> int:
-        # never above the cap: asking for small buckets gives a small first one too
-        return min(int(self.first_bucket_mb * 1024 * 1024), self.bucket_cap_bytes)
+        return self.bucket_settings.first_bucket_bytes
 
     def bucket_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         """The dtype in which gradients of `grad_dtype` are communicated."""
-        if self.reduce_dtype is not None:
-            return self.reduce_dtype
-        return torch.float32 if grad_dtype in _LOW_PRECISION and self.upcast_half_precision else grad_dtype
+        return self.bucket_settings.bucket_dtype(grad_dtype)

@@ -133,29 +133,31 @@ class OuterSync:
 
     def __init__(self, module: nn.Module, policy: SyncPolicy, group: Any, *, world: int) -> None:
         self.policy, self.group, self.world = policy, group, world
-        kind = policy.algorithm
+        # the periodic knobs (the policy's PeriodicSettings); of the rest only `deterministic` is read here
+        self.settings = settings = policy.periodic_settings
+        kind = settings.algorithm
         if kind is None:
             raise InternalError("OuterSync for SyncPolicy(sync='allreduce'): it has no periodic sync")
-        self.algorithm: SyncAlgorithm = kind(mix=policy.mix, momentum_warmup=policy.outer_momentum_warmup)
+        self.algorithm: SyncAlgorithm = kind(mix=settings.mix, momentum_warmup=settings.outer_momentum_warmup)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.names = [name for name, p in module.named_parameters() if p.requires_grad]  # for errors
-        self.codec = codec_for(policy.delta_dtype)  # the outer gradients' wire format
+        self.codec = codec_for(settings.delta_dtype)  # the outer gradients' wire format
         self.buffers = [b for b in module.buffers() if b.is_floating_point()]
-        count = policy.fragments if kind.fragmented else 1
+        count = settings.fragments if kind.fragmented else 1
         self.fragments: list[list[Part]] = layout_fragments(
-            module, self.params, count, policy.fragment_layout
+            module, self.params, count, settings.fragment_layout
         )
         self.pieces = [
             self.algorithm.fragment(
                 [part.view(self.params) for part in fragment],
-                outer_lr=policy.outer_lr,
-                outer_momentum=policy.outer_momentum,
+                outer_lr=settings.outer_lr,
+                outer_momentum=settings.outer_momentum,
             )
             for fragment in self.fragments
         ]
         # the data-parallel warm-up's steps: the policy's, or on resume the saved run's (fit's default
         # follows the run's length, which a resumed run may change)
-        self.warmup_steps = policy.warmup_steps
+        self.warmup_steps = settings.warmup_steps
         self.inner_steps = 0  # optimizer steps since the start (after_optimizer_step calls)
         self.outer_syncs = 0  # fragments synced so far
         self.bytes_sent = 0  # payload sent by the collectives' inputs, every phase (what comm_bytes counts)
@@ -163,7 +165,7 @@ class OuterSync:
             a for piece in self.pieces for a in piece.anchor
         ]  # in parameter order (none: local SGD)
         self.outer = [piece.outer for piece in self.pieces if piece.outer is not None]
-        self.delay = policy.fragment_delay if self.algorithm.delayed else 0
+        self.delay = settings.fragment_delay if self.algorithm.delayed else 0
         self.pending: list[_InFlight] = []  # delayed (streaming): fragments' means on their way, oldest first
 
     # ---------------------------------------------------------------- the rounds
@@ -174,7 +176,7 @@ class OuterSync:
         warmup = self.warmup_steps
         if step <= warmup:
             return []
-        return due_fragments(step - warmup, self.policy.sync_every, len(self.fragments))
+        return due_fragments(step - warmup, self.settings.sync_every, len(self.fragments))
 
     def warming_up(self) -> bool:
         """True while the next optimizer step is one of the data-parallel warm-up's."""
@@ -307,7 +309,7 @@ class OuterSync:
                 saved["mean"] = torch.cat([t.reshape(-1) for t in reduction.result(self)])
             pending.append(saved)
         return {
-            "sync": self.policy.sync,
+            "sync": self.settings.sync,
             "inner_steps": self.inner_steps,
             "warmup_steps": self.warmup_steps,
             "outer_syncs": self.outer_syncs,
@@ -321,7 +323,7 @@ class OuterSync:
         if parse_sync(state["sync"]) is not type(self.algorithm) or len(state["outer"]) != len(self.outer):
             raise ConfigError(
                 f"this state was saved by sync={state['sync']!r} with {len(state['outer'])} fragment(s); this "
-                f"replica runs sync={self.policy.sync!r} with {len(self.outer)}: resume with the same settings"
+                f"replica runs sync={self.settings.sync!r} with {len(self.outer)}: resume with the same settings"
             )
         self.inner_steps, self.outer_syncs = int(state["inner_steps"]), int(state["outer_syncs"])
         self.warmup_steps = int(state.get("warmup_steps", 0))  # saved before warm-ups existed: none

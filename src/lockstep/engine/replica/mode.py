@@ -142,7 +142,7 @@ def choose_mode(
     reducer = Reducer(
         params,
         names,
-        replica.policy,
+        replica.policy.bucket_settings,  # what the bucketed reducer reads of the policy
         replica.group,
         rank=replica.rank,
         world_size=replica.world,
