@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -34,7 +35,26 @@ def test_digits_job_reaches_its_accuracy_and_writes_everything(tmp_path: Path) -
 def test_toy_job_with_overrides_and_config_file(tmp_path: Path) -> None:
     config = tmp_path / "toy.yaml"
     config.write_text("epochs: 1\nnum_samples: 256\n")
-    run_dir = tmp_path / "toy"
+    summary = _toy_run(tmp_path / "toy", config)
+    saved = json.loads((tmp_path / "toy" / "config.json").read_text())
+    assert (saved["epochs"], saved["num_samples"], saved["batch_size"], saved["max_steps"]) == (1, 256, 16, 5)
+    assert summary["steps"] == 5 and "test_accuracy" not in summary
+    # Memory as a number (runtime/memory.py): ToyModel's 165 fp32 parameters, their gradients, AdamW's state.
+    memory = summary["memory"]
+    assert (memory["params_bytes"], memory["grads_bytes"], memory["sampled_at"]) == (660, 660, "step")
+    assert memory["model_state_bytes"] > 0 and memory["peak_bytes"] > 0
+    assert memory["peak_source"] == "process_max_rss"
+    # ZeRO-1 on 2 ranks: rank 0 holds its share of AdamW's state only. The toy's 4 parameters stay whole
+    # units (too small to cut), so the shares are 100 and 65 elements, not exactly half.
+    sharded = _toy_run(tmp_path / "toy-sharded", config, "--shard-optimizer", "true")["memory"]
+    ratio = sharded["optimizer_bytes"] / memory["optimizer_bytes"]
+    assert 0.35 < ratio < 0.65, (sharded, memory)
+    assert sharded["params_bytes"] == memory["params_bytes"]
+    assert sharded["model_state_bytes"] < memory["model_state_bytes"]
+
+
+def _toy_run(run_dir: Path, config: Path, *extra: str) -> dict[str, Any]:
+    """The toy job on 2 ranks for 5 steps, with `config` and `extra` options; its summary.json."""
     proc = lockstep_cli(
         "train",
         "toy",
@@ -48,13 +68,11 @@ def test_toy_job_with_overrides_and_config_file(tmp_path: Path) -> None:
         "16",
         "--max-steps",
         "5",
+        *extra,
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    saved = json.loads((run_dir / "config.json").read_text())
-    assert (saved["epochs"], saved["num_samples"], saved["batch_size"], saved["max_steps"]) == (1, 256, 16, 5)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 5 and "test_accuracy" not in summary
+    return cast(dict[str, Any], json.loads((run_dir / "summary.json").read_text()))
 
 
 def test_show_config_and_bad_settings(tmp_path: Path) -> None:

@@ -10,6 +10,8 @@ Modules:
 - live_host.py: The process around a live group: runtime's side of membership/host.py's `Host`.
 - logging.py: Rank-aware logging: INFO from global rank 0 only; warnings and errors from every rank, prefixed
   [rank r/w].
+- memory.py: Memory as a number for every run: the model state this rank holds (local bytes, each storage
+  once) and the process's peak.
 - micro_batches.py: Which rank computes which micro-batch of a step, and the random seed of each: pure, world-
   size aware.
 - peer_heartbeats.py: The other ranks' heartbeats as the hang watchdog reads them: each rank's latest state,

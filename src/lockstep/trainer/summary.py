@@ -66,6 +66,7 @@ def build_summary(
         "restarts": restarts,
         "params_sha256": state_sha256(state.module.state_dict()),
         "optimizer_sha256": state_sha256(state.optimizer.state_dict()),  # consolidated if sharded
+        "memory": state.memory.summary(state.module, state.optimizer),
         "final_train": record.last_train or None,
         **record.last_eval,
         "config": config_to_dict(config),
@@ -96,8 +97,20 @@ def _headline(summary: dict[str, Any], plot: Path | None) -> str:
         f"{summary['wall_time_s']:.1f} s",
         f"{summary['samples_per_second']} samples/s",
     ]
+    if memory := summary.get("memory"):
+        parts.append(f"model state {_size(memory['model_state_bytes'])}, peak {_size(memory['peak_bytes'])}")
     if "test_accuracy" in summary:
         parts.append(f"test_accuracy={summary['test_accuracy']:.4f}")
     if plot:
         parts.append(f"plot {plot}")
     return ", ".join(parts)
+
+
+def _size(count: int) -> str:
+    """A byte count for a person: 2656 -> '2.6 KiB'."""
+    value, unit = float(count), "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"

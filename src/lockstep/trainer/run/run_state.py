@@ -26,6 +26,7 @@ from torch import nn
 
 from lockstep.checkpoint import rng
 from lockstep.engine.optim.shard_optimizer import ShardedOptimizer
+from lockstep.runtime.memory import MemoryMeter
 from lockstep.trainer.reporting.metrics import TrainMetrics
 from lockstep.trainer.run.registry import EVERY, RECOVERY, StateRegistry, Use
 
@@ -94,6 +95,7 @@ class RunState:
         self.sampler, self.metrics = sampler, metrics
         self.counters = TrainCounters()
         self.record = RunRecord()
+        self.memory = MemoryMeter()  # the model state's bytes, sampled in a step (summary.json's `memory`)
         self.registry = StateRegistry()
         self._register()
 

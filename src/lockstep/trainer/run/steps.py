@@ -173,6 +173,7 @@ class Stepper:
             torch.nn.utils.clip_grad_norm_(state.module.parameters(), self.config.clip_grad_norm)
         state.scaler.step(self.optimizer)
         state.scaler.update()
+        state.memory.sample(state.module, state.optimizer)  # grads and optimizer state both exist here
         state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
         if self.outer is not None:
