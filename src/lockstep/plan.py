@@ -5,10 +5,12 @@ the sync mode and what it sends, its warm-up and fragments, the bucket size, acc
 precision, restarts, the engine's own knobs). Every pair of them either runs, falls back (one of the two
 does not apply, and the run says why, once) or is refused (with what to do instead). That table is
 plan_table.py's (`RULES`; a pair not in it runs; re-exported here); this module holds the plan built from
-it for a run's settings (`RunSettings`, `Plan.of`) and the two checks on values that no pair states
+it for a run's settings (`RunSettings`, `Plan.of`) and the checks on values that no pair states
 (`VALUE_CHECKS`: deterministic mode needs a global batch; float live mode needs a micro-batch of every step
-per rank), and nothing else decides them. Each door builds the plan once, from its own names, and hands it
-down:
+per rank; shard_degree must divide the world size, and sharded deterministic mode needs the step's
+micro-batches in a multiple of the ranks), and nothing else decides them. The engine's door, which has no
+FitConfig, makes the shard layout's checks with `check_shard_layout(world_size, shard_degree)`. Each door
+builds the plan once, from its own names, and hands it down:
 
 - `lockstep train` (jobs/cli.py `plan_of`) builds it from the settings and the launch before starting a
   worker, so a refusal is one line and exit status 2, never a traceback per rank (`lockstep run` starts a
@@ -78,6 +80,8 @@ __all__ = [
     "Plan",
     "flag_verdicts",
     "markdown_table",
+    "SHARD_LAYOUT_CHECKS",
+    "check_shard_layout",
 ]
 
 
@@ -102,6 +106,7 @@ class RunSettings:
     live: bool = False
     overlap_optimizer: bool = False
     shard_optimizer: bool = False
+    shard_degree: int = 1  # ranks that share one copy of the model in shards (FSDP; HSDP over the groups)
     sync: str | None = None
     sync_dtype: str = "fp32"
     sync_warmup: int = 0
@@ -139,6 +144,7 @@ class RunSettings:
             "live": self.live,
             "overlap_optimizer": self.overlap_optimizer,
             "shard_optimizer": self.shard_optimizer,
+            "shard_degree": self.shard_degree > 1,
             f"sync={self.sync}": self.sync is not None,  # "sync=allreduce" too, where the door says it
             f"sync_dtype={self.sync_dtype}": True,  # the casts (fp32, bf16, fp16) are no keys of the table
             "sync_warmup": self.sync_warmup > 0,
@@ -169,11 +175,15 @@ class RunSettings:
     def facts(self) -> dict[str, object]:
         """The fields, and the values the plan computes from them (what the lines are formatted with)."""
         cut = self.live_cut() or (0, 0, 0)
+        world = max(self.world_size, 1)
+        rounded = -(-cut[2] // world) * world  # the step's micro-batches, up to a multiple of the ranks
         return {
             **dataclasses.asdict(self),
             "step_samples": cut[0],
             "step_micro_batch_size": cut[1],
             "step_micro_batches": cut[2],
+            "world_divisors": ", ".join(str(d) for d in range(1, world + 1) if world % d == 0),
+            "even_step_samples": rounded * cut[1],
         }
 
 
@@ -195,7 +205,7 @@ class ValueCheck:
     def line(self, settings: RunSettings | None, *, flags: bool) -> str:
         values = _PLACEHOLDERS_FACTS if settings is None else settings.facts()
         case = (self.flag if flags else self.python).format(**values)
-        instead = self.instead_flag if flags else self.instead_python
+        instead = (self.instead_flag if flags else self.instead_python).format(**values)
         return f"{case}: {self.reason}; {instead}"
 
 
@@ -206,6 +216,47 @@ def _needs_a_global_batch(s: RunSettings) -> bool:
 def _too_few_micro_batches(s: RunSettings) -> bool:
     cut = s.live_cut()
     return s.live and not s.deterministic and cut is not None and cut[2] < s.world_size
+
+
+def _shards_beyond_the_world(s: RunSettings) -> bool:
+    return s.shard_degree > s.world_size
+
+
+def _shards_not_dividing_the_world(s: RunSettings) -> bool:
+    return s.shard_degree <= s.world_size and s.world_size % s.shard_degree != 0
+
+
+def _uneven_sharded_micro_batches(s: RunSettings) -> bool:
+    # deterministic mode cuts the step's global batch into micro-batches over all ranks; sharded, every rank
+    # joins each micro-batch's reduce-scatter, so every rank must compute as many as the others
+    cut = s.live_cut()
+    sharded = s.shard_degree > 1 and s.deterministic and s.global_batch_size is not None
+    return sharded and cut is not None and cut[2] % s.world_size != 0
+
+
+# The shard layout's checks: every door makes them, and the engine's own (check_shard_layout) too.
+SHARD_LAYOUT_CHECKS: tuple[ValueCheck, ...] = (
+    ValueCheck(
+        "shard_degree",
+        "--shard-degree {shard_degree} is larger than the world size {world_size} (-n {world_size})",
+        "shard_degree={shard_degree} is larger than the world size {world_size}",
+        "a shard group is made of the run's ranks",
+        "use a divisor of {world_size} ({world_divisors}), or launch more ranks",
+        "use a divisor of {world_size} ({world_divisors}), or launch more ranks",
+        _shards_beyond_the_world,
+        "larger than the world size (-n)",
+    ),
+    ValueCheck(
+        "shard_degree",
+        "--shard-degree {shard_degree} does not divide the world size {world_size} (-n {world_size})",
+        "shard_degree={shard_degree} does not divide the world size {world_size}",
+        "the world must be a whole number of shard groups",
+        "use a divisor of {world_size} ({world_divisors})",
+        "use a divisor of {world_size} ({world_divisors})",
+        _shards_not_dividing_the_world,
+        "where it does not divide the world size (-n)",
+    ),
+)
 
 
 VALUE_CHECKS: tuple[ValueCheck, ...] = (
@@ -232,9 +283,28 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
         _too_few_micro_batches,
         "without --deterministic where a step has fewer micro-batches than ranks",
     ),
+    *SHARD_LAYOUT_CHECKS,
+    ValueCheck(
+        "shard_degree",
+        "--shard-degree {shard_degree} and --deterministic on {world_size} ranks, {step_micro_batches} "
+        "micro-batches of {step_micro_batch_size} in a step of {step_samples} samples",
+        "shard_degree={shard_degree} and deterministic=True on {world_size} ranks, {step_micro_batches} "
+        "micro-batches of {step_micro_batch_size} in a step of {step_samples} samples",
+        "every rank joins every micro-batch's reduce-scatter, so every rank must compute as many micro-batches "
+        "as the others: the step's micro-batches must be a multiple of the ranks",
+        "make them a multiple of {world_size}, e.g. --global-batch-size {even_step_samples} --micro-batch-size "
+        "{step_micro_batch_size}, or leave --shard-degree at 1",
+        "make them a multiple of {world_size}, e.g. global_batch_size={even_step_samples}, micro_batch_size="
+        "{step_micro_batch_size}, or leave shard_degree at 1",
+        _uneven_sharded_micro_batches,
+        "in deterministic mode where a step's micro-batches are not a multiple of the ranks",
+    ),
 )
 _PLACEHOLDERS_FACTS = {
     "world_size": "N",
+    "shard_degree": "S",
+    "world_divisors": "1, ..., N",
+    "even_step_samples": "G'",
     "step_micro_batches": "K",
     "step_micro_batch_size": "M",
     "step_samples": "G",
@@ -308,5 +378,19 @@ def markdown_table() -> str:
         rows.append(f"| {pair} | {rule.verdict.value} | {rule.reason} | {rule.instead or '-'} |")
     for check in VALUE_CHECKS:  # the checks on values, after the pairs
         case = check.flag.format(**_PLACEHOLDERS_FACTS)
-        rows.append(f"| `{case}` | {Verdict.REFUSED.value} | {check.reason} | {check.instead_flag} |")
+        instead = check.instead_flag.format(**_PLACEHOLDERS_FACTS)
+        rows.append(f"| `{case}` | {Verdict.REFUSED.value} | {check.reason} | {instead} |")
     return "\n".join(rows) + "\n"
+
+
+def check_shard_layout(world_size: int, shard_degree: int) -> None:
+    """The shard layout's checks at a door without a FitConfig (the engine's): PlanRefused, spelled as Python,
+    where `shard_degree` ranks per shard group do not make a whole number of groups of `world_size` ranks
+    (the checks every other door makes in `Plan.of`); ConfigError for a count below 1."""
+    for name, value in (("world_size", world_size), ("shard_degree", shard_degree)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r}: expected an int >= 1")
+    settings = RunSettings(world_size=world_size, shard_degree=shard_degree)
+    for check in SHARD_LAYOUT_CHECKS:
+        if check.refuses(settings):
+            raise PlanRefused(check.line(settings, flags=False), check)

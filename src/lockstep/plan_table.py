@@ -55,6 +55,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("live", "--min-world", "live mode (--min-world)"),
     Setting("overlap_optimizer", "--overlap-optimizer true", "overlap_optimizer=True"),
     Setting("shard_optimizer", "--shard-optimizer true", "shard_optimizer=True"),
+    Setting("shard_degree", "--shard-degree {shard_degree}", "shard_degree={shard_degree}"),
     Setting("sync=allreduce", "--sync allreduce", "sync='allreduce'"),
     Setting("sync=local_sgd", "--sync local_sgd", "sync='local_sgd'"),
     Setting("sync=diloco", "--sync diloco", "sync='diloco'"),
@@ -118,6 +119,7 @@ def _name(setting: Setting, values: Mapping[str, object] | None, flags: bool) ->
 
 
 _PLACEHOLDERS = {
+    "shard_degree": "S",
     "bucket_cap_mb": "MB",
     "grad_accum_steps": "K",
     "clip_grad_norm": "X",
@@ -262,6 +264,77 @@ def _rules() -> Iterator[Rule]:
         "LiveLoop does not re-cut a ShardedOptimizer's shares when the members change",
         "pass the optimizer itself, or use lockstep.fit with FitConfig(shard_optimizer=True) in live mode",
     )
+    yield from _shard_degree_rules()
+
+
+# Sharding the model (shard_degree > 1: FSDP inside each shard group, torch's FSDP2 fully_shard; HSDP over
+# the world / shard_degree replica groups) against every other setting. A pair not named here runs:
+# deterministic (its exact reduce-scatter; VALUE_CHECKS wants whole micro-batches per rank), clipping,
+# accumulation, restarts (from checkpoints), bf16, the every-step sync, reduce_dtype (the reduce-scatter's
+# dtype, FSDP2's MixedPrecisionPolicy.reduce_dtype).
+_NOT_REPLICAS = "a periodic sync averages whole replicas, and a rank of a shard group holds a shard of one"
+_NO_PERIODIC_SHARDS = "leave shard_degree at 1 for a periodic sync, or sync every step (sync allreduce)"
+_NOT_BUILT_LIVE = "live recovery across sharded replica groups is not built yet (issue 46)"
+_LIVE_INSTEAD = (
+    "leave shard_degree at 1 in live mode, or run sharded without live mode (restarts resume it from its "
+    "checkpoints)"
+)
+_FSDP_UNITS = "FSDP2's units are the buckets: each wrapped block's gradients are one reduce-scatter"
+_NOT_DDP = (
+    "it is a knob of the replicated engine's buckets (torch's DDP), which a sharded model does not run: FSDP2 "
+    "reduce-scatters each wrapped block's gradients itself"
+)
+
+
+def _shard_degree_rules() -> Iterator[Rule]:
+    refused, falls_back = Verdict.REFUSED, Verdict.FALLS_BACK
+    yield Rule(
+        "shard_degree",
+        "shard_optimizer",
+        refused,
+        "FSDP shards the optimizer's state with the parameters already (each rank steps its own shards)",
+        "choose one of the two (shard_degree shards parameters, gradients and optimizer state; "
+        "shard_optimizer the optimizer state alone)",
+    )
+    for key in ("live", "live_loop"):
+        yield Rule("shard_degree", key, refused, _NOT_BUILT_LIVE, _LIVE_INSTEAD)
+    for sync in SYNC_KEYS:
+        yield Rule("shard_degree", sync, refused, _NOT_REPLICAS, _NO_PERIODIC_SHARDS)
+    for key in (
+        *(f"sync_dtype={d}" for d in QUANTIZED_SYNC_DTYPES),
+        "sync_warmup",
+        "fragments",
+        "fragment_delay",
+    ):
+        name = key.partition("=")[0]
+        yield Rule(
+            key,
+            "shard_degree",
+            refused,
+            f"it applies to a periodic sync alone, and {_NOT_REPLICAS}",
+            f"leave {name} at the default, or shard_degree at 1",
+            "does not apply with",
+        )
+    yield Rule(
+        "overlap_optimizer",
+        "shard_degree",
+        falls_back,
+        "FSDP2 steps the sharded optimizer after backward, each rank its own shards: there is no bucket's "
+        "step to overlap with backward",
+    )
+    for cap in ("bucket_cap_mb=auto", "bucket_cap_mb"):
+        yield Rule(cap, "shard_degree", falls_back, _FSDP_UNITS, "", "does not apply with")
+    yield Rule(
+        "precision=fp16",
+        "shard_degree",
+        refused,
+        "a GradScaler over sharded gradients is not wired",
+        "use precision bf16 (no scaler), or leave shard_degree at 1",
+    )
+    for knob in ("static_graph", "gradient_as_bucket_view", "find_unused_parameters", "torch_bucket_layout"):
+        yield Rule(
+            knob, "shard_degree", refused, _NOT_DDP, f"leave {knob} at the default", "does not apply with"
+        )
 
 
 RULES: tuple[Rule, ...] = tuple(r for r in _rules() if r.verdict is not Verdict.RUNS)

@@ -4,12 +4,19 @@ plans it; a SyncPolicy for the pairs whose settings are engine knobs), runs, fal
 the table says. Before, `--sync diloco --bucket-cap-mb 10` was refused by the launcher while
 `SyncPolicy(sync="diloco", bucket_cap_mb=10)` was accepted, and `--sync-dtype int8` ran with a note while
 `SyncPolicy(delta_dtype="int8")` was refused. LiveLoop's pair (a ShardedOptimizer) goes through LiveLoop;
-the two checks on values (VALUE_CHECKS) go through the launcher and fit (its plan and its batch cut); the
-engine's overlapped optimizer asks the plan handed to it."""
+the checks on values (VALUE_CHECKS) go through the launcher and fit (its plan and its batch cut); the
+engine's overlapped optimizer asks the plan handed to it. Sharding the model (shard_degree, issue 45) meets
+the engine's knobs and LiveLoop at the engine's door, which asks the plan of its own RunSettings (and makes
+the shard layout's checks with check_shard_layout)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,12 +33,14 @@ from lockstep.plan import (
     PYTHON_ONLY,
     RULES,
     SETTINGS,
+    SHARD_LAYOUT_CHECKS,
     VALUE_CHECKS,
     Plan,
     PlanRefused,
     Rule,
     RunSettings,
     Verdict,
+    check_shard_layout,
     flag_of,
     flag_verdicts,
 )
@@ -40,6 +49,7 @@ from lockstep.trainer.settings.config import FitConfig
 from lockstep.trainer.settings.config import plan_of as fit_plan_of
 
 WORLD = 2
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fit_values(key: str) -> dict[str, Any]:
@@ -52,6 +62,7 @@ def _fit_values(key: str) -> dict[str, Any]:
         "sync_warmup": 2,
         "fragments": 2,
         "fragment_delay": 2,
+        "shard_degree": WORLD,  # FSDP over the test's world (a divisor of it: VALUE_CHECKS)
     }
     if name in numbers:
         return {name: value or numbers[name]}
@@ -162,13 +173,40 @@ def _through_live_loop(rule: Rule) -> Verdict | None:
     raise AssertionError(f"LiveLoop took {rule.first} with {rule.second}: this door cannot say more")
 
 
+def _run_settings_values(key: str) -> dict[str, Any]:
+    """RunSettings' fields for `key` (the engine's door: it has no FitConfig)."""
+    name, _, value = key.partition("=")
+    if name == "reduce_dtype":
+        return {"reduce_dtype": torch.bfloat16}
+    if name == "shard_degree":
+        return {"shard_degree": WORLD, "world_size": WORLD}
+    return {name: True}
+
+
+def _through_the_engine_plan(rule: Rule) -> Verdict | None:
+    """The sharded engine's door for its pairs with the engine's knobs and LiveLoop (no flag, no FitConfig
+    sets them): the plan of its RunSettings, which the engine side asks as SyncPolicy asks its own."""
+    keys = {rule.first, rule.second}
+    if "shard_degree" not in keys or not keys & set(PYTHON_ONLY):
+        return None
+    try:
+        settings = RunSettings(**_run_settings_values(rule.first), **_run_settings_values(rule.second))
+        return _verdict(rule, Plan.of(settings))
+    except ConfigError:
+        return Verdict.REFUSED
+
+
 def _has_flags(rule: Rule) -> bool:
     return not {rule.first.partition("=")[0], rule.second.partition("=")[0]} & set(PYTHON_ONLY)
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[f"{r.first} + {r.second}" for r in RULES])
 def test_every_rule_gets_the_tables_verdict_through_every_door(rule: Rule) -> None:
-    doors = {"SyncPolicy": _through_sync_policy(rule), "LiveLoop": _through_live_loop(rule)}
+    doors = {
+        "SyncPolicy": _through_sync_policy(rule),
+        "LiveLoop": _through_live_loop(rule),
+        "the sharded engine's plan": _through_the_engine_plan(rule),
+    }
     if _has_flags(rule):
         doors["lockstep train"] = _through_the_launcher(rule)
         if "max_restarts" not in (rule.first, rule.second):  # a launch setting fit does not see
@@ -179,41 +217,66 @@ def test_every_rule_gets_the_tables_verdict_through_every_door(rule: Rule) -> No
         f"{rule.first} with {rule.second}: the table says {rule.verdict}, {seen}"
     )
     if "live_loop" in (rule.first, rule.second):  # the plan LiveLoop is to ask (trainer/live/live_loop.py)
-        settings = RunSettings(live=True, live_loop=True, shard_optimizer=True)
+        other = rule.second if rule.first == "live_loop" else rule.first
+        settings = RunSettings(live=other != "shard_degree", live_loop=True, **_run_settings_values(other))
         with pytest.raises(PlanRefused) as refused:
             Plan.of(settings)
         assert refused.value.rule is rule
 
 
-# Each check on values, as the launcher's flags on WORLD ranks and as FitConfig's fields; refused or not.
+# Each check on values, as the launcher's flags on `world` ranks and as FitConfig's fields; refused or not.
 VALUE_CASES = [
-    ("deterministic without a global batch", ["--deterministic"], {"deterministic": True}, False, True),
+    ("deterministic without a global batch", ["--deterministic"], {"deterministic": True}, False, WORLD, True),
     ("deterministic with one", ["--deterministic", "--global-batch-size", "64"],
-     {"deterministic": True, "global_batch_size": 64}, False, False),
+     {"deterministic": True, "global_batch_size": 64}, False, WORLD, False),
     ("float live mode, 1 micro-batch for 2 ranks", ["--global-batch-size", "4", "--micro-batch-size", "4"],
-     {"global_batch_size": 4, "micro_batch_size": 4}, True, True),
+     {"global_batch_size": 4, "micro_batch_size": 4}, True, WORLD, True),
     ("float live mode, 2 micro-batches for 2 ranks", ["--global-batch-size", "4", "--micro-batch-size", "2"],
-     {"global_batch_size": 4, "micro_batch_size": 2}, True, False),
-    ("float live mode, the default cut", [], {}, True, False),
+     {"global_batch_size": 4, "micro_batch_size": 2}, True, WORLD, False),
+    ("float live mode, the default cut", [], {}, True, WORLD, False),
     ("deterministic live mode, 1 micro-batch for 2 ranks",
      ["--deterministic", "--global-batch-size", "4", "--micro-batch-size", "4"],
-     {"deterministic": True, "global_batch_size": 4, "micro_batch_size": 4}, True, False),
+     {"deterministic": True, "global_batch_size": 4, "micro_batch_size": 4}, True, WORLD, False),
+    # the shard layout: shard groups of shard_degree ranks, a whole number of them in the world
+    ("shard degree 3 on 4 ranks", ["--shard-degree", "3"], {"shard_degree": 3}, False, 4, True),
+    ("shard degree 4 on 2 ranks", ["--shard-degree", "4"], {"shard_degree": 4}, False, 2, True),
+    ("shard degree 2 on 4 ranks (HSDP)", ["--shard-degree", "2"], {"shard_degree": 2}, False, 4, False),
+    ("shard degree 4 on 4 ranks (FSDP)", ["--shard-degree", "4"], {"shard_degree": 4}, False, 4, False),
+    ("shard degree 1 on 3 ranks (replicated)", ["--shard-degree", "1"], {"shard_degree": 1}, False, 3, False),
+    # sharded deterministic mode: the step's micro-batches in a multiple of the ranks
+    ("sharded deterministic, 3 micro-batches for 2 ranks",
+     ["--shard-degree", "2", "--deterministic", "--global-batch-size", "6", "--micro-batch-size", "2"],
+     {"shard_degree": 2, "deterministic": True, "global_batch_size": 6, "micro_batch_size": 2}, False, 2, True),
+    ("sharded deterministic, 2 micro-batches for 2 ranks",
+     ["--shard-degree", "2", "--deterministic", "--global-batch-size", "6", "--micro-batch-size", "3"],
+     {"shard_degree": 2, "deterministic": True, "global_batch_size": 6, "micro_batch_size": 3}, False, 2, False),
+    ("sharded deterministic (HSDP), 6 micro-batches for 4 ranks",
+     ["--shard-degree", "2", "--deterministic", "--global-batch-size", "12", "--micro-batch-size", "2"],
+     {"shard_degree": 2, "deterministic": True, "global_batch_size": 12, "micro_batch_size": 2}, False, 4, True),
+    ("sharded deterministic, the default micro-batch (batch_size 32: 2 of them) on 2 ranks",
+     ["--shard-degree", "2", "--deterministic", "--global-batch-size", "64"],
+     {"shard_degree": 2, "deterministic": True, "global_batch_size": 64}, False, 2, False),
+    ("unsharded deterministic, 3 micro-batches for 2 ranks",
+     ["--deterministic", "--global-batch-size", "6", "--micro-batch-size", "2"],
+     {"deterministic": True, "global_batch_size": 6, "micro_batch_size": 2}, False, 2, False),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "flags, fields, live, refused", [c[1:] for c in VALUE_CASES], ids=[c[0] for c in VALUE_CASES]
+    "flags, fields, live, world, refused", [c[1:] for c in VALUE_CASES], ids=[c[0] for c in VALUE_CASES]
 )
 def test_every_value_check_gets_one_verdict_through_every_door(
-    flags: list[str], fields: dict[str, Any], live: bool, refused: bool
+    flags: list[str], fields: dict[str, Any], live: bool, world: int, refused: bool
 ) -> None:
     launch = ["--min-world", "1"] if live else []
-    args, rest = build_parser().parse_known_args(["toy", "-n", str(WORLD), *launch, *flags])
+    args, rest = build_parser().parse_known_args(["toy", "-n", str(world), *launch, *flags])
     config = FitConfig(**fields)
     doors: dict[str, Any] = {
         "lockstep train": lambda: plan_of(args, resolve_config(args.job, None, rest, None)),
-        "fit's plan": lambda: fit_plan_of(config, WORLD, live=live),
+        "fit's plan": lambda: fit_plan_of(config, world, live=live),
     }
+    if set(fields) == {"shard_degree"}:  # the engine's door: the layout alone, without a FitConfig
+        doors["check_shard_layout"] = lambda: check_shard_layout(world, fields["shard_degree"])
     verdicts = {}
     for door, ask in doors.items():
         try:
@@ -301,3 +364,197 @@ def test_a_bucket_size_with_a_periodic_sync_is_refused_by_both_doors() -> None:
     with pytest.raises(ConfigError, match=r"^--bucket-cap-mb 10\.0 does not apply with --sync diloco"):
         plan_of(args, resolve_config(args.job, None, rest, None))
     assert SyncPolicy(sync="diloco").plan.fallbacks == ()  # torch's default cap is no setting of the user's
+
+
+def _launcher_plan(argv: list[str]) -> Plan:
+    args, rest = build_parser().parse_known_args(argv)
+    return plan_of(args, resolve_config(args.job, None, rest, None))
+
+
+def test_the_shard_layout_checks_say_what_to_do_at_each_door() -> None:
+    divides, larger = SHARD_LAYOUT_CHECKS[1], SHARD_LAYOUT_CHECKS[0]
+    fix = "the world must be a whole number of shard groups; use a divisor of 4 (1, 2, 4)"
+    with pytest.raises(PlanRefused) as at_launch:
+        _launcher_plan(["toy", "-n", "4", "--shard-degree", "3"])
+    assert str(at_launch.value) == f"--shard-degree 3 does not divide the world size 4 (-n 4): {fix}"
+    with pytest.raises(PlanRefused) as in_fit:
+        fit_plan_of(FitConfig(shard_degree=3), 4, live=False)
+    assert str(in_fit.value) == f"shard_degree=3 does not divide the world size 4: {fix}"
+    with pytest.raises(PlanRefused) as at_the_engine:
+        check_shard_layout(4, 3)
+    assert str(at_the_engine.value) == str(in_fit.value)
+    assert at_launch.value.rule is in_fit.value.rule is at_the_engine.value.rule is divides
+
+    with pytest.raises(PlanRefused) as at_launch:
+        _launcher_plan(["toy", "-n", "2", "--shard-degree", "4"])
+    assert str(at_launch.value) == (
+        "--shard-degree 4 is larger than the world size 2 (-n 2): a shard group is made of the run's ranks; "
+        "use a divisor of 2 (1, 2), or launch more ranks"
+    )
+    with pytest.raises(PlanRefused, match=r"^shard_degree=4 is larger than the world size 2: ") as in_fit:
+        fit_plan_of(FitConfig(shard_degree=4), 2, live=False)
+    with pytest.raises(PlanRefused, match=r"^shard_degree=4 is larger than the world size 2: ") as engine:
+        check_shard_layout(2, 4)
+    assert at_launch.value.rule is in_fit.value.rule is engine.value.rule is larger
+    check_shard_layout(4, 2)  # HSDP: 2 replica groups of 2 shards
+    check_shard_layout(4, 4)  # FSDP
+    check_shard_layout(1, 1)
+    for world, degree in ((4, 0), (0, 1), (4, True)):
+        with pytest.raises(ConfigError, match=r"=(0|True): expected an int >= 1$"):
+            check_shard_layout(world, degree)  # type: ignore[arg-type]
+
+
+def test_sharded_deterministic_mode_says_what_to_do_at_each_door() -> None:
+    cut = ["--deterministic", "--global-batch-size", "6", "--micro-batch-size", "2"]
+    with pytest.raises(PlanRefused) as at_launch:
+        _launcher_plan(["toy", "-n", "2", "--shard-degree", "2", *cut])
+    assert str(at_launch.value) == (
+        "--shard-degree 2 and --deterministic on 2 ranks, 3 micro-batches of 2 in a step of 6 samples: every "
+        "rank joins every micro-batch's reduce-scatter, so every rank must compute as many micro-batches as the "
+        "others: the step's micro-batches must be a multiple of the ranks; make them a multiple of 2, e.g. "
+        "--global-batch-size 8 --micro-batch-size 2, or leave --shard-degree at 1"
+    )
+    config = FitConfig(shard_degree=2, deterministic=True, global_batch_size=6, micro_batch_size=2)
+    with pytest.raises(PlanRefused) as in_fit:
+        fit_plan_of(config, 2, live=False)
+    assert str(in_fit.value).startswith(
+        "shard_degree=2 and deterministic=True on 2 ranks, 3 micro-batches of 2 in a step of 6 samples: "
+    )
+    assert str(in_fit.value).endswith(
+        "; make them a multiple of 2, e.g. global_batch_size=8, micro_batch_size=2, or leave shard_degree at 1"
+    )
+    assert at_launch.value.rule is in_fit.value.rule is VALUE_CHECKS[-1]
+    # what it suggests runs
+    fit_plan_of(dataclasses.replace(config, global_batch_size=8), 2, live=False)
+    _launcher_plan(["toy", "-n", "2", "--shard-degree", "2", *cut[:2], "8", *cut[3:]])
+
+
+# A pair with shard_degree as each door spells it: the launcher's line (flags), fit's (Python).
+SHARD_PAIRS = [
+    (["--shard-optimizer", "true"], {"shard_optimizer": True}, False,
+     "--shard-degree 2 with --shard-optimizer true: FSDP shards the optimizer's state with the parameters "
+     "already (each rank steps its own shards); choose one of the two",
+     "shard_degree=2 with shard_optimizer=True: FSDP shards"),
+    (["--min-world", "1"], {}, True,
+     "--shard-degree 2 with --min-world: live recovery across sharded replica groups is not built yet "
+     "(issue 46); leave shard_degree at 1 in live mode",
+     "shard_degree=2 with live mode (--min-world): live recovery across sharded replica groups is not built"),
+    (["--sync", "diloco"], {"sync": "diloco"}, False,
+     "--shard-degree 2 with --sync diloco: a periodic sync averages whole replicas, and a rank of a shard "
+     "group holds a shard of one; leave shard_degree at 1 for a periodic sync, or sync every step",
+     "shard_degree=2 with sync='diloco': a periodic sync averages whole replicas"),
+    (["--sync", "streaming_diloco", "--fragments", "2"], {"sync": "streaming_diloco", "fragments": 2}, False,
+     "--shard-degree 2 with --sync streaming_diloco: a periodic sync averages whole replicas",
+     "shard_degree=2 with sync='streaming_diloco': "),
+    (["--sync-warmup", "2"], {"sync_warmup": 2}, False,
+     "--sync-warmup 2 does not apply with --shard-degree 2: it applies to a periodic sync alone, and a "
+     "periodic sync averages whole replicas, and a rank of a shard group holds a shard of one; leave "
+     "sync_warmup at the default, or shard_degree at 1",
+     "sync_warmup=2 does not apply with shard_degree=2: "),
+    (["--sync-dtype", "int8"], {"sync_dtype": "int8"}, False,
+     "--sync-dtype int8 does not apply with --shard-degree 2: it applies to a periodic sync alone",
+     "sync_dtype='int8' does not apply with shard_degree=2: "),
+    (["--precision", "fp16"], {"precision": "fp16"}, False,
+     "--precision fp16 with --shard-degree 2: a GradScaler over sharded gradients is not wired; use precision "
+     "bf16 (no scaler), or leave shard_degree at 1",
+     "precision='fp16' with shard_degree=2: a GradScaler over sharded gradients is not wired; use precision bf16"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, fields, live, at_launch, in_fit", SHARD_PAIRS, ids=[" ".join(p[0]) for p in SHARD_PAIRS]
+)
+def test_a_refused_pair_with_shard_degree_says_both_and_what_to_do_at_each_door(
+    flags: list[str], fields: dict[str, Any], live: bool, at_launch: str, in_fit: str
+) -> None:
+    with pytest.raises(PlanRefused) as launcher:
+        _launcher_plan(["toy", "-n", "2", "--shard-degree", "2", *flags])
+    assert str(launcher.value).startswith(at_launch) and "\n" not in str(launcher.value)
+    with pytest.raises(PlanRefused) as fit:
+        fit_plan_of(FitConfig(shard_degree=2, **fields), 2, live=live)
+    assert str(fit.value).startswith(in_fit)
+    assert launcher.value.rule is fit.value.rule
+
+
+def test_what_falls_back_with_shard_degree_says_so_once_at_each_door() -> None:
+    overlap = (
+        "--overlap-optimizer true with --shard-degree 2: FSDP2 steps the sharded optimizer after backward, each "
+        "rank its own shards: there is no bucket's step to overlap with backward"
+    )
+    buckets = (
+        "--bucket-cap-mb {} does not apply with --shard-degree 2: FSDP2's units are the buckets: each wrapped "
+        "block's gradients are one reduce-scatter"
+    )
+    plan = _launcher_plan(["toy", "-n", "2", "--shard-degree", "2", "--overlap-optimizer", "true"])
+    assert plan.notes() == [overlap]
+    fit = fit_plan_of(FitConfig(shard_degree=2, overlap_optimizer=True), 2, live=False)
+    assert fit.fallbacks == plan.fallbacks and fit.fallback("overlap_optimizer") is plan.fallbacks[0]
+    for cap in ("10", "auto"):
+        plan = _launcher_plan(["toy", "-n", "2", "--shard-degree", "2", "--bucket-cap-mb", cap])
+        value = "auto" if cap == "auto" else 10.0
+        assert plan.notes() == [buckets.format(value)]
+        fit = fit_plan_of(FitConfig(shard_degree=2, bucket_cap_mb=value), 2, live=False)
+        assert fit.fallbacks == plan.fallbacks
+
+
+def test_what_runs_with_shard_degree_runs_at_each_door() -> None:
+    runs = [
+        ["--precision", "bf16"],
+        ["--clip-grad-norm", "1.0"],
+        ["--grad-accum-steps", "2"],
+        ["--deterministic", "--global-batch-size", "64", "--micro-batch-size", "8"],
+        ["--sync", "allreduce"],
+        ["--checkpoint-every", "5", "--checkpoint-async", "true", "--keep-checkpoints", "2"],
+        ["--reshard-after-forward", "false"],
+        ["--max-restarts", "2"],
+    ]
+    for flags in runs:
+        assert _launcher_plan(["toy", "-n", "4", "--shard-degree", "2", *flags]).notes() == [], flags
+    config = FitConfig(shard_degree=4, precision="bf16", clip_grad_norm=1.0, grad_accum_steps=2)
+    assert fit_plan_of(config, 4, live=False).fallbacks == ()
+    # the engine's door: the reduce-scatter's dtype (FSDP2's MixedPrecisionPolicy.reduce_dtype) runs
+    engine = RunSettings(shard_degree=2, world_size=2, reduce_dtype=torch.bfloat16, deterministic=False)
+    assert Plan.of(engine).fallbacks == ()
+
+
+def test_shard_degree_and_reshard_after_forward_are_flags_of_lockstep_train() -> None:
+    config = resolve_config("toy", None, [], None)
+    assert config.shard_degree == 1 and config.reshard_after_forward is True
+    config = resolve_config("toy", None, ["--shard-degree", "4", "--reshard-after-forward", "false"], None)
+    assert config.shard_degree == 4 and config.reshard_after_forward is False
+    assert (
+        resolve_config("digits", None, ["--shard_degree=2", "--reshard-after-forward"], None).shard_degree
+        == 2
+    )
+    with pytest.raises(
+        ConfigError, match=r"^shard_degree='0' from --shard-degree: expected an int >= 1, got 0"
+    ):
+        resolve_config("toy", None, ["--shard-degree", "0"], None)
+    with pytest.raises(ConfigError, match=r"^reshard_after_forward='maybe' from --reshard-after-forward: "):
+        resolve_config("toy", None, ["--reshard-after-forward", "maybe"], None)
+    with pytest.raises(ConfigError, match=r"^shard_degree=0 from FitConfig\(\.\.\.\): expected an int >= 1"):
+        FitConfig(shard_degree=0)
+    assert RunSettings.of(FitConfig(shard_degree=2), world_size=2).keys() == [
+        "shard_degree",
+        "sync=allreduce",
+    ]
+    assert RunSettings.of(FitConfig(), world_size=2).keys() == ["sync=allreduce"]  # 1: no key of the table
+
+
+def test_the_launcher_refuses_a_shard_degree_that_does_not_divide_the_world_at_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "lockstep", "train", "toy", "--shard-degree", "3", "-n", "4"]
+    start = time.monotonic()
+    done = subprocess.run(
+        [*command, "--run-dir", str(run_dir)], capture_output=True, text=True, env=env, timeout=60
+    )
+    took = time.monotonic() - start
+    assert done.returncode == 2, done
+    assert done.stdout == ""
+    assert done.stderr == (
+        "lockstep train: error: --shard-degree 3 does not divide the world size 4 (-n 4): the world must be a "
+        "whole number of shard groups; use a divisor of 4 (1, 2, 4)\n"
+    )
+    assert not run_dir.exists()  # refused before the config is saved or a worker starts
+    assert took < 2.0, f"the refusal took {took:.2f} s"

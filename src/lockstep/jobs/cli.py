@@ -35,6 +35,7 @@ Any setting of the job's config can be given as --key value (or --key=value), e.
   lockstep train gpt -n 2 --run-dir runs/gpt --max-steps 100 --precision bf16
   lockstep train digits -n 3 --deterministic --global-batch-size 64 --micro-batch-size 8
   lockstep train digits -n 2 --run-dir runs/digits --overlap-optimizer true
+  lockstep train gpt -n 4 --shard-degree 2 --reshard-after-forward false   (HSDP: 2 groups of 2 shards)
   lockstep train mnist -n 2 --run-dir runs/mnist --data /usr/share/datasets/fashion-mnist/
 The resolved config is saved as RUN_DIR/config.json (and config.yaml when pyyaml is installed).
 A run directory that already holds checkpoints resumes from the newest valid one (--resume never to start over).

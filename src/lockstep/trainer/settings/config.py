@@ -128,6 +128,11 @@ class FitConfig:
     (the last outer sync), and replacements join at a round's end (trainer/live/live_rounds.py, docs/live.md);
     streaming_diloco goes back to its last fragment's sync: the lost rank's progress since each fragment's
     last sync is dropped (not redone; summary.json's faults[].dropped and samples_dropped count its samples).
+    shard_degree=N: N ranks share one copy of the model in shards (FSDP inside a shard group, torch's FSDP2
+    `fully_shard`), and the world / N replica groups average their shards' gradients (HSDP); N = world is
+    FSDP (ZeRO-3), 1 (the default) the replicated engine; N must divide the world. reshard_after_forward=False
+    keeps the parameters unsharded from forward to backward (ZeRO-2-like: more memory, one all-gather less).
+    Not with shard_optimizer, live mode, a periodic sync or fp16 (lockstep/plan.py's table, docs/modes.md).
     """
 
     run_dir: str = "runs/default"
@@ -189,6 +194,8 @@ class FitConfig:
     shard_optimizer: bool = (
         False  # ZeRO-1: each rank steps, and keeps the state of, its share of the parameters
     )
+    shard_degree: int = 1  # ranks per shard group (FSDP2 fully_shard in each; HSDP over the groups)
+    reshard_after_forward: bool = True  # sharded: free the gathered parameters after forward
     # MiB per gradient bucket: None is torch's 25 through the drop-in class (torch's layout and bits);
     # "auto" chooses it by measurement in the first steps (SyncPolicy(bucket_cap_mb="auto"), replicate).
     bucket_cap_mb: float | str | None = None
@@ -228,6 +235,7 @@ class FitConfig:
         "fragment_layout": one_of(*FRAGMENT_LAYOUTS),
         "fragment_delay": at_least(0),
         "fragments": at_least(1),
+        "shard_degree": at_least(1),
         "sync_dtype": one_of(*SYNC_DTYPES),
         "bucket_cap_mb": Bound(minimum=0, strict=True, choices=("auto",)),
     }
@@ -245,7 +253,8 @@ class FitConfig:
 def plan_of(config: FitConfig, world_size: int, *, live: bool) -> Plan:
     """fit's verdict on its settings (lockstep/plan.py: PlanRefused for a pair that does not combine, or for
     a value it checks: deterministic mode without a global batch, live mode without deterministic with fewer
-    micro-batches than ranks), and the engine's mode; `lockstep train` asks the same table of the same
+    micro-batches than ranks, a shard_degree that does not divide the world size, sharded deterministic mode
+    with a step's micro-batches not a multiple of the ranks), and the engine's mode; `lockstep train` asks the same table of the same
     settings before launch. `world_size`: the launched ranks (in live mode the launch's, which the
     micro-batch check counts, whatever the survivors)."""
     return Plan.of(RunSettings.of(config, world_size=world_size, live=live))
