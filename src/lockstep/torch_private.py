@@ -24,6 +24,8 @@ lockstep uses that instead and the name is not here.
 | `default_store` | `distributed_c10d._get_default_store` | the hang watchdog opens a connection of its own to the group's store |
 | `reset_group_names` | `distributed_c10d._world.group_count` | a failed init_process_group leaves torch's group-name counter one up (only destroying a formed group resets it): the next group would be named apart from its peers' and never meet them |
 | `set_group_timeout` | `distributed_c10d._set_pg_timeout` | a live group forms under a short timeout and then keeps the job's own |
+| `FSDPAllGather`, `FSDPReduceScatter` | `torch.distributed.fsdp._fully_shard._fsdp_api` | the interfaces of FSDP2's public `set_custom_all_gather` / `set_custom_reduce_scatter` (torch exports the setters, not the classes they take) |
+| `fsdp_unit_params` | `FSDPModule._get_fsdp_state()._fsdp_param_group.fsdp_params` | the parameters of one FSDP unit in the order FSDP2 lays out its reduce-scatter input (deterministic mode reads that input) |
 
 One more lives in launch/worker.py, which must not import torch (it is the bootstrap of every worker, before
 the program imports anything): the name of the excepthook torch installs per rank
@@ -43,11 +45,15 @@ from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
 from torch.autograd import _unsafe_preserve_version_counter as preserve_version_counter
 from torch.distributed import distributed_c10d as _c10d
 from torch.distributed.algorithms.join import _JoinConfig as JoinConfig
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "FSDPAllGather",
+    "FSDPReduceScatter",
     "FutureBase",
     "BatchNormBase",
     "JoinConfig",
@@ -61,6 +67,7 @@ __all__ = [
     "execution_engine",
     "flatten_dense_tensors",
     "foreach_copy_",
+    "fsdp_unit_params",
     "in_coalescing",
     "preserve_version_counter",
     "reset_group_names",
@@ -118,3 +125,10 @@ def active_ddp_module() -> Any:
 
 def set_active_ddp_module(module: Any) -> None:
     _TorchDDP._active_ddp_module = module
+
+
+def fsdp_unit_params(module: Any) -> list[Any]:
+    """The sharded parameters (DTensors) of the FSDP unit `fully_shard(module)` made, in the order FSDP2
+    lays out the unit's reduce-scatter input; [] when the unit holds none."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return [] if group is None else [fsdp_param.sharded_param for fsdp_param in group.fsdp_params]

@@ -1,0 +1,80 @@
+"""FSDP2's all-gather and reduce-scatter, issued as torch issues them but numbered for the hang watchdog.
+
+A sharded run's collectives are FSDP2's, not the engine's: without these, a rank stuck in a unit's
+all-gather would leave a hang report with nothing to name. Each call is stamped by runtime/progress.py
+(the same sequence numbers the watchdog compares across ranks: the rank that never issued the collective
+its peers wait in is the culprit) and a synchronous one is waited on through runtime/waits.py. The
+payload is counted for summary.json's comm_bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lockstep.runtime.progress import PROGRESS
+from lockstep.runtime.waits import tracked, wait_watching_membership
+from lockstep.torch_private import FSDPAllGather, FSDPReduceScatter
+
+
+class CommBytes:
+    """The payload a run's FSDP collectives have sent, in bytes (shared by a model's comms)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+
+class TrackedAllGather(FSDPAllGather):
+    """One unit's all-gather of its parameters (before its forward, and its backward if resharded)."""
+
+    def __init__(self, unit: str, sent: CommBytes) -> None:
+        self.op, self.sent = f"all_gather (FSDP unit {unit})", sent
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Any:
+        self.sent.total += input_tensor.numel() * input_tensor.element_size()
+        if async_op:  # FSDP2 waits on it (a prefetch): the record's work lets the watchdog poll it
+            record = PROGRESS.issue(self.op, (input_tensor,), group)
+            record.work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
+            return record.work
+        with tracked(self.op, (input_tensor,), group):
+            wait_watching_membership(
+                dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
+            )
+        return None
+
+
+class TrackedReduceScatter(FSDPReduceScatter):
+    """One unit's reduce-scatter of its gradients (after its backward), with FSDP2's op."""
+
+    def __init__(self, unit: str, sent: CommBytes) -> None:
+        self.op, self.sent = f"reduce_scatter (FSDP unit {unit})", sent
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        self.sent.total += input_tensor.numel() * input_tensor.element_size()
+        with tracked(self.op, (input_tensor,), group):
+            wait_watching_membership(
+                dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True)
+            )
+        return None

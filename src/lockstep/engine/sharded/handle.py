@@ -1,0 +1,286 @@
+"""`shard(module, policy)`: the model cut into shards with torch's FSDP2, with lockstep's guarantees on top.
+
+lockstep shards with torch's own FSDP2 (`torch.distributed.fsdp.fully_shard` on a DeviceMesh): no
+home-made ZeRO-3. The world is cut into replica groups of `shard_degree` ranks (consecutive ranks, so a
+shard group stays inside a node where it can): each group holds one copy of the model in shards (FSDP),
+and the groups average their shards' gradients (HSDP). shard_degree = world is FSDP (ZeRO-3). What
+lockstep adds (ShardHandle):
+
+- `accumulate()`, the step of K micro-batches of deterministic mode (engine/deterministic/micro_step.py)
+  with FSDP2's reduce-scatter made an exact sum (exact_scatter.py): the same bits as a replicated run at
+  any layout. FSDP2's own HSDP all-reduce is a plain float sum with no slot for another, so in this mode
+  FSDP2 shards over the shard group alone (a 1-D mesh) and the cross-group sum is lockstep's;
+- `clip_grad_norm_()`, exact in deterministic mode (engine/deterministic/exact_norm.py);
+- FSDP2's all-gathers and reduce-scatters numbered for the hang watchdog (comms.py);
+- the units chosen by a policy that never splits tied parameters (units.py);
+- `full_state_dict()`, the replicated state's names and values (summary hashes, comparisons).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from lockstep.engine.core.stats import EngineStats
+from lockstep.engine.deterministic.exact_norm import exact_clip_grad_norm_
+from lockstep.engine.deterministic.micro_step import MicroSteps
+from lockstep.engine.sharded.comms import CommBytes, TrackedAllGather, TrackedReduceScatter
+from lockstep.engine.sharded.exact_scatter import ExactReduceScatter, ShardedExactReducer
+from lockstep.engine.sharded.units import UnitRule, choose_units
+from lockstep.errors import ConfigError, rank_tag
+from lockstep.plan import check_shard_layout
+from lockstep.torch_private import fsdp_unit_params
+
+
+@dataclass(frozen=True)
+class ShardPolicy:
+    """How `shard()` cuts a model.
+
+    shard_degree: ranks that share one copy of the model (None: the whole world, FSDP; fewer: HSDP, the
+        world / shard_degree replica groups averaging their shards' gradients). It must divide the world.
+    reshard_after_forward: free each unit's gathered parameters after its forward (True, ZeRO-3) or keep
+        them until its backward (False: ZeRO-2-like, one all-gather less per unit and step, more memory).
+    deterministic: accumulate() sums exactly: the same bits as a replicated run at any layout.
+    units: which submodules are FSDP units: None (each repeated block, else by size: units.py), a set
+        of module classes, or a predicate.
+    """
+
+    shard_degree: int | None = None
+    reshard_after_forward: bool = True
+    deterministic: bool = False
+    units: UnitRule | Iterable[type[nn.Module]] | None = None
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The meshes of a sharded run: FSDP2's, and the groups of the exact sums."""
+
+    mesh: DeviceMesh  # what fully_shard gets (1-D, or 2-D (replicate, shard) for FSDP2's HSDP)
+    shard_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None  # None when the whole world is one shard group
+    shard_degree: int
+    replicas: int
+
+
+def shard_layout(shard_degree: int, *, device_type: str, deterministic: bool) -> ShardLayout:
+    """The world cut into world / shard_degree replica groups of shard_degree consecutive ranks."""
+    world = dist.get_world_size()
+    replicas = world // shard_degree
+    if replicas == 1:
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+        return ShardLayout(mesh, mesh.get_group(), None, shard_degree, 1)
+    grid = init_device_mesh(device_type, (replicas, shard_degree), mesh_dim_names=("replicate", "shard"))
+    shard_mesh = grid["shard"]
+    mesh = shard_mesh if deterministic else grid
+    return ShardLayout(mesh, shard_mesh.get_group(), grid["replicate"].get_group(), shard_degree, replicas)
+
+
+def shard(module: nn.Module, policy: ShardPolicy = ShardPolicy()) -> ShardHandle:
+    """Shard `module` in place over the default process group with torch's FSDP2 (see the module doc).
+
+    Every rank calls it with the same model. Afterwards the module's parameters are DTensors: build the
+    optimizer on `module.parameters()` after this call.
+
+    Raises:
+        ConfigError: no process group, a shard degree that does not divide the world, a unit the policy
+            chose that would split tied parameters (named).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError("shard() needs an initialized process group (lockstep.init_process_group())")
+    world = dist.get_world_size()
+    degree = policy.shard_degree or world
+    check_shard_layout(world, degree)
+    device_type = next((p.device.type for p in module.parameters()), "cpu")
+    units = choose_units(module, policy.units)
+    layout = shard_layout(degree, device_type=device_type, deterministic=policy.deterministic)
+    for unit in units:
+        fully_shard(unit, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)
+    fully_shard(module, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)
+    return ShardHandle(module, units, layout, policy)
+
+
+class ShardHandle:
+    """A model sharded by `shard()`: its steps, clipping, statistics and full state."""
+
+    def __init__(
+        self, module: nn.Module, units: list[nn.Module], layout: ShardLayout, policy: ShardPolicy
+    ) -> None:
+        self.module, self.layout, self.policy = module, layout, policy
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.tag = rank_tag(self.rank, self.world)
+        self._fsdp: list[FSDPModule] = [*(u for u in units if isinstance(u, FSDPModule))]
+        if isinstance(module, FSDPModule):
+            self._fsdp.append(module)
+        self.sent = CommBytes()
+        self.reducer: ShardedExactReducer | None = None
+        if policy.deterministic:
+            self.reducer = self._exact_sums()
+        else:
+            self._track_comms()
+        self.micro_steps = MicroSteps(module, None, rank=self.rank, world=self.world)
+
+    def _exact_sums(self) -> ShardedExactReducer:
+        owned = [(m, [p for p in fsdp_unit_params(m) if p.requires_grad]) for m in self._fsdp]
+        owned = [(m, params) for m, params in owned if params]
+        device = next(p.device for _, params in owned for p in params)
+        reducer = ShardedExactReducer(
+            [params for _, params in owned],
+            shard_group=self.layout.shard_group,
+            replicate_group=self.layout.replicate_group,
+            device=device,
+        )
+        for unit, (m, _) in enumerate(owned):
+            m.set_custom_reduce_scatter(ExactReduceScatter(reducer, unit))
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+        return reducer
+
+    def _track_comms(self) -> None:
+        names = {id(m): name or "(root)" for name, m in self.module.named_modules()}
+        for m in self._fsdp:
+            if fsdp_unit_params(m):
+                name = names.get(id(m), type(m).__name__)
+                m.set_custom_all_gather(TrackedAllGather(name, self.sent))
+                m.set_custom_reduce_scatter(TrackedReduceScatter(name, self.sent))
+
+    # ---- steps -------------------------------------------------------------------------------------------
+
+    def owned_micro_batches(self, num_micro_batches: int) -> list[int]:
+        """The ordinals of a step's K micro-batches that this rank computes in accumulate()."""
+        return self.micro_steps.owned(num_micro_batches)
+
+    def accumulate(
+        self,
+        fn: Callable[[Any], Any],
+        micro_batches: Mapping[int, Any],
+        *,
+        num_micro_batches: int,
+        step: int,
+        seed: int = 0,
+    ) -> dict[int, Any]:
+        """One step of K micro-batches over the ranks, as ReplicaHandle.accumulate(): afterwards the sharded
+        `.grad`s hold their mean (exact with ShardPolicy(deterministic=True)). Every rank computes the same
+        number of micro-batches (K a multiple of the world size): each is a reduce-scatter on every rank."""
+        if num_micro_batches % self.world:
+            raise ConfigError(
+                f"{self.tag}accumulate() on a sharded model with {num_micro_batches} micro-batches on "
+                f"{self.world} ranks: every rank must compute the same number (each micro-batch's "
+                "reduce-scatter needs every rank of the shard group); use a multiple of the world size"
+            )
+        reduction = _ExactSteps(self.reducer) if self.reducer is not None else _FloatSteps(self)
+        return self.micro_steps.run(
+            reduction, fn, micro_batches, num_micro_batches=num_micro_batches, step=step, seed=seed
+        )
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside keep their (unsharded) gradients; the next backward outside reduce-scatters the
+        sum (FSDP2's set_requires_gradient_sync, as torch's DDP's no_sync)."""
+        root = self._fsdp[-1]
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to `max_norm`; exact in deterministic mode (the same norm at any layout)."""
+        if self.policy.deterministic:
+            return exact_clip_grad_norm_(self.module.parameters(), max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    # ---- what it holds -----------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The module's state dict with every DTensor gathered to its full value (a collective)."""
+        return full_tensors(self.module.state_dict())
+
+    def stats(self) -> EngineStats:
+        """The shard layout and the bytes FSDP2's collectives (or deterministic mode's sums) sent."""
+        sent = self.reducer.bytes_sent if self.reducer is not None else self.sent.total
+        return EngineStats(
+            world_size=self.world,
+            num_parameters=sum(1 for _ in self.module.parameters()),
+            num_buckets=len(self._fsdp),
+            bucket_sizes_bytes=[],
+            bucket_num_params=[len(fsdp_unit_params(m)) for m in self._fsdp],
+            buckets_rebuilt=False,
+            synced_steps=self.micro_steps.steps,
+            last=None,
+            mean=None,
+            extras={
+                "bytes_communicated_total": sent,
+                "shard_degree": self.layout.shard_degree,
+                "replica_groups": self.layout.replicas,
+                "steps_redone": self.reducer.redos if self.reducer is not None else 0,
+            },
+        )
+
+
+def full_tensors(state: Any) -> Any:
+    """`state` with every DTensor replaced by its full value (a collective on the DTensor's mesh): dicts
+    and lists are walked, other values kept."""
+    if isinstance(state, DTensor):
+        return state.full_tensor()
+    if isinstance(state, dict):
+        return {key: full_tensors(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [full_tensors(value) for value in state]
+    return state
+
+
+class _ExactSteps:
+    """accumulate()'s reduction in deterministic mode: the exact reduce-scatters, redone on overflow."""
+
+    def __init__(self, reducer: ShardedExactReducer) -> None:
+        self.reducer = reducer
+
+    def begin(self, num_micro_batches: int, maxima: torch.Tensor | None) -> None:
+        self.reducer.begin(num_micro_batches, maxima)
+
+    @contextmanager
+    def micro_batch(self, *, last: bool) -> Iterator[None]:
+        self.reducer.start_micro_batch(last=last)
+        yield
+        self.reducer.end_micro_batch()
+
+    def reduce(self, num_micro_batches: int) -> torch.Tensor | None:
+        return self.reducer.reduce()
+
+    def end(self) -> None:
+        pass
+
+
+class _FloatSteps:
+    """accumulate()'s reduction otherwise: FSDP2's own, once per step (the last micro-batch's backward)."""
+
+    def __init__(self, handle: ShardHandle) -> None:
+        self.handle = handle
+
+    def begin(self, num_micro_batches: int, maxima: torch.Tensor | None) -> None:
+        pass
+
+    def micro_batch(self, *, last: bool) -> AbstractContextManager[None]:
+        return contextlib.nullcontext() if last else self.handle.no_sync()
+
+    def reduce(self, num_micro_batches: int) -> torch.Tensor | None:
+        """FSDP2 averaged the ranks' sums (/ W); x W / K makes it the mean over the K micro-batches."""
+        scale = self.handle.world / num_micro_batches
+        if scale != 1.0:
+            with torch.no_grad():
+                for p in self.handle.module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        return None
+
+    def end(self) -> None:
+        pass

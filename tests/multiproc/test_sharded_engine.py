@@ -1,0 +1,217 @@
+"""lockstep.engine.sharded: torch's FSDP2 with lockstep's exact sums, checked against the replicated engine.
+
+The oracle is the replicated engine in deterministic mode (itself the same bits at any world size): a
+sharded run, FSDP or HSDP at any layout, ends with its parameters bit for bit, clipping included; the
+rare paths of the exact sums (a parameter without a gradient in micro-batch 0, a micro-batch that
+overflows the scale and makes the step redo) too. Outside deterministic mode FSDP2's own float sums are
+compared with the replicated run up to rounding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.engine import replicate
+from lockstep.engine.core.policy import SyncPolicy
+from lockstep.engine.deterministic.exact_norm import exact_clip_grad_norm_
+from lockstep.engine.sharded import ShardPolicy, choose_units, full_tensors, shard
+from lockstep.errors import ConfigError
+from lockstep.jobs.models import TinyGPT
+from lockstep.testing import run_distributed
+
+TIMEOUT = 240
+K = 4  # micro-batches per step: a multiple of every world size here
+STEPS = 3
+VOCAB = 29
+
+
+class Gated(nn.Module):
+    """A model whose `gate` gets no gradient in micro-batch 0 (its input is zero there) and whose
+    micro-batch 3 has gradients 2**20 times micro-batch 0's (a redo at the agreed scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Linear(24, 24) for _ in range(3)])
+        self.gate = nn.Linear(24, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.blocks(x).tanh() * x[:, :1])
+
+
+def _gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return TinyGPT(VOCAB, context=16, dim=32, depth=3, heads=4)
+
+
+def _gpt_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (2, 17), generator=g) for _ in range(K * STEPS)]
+
+
+def _gated_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(3, 24, generator=g) for _ in range(K * STEPS)]
+    for step in range(STEPS):
+        batches[step * K][:, 0] = 0.0  # micro-batch 0: the gate's input is zero, so is its gradient
+    batches[K + 3] *= 2.0**20  # step 1's micro-batch 3: far above micro-batch 0's scale
+    return batches
+
+
+def _loss(model: nn.Module, batch: torch.Tensor, gpt: bool) -> torch.Tensor:
+    if gpt:
+        out = model(batch[:, :-1])
+        return nn.functional.cross_entropy(out.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+    return model(batch).square().mean()
+
+
+def _train(layout: str, model_name: str, clip: float | None) -> dict[str, Any]:
+    """Three deterministic steps; the full parameters' hash and the last norm."""
+    gpt = model_name == "gpt"
+    torch.manual_seed(0)
+    model = _gpt() if gpt else Gated()
+    batches = _gpt_batches() if gpt else _gated_batches()
+    handle: Any
+    if layout == "replicated":
+        handle = replicate(model, policy=SyncPolicy(deterministic=True))
+    else:
+        handle = shard(model, ShardPolicy(shard_degree=int(layout), deterministic=True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    norm = None
+    for step in range(STEPS):
+
+        def micro(batch: torch.Tensor) -> float:
+            loss = _loss(model, batch, gpt)
+            loss.backward()
+            return float(loss)
+
+        owned = handle.owned_micro_batches(K)
+        handle.accumulate(micro, {k: batches[step * K + k] for k in owned}, num_micro_batches=K, step=step)
+        if clip is not None:
+            if layout == "replicated":
+                norm = float(exact_clip_grad_norm_(model.parameters(), clip))
+            else:
+                norm = float(handle.clip_grad_norm_(clip))
+        optimizer.step()
+        optimizer.zero_grad()
+    state = full_tensors(model.state_dict())
+    digest = hashlib.sha256()
+    for name, value in state.items():
+        digest.update(name.encode() + value.detach().contiguous().numpy().tobytes())
+    redos = handle.stats().extras.get("steps_redone", 0) if layout != "replicated" else None
+    return {"sha": digest.hexdigest(), "norm": norm, "redos": redos}
+
+
+def _layouts(world: int) -> list[str]:
+    return [str(d) for d in range(2, world + 1) if world % d == 0]
+
+
+@pytest.mark.parametrize("model_name,clip", [("gpt", 0.5), ("gated", None)])
+def test_sharded_layouts_end_with_the_replicated_bits(model_name: str, clip: float | None) -> None:
+    """FSDP 2, FSDP 4 and HSDP 2x2 against the replicated engine at world 1 and 4: one hash."""
+    reference = run_distributed(_train, 1, args=("replicated", model_name, clip), timeout=TIMEOUT)[0]
+    replicated4 = run_distributed(_train, 4, args=("replicated", model_name, clip), timeout=TIMEOUT)[0]
+    assert replicated4["sha"] == reference["sha"]
+    results = {"fsdp 2": run_distributed(_train, 2, args=("2", model_name, clip), timeout=TIMEOUT)}
+    results["fsdp 4"] = run_distributed(_train, 4, args=("4", model_name, clip), timeout=TIMEOUT)
+    results["hsdp 2x2"] = run_distributed(_train, 4, args=("2", model_name, clip), timeout=TIMEOUT)
+    for name, ranks in results.items():
+        assert {r["sha"] for r in ranks} == {reference["sha"]}, name
+        assert {r["norm"] for r in ranks} == {reference["norm"]}, name
+    if model_name == "gated":  # step 1's micro-batch 3 overflowed micro-batch 0's scale: redone once
+        assert {r["redos"] for ranks in results.values() for r in ranks} == {1}
+
+
+def _uneven(world: int) -> str:
+    model = Gated()
+    handle = shard(model, ShardPolicy(deterministic=True))
+    owned = handle.owned_micro_batches(world + 1)
+    try:
+        handle.accumulate(lambda b: None, {k: None for k in owned}, num_micro_batches=world + 1, step=0)
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_micro_batches_not_a_multiple_of_the_world_are_refused_on_every_rank() -> None:
+    messages = run_distributed(_uneven, 2, args=(2,), timeout=TIMEOUT)
+    for rank, message in enumerate(messages):
+        assert message.startswith(
+            f"[rank {rank}/2] accumulate() on a sharded model with 3 micro-batches on 2"
+        )
+        assert "multiple of the world size" in message
+
+
+def _float_run(layout: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _gpt()
+    batches = _gpt_batches()
+    if layout == "replicated":
+        handle: Any = replicate(model)
+    else:
+        handle = shard(model, ShardPolicy(shard_degree=int(layout)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+
+        def micro(batch: torch.Tensor) -> None:
+            _loss(model, batch, True).backward()
+
+        owned = handle.owned_micro_batches(K)
+        handle.accumulate(micro, {k: batches[step * K + k] for k in owned}, num_micro_batches=K, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {k: v.detach().clone() for k, v in full_tensors(model.state_dict()).items()}
+    return {"state": state, "bytes": handle.stats().extras["bytes_communicated_total"]}
+
+
+def test_fsdp2s_own_sums_match_the_replicated_run_up_to_rounding() -> None:
+    reference = run_distributed(_float_run, 2, args=("replicated",), timeout=TIMEOUT)[0]["state"]
+    for layout, world in (("2", 2), ("2", 4)):
+        out = run_distributed(_float_run, world, args=(layout,), timeout=TIMEOUT)[0]
+        assert out["bytes"] > 0  # FSDP2's collectives went through lockstep's tracked comms
+        for name, value in reference.items():
+            torch.testing.assert_close(out["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_default_units_are_the_blocks_and_never_split_tied_parameters() -> None:
+    model = TinyGPT(VOCAB, context=16, dim=32, depth=3)
+    assert choose_units(model) == list(model.blocks)  # token embedding and head (tied) stay with the root
+    with pytest.raises(
+        ConfigError, match=r"module 'token' cannot be an FSDP unit of its own: its parameter 'weight'"
+    ):
+        choose_units(model, {nn.Embedding})
+    plain = nn.Sequential(nn.Linear(400, 400), nn.ReLU(), nn.Linear(400, 10), nn.Linear(10, 10))
+    assert choose_units(plain) == [plain[0], plain[2], plain[3]]  # three Linear children: repeated blocks
+    single = nn.Sequential(nn.Linear(400, 400), nn.ReLU())
+    assert choose_units(single, min_params=1000) == [single[0]]  # by size
+
+
+def _degree_refused() -> str:
+    try:
+        shard(Gated(), ShardPolicy(shard_degree=3))
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_shard_degree_that_does_not_divide_the_world_is_refused() -> None:
+    for message in run_distributed(_degree_refused, 4, timeout=TIMEOUT):
+        assert message.startswith("shard_degree=3 does not divide the world size 4"), message
+        assert "use a divisor of 4 (1, 2, 4)" in message
+
+
+def _exact_norm_world() -> float:
+    torch.manual_seed(dist.get_rank())
+    p = nn.Parameter(torch.zeros(5))
+    p.grad = torch.full((5,), 3.0)
+    return float(exact_clip_grad_norm_([p], 1.0))
+
+
+def test_the_exact_norm_of_plain_gradients_needs_no_communication() -> None:
+    norms = run_distributed(_exact_norm_world, 2, timeout=TIMEOUT)
+    assert norms == [pytest.approx(3.0 * 5**0.5)] * 2
