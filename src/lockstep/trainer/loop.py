@@ -130,7 +130,8 @@ class FitRun:
             # overlap_optimizer: the engine steps the buckets
             optimizer=stepped_optimizer(self.state, config, self.plan, self.modes, self.replica.engine),
             commit=self.side.commit_step,
-            no_sync=handle if tunes_buckets(config) else None,  # ddp_step's no_sync() with tuned buckets
+            # ddp_step's no_sync(): with tuned buckets, and a sharded model's (FSDP2's gradient sync)
+            no_sync=handle if tunes_buckets(config) or config.shard_degree > 1 else None,
             outer=handle if self.periodic else None,  # its outer sync follows each step
         )
         self.periodic_run = PeriodicRun(handle, self.module, optimizer) if self.periodic else None

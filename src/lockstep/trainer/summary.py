@@ -8,6 +8,7 @@ from typing import Any
 
 from lockstep.checkpoint import CheckpointManager
 from lockstep.checkpoint.compare import state_sha256
+from lockstep.engine.sharded import full_tensors
 from lockstep.runtime import get_logger, stragglers
 from lockstep.trainer.reporting.progress import ProgressBar
 from lockstep.trainer.reporting.run_log import RunLog
@@ -64,8 +65,11 @@ def build_summary(
         "deterministic": config.deterministic,
         "faults": record.faults,
         "restarts": restarts,
-        "params_sha256": state_sha256(state.module.state_dict()),
-        "optimizer_sha256": state_sha256(state.optimizer.state_dict()),  # consolidated if sharded
+        # full values (a sharded model's DTensors gathered, a collective): the same hash at any layout
+        "params_sha256": state_sha256(full_tensors(state.module.state_dict())),
+        "optimizer_sha256": state_sha256(
+            full_tensors(state.optimizer.state_dict())
+        ),  # consolidated if sharded
         "memory": state.memory.summary(state.module, state.optimizer),
         "final_train": record.last_train or None,
         **record.last_eval,

@@ -46,11 +46,11 @@ class TrackedAllGather(FSDPAllGather):
         self.sent.total += input_tensor.numel() * input_tensor.element_size()
         if async_op:  # FSDP2 waits on it (a prefetch): the record's work lets the watchdog poll it
             record = PROGRESS.issue(self.op, (input_tensor,), group)
-            record.work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
+            record.work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
             return record.work
         with tracked(self.op, (input_tensor,), group):
             wait_watching_membership(
-                dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
+                dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
             )
         return None
 
@@ -75,6 +75,8 @@ class TrackedReduceScatter(FSDPReduceScatter):
         self.sent.total += input_tensor.numel() * input_tensor.element_size()
         with tracked(self.op, (input_tensor,), group):
             wait_watching_membership(
-                dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True)
+                dist.reduce_scatter_single(
+                    output=output_tensor, input=input_tensor, op=op, group=group, async_op=True
+                )
             )
         return None

@@ -277,7 +277,9 @@ class ShardedExactReducer:
         total = torch.empty(rows.shape[1], dtype=torch.float64, device=rows.device)
         with tracked("reduce_scatter (FSDP exact gradients)", (staged,), self.shard_group):
             wait_watching_membership(
-                dist.reduce_scatter_tensor(total, staged.view(-1), group=self.shard_group, async_op=True)
+                dist.reduce_scatter_single(
+                    output=total, input=staged.view(-1), group=self.shard_group, async_op=True
+                )
             )
         self.bytes_sent += staged.numel() * staged.element_size()
         if self.replicate_group is not None:

@@ -226,6 +226,11 @@ class ShardHandle:
         )
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """Whether `module`'s parameters are DTensors (a model `shard()` or torch's fully_shard cut)."""
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
 def full_tensors(state: Any) -> Any:
     """`state` with every DTensor replaced by its full value (a collective on the DTensor's mesh): dicts
     and lists are walked, other values kept."""

@@ -1,7 +1,8 @@
 """fit's evaluation: the evaluation set cut over the ranks without padded duplicates, its metrics reduced.
 
 Every sample is evaluated on exactly one rank (data/eval_sampler.py), on the bare module: shards differ in
-size, so nothing inside may communicate. In deterministic mode the set is cut into blocks of a fixed size,
+size, so nothing inside may communicate (a model sharded by FSDP2 all-gathers in every forward: there every
+rank runs as many forwards as the busiest one, `EqualForwards`). In deterministic mode the set is cut into blocks of a fixed size,
 assigned like micro-batches, and their sums are added in block order, so the metrics are the same bits at
 any world size. The reduction at the end is a collective: every rank evaluates at the same point.
 """
@@ -13,13 +14,16 @@ from collections.abc import Callable, Sized
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lockstep.data import EvalSampler, MicroBatchSampler
+from lockstep.engine.sharded import is_sharded
 from lockstep.runtime.env.topology import Topology
 from lockstep.runtime.micro_batches import owned_micro_batches
 from lockstep.runtime.progress import EVALUATE, phase
+from lockstep.runtime.waits import tracked
 from lockstep.trainer.reporting.metrics import MetricBuffer, OrderedMetrics, TrainMetrics
 from lockstep.trainer.run.batches import batch_len, split_batch, to_device
 from lockstep.trainer.run.device import autocast
@@ -63,6 +67,7 @@ class Evaluation:
     def run(self, module: nn.Module) -> dict[str, float]:
         """Evaluate `module` on every rank's shard; the global metrics (eval_loss, eval_samples, ...)."""
         module.eval()  # the bare module: eval shards are unequal and must not trigger any collective
+        forwards = EqualForwards(module, self.loader)  # ... but a sharded one's forward all-gathers
         names = self.metrics.names("eval")
         sampler = self.loader.batch_sampler if self.loader is not None else None
         if isinstance(sampler, MicroBatchSampler) and self.topo is not None:
@@ -71,6 +76,7 @@ class Evaluation:
             owned = owned_micro_batches(sampler.num_micro_batches, self.topo.world_size, self.topo.rank)
             for ordinal, batch in zip(owned, self.loader or ()):
                 blocks.add(ordinal, *self._sums(module, batch), names)
+            forwards.finish(self._sums)
             sums, total = blocks.reduce_sums(names)
         else:
             buffer = MetricBuffer()
@@ -80,6 +86,7 @@ class Evaluation:
                     outputs = module(inputs)
                     loss = self.loss_fn(outputs, targets)
                 self.metrics.record(buffer, "eval", outputs, targets, loss, batch_len(targets))
+            forwards.finish(self._sums)
             sums, total = buffer.reduce_sums(names)  # collective: every rank is here
         module.train()
         means = {name: value / max(total, 1) for name, value in zip(names, sums)}
@@ -123,3 +130,28 @@ def _eval_loader(
         num_workers=config.num_workers,
         pin_memory=pin_memory,
     )
+
+
+class EqualForwards:
+    """A sharded model's forward all-gathers each FSDP unit, a collective: every rank then runs as many
+    evaluation forwards as the rank with the most batches, the extra ones on a stand-in batch whose
+    results are dropped. A replicated model's evaluation stays free of collectives."""
+
+    def __init__(self, module: nn.Module, loader: DataLoader | None) -> None:
+        self.loader = loader
+        self.extra = 0
+        if loader is None or not is_sharded(module):
+            return
+        mine = len(loader)
+        most = torch.tensor([mine], dtype=torch.int64)
+        with tracked("allreduce max (evaluation batches)", (most,), None):
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        self.extra = int(most.item()) - mine
+
+    def finish(self, forward: Callable[[Any], Any]) -> None:
+        """The extra forwards, after this rank's own batches (their results are not counted)."""
+        if not self.extra or self.loader is None:
+            return
+        stand_in = next(iter(DataLoader(self.loader.dataset, batch_size=1)))
+        for _ in range(self.extra):
+            forward(stand_in)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lockstep.engine import DistributedDataParallel, ReplicaHandle, replicate
+from lockstep.engine.sharded import ShardHandle, ShardPolicy, shard
 from lockstep.runtime.env.topology import Topology
 from lockstep.trainer.run.buckets import fit_policy
 from lockstep.trainer.run.step_driver import StepDriver
@@ -38,7 +39,8 @@ class Start(Protocol):
 
 
 class FitReplica:
-    """The model fit's steps run, over the current group (see the module doc)."""
+    """The model fit's steps run, over the current group (see the module doc); with config.shard_degree > 1
+    the module cut into shards by torch's FSDP2 (`shard`), stepped as itself."""
 
     def __init__(
         self, module: nn.Module, config: FitConfig, device: torch.device, start: Start, *, in_place: bool
@@ -47,10 +49,17 @@ class FitReplica:
         deterministic and live mode, a low-communication run, bucket_cap_mb="auto"); else torch's
         drop-in face."""
         self.module, self.config = module, config
-        self.handle: ReplicaHandle | None = None
+        self.handle: ReplicaHandle | ShardHandle | None = None
         self.followers: list[Follower] = []
         self.model: nn.Module = module
-        if in_place:
+        if config.shard_degree > 1:  # FSDP2 units in shard groups (engine/sharded): the module is the model
+            policy = ShardPolicy(
+                shard_degree=config.shard_degree,
+                reshard_after_forward=config.reshard_after_forward,
+                deterministic=config.deterministic,
+            )
+            self.handle = start.driver.run(lambda: shard(module, policy))
+        elif in_place:
             policy = fit_policy(config)
             self.handle = start.driver.run(lambda: replicate(module, policy=policy))
         else:

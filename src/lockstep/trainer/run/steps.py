@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.engine.deterministic.exact_norm import exact_clip_grad_norm_
 from lockstep.engine.optim.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.replicate import overlap_optimizer
 from lockstep.errors import InternalError, rank_tag
@@ -58,7 +59,7 @@ def stepped_optimizer(
     optimizer = cast(torch.optim.Optimizer, state.optimizer)
     if not config.overlap_optimizer:
         return optimizer
-    if modes.reduction is not Reduction.BUCKETED or batches.num_micro_batches:
+    if modes.reduction is not Reduction.BUCKETED or batches.num_micro_batches or config.shard_degree > 1:
         rule = modes.fallback("overlap_optimizer")
         if rule is None:
             raise InternalError(f"the plan has no fallback for overlap_optimizer in {modes.settings}")
@@ -170,7 +171,9 @@ class Stepper:
             self.outer.before_optimizer_step()  # a low-communication run's warm-up: averaged gradients
         if self.config.clip_grad_norm is not None:
             state.scaler.unscale_(self.optimizer)  # the object step() gets: the scaler tracks it by id
-            torch.nn.utils.clip_grad_norm_(state.module.parameters(), self.config.clip_grad_norm)
+            # deterministic mode: one exact norm, the same bits replicated or sharded at any layout
+            clip = exact_clip_grad_norm_ if self.config.deterministic else torch.nn.utils.clip_grad_norm_
+            clip(state.module.parameters(), self.config.clip_grad_norm)
         state.scaler.step(self.optimizer)
         state.scaler.update()
         state.memory.sample(state.module, state.optimizer)  # grads and optimizer state both exist here
