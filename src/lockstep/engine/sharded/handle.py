@@ -37,7 +37,7 @@ from lockstep.engine.deterministic.micro_step import MicroSteps
 from lockstep.engine.sharded.comms import CommBytes, TrackedAllGather, TrackedReduceScatter
 from lockstep.engine.sharded.exact_scatter import ExactReduceScatter, ShardedExactReducer
 from lockstep.engine.sharded.units import UnitRule, choose_units
-from lockstep.errors import ConfigError, rank_tag
+from lockstep.errors import ConfigError, NotSupportedError, rank_tag
 from lockstep.plan import check_shard_layout
 from lockstep.torch_private import fsdp_unit_params
 
@@ -197,6 +197,17 @@ class ShardHandle:
         if self.policy.deterministic:
             return exact_clip_grad_norm_(self.module.parameters(), max_norm)
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def remove(self) -> None:
+        """FSDP2 changes the module's class and parameters in place, with no way back.
+
+        Raises:
+            NotSupportedError: always; build the model anew to train it unsharded.
+        """
+        raise NotSupportedError(
+            f"{self.tag}a model sharded by FSDP2 cannot be made plain again in place: build it anew (and "
+            "load a checkpoint) to train it replicated"
+        )
 
     # ---- what it holds -----------------------------------------------------------------------------------
 

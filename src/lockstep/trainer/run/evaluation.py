@@ -76,7 +76,7 @@ class Evaluation:
             owned = owned_micro_batches(sampler.num_micro_batches, self.topo.world_size, self.topo.rank)
             for ordinal, batch in zip(owned, self.loader or ()):
                 blocks.add(ordinal, *self._sums(module, batch), names)
-            forwards.finish(self._sums)
+            forwards.finish(lambda batch: self._sums(module, batch))
             sums, total = blocks.reduce_sums(names)
         else:
             buffer = MetricBuffer()
@@ -86,7 +86,7 @@ class Evaluation:
                     outputs = module(inputs)
                     loss = self.loss_fn(outputs, targets)
                 self.metrics.record(buffer, "eval", outputs, targets, loss, batch_len(targets))
-            forwards.finish(self._sums)
+            forwards.finish(lambda batch: self._sums(module, batch))
             sums, total = buffer.reduce_sums(names)  # collective: every rank is here
         module.train()
         means = {name: value / max(total, 1) for name, value in zip(names, sums)}

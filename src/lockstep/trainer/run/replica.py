@@ -53,12 +53,12 @@ class FitReplica:
         self.followers: list[Follower] = []
         self.model: nn.Module = module
         if config.shard_degree > 1:  # FSDP2 units in shard groups (engine/sharded): the module is the model
-            policy = ShardPolicy(
+            cut = ShardPolicy(
                 shard_degree=config.shard_degree,
                 reshard_after_forward=config.reshard_after_forward,
                 deterministic=config.deterministic,
             )
-            self.handle = start.driver.run(lambda: shard(module, policy))
+            self.handle = start.driver.run(lambda: shard(module, cut))
         elif in_place:
             policy = fit_policy(config)
             self.handle = start.driver.run(lambda: replicate(module, policy=policy))
