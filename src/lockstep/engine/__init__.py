@@ -1,7 +1,8 @@
 """lockstep's own data-parallel engine: replicas kept identical by averaging gradients during backward.
 
 Public: `DistributedDataParallel` (drop-in for torch's class) and `replicate` (native, in place) with the
-`ReplicaHandle` it returns, `SyncPolicy` (the engine's frozen settings), `EngineStats`/`StepStats` (what
+`ReplicaHandle` it returns, `shard` (the model cut in shards by torch's FSDP2: FSDP, HSDP) with its
+`ShardPolicy` and `ShardHandle`, `SyncPolicy` (the engine's frozen settings), `EngineStats`/`StepStats` (what
 `stats()` returns) and `GradBucket` (what a communication hook receives). The two faces
 and the per-model core sit here; each engine behind them has a folder of its own (docs/engine.md draws
 the whole). ddp.py and syncbn.py stay here because pickled models name their classes by module path.
@@ -26,6 +27,8 @@ Modules:
   (ZeRO-1).
 - periodic/: Periodic (low-communication) sync: replicas step on their own and meet every H steps (DiLoCo and
   kin).
+- sharded/: Sharded data parallelism on torch's FSDP2 (FSDP, HSDP) with lockstep's guarantees: exact sums in
+  FSDP2's reduce-scatter, named collectives, units that never split tied parameters.
 - replica/: One replica's engine: its state (wrap-time sync, the buffer sync, torch's switches, join()) and
   its mode, chosen once from the policy: bucketed, exact (deterministic) or periodic.
 """
@@ -38,14 +41,18 @@ from lockstep.engine.core.stats import EngineStats, StepStats
 from lockstep.engine.ddp import DistributedDataParallel
 from lockstep.engine.optim.shard_optimizer import ShardedOptimizer
 from lockstep.engine.replicate import ReplicaHandle, replicate
+from lockstep.engine.sharded import ShardHandle, ShardPolicy, shard
 
 __all__ = [
     "DistributedDataParallel",
     "EngineStats",
     "GradBucket",
     "ReplicaHandle",
+    "ShardHandle",
+    "ShardPolicy",
     "ShardedOptimizer",
     "StepStats",
     "SyncPolicy",
     "replicate",
+    "shard",
 ]

@@ -7,6 +7,7 @@ BatchNorm's running statistics are those of one process running the micro-batche
 Modules:
 - exact.py: Exact, order-independent gradient sums for deterministic mode: fixed-point accumulation of micro-
   batches.
+- exact_norm.py: Deterministic mode's gradient norm: one exact value whatever the layout, for clipping.
 - exact_buckets.py: Deterministic mode's accumulators: which gradients are large, their float64 buckets, their
   all-reduces.
 - fixed_point.py: The arithmetic of deterministic mode's exact sums: per-parameter scales and fixed-point

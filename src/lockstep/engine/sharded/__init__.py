@@ -1,4 +1,19 @@
-"""Sharded data parallelism on torch's FSDP2 (FSDP, HSDP) with lockstep's guarantees: handle.py."""
+"""Sharded data parallelism on torch's FSDP2 (FSDP, HSDP) with lockstep's guarantees.
+
+`shard()` cuts a model with torch's `fully_shard` (handle), in units that never split tied parameters
+(units); deterministic mode makes FSDP2's reduce-scatter an exact sum (exact_scatter); otherwise FSDP2's
+own collectives run, numbered for the hang watchdog (comms).
+
+Modules:
+- comms.py: FSDP2's all-gather and reduce-scatter, issued as torch issues them but numbered for the hang
+  watchdog.
+- exact_scatter.py: Deterministic mode on sharded parameters: FSDP2's reduce-scatter made an exact fixed-point
+  sum.
+- handle.py: `shard(module, policy)`: the model cut into shards with torch's FSDP2, with lockstep's
+  guarantees on top.
+- units.py: Which submodules of a model get a `fully_shard` of their own (an FSDP unit each); the rest go to
+  the root's.
+"""
 
 from lockstep.engine.sharded.handle import (
     ShardHandle,
