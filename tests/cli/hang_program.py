@@ -22,6 +22,9 @@ from lockstep.runtime import all_reduce_sum, broadcast_object
 
 CASE, OUT = sys.argv[1], sys.argv[2]
 CULPRIT, AT = 1, 4  # the rank that misbehaves, and at which step
+# "sharded_<case>": the same case on a model cut by lockstep.shard (FSDP2): the others wait in its collectives
+SHARDED = CASE.startswith("sharded_")
+CASE = CASE.removeprefix("sharded_")
 
 
 def stuck_in_user_code() -> None:
@@ -82,7 +85,12 @@ def after_backward(rank: int, step: int) -> None:
 
 def custom_loop(rank: int) -> None:
     torch.manual_seed(0)
-    model = lockstep.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+    module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    if SHARDED:
+        lockstep.shard(module)  # each Linear an FSDP unit: every forward all-gathers
+        model: nn.Module = module
+    else:
+        model = lockstep.DistributedDataParallel(module)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if CASE == "slow_first_step" and rank == CULPRIT:
         time.sleep(9)  # like a first step's compilation, longer than the timeout

@@ -141,6 +141,15 @@ def test_stopped_rank_is_named_from_its_last_heartbeat(tmp_path: Path) -> None:
     assert any("in misbehave" in f for f in culprit["stack"]), culprit["stack"]
 
 
+def test_a_rank_stuck_outside_fsdps_all_gather_is_named_by_a_sharded_run(tmp_path: Path) -> None:
+    """A model cut by lockstep.shard (torch's FSDP2): the waiting rank's collective is FSDP's all-gather."""
+    result = _run(tmp_path, "sharded_user_sleep")
+    report = _check_failed_job(tmp_path, result)
+    assert any("in stuck_in_user_code" in f for f in report["ranks"]["1"]["stack"]), report["ranks"]["1"]
+    waiting = _waiter(report)["waiting"]
+    assert waiting["op"].startswith("all_gather (FSDP unit "), waiting
+
+
 def test_dead_rank_is_named_while_the_other_waits_in_an_allreduce(tmp_path: Path) -> None:
     result = _run(tmp_path, "die")
     report = _check_failed_job(tmp_path, result)

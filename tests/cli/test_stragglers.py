@@ -75,6 +75,16 @@ def test_under_plain_torchrun_rank_0_prints_the_report(tmp_path: Path) -> None:
     assert LINE in output and "ms/step in data loading" in output, output[-4000:]
 
 
+def test_a_straggler_is_named_in_a_sharded_run(tmp_path: Path) -> None:
+    """FSDP2's collectives (lockstep.shard) carry the waits: the slow rank and its phase are named."""
+    proc = _lockstep_run(tmp_path, "sharded_slow", 80)
+    results = _results(tmp_path, proc)
+    rank0 = results[0]
+    assert rank0["named_at"] is not None, (proc.stdout + proc.stderr)[-4000:]
+    assert SLOW_FROM < rank0["named_at"] <= SLOW_FROM + 30, rank0
+    assert rank0["reports"][0]["rank"] == 1 and rank0["reports"][0]["phase"] == "data loading", rank0
+
+
 def test_a_balanced_run_names_nobody(tmp_path: Path) -> None:
     proc = _lockstep_run(tmp_path, "balanced", 200)
     results = _results(tmp_path, proc)

@@ -39,7 +39,8 @@ from lockstep.engine.sharded.exact_scatter import ExactReduceScatter, ShardedExa
 from lockstep.engine.sharded.units import UnitRule, choose_units
 from lockstep.errors import ConfigError, NotSupportedError, rank_tag
 from lockstep.plan import check_shard_layout
-from lockstep.torch_private import fsdp_unit_params
+from lockstep.runtime.progress import BACKWARD, PROGRESS
+from lockstep.torch_private import execution_engine, fsdp_unit_params, pytree
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class ShardHandle:
         else:
             self._track_comms()
         self.micro_steps = MicroSteps(module, None, rank=self.rank, world=self.world)
+        self._hooks = StepMarks(module)
 
     def _exact_sums(self) -> ShardedExactReducer:
         owned = [(m, [p for p in fsdp_unit_params(m) if p.requires_grad]) for m in self._fsdp]
@@ -252,6 +254,43 @@ def full_tensors(state: Any) -> Any:
     if isinstance(state, list):
         return [full_tensors(value) for value in state]
     return state
+
+
+class StepMarks:
+    """Where a sharded model's training steps begin and end, for the hang watchdog and the straggler
+    reports (runtime/progress.py), as the replicated engine marks its own: a forward with gradients
+    begins a step, its backward's first gradient starts the backward phase, and the backward's end ends
+    the step (a callback queued on autograd's engine)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._queued = False
+        self.handles = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True),
+            module.register_forward_hook(self._post_forward),
+        ]
+
+    def _pre_forward(self, _module: nn.Module, _args: Any) -> None:
+        if torch.is_grad_enabled():
+            PROGRESS.begin_step()
+
+    def _post_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        first = next(
+            (t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None
+        )
+        if first is not None:
+            first.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, _grad: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            PROGRESS.set_phase(BACKWARD)
+            execution_engine.queue_callback(self._end_step)
+
+    def _end_step(self) -> None:
+        self._queued = False
+        PROGRESS.end_step()
 
 
 class _ExactSteps:
