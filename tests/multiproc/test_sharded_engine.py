@@ -21,6 +21,7 @@ from lockstep.engine import replicate
 from lockstep.engine.core.policy import SyncPolicy
 from lockstep.engine.deterministic.exact_norm import exact_clip_grad_norm_
 from lockstep.engine.sharded import ShardPolicy, choose_units, full_tensors, shard
+from lockstep.engine.sharded.units import check_shardable
 from lockstep.errors import ConfigError
 from lockstep.jobs.models import TinyGPT
 from lockstep.testing import run_distributed
@@ -189,6 +190,19 @@ def test_the_default_units_are_the_blocks_and_never_split_tied_parameters() -> N
     assert choose_units(plain) == [plain[0], plain[2], plain[3]]  # three Linear children: repeated blocks
     single = nn.Sequential(nn.Linear(400, 400), nn.ReLU())
     assert choose_units(single, min_params=1000) == [single[0]]  # by size
+
+
+def test_what_fsdp2_cannot_shard_is_refused_by_name() -> None:
+    scalar = nn.Module()
+    scalar.scale = nn.Parameter(torch.tensor(2.0))
+    with pytest.raises(
+        ConfigError, match=r"the model \(Module\) has a scalar parameter 'scale': FSDP2 shards"
+    ):
+        check_shardable(scalar)
+    sparse = nn.Sequential(nn.Linear(2, 2), nn.Embedding(10, 2, sparse=True))
+    with pytest.raises(ConfigError, match=r"module '1' \(Embedding\) makes sparse gradients"):
+        check_shardable(sparse)
+    check_shardable(TinyGPT(VOCAB, context=16, dim=32, depth=1))  # nothing to refuse
 
 
 def _degree_refused() -> str:

@@ -36,7 +36,7 @@ from lockstep.engine.deterministic.exact_norm import exact_clip_grad_norm_
 from lockstep.engine.deterministic.micro_step import MicroSteps
 from lockstep.engine.sharded.comms import CommBytes, TrackedAllGather, TrackedReduceScatter
 from lockstep.engine.sharded.exact_scatter import ExactReduceScatter, ShardedExactReducer
-from lockstep.engine.sharded.units import UnitRule, choose_units
+from lockstep.engine.sharded.units import UnitRule, check_shardable, choose_units
 from lockstep.errors import ConfigError, NotSupportedError, rank_tag
 from lockstep.plan import check_shard_layout
 from lockstep.runtime.progress import BACKWARD, PROGRESS
@@ -94,13 +94,14 @@ def shard(module: nn.Module, policy: ShardPolicy = ShardPolicy()) -> ShardHandle
 
     Raises:
         ConfigError: no process group, a shard degree that does not divide the world, a unit the policy
-            chose that would split tied parameters (named).
+            chose that would split tied parameters, a parameter FSDP2 cannot shard (each named).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("shard() needs an initialized process group (lockstep.init_process_group())")
     world = dist.get_world_size()
     degree = policy.shard_degree or world
     check_shard_layout(world, degree)
+    check_shardable(module)
     device_type = next((p.device.type for p in module.parameters()), "cpu")
     units = choose_units(module, policy.units)
     layout = shard_layout(degree, device_type=device_type, deterministic=policy.deterministic)

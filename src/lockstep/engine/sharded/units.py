@@ -121,3 +121,22 @@ def _post_order(root: nn.Module) -> list[nn.Module]:
 
 def _name_of(root: nn.Module, target: nn.Module) -> str:
     return next((name for name, m in root.named_modules() if m is target), type(target).__name__)
+
+
+def check_shardable(root: nn.Module) -> None:
+    """Refuse, by name, what FSDP2 cannot shard (it would fail deep inside fully_shard or the first
+    backward): a scalar parameter (FSDP2 cuts dim 0) and an embedding with sparse gradients (its
+    reduce-scatter copies dense chunks)."""
+    for name, m in root.named_modules():
+        where = f"module {name!r} ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
+        for pname, p in m.named_parameters(recurse=False):
+            if p.dim() == 0:
+                raise ConfigError(
+                    f"{where} has a scalar parameter {pname!r}: FSDP2 shards a parameter's first dimension; "
+                    "make it a 1-D tensor of one element (torch.tensor([x])), or keep shard_degree at 1"
+                )
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            raise ConfigError(
+                f"{where} makes sparse gradients (sparse=True), which FSDP2 cannot reduce-scatter; use "
+                "sparse=False, or keep shard_degree at 1"
+            )
