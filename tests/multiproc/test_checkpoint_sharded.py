@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import shutil
 import threading
 from pathlib import Path
@@ -22,8 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from lockstep.checkpoint import CheckpointManager
+from lockstep.checkpoint import CheckpointManager, compare_checkpoints
 from lockstep.checkpoint import sharded as sharded_module
+from lockstep.checkpoint.compare import load_checkpoint
 from lockstep.errors import CheckpointError
 from lockstep.runtime import get_rank, get_world_size
 from lockstep.testing import run_distributed
@@ -31,7 +33,7 @@ from lockstep.testing import run_distributed
 TIMEOUT = 150
 
 
-def _model(seed: int, hidden: int = 16) -> nn.Module:
+def _model(seed: int, hidden: int = 16) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 4)
@@ -144,6 +146,12 @@ def test_a_sharded_checkpoint_loads_at_any_layout_bitwise(tmp_path: Path) -> Non
     assert meta["entries"]["model"]["kind"] == meta["entries"]["optimizer"]["kind"] == "sharded"
     assert meta["entries"]["optimizer"]["model"] == "model" and meta["entries"]["progress"]["kind"] == "value"
     assert not (step_dir / "model.safetensors").exists(), "rank 0 wrote no gathered copy of the model"
+    whole = load_checkpoint(step_dir)  # `lockstep compare` reads the sharded part whole, in one process
+    for name, tensor in saved["saved"]["params"].items():
+        assert torch.equal(whole["model"][name], tensor), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(whole["optimizer"]["state"][name][key], saved["saved"]["optim"][name][key])
+    assert whole["progress"] == {"step": 2} and compare_checkpoints(step_dir, step_dir).equal
 
     for layout, world in (("fsdp", 2), ("hsdp", 4), ("plain", 2)):
         outs = run_distributed(_load, world, args=(run_dir, layout), timeout=TIMEOUT)
@@ -165,8 +173,8 @@ def _replicated_into_fsdp(run_dir: str) -> dict[str, Any]:
         _step(model, optimizer, seed=step)  # the same batches on every rank: the replicas agree
     CheckpointManager(run_dir).save(2, {"model": model, "optimizer": optimizer})
     sharded, sharded_optimizer = _sharded(seed=5, shape=(get_world_size(),))
-    step = CheckpointManager(run_dir).load({"model": sharded, "optimizer": sharded_optimizer})
-    return {"step": step, "saved": _full(model, optimizer), "loaded": _full(sharded, sharded_optimizer)}
+    loaded = CheckpointManager(run_dir).load({"model": sharded, "optimizer": sharded_optimizer})
+    return {"step": loaded, "saved": _full(model, optimizer), "loaded": _full(sharded, sharded_optimizer)}
 
 
 def test_a_replicated_checkpoint_loads_into_an_fsdp_run_bitwise(tmp_path: Path) -> None:
@@ -297,3 +305,20 @@ def test_a_background_sharded_save_publishes_every_ranks_part(tmp_path: Path) ->
         assert out["progress"] == {"step": 3}
     shards = sorted(p.name for p in (tmp_path / "checkpoints/step_000003/sharded").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+class _Payload:
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, ("echo unpickled > /dev/null",))
+
+
+def test_a_sharded_part_is_read_with_weights_only_promises(tmp_path: Path) -> None:
+    """DCP's `.metadata` is unpickled with an allow-list: a file naming anything else is refused."""
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded/.metadata").write_bytes(pickle.dumps(_Payload()))
+    try:
+        sharded_module.saved_shapes(tmp_path)
+    except CheckpointError as exc:
+        assert "refers to posix.system, which a checkpoint may not hold" in str(exc), exc
+    else:
+        raise AssertionError("a .metadata naming os.system was read")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
 from lockstep.checkpoint.layout import SHARDED
@@ -205,13 +207,15 @@ class _MetadataUnpickler(pickle.Unpickler):
     """DCP's `.metadata` holds only its own dataclasses, torch.Size, dtypes and paths: nothing else loads."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _METADATA_GLOBALS:
+        if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
+        if module == "torch.distributed.checkpoint.metadata":
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == module:  # its own classes, nothing it imports
+                return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"{DCP_METADATA} refers to {module}.{name}, which a checkpoint may not hold"
-        )
+        raise CheckpointError(f"{DCP_METADATA} refers to {module}.{name}, which a checkpoint may not hold")
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -238,6 +242,20 @@ class SafePlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class _WholePlanner(SafePlanner, _EmptyStateDictLoadPlanner):
+    """SafePlanner reading everything the metadata lists into new whole tensors (DCP's own way to read a
+    checkpoint without a model)."""
+
+
+def read_whole(directory: Path) -> dict[str, Any]:
+    """A checkpoint's sharded part, whole, in this process alone (no collective): {entry: its state}."""
+    state: dict[str, Any] = {}  # filled by the planner (dcp.load would fill a copy)
+    with warnings.catch_warnings():  # DCP warns that it reads in one process: what is asked of it here
+        warnings.simplefilter("ignore", UserWarning)
+        _load_state_dict(state, SafeReader(directory / SHARDED), planner=_WholePlanner(), no_dist=True)
+    return state
 
 
 def saved_shapes(directory: Path) -> dict[str, list[int]]:
