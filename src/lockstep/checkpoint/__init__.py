@@ -1,4 +1,5 @@
-"""Atomic, rank-0-written, weights_only-loadable checkpoints of everything a run needs to continue exactly.
+"""Atomic, rank-0-written, weights_only-loadable checkpoints of everything a run needs to continue exactly
+(a sharded run's models and optimizers: written by every rank, its own shards).
 
 Public: `CheckpointManager(run_dir, keep=3)` (save, load, steps), `CheckpointLayout` (where a run's
 checkpoints live on disk) and `Stateful` (the state_dict()/load_state_dict() protocol every entry follows;
@@ -11,7 +12,11 @@ Modules:
   time).
 - compare.py: Bitwise comparison of runs: a hash of a state, and the first tensor where two checkpoints
   differ.
+- directories.py: Rank 0's work on the checkpoint directories: temp directories, leftovers of crashed saves,
+  pruning.
 - layout.py: Where a run's checkpoints live on disk: pure path arithmetic, no I/O.
+- loading.py: What a load reads and checks, then puts into the state's objects (replicated entries, a
+  sharded part at any layout, a replicated checkpoint into a sharded model).
 - manager.py: `CheckpointManager`: rank 0 writes atomic, checksummed checkpoints; every rank loads the newest
   valid one.
 - meta.py: meta.json: what a checkpoint directory holds (step, world size, versions, each file's size and
@@ -20,8 +25,11 @@ Modules:
   rank.
 - serialize.py: A checkpoint's entries read from the run's objects, the bytes of its files, and the way back
   (load_plan).
+- sharded.py: A sharded run's models (DTensor parameters: FSDP2, HSDP) and optimizers through
+  torch.distributed.checkpoint: pairing, every rank's shards, weights_only reading, any layout.
+- sharded_save.py: A sharded checkpoint's part written by every rank, its outcome agreed by all.
 - snapshot.py: A background save's copy of a checkpoint's entries in CPU memory, reused from one save to the
-  next.
+  next (a sharded run's: every rank's shards).
 - stateful.py: The one door between checkpoints and the objects they hold: state_dict() / load_state_dict().
 - storage.py: Durable file operations: atomic writes (temp file, fsync, rename, fsync dir), checksums, clear
   I/O errors.

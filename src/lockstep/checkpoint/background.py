@@ -1,5 +1,8 @@
 """Checkpoints written on a thread of the writer rank while training goes on (one write at a time).
 
+A sharded run's checkpoint has a thread on every rank: each writes its own shards (from its CPU copy) over
+the manager's gloo group, and the writer rank's then writes the rest and publishes the checkpoint.
+
 The thread encodes and writes a snapshot (snapshot.py) with the same atomic layout as a blocking save. Its
 outcome is collected by the next save, by `CheckpointManager.wait()` or by a load, which all ranks call:
 a failure is raised there on every rank, naming the file, and logged on the writer as soon as it happens,
@@ -18,7 +21,7 @@ from typing import Any
 from lockstep.checkpoint.layout import step_dirname
 from lockstep.checkpoint.meta import validate
 from lockstep.checkpoint.serialize import Entry
-from lockstep.checkpoint.snapshot import CpuSnapshot
+from lockstep.checkpoint.snapshot import CpuSnapshot, ShardSnapshot
 from lockstep.errors import CheckpointError
 from lockstep.runtime import all_gather_object, get_rank
 
@@ -55,6 +58,7 @@ class BackgroundSaves:
 
     def __init__(self, log: logging.Logger) -> None:
         self.snapshot = CpuSnapshot()  # reused from save to save
+        self.shards = ShardSnapshot()  # a sharded run's: this rank's shards (every rank)
         self._log = log
         self._pending: int | None = None  # the step of a write not yet settled (every rank knows it)
         self._writing: BackgroundWrite | _Failed | None = None  # ... and its thread (the writer rank)
@@ -63,11 +67,17 @@ class BackgroundSaves:
         """The entries in this manager's CPU copy (the writer rank, at the step boundary)."""
         return self.snapshot.take(entries)
 
+    def copy_shards(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's shards of a sharded run's models and optimizers in CPU memory (every rank)."""
+        return self.shards.take(state)
+
     def start(
         self, step: int, write: Callable[[], None] | None, failure: BaseException | None = None
     ) -> None:
         """Every rank: checkpoint `step` is being written; the writer rank passes the write to run, or the
-        failure that stopped it from starting (its copy failed), which the next settle raises on every rank."""
+        failure that stopped it from starting (its copy failed), which the next settle raises on every rank.
+        In a sharded run every rank passes a write (its shards); the other ranks' outcomes reach the writer
+        rank's (a gather on the manager's group), which decides."""
         self._pending = step
         if failure is not None:
             self._writing = _Failed(failure)
@@ -86,6 +96,8 @@ class BackgroundSaves:
         if step is None and payload is None:
             return False, []  # nothing to settle or gather (every rank knows whether a write is pending)
         self._pending = self._writing = None
+        if writing is not None and get_rank() != 0:
+            writing.join()  # this rank's shards: its failure is in the writer rank's outcome
         outcome: tuple[str, str] | None = None
         failure: BaseException | None = None
         if step is not None and get_rank() == 0:

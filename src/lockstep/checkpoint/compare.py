@@ -20,7 +20,8 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from lockstep.checkpoint.layout import META, STATE, TENSORS_SUFFIX, CheckpointLayout, parse_step
+from lockstep.checkpoint.layout import META, SHARDED, STATE, TENSORS_SUFFIX, CheckpointLayout, parse_step
+from lockstep.checkpoint.sharded import read_whole
 from lockstep.errors import CheckpointError, ConfigError
 
 
@@ -105,9 +106,12 @@ def _leaf_difference(a: Any, b: Any) -> str:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's entries (tensor files and state.pt), from a step directory or a run directory."""
+    """A checkpoint's entries (its sharded part, tensor files and state.pt), from a step directory or a run
+    directory."""
     directory = _checkpoint_dir(Path(path))
     entries: dict[str, Any] = {}
+    if (directory / SHARDED).is_dir():  # a sharded run's models and optimizers, read whole
+        entries.update(read_whole(directory))
     for file in sorted(directory.glob(f"*{TENSORS_SUFFIX}")):
         entries[file.name[: -len(TENSORS_SUFFIX)]] = safetensors.torch.load_file(str(file))
     state_file = directory / STATE

@@ -6,6 +6,10 @@ run_dir/checkpoints/
         state.pt            the other entries (optimizer, scheduler, scaler, sampler, plain values),
                             loadable with torch.load(weights_only=True)
         rng.json            every rank's RNG states (python, numpy, torch, cuda)
+        sharded/            a sharded run's models and optimizers (DTensor parameters: FSDP2, HSDP),
+            .metadata       written by every rank through torch.distributed.checkpoint: one file of
+            __0_0.distcp    shards per rank, and DCP's index (the optimizer keyed by parameter name)
+            __1_0.distcp
         meta.json           step, world size, versions, size and sha256 of each file; written last
     latest                  the name of the newest checkpoint directory (for people and tools)
     .tmp-step_000600-...    a checkpoint being written (never loaded; removed by the next save)
@@ -27,6 +31,7 @@ LATEST = "latest"
 META = "meta.json"
 STATE = "state.pt"
 RNG = "rng.json"
+SHARDED = "sharded"
 TENSORS_SUFFIX = ".safetensors"
 _STEP_NAME = re.compile(r"^step_(\d{6,})$")
 _ENTRY_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")

@@ -22,17 +22,19 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from lockstep.checkpoint import layout as paths
-from lockstep.checkpoint import rng
+from lockstep.checkpoint import loading, rng, sharded, sharded_save
 from lockstep.checkpoint.background import BackgroundSaves, describe_error
-from lockstep.checkpoint.layout import CheckpointLayout, check_entry_name, step_dirname, steps_to_prune
+from lockstep.checkpoint.directories import StepDirectories
+from lockstep.checkpoint.layout import CheckpointLayout, check_entry_name, step_dirname
 from lockstep.checkpoint.meta import describe, read_meta, validate
-from lockstep.checkpoint.serialize import Entry, collect, encode, load_plan
+from lockstep.checkpoint.serialize import Entry, collect, encode
 from lockstep.checkpoint.stateful import (
     gather_state,
 )
@@ -64,6 +66,8 @@ class CheckpointManager:
         self.stall_s = 0.0  # seconds this rank spent blocked in save() and wait(), background or not
         self.written = 0  # checkpoints known complete on every rank
         self.background = BackgroundSaves(self._log)  # the CPU copy and the write in flight
+        self.dirs = StepDirectories(self.layout, keep, self._log)  # rank 0's temp dirs, leftovers, pruning
+        self._group: dist.ProcessGroup | None = None  # background sharded writes' own gloo group
 
     @property
     def run_dir(self) -> Path:
@@ -71,10 +75,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Steps of the checkpoint directories present (valid or not), oldest first."""
-        if not self.layout.root.is_dir():
-            return []
-        found = (paths.parse_step(p.name) for p in self.layout.root.iterdir() if p.is_dir())
-        return sorted(s for s in found if s is not None)
+        return self.dirs.steps()
 
     # ---- save -----------------------------------------------------------------------------------------
 
@@ -86,16 +87,25 @@ class CheckpointManager:
         the state to CPU memory and writes it on a background thread while training goes on; the next
         save, `wait()` or `load()` waits for that write and raises its failure on every rank (at most one
         write is in flight). Either way a failure leaves the checkpoints already there untouched.
+
+        A model whose parameters are DTensors (FSDP2, HSDP) and its optimizer are written by every rank, each
+        its own shards, into the checkpoint's `sharded/` directory (see checkpoint/sharded.py); rank 0
+        publishes the checkpoint once every rank's part is written. In the background, every rank copies its
+        shards to CPU memory and writes them on a thread, over a gloo group of the manager's own.
         """
         start = time.monotonic()
         try:
             _check_save(step, state, self._tag())
+            part = sharded.pair_entries(state).sharded  # models with DTensor parameters, and their optimizers
+            _check_sharded(state, self._tag())
             for obj in state.values():
                 gather_state(obj)  # a sharded optimizer's full state, collected on rank 0 (the writer)
             # Every rank's random streams, to rank 0 (and the rest), in the same collective that settles the
             # background write in flight: a background save stops training for one collective and a copy.
             rngs = self._settle(rng.capture())
-            if blocking:
+            if part:
+                self._save_sharded(step, state, part, rngs, blocking)
+            elif blocking:
                 self._agree(step, self._on_writer(lambda: self._write(step, collect(state), rngs)))
                 self.written += 1
             else:
@@ -121,8 +131,9 @@ class CheckpointManager:
 
     @property
     def cpu_copy_bytes(self) -> int:
-        """CPU memory kept for background saves (0 on ranks that do not write, and before the first)."""
-        return self.background.snapshot.nbytes
+        """CPU memory kept for background saves (0 on ranks that do not write, and before the first; a sharded
+        run's ranks each keep a copy of their shards)."""
+        return self.background.snapshot.nbytes + self.background.shards.nbytes
 
     def _on_writer(self, work: Any) -> BaseException | None:
         """Run `work` on rank 0; its exception (to be sent to every rank by _agree), or None."""
@@ -150,29 +161,90 @@ class CheckpointManager:
             self.written += 1
         return payloads
 
-    def _write(self, step: int, entries: list[Entry], rngs: list[Any]) -> None:
+    # ---- the sharded part (checkpoint/sharded.py) -------------------------------------------------------
+
+    def _save_sharded(
+        self, step: int, state: Mapping[str, Any], part: list[sharded.Pair], rngs: list[Any], blocking: bool
+    ) -> None:
+        """Every rank writes its shards of the part's models and optimizers into the temp directory rank 0
+        made; rank 0 then writes the other entries and meta.json there and publishes it (blocking: now, else
+        on the writer threads, settled as any background write)."""
+        names = {name for pair in part for name in pair.names}
+        rest = {name: obj for name, obj in state.items() if name not in names}
+        described = sharded.describe(part)
+        shards = sharded.state_dicts(part)
+        if blocking:
+            made = broadcast_object(sharded_save.prepare_temp(self.dirs, step) if get_rank() == 0 else None)
+            temp = sharded_save.temp_or_raise(step, made, self._tag())
+            files = sharded_save.write_part(step, shards, temp, None, self._tag())
+            self._agree(
+                step,
+                self._on_writer(lambda: self._write(step, collect(rest), rngs, temp, (described, files))),
+            )
+            self.written += 1
+            return
+        group = self._background_group()
+        failure: BaseException | None = None
+        copy: dict[str, Any] = {}
+        taken: list[list[Entry]] = []
+        made = None
+        try:
+            copy = self.background.copy_shards(shards)  # every rank: its shards, in CPU memory
+            if get_rank() == 0:
+                taken.append(self.background.copy(collect(rest)))
+        except Exception as exc:
+            failure = exc
+        if get_rank() == 0 and failure is None:
+            made = sharded_save.prepare_temp(self.dirs, step)
+        outcomes = all_gather_object((None if failure is None else describe_error(failure), made))
+        sharded_save.raise_failed_copies(step, outcomes, failure, self._tag())
+        temp = sharded_save.temp_or_raise(step, outcomes[0][1], self._tag())
+
+        def write_part() -> None:
+            sharded_save.write_part(step, copy, temp, group, "")
+
+        def write_all() -> None:
+            files = sharded_save.write_part(step, copy, temp, group, "")
+            self._write(step, taken[0], rngs, temp, (described, files))
+
+        self.background.start(step, write_all if get_rank() == 0 else write_part)
+
+    def _background_group(self) -> dist.ProcessGroup:
+        """The gloo group of this manager's background sharded writes (made once, by every rank), so that
+        their collectives never interleave with training's."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _write(
+        self,
+        step: int,
+        entries: list[Entry],
+        rngs: list[Any],
+        temp: Path | None = None,
+        part: tuple[dict[str, Any], dict[str, Any]] | None = None,
+    ) -> None:
+        """Rank 0: write the checkpoint's files and publish it. `temp`: the directory made for it, which
+        already holds the sharded `part` (what meta.json says of its entries, and its files' records)."""
         blobs, described = encode(entries)
         blobs[paths.RNG] = json.dumps(
             {"version": rng.RNG_VERSION, "world_size": len(rngs), "ranks": rngs}
         ).encode()
-        root, final = self.layout.root, self.layout.step_dir(step)
+        final = self.layout.step_dir(step)
         try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot create the checkpoint directory {root} ({exc.strerror}): {explain_os_error(exc)}"
-            ) from exc
-        self._remove_leftovers()
-        token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        temp = self.layout.temp_dir(step, token)
-        try:
-            temp.mkdir()
+            if temp is None:
+                temp = self.dirs.make_temp(step)
+            old = self.dirs.old_dir(step, temp)
             files = {name: write_atomic(temp / name, data).to_json() for name, data in blobs.items()}
-            meta = describe(step, len(rngs), described, files)
+            if part is not None:
+                described = {**described, **part[0]}
+                files.update(part[1])
+            meta = describe(step, len(rngs), described, files, sharded=part is not None)
             write_atomic(temp / paths.META, json.dumps(meta, indent=1).encode())
-            publish_dir(temp, final, self.layout.old_dir(step, token))
+            publish_dir(temp, final, old)
         except OSError as exc:
-            remove_quietly(temp)
+            if temp is not None:
+                remove_quietly(temp)
             kept = [step_dirname(s) for s in self.steps() if s != step] or ["none"]
             raise CheckpointError(
                 f"writing {final} failed ({exc.strerror or exc}: {exc.filename or ''}): {explain_os_error(exc)}; "
@@ -184,34 +256,8 @@ class CheckpointManager:
             self._log.warning(
                 "checkpoint %s is complete but %s could not be updated: %s", final, self.layout.latest, exc
             )
-        self._prune(step)
+        self.dirs.prune(step)
         self._log.info("checkpoint saved: %s", final)
-
-    def _remove_leftovers(self) -> None:
-        self._recover_replaced()
-        for path in self.layout.root.iterdir():
-            if self.layout.is_leftover(path.name):
-                remove_quietly(path)
-
-    def _recover_replaced(self) -> None:
-        """A save that died between moving a step aside and publishing its replacement: move it back."""
-        for path in self.layout.root.iterdir():
-            step = self.layout.replaced_step(path.name)
-            if step is not None and not self.layout.step_dir(step).exists():
-                os.rename(path, self.layout.step_dir(step))
-                self._log.warning("recovered %s, left aside by an interrupted save", step_dirname(step))
-
-    def _prune(self, saved: int) -> None:
-        steps = self.steps()
-        newer = [s for s in steps if s > saved]
-        if newer:  # only reachable after resuming from an older checkpoint: those belong to an abandoned run
-            self._log.warning(
-                "removing checkpoints newer than the one just saved (%s): %s",
-                step_dirname(saved),
-                ", ".join(step_dirname(s) for s in newer),
-            )
-        for old in newer + steps_to_prune([s for s in steps if s <= saved], self.keep):
-            remove_quietly(self.layout.step_dir(old))
 
     # ---- load -----------------------------------------------------------------------------------------
 
@@ -230,11 +276,28 @@ class CheckpointManager:
                 raise CheckpointError(f"{self._tag()}no checkpoint to resume from: {choice['why']}")
             self._log.info("no checkpoint to resume from (%s): starting from scratch", choice["why"])
             return None
+        # A sharded part, or a sharded model in the state, loads through collectives (DCP's, and torch's
+        # set_state_dict): every rank agrees that its checks passed before any enters them.
+        collective = bool(choice.get("sharded")) or bool(sharded.pair_entries(state).sharded)
         failure: BaseException | None = None
+        reading: loading.Loading | None = None
         try:
-            self._apply(step, state)
+            reading = loading.prepare(self.layout.step_dir(step), step, state, self._log)
         except Exception as exc:
             failure = exc
+        if collective:
+            self._agree_load(step, failure)
+        if reading is not None and failure is None:
+            try:
+                loading.apply(reading, state, self._log)
+            except Exception as exc:
+                failure = exc
+        self._agree_load(step, failure)
+        self._log.info("resumed from checkpoint %s", self.layout.step_dir(step))
+        return step
+
+    def _agree_load(self, step: int, failure: BaseException | None) -> None:
+        """Every rank learns whether loading `step` failed anywhere, and raises if so."""
         errors = all_gather_object(None if failure is None else describe_error(failure))
         mine = errors[get_rank()]
         if mine is not None:
@@ -244,8 +307,6 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"{self._tag()}loading {step_dirname(step)} failed on rank {rank}: {error}"
                 )
-        self._log.info("resumed from checkpoint %s", self.layout.step_dir(step))
-        return step
 
     def _choose_safely(self) -> dict[str, Any]:
         try:
@@ -259,7 +320,7 @@ class CheckpointManager:
             missing = root if self.run_dir.is_dir() else self.run_dir
             return {"step": None, "why": f"{missing} does not exist"}
         skipped: list[str] = []
-        self._recover_replaced()
+        self.dirs.recover_replaced()
         for step in reversed(self.steps()):
             problem = validate(self.layout.step_dir(step), step)
             if problem is None:
@@ -269,68 +330,13 @@ class CheckpointManager:
                         "; ".join(skipped),
                         step_dirname(step),
                     )
-                return {"step": step, "why": ""}
+                has_part = bool(read_meta(self.layout.step_dir(step)).get("sharded"))
+                return {"step": step, "why": "", "sharded": has_part}
             skipped.append(f"{step_dirname(step)}: {problem}")
         if skipped:
             self._log.warning("no usable checkpoint in %s: %s", root, "; ".join(skipped))
             return {"step": None, "why": f"every checkpoint in {root} is unusable: {'; '.join(skipped)}"}
         return {"step": None, "why": f"{root} holds no checkpoint"}
-
-    def _apply(self, step: int, state: MutableMapping[str, Any]) -> None:
-        directory = self.layout.step_dir(step)
-        meta = read_meta(directory)
-        for name, record in meta["files"].items():  # rank 0 checked sha256; here: is it there at all?
-            path = directory / name
-            if not path.is_file() or path.stat().st_size != record["bytes"]:
-                raise CheckpointError(
-                    f"{path} is missing or has another size than on rank 0: is run_dir on a "
-                    "file system that every rank sees?"
-                )
-        entries: dict[str, Any] = meta["entries"]
-        absent = [name for name in state if name not in entries]
-        if absent:
-            raise CheckpointError(
-                f"checkpoint {directory} has no entry {absent!r} (it has {sorted(entries)!r}); "
-                "load with the same state names it was saved with, or start a fresh run_dir"
-            )
-        extra = sorted(set(entries) - set(state))
-        if extra and get_rank() == 0:
-            self._log.warning(
-                "checkpoint %s also holds %s, which this state does not ask for", directory, extra
-            )
-        plan = load_plan(directory, entries, state)
-        for name, target, loaded in plan:
-            if target is None:
-                state[name] = loaded
-                continue
-            try:
-                target.load_state_dict(loaded)
-            except Exception as exc:
-                raise CheckpointError(
-                    f"checkpoint {directory}: state[{name!r}] ({type(target).__name__}) rejected "
-                    f"its saved state: {type(exc).__name__}: {exc}"
-                ) from exc
-        self._restore_rng(directory, step, int(meta["world_size"]))
-
-    def _restore_rng(self, directory: Path, step: int, saved_world: int) -> None:
-        saved = json.loads((directory / paths.RNG).read_text())["ranks"]
-        rank, world = get_rank(), get_world_size()
-        if rank < len(saved):
-            rng.restore(saved[rank])
-        else:
-            seed = rng.seed_new_rank(step, rank)
-            self._log.warning(
-                "checkpoint %s was written by %d ranks and has no RNG state for rank %d: its "
-                "generators are seeded with %d (from step and rank)",
-                directory.name,
-                saved_world,
-                rank,
-                seed,
-            )
-        if saved_world != world and rank == 0:
-            self._log.info(
-                "resuming %s, written by %d ranks, on %d ranks", directory.name, saved_world, world
-            )
 
     def _tag(self) -> str:
         world = get_world_size()
@@ -344,3 +350,13 @@ def _check_save(step: int, state: Mapping[str, Any], tag: str) -> None:
         raise ConfigError(f"{tag}save expects a dict of name -> object, got {type(state).__name__}")
     for name in state:
         check_entry_name(name)
+
+
+def _check_sharded(state: Mapping[str, Any], tag: str) -> None:
+    pairs = sharded.pair_entries(state)
+    lone = sharded.unpaired_optimizer(state, pairs)
+    if lone is not None:
+        raise ConfigError(
+            f"{tag}state[{lone!r}] is an optimizer of DTensor parameters (a sharded model) whose model is not "
+            "in the state: checkpoint them together (its state is keyed by the model's parameter names)"
+        )

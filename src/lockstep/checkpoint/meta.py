@@ -22,13 +22,18 @@ from lockstep.checkpoint.storage import sha256_file
 from lockstep.errors import CheckpointError
 
 FORMAT = "lockstep-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this version reads: 2 has a sharded part (older versions refuse it), 1 not
+SHARDED_METADATA = f"{paths.SHARDED}/.metadata"  # the sharded part's index (DCP's), written after every shard
 
 
-def describe(step: int, world_size: int, entries: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
-    return {
+def describe(
+    step: int, world_size: int, entries: dict[str, Any], files: dict[str, Any], *, sharded: bool = False
+) -> dict[str, Any]:
+    """meta.json's content. `sharded`: the checkpoint has a sharded part (its directory `sharded/`, every
+    file of it in `files`)."""
+    meta: dict[str, Any] = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": 2 if sharded else 1,
         "step": step,
         "world_size": world_size,
         "created_unix": round(time.time(), 3),
@@ -36,6 +41,9 @@ def describe(step: int, world_size: int, entries: dict[str, Any], files: dict[st
         "entries": entries,
         "files": files,
     }
+    if sharded:
+        meta["sharded"] = paths.SHARDED
+    return meta
 
 
 def _versions() -> dict[str, str]:
@@ -83,7 +91,7 @@ def validate(directory: Path, step: int) -> str | None:
             return f"{name} has {size} bytes where meta.json says {record['bytes']} (truncated?)"
         if sha256_file(path) != record["sha256"]:
             return f"the sha256 of {name} does not match meta.json (damaged)"
-    for required in (paths.RNG,):
+    for required in (paths.RNG,) + ((SHARDED_METADATA,) if meta.get("sharded") else ()):
         if required not in meta["files"]:
             return f"{required} is not listed in meta.json"
     return None

@@ -14,6 +14,8 @@ import copy
 from typing import Any
 
 import torch
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.tensor import DTensor
 
 from lockstep.checkpoint.serialize import Entry
 
@@ -56,3 +58,42 @@ class CpuSnapshot:
             self._buffers[key] = buffer
         buffer.copy_(tensor, non_blocking=self._pin)
         return buffer
+
+
+class ShardSnapshot:
+    """A sharded run's CPU copy of this rank's shards (DTensors keep their layout, with CPU local tensors:
+    torch.distributed.checkpoint's own staging), reused while the shapes and dtypes stay the same."""
+
+    def __init__(self) -> None:
+        self._copy: dict[str, Any] | None = None
+        self._signature: list[Any] = []
+        self._pin = torch.cuda.is_available()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_local(t).numel() * t.element_size() for t in _tensors(self._copy))
+
+    def take(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` (a DCP state dict of this rank's shards) with every tensor copied into the CPU buffers."""
+        signature = [(tuple(_local(t).shape), t.dtype) for t in _tensors(state)]
+        if self._copy is None or signature != self._signature:
+            self._copy = _create_cpu_state_dict(state, pin_memory=self._pin)
+            self._signature = signature
+        taken = _copy_state_dict(state, self._copy, non_blocking=self._pin)
+        if self._pin:
+            torch.cuda.synchronize()
+        return taken
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
