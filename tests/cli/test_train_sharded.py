@@ -4,7 +4,7 @@
   reach its evaluation loss;
 - with --deterministic the run ends with the same params_sha256 at world 1, replicated 4, FSDP 4, HSDP
   2x2 and FSDP 2; an FSDP 4 run stopped and resumed as FSDP 2, then as a replicated run, ends with the
-  straight run's bits (the checkpoints are DCP's, one shard per rank).
+  straight run's bits (the checkpoints are DCP's, one shard per rank; one leg saves in the background).
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def test_deterministic_bits_at_every_layout_and_through_a_resume_across_layouts(
     _train(resumed, 4, *DETERMINISTIC, "--max-steps", "2", "--shard-degree", "4")
     shards = sorted(p.name for p in (resumed / "checkpoints").rglob("*.distcp"))
     assert len(shards) == 4, shards  # one file per rank: nothing gathered to rank 0
-    _train(resumed, 2, *DETERMINISTIC, "--max-steps", "4", "--shard-degree", "2")
+    # this leg's checkpoints are written in the background, on a process group of their own
+    _train(resumed, 2, *DETERMINISTIC, "--max-steps", "4", "--shard-degree", "2", "--checkpoint-async", "true")
     last = _train(resumed, 2, *DETERMINISTIC, *legs)  # replicated, from FSDP 2's checkpoint
     assert last["steps"] == 6 and last["steps_this_run"] == 2
     assert last["params_sha256"] == whole["params_sha256"]
