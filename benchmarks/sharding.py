@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import re
 import resource
 import statistics
 import sys
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--memory-steps", type=int, default=3, help="timed steps of each memory launch")
     parser.add_argument("--no-ratios", action="store_true", help="only the memory launches")
+    parser.add_argument("--no-memory", action="store_true", help="only the interleaved ratio launches")
     parser.add_argument(
         "--out", default=None, help="report path (default benchmarks/results/<date>-sharding.md)"
     )
@@ -201,12 +203,12 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
         }  # fmt: skip
         memory = {}
-        for kind in _layouts(world):
+        for kind in [] if args.no_memory else _layouts(world):
             res = run_distributed(memory_worker, world, args=(cfg, kind, args.memory_steps), timeout=1800)
             memory[kind] = res
             print(f"  W={world} {kind}: state {res[0]['state'] / mib:.1f} MiB, step {res[0]['step_s'] * 1e3:.0f} ms",
                   flush=True)  # fmt: skip
-        ddp_state = memory["ddp"][0]["state"]
+        ddp_state = memory["ddp"][0]["state"] if memory else 0
         for kind, res in memory.items():
             r0 = res[0]
             mem_rows.append(
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"+ {r0['optimizer'] / mib:.1f}) | {r0['state'] / ddp_state:.3f} "
                 f"| {'/'.join(format(r['rss_mib'], '.0f') for r in res)} | {r0['step_s'] * 1e3:.0f} |"
             )
-        if world == 4:
+        if world == 4 and memory:
             targets.append(
                 ("FSDP W=4 model state <= 0.30 of ddp's", memory["fsdp"][0]["state"] / ddp_state, 0.30)
             )
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     report = (
         f"# Sharded engine (FSDP, HSDP): lockstep vs torch's fully_shard ({datetime.date.today()})\n\n"
-        f"Machine: {machine}\n\n## Memory and step time per layout (one launch each)\n\n{mem_header}\n"
+        f"Machine: {machine}\n\n"
+        + (f"## Memory and step time per layout (one launch each)\n\n{mem_header}\n" if mem_rows else "")
         + "\n".join(mem_rows)
         + (
             f"\n\n## Step time against torch's FSDP2 (interleaved, one launch per W)\n\n{ratio_header}\n"
@@ -270,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         + "\n".join(ratio_rows)
         + f"\n\n## Targets\n\n{target_lines}\n"
     )
-    write_report(report, "sharding", args.out)
+    write_report(re.sub(r"\n{3,}", "\n\n", report), "sharding", args.out)
     return 0
 
 
