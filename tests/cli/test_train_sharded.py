@@ -60,7 +60,9 @@ def test_deterministic_bits_at_every_layout_and_through_a_resume_across_layouts(
     shards = sorted(p.name for p in (resumed / "checkpoints").rglob("*.distcp"))
     assert len(shards) == 4, shards  # one file per rank: nothing gathered to rank 0
     # this leg's checkpoints are written in the background, on a process group of their own
-    _train(resumed, 2, *DETERMINISTIC, "--max-steps", "4", "--shard-degree", "2", "--checkpoint-async", "true")
+    _train(
+        resumed, 2, *DETERMINISTIC, "--max-steps", "4", "--shard-degree", "2", "--checkpoint-async", "true"
+    )
     last = _train(resumed, 2, *DETERMINISTIC, *legs)  # replicated, from FSDP 2's checkpoint
     assert last["steps"] == 6 and last["steps_this_run"] == 2
     assert last["params_sha256"] == whole["params_sha256"]
