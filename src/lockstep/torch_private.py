@@ -25,6 +25,10 @@ lockstep uses that instead and the name is not here.
 | `reset_group_names` | `distributed_c10d._world.group_count` | a failed init_process_group leaves torch's group-name counter one up (only destroying a formed group resets it): the next group would be named apart from its peers' and never meet them |
 | `set_group_timeout` | `distributed_c10d._set_pg_timeout` | a live group forms under a short timeout and then keeps the job's own |
 | `FSDPAllGather`, `FSDPReduceScatter` | `torch.distributed.fsdp._fully_shard._fsdp_api` | the interfaces of FSDP2's public `set_custom_all_gather` / `set_custom_reduce_scatter` (torch exports the setters, not the classes they take) |
+| `dcp_set_element` | `torch.distributed.checkpoint._traverse.set_element` | a weights_only DCP load planner puts a non-tensor value back where DCP's own planner would |
+| `DCPEmptyStateDictLoadPlanner` | `torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner` | DCP's own way to read a checkpoint without a model (`lockstep compare` reads a sharded part whole) |
+| `dcp_load_state_dict` | `torch.distributed.checkpoint.state_dict_loader._load_state_dict` | the same read in one process with `no_dist=True` (dcp.load would fill a copy of the state dict) |
+| `copy_state_dict`, `create_cpu_state_dict` | `torch.distributed._state_dict_utils` | a background save's CPU copy of DTensor shards in reusable (pinned) buffers, DTensors keeping their layout (what torch's async DCP save stages with) |
 | `fsdp_unit_params` | `FSDPModule._get_fsdp_state()._fsdp_param_group.fsdp_params` | the parameters of one FSDP unit in the order FSDP2 lays out its reduce-scatter input (deterministic mode reads that input) |
 
 One more lives in launch/worker.py, which must not import torch (it is the bootstrap of every worker, before
@@ -44,7 +48,14 @@ from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
 from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
 from torch.autograd import _unsafe_preserve_version_counter as preserve_version_counter
 from torch.distributed import distributed_c10d as _c10d
+from torch.distributed._state_dict_utils import _copy_state_dict as copy_state_dict
+from torch.distributed._state_dict_utils import _create_cpu_state_dict as create_cpu_state_dict
 from torch.distributed.algorithms.join import _JoinConfig as JoinConfig
+from torch.distributed.checkpoint._traverse import set_element as dcp_set_element
+from torch.distributed.checkpoint.default_planner import (
+    _EmptyStateDictLoadPlanner as DCPEmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
@@ -52,6 +63,7 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "DCPEmptyStateDictLoadPlanner",
     "FSDPAllGather",
     "FSDPReduceScatter",
     "FutureBase",
@@ -59,6 +71,10 @@ __all__ = [
     "JoinConfig",
     "active_ddp_module",
     "compute_bucket_assignment_by_size",
+    "copy_state_dict",
+    "create_cpu_state_dict",
+    "dcp_load_state_dict",
+    "dcp_set_element",
     "default_group",
     "default_pg",
     "default_store",

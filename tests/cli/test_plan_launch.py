@@ -21,6 +21,7 @@ _VALUES = {
     "sync_warmup": "2",
     "fragments": "2",
     "fragment_delay": "2",
+    "shard_degree": "2",
 }
 
 

@@ -30,9 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -41,13 +40,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
 from lockstep.checkpoint.layout import SHARDED
 from lockstep.checkpoint.stateful import PREFIX, module_mismatch, resolve
 from lockstep.checkpoint.storage import FileRecord, sha256_file
 from lockstep.errors import CheckpointError
+from lockstep.torch_private import DCPEmptyStateDictLoadPlanner, dcp_load_state_dict, dcp_set_element
 
 DCP_METADATA = ".metadata"
 
@@ -239,12 +238,12 @@ class SafePlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-class _WholePlanner(SafePlanner, _EmptyStateDictLoadPlanner):
+class _WholePlanner(SafePlanner, DCPEmptyStateDictLoadPlanner):
     """SafePlanner reading everything the metadata lists into new whole tensors (DCP's own way to read a
     checkpoint without a model)."""
 
@@ -254,7 +253,7 @@ def read_whole(directory: Path) -> dict[str, Any]:
     state: dict[str, Any] = {}  # filled by the planner (dcp.load would fill a copy)
     with warnings.catch_warnings():  # DCP warns that it reads in one process: what is asked of it here
         warnings.simplefilter("ignore", UserWarning)
-        _load_state_dict(state, SafeReader(directory / SHARDED), planner=_WholePlanner(), no_dist=True)
+        dcp_load_state_dict(state, SafeReader(directory / SHARDED), planner=_WholePlanner(), no_dist=True)
     return state
 
 

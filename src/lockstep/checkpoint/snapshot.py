@@ -14,10 +14,10 @@ import copy
 from typing import Any
 
 import torch
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
 from lockstep.checkpoint.serialize import Entry
+from lockstep.torch_private import copy_state_dict, create_cpu_state_dict
 
 
 class CpuSnapshot:
@@ -77,9 +77,9 @@ class ShardSnapshot:
         """`state` (a DCP state dict of this rank's shards) with every tensor copied into the CPU buffers."""
         signature = [(tuple(_local(t).shape), t.dtype) for t in _tensors(state)]
         if self._copy is None or signature != self._signature:
-            self._copy = _create_cpu_state_dict(state, pin_memory=self._pin)
+            self._copy = create_cpu_state_dict(state, pin_memory=self._pin)
             self._signature = signature
-        taken = _copy_state_dict(state, self._copy, non_blocking=self._pin)
+        taken = copy_state_dict(state, self._copy, non_blocking=self._pin)
         if self._pin:
             torch.cuda.synchronize()
         return taken

@@ -28,7 +28,9 @@ def exact_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of the parameters' gradients (float32, 0-d): exact, the same bits at any sharding."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros(())
+        return torch.zeros(
+            (), dtype=torch.float32, device="cpu"
+        )  # no gradient: nothing to clip, no collective
     groups = _shard_groups(grads)
     local = [_local(g) for g in grads]
     device = local[0].device

@@ -157,9 +157,9 @@ class ShardedExactReducer:
         self._mult: torch.Tensor | None = None
         self._factor: torch.Tensor | None = None
         self._limit: torch.Tensor | None = None
-        self._known = torch.zeros(self._n, dtype=torch.bool)
+        self._known = torch.zeros(self._n, dtype=torch.bool, device="cpu")
         if maxima is not None:
-            self._set_scale(maxima, headroom=0, which=torch.ones(self._n, dtype=torch.bool))
+            self._set_scale(maxima, headroom=0, which=torch.ones(self._n, dtype=torch.bool, device="cpu"))
 
     def _set_scale(self, maxima: torch.Tensor, *, headroom: int, which: torch.Tensor) -> None:
         """The scale of the parameters in `which` (a mask over the model) from `maxima` (the whole model's:
@@ -218,7 +218,7 @@ class ShardedExactReducer:
                 wait_watching_membership(dist.broadcast(sent, src=0, async_op=True))
         self._mb0[indices] = sent
         finite = torch.isfinite(sent) & (sent > 0)
-        which = torch.zeros(self._n, dtype=torch.bool)
+        which = torch.zeros(self._n, dtype=torch.bool, device="cpu")
         which[indices.cpu()[finite.cpu()]] = True
         if bool(which.any()):
             self._set_scale(self._mb0, headroom=HEADROOM_BITS, which=which)

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lockstep.data import EvalSampler, MicroBatchSampler
 from lockstep.engine.sharded import is_sharded
+from lockstep.runtime.collectives import comm_device
 from lockstep.runtime.env.topology import Topology
 from lockstep.runtime.micro_batches import owned_micro_batches
 from lockstep.runtime.progress import EVALUATE, phase
@@ -143,7 +144,7 @@ class EqualForwards:
         if loader is None or not is_sharded(module):
             return
         mine = len(loader)
-        most = torch.tensor([mine], dtype=torch.int64)
+        most = torch.tensor([mine], dtype=torch.int64, device=comm_device(None))
         with tracked("allreduce max (evaluation batches)", (most,), None):
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
         self.extra = int(most.item()) - mine
