@@ -27,6 +27,7 @@ SETTINGS: dict[str, list[str]] = {
     "live": ["--min-world", "1"],
     "overlap_optimizer": ["--overlap-optimizer", "true"],
     "shard_optimizer": ["--shard-optimizer", "true"],
+    "shard_degree": ["--shard-degree", "2"],
     "sync=local_sgd": ["--sync", "local_sgd"],
     "sync=diloco": ["--sync", "diloco"],
     "sync=streaming_diloco": ["--sync", "streaming_diloco"],

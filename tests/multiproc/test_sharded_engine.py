@@ -17,14 +17,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.data import MicroBatchSampler
 from lockstep.engine import replicate
 from lockstep.engine.core.policy import SyncPolicy
 from lockstep.engine.deterministic.exact_norm import exact_clip_grad_norm_
 from lockstep.engine.sharded import ShardPolicy, choose_units, full_tensors, shard
 from lockstep.engine.sharded.units import check_shardable
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, NotSupportedError
 from lockstep.jobs.models import TinyGPT
 from lockstep.testing import run_distributed
+from lockstep.trainer import LiveLoop
 
 TIMEOUT = 240
 K = 4  # micro-batches per step: a multiple of every world size here
@@ -203,6 +205,22 @@ def test_what_fsdp2_cannot_shard_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match=r"module '1' \(Embedding\) makes sparse gradients"):
         check_shardable(sparse)
     check_shardable(TinyGPT(VOCAB, context=16, dim=32, depth=1))  # nothing to refuse
+
+
+def _live_loop_refused() -> str:
+    model = Gated()
+    shard(model)
+    sampler = MicroBatchSampler(range(8), 2, 2, num_replicas=2, rank=dist.get_rank())
+    try:
+        LiveLoop(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler)
+    except NotSupportedError as e:
+        return str(e)
+    return "no error"
+
+
+def test_live_loop_refuses_a_sharded_model_as_the_plan_says() -> None:
+    for message in run_distributed(_live_loop_refused, 2, timeout=TIMEOUT):
+        assert "live recovery across sharded replica groups is not built yet" in message, message
 
 
 def _degree_refused() -> str:
