@@ -82,8 +82,10 @@ def _train(layout: str, model_name: str, clip: float | None) -> dict[str, Any]:
     handle: Any
     if layout == "replicated":
         handle = replicate(model, policy=SyncPolicy(deterministic=True))
-    else:
-        handle = shard(model, ShardPolicy(shard_degree=int(layout), deterministic=True))
+    else:  # "N", or "N keep": reshard_after_forward=False (the gathered parameters kept until backward)
+        degree, _, keep = layout.partition(" ")
+        policy = ShardPolicy(shard_degree=int(degree), deterministic=True, reshard_after_forward=not keep)
+        handle = shard(model, policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     norm = None
     for step in range(STEPS):
@@ -116,13 +118,15 @@ def _layouts(world: int) -> list[str]:
 
 @pytest.mark.parametrize("model_name,clip", [("gpt", 0.5), ("gated", None)])
 def test_sharded_layouts_end_with_the_replicated_bits(model_name: str, clip: float | None) -> None:
-    """FSDP 2, FSDP 4 and HSDP 2x2 against the replicated engine at world 1 and 4: one hash."""
+    """FSDP 2 (resharded after forward or not), FSDP 4 and HSDP 2x2 against the replicated engine at world
+    1 and 4: one hash."""
     reference = run_distributed(_train, 1, args=("replicated", model_name, clip), timeout=TIMEOUT)[0]
     replicated4 = run_distributed(_train, 4, args=("replicated", model_name, clip), timeout=TIMEOUT)[0]
     assert replicated4["sha"] == reference["sha"]
     results = {"fsdp 2": run_distributed(_train, 2, args=("2", model_name, clip), timeout=TIMEOUT)}
     results["fsdp 4"] = run_distributed(_train, 4, args=("4", model_name, clip), timeout=TIMEOUT)
     results["hsdp 2x2"] = run_distributed(_train, 4, args=("2", model_name, clip), timeout=TIMEOUT)
+    results["fsdp 2, kept"] = run_distributed(_train, 2, args=("2 keep", model_name, clip), timeout=TIMEOUT)
     for name, ranks in results.items():
         assert {r["sha"] for r in ranks} == {reference["sha"]}, name
         assert {r["norm"] for r in ranks} == {reference["norm"]}, name
