@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.engine.deterministic.exact import ExactReducer
 from lockstep.engine.deterministic.running_stats import RunningStats, micro_batch_statistics
 from lockstep.errors import ConfigError, rank_tag
 from lockstep.runtime.micro_batches import micro_batch_seed, owned_micro_batches
@@ -113,10 +112,25 @@ class MicroSteps:
         self.running.remove()
 
 
+class ExactSums(Protocol):
+    """What the exact reduction drives: the replicated engine's sums (exact.py) or a sharded model's
+    (engine/sharded/exact_scatter.py)."""
+
+    active: bool
+
+    def begin(self, num_micro_batches: int, maxima: torch.Tensor | None = None) -> None: ...
+
+    def start_micro_batch(self, *, last: bool) -> None: ...
+
+    def end_micro_batch(self) -> None: ...
+
+    def reduce(self) -> torch.Tensor | None: ...
+
+
 class ExactReduction:
     """Deterministic mode's reduction: exact fixed-point sums (exact.py), the step redone on overflow."""
 
-    def __init__(self, exact: ExactReducer) -> None:
+    def __init__(self, exact: ExactSums) -> None:
         self.exact = exact
 
     def begin(self, num_micro_batches: int, maxima: torch.Tensor | None) -> None:

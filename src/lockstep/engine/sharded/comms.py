@@ -27,14 +27,32 @@ class CommBytes:
         self.total = 0
 
 
-class TrackedAllGather(FSDPAllGather):
-    """One unit's all-gather of its parameters (before its forward, and its backward if resharded)."""
-
-    def __init__(self, unit: str, sent: CommBytes) -> None:
-        self.op, self.sent = f"all_gather (FSDP unit {unit})", sent
+class PlainBuffers:
+    """What FSDP2 asks of every comm besides the call: its buffers, plain tensors (FSDP2's own default)."""
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _Tracked(PlainBuffers):
+    """A unit's collective, named for the watchdog and counted."""
+
+    kind = ""
+
+    def __init__(self, unit: str, sent: CommBytes) -> None:
+        self.op, self.sent = f"{self.kind} (FSDP unit {unit})", sent
+
+    def run(self, start: Any, payload: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """`start()` issues the collective asynchronously; it is waited on here, tracked."""
+        self.sent.total += payload.numel() * payload.element_size()
+        with tracked(self.op, (payload,), group):
+            wait_watching_membership(start())
+
+
+class TrackedAllGather(_Tracked, FSDPAllGather):
+    """One unit's all-gather of its parameters (before its forward, and its backward if resharded)."""
+
+    kind = "all_gather"
 
     def __call__(
         self,
@@ -43,26 +61,22 @@ class TrackedAllGather(FSDPAllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> Any:
-        self.sent.total += input_tensor.numel() * input_tensor.element_size()
+        def start() -> Any:
+            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
+
         if async_op:  # FSDP2 waits on it (a prefetch): the record's work lets the watchdog poll it
+            self.sent.total += input_tensor.numel() * input_tensor.element_size()
             record = PROGRESS.issue(self.op, (input_tensor,), group)
-            record.work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
+            record.work = start()
             return record.work
-        with tracked(self.op, (input_tensor,), group):
-            wait_watching_membership(
-                dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
-            )
+        self.run(start, input_tensor, group)
         return None
 
 
-class TrackedReduceScatter(FSDPReduceScatter):
+class TrackedReduceScatter(_Tracked, FSDPReduceScatter):
     """One unit's reduce-scatter of its gradients (after its backward), with FSDP2's op."""
 
-    def __init__(self, unit: str, sent: CommBytes) -> None:
-        self.op, self.sent = f"reduce_scatter (FSDP unit {unit})", sent
-
-    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+    kind = "reduce_scatter"
 
     def __call__(
         self,
@@ -71,12 +85,11 @@ class TrackedReduceScatter(FSDPReduceScatter):
         group: dist.ProcessGroup,
         op: Any,
         async_op: bool = False,
-    ) -> Any:
-        self.sent.total += input_tensor.numel() * input_tensor.element_size()
-        with tracked(self.op, (input_tensor,), group):
-            wait_watching_membership(
-                dist.reduce_scatter_single(
-                    output=output_tensor, input=input_tensor, op=op, group=group, async_op=True
-                )
-            )
-        return None
+    ) -> None:
+        self.run(
+            lambda: dist.reduce_scatter_single(
+                output=output_tensor, input=input_tensor, op=op, group=group, async_op=True
+            ),
+            input_tensor,
+            group,
+        )

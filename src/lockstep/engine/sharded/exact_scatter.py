@@ -44,6 +44,7 @@ from lockstep.engine.deterministic.fixed_point import (
     scale_exponents,
     sum_bits,
 )
+from lockstep.engine.sharded.comms import PlainBuffers
 from lockstep.errors import InternalError
 from lockstep.runtime.waits import tracked, wait_watching_membership
 from lockstep.torch_private import FSDPReduceScatter
@@ -90,15 +91,12 @@ class UnitLayout:
         return out
 
 
-class ExactReduceScatter(FSDPReduceScatter):
+class ExactReduceScatter(PlainBuffers, FSDPReduceScatter):
     """The reduce-scatter FSDP2 calls for one unit: hands the input to the run's reducer (exact sums) and
     gives FSDP2 zeros (the mean is written into `.grad` once the step's micro-batches are done)."""
 
     def __init__(self, reducer: ShardedExactReducer, unit: int) -> None:
         self.reducer, self.unit = reducer, unit
-
-    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
@@ -135,6 +133,7 @@ class ShardedExactReducer:
         self._n = len(self.params)
         self._acc = [torch.zeros(u.chunk_numel, dtype=torch.float64, device=device) for u in self.layouts]
         self.num_micro_batches = 1
+        self.active = False  # a step is between begin() and its end
         self.redos = 0
         self.bytes_sent = 0
 
@@ -142,7 +141,7 @@ class ShardedExactReducer:
 
     def begin(self, num_micro_batches: int, maxima: torch.Tensor | None = None) -> None:
         """Start a step of K micro-batches; `maxima` (a redo): the agreed maxima, at no headroom."""
-        self.num_micro_batches = num_micro_batches
+        self.num_micro_batches, self.active = num_micro_batches, True
         for acc in self._acc:
             acc.zero_()
         self._held = [p.grad for p in self.params]  # a program's own gradients, added back at the end

@@ -18,9 +18,8 @@ lockstep adds (ShardHandle):
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.engine.core.stats import EngineStats
 from lockstep.engine.deterministic.exact_norm import exact_clip_grad_norm_
-from lockstep.engine.deterministic.micro_step import MicroSteps
+from lockstep.engine.deterministic.micro_step import ExactReduction, FloatReduction, MicroSteps
 from lockstep.engine.sharded.comms import CommBytes, TrackedAllGather, TrackedReduceScatter
 from lockstep.engine.sharded.exact_scatter import ExactReduceScatter, ShardedExactReducer
 from lockstep.engine.sharded.units import UnitRule, check_shardable, choose_units
@@ -171,15 +170,16 @@ class ShardHandle:
         seed: int = 0,
     ) -> dict[int, Any]:
         """One step of K micro-batches over the ranks, as ReplicaHandle.accumulate(): afterwards the sharded
-        `.grad`s hold their mean (exact with ShardPolicy(deterministic=True)). Every rank computes the same
-        number of micro-batches (K a multiple of the world size): each is a reduce-scatter on every rank."""
-        if num_micro_batches % self.world:
+        `.grad`s hold their mean. With ShardPolicy(deterministic=True) it is exact, and every rank computes
+        the same number of micro-batches (K a multiple of the world size: each is a reduce-scatter on every
+        rank); otherwise FSDP2 reduce-scatters once per step, in each rank's last backward (K >= W)."""
+        if self.reducer is not None and num_micro_batches % self.world:
             raise ConfigError(
                 f"{self.tag}accumulate() on a sharded model with {num_micro_batches} micro-batches on "
                 f"{self.world} ranks: every rank must compute the same number (each micro-batch's "
                 "reduce-scatter needs every rank of the shard group); use a multiple of the world size"
             )
-        reduction = _ExactSteps(self.reducer) if self.reducer is not None else _FloatSteps(self)
+        reduction = ExactReduction(self.reducer) if self.reducer is not None else FloatReduction(self)
         return self.micro_steps.run(
             reduction, fn, micro_batches, num_micro_batches=num_micro_batches, step=step, seed=seed
         )
@@ -211,6 +211,9 @@ class ShardHandle:
             f"{self.tag}a model sharded by FSDP2 cannot be made plain again in place: build it anew (and "
             "load a checkpoint) to train it replicated"
         )
+
+    def broadcast_buffers_for_step(self) -> None:
+        """Nothing: FSDP2 keeps each rank's buffers as they are (torch's fully_shard broadcasts none)."""
 
     # ---- what it holds -----------------------------------------------------------------------------------
 
@@ -292,51 +295,3 @@ class StepMarks:
     def _end_step(self) -> None:
         self._queued = False
         PROGRESS.end_step()
-
-
-class _ExactSteps:
-    """accumulate()'s reduction in deterministic mode: the exact reduce-scatters, redone on overflow."""
-
-    def __init__(self, reducer: ShardedExactReducer) -> None:
-        self.reducer = reducer
-
-    def begin(self, num_micro_batches: int, maxima: torch.Tensor | None) -> None:
-        self.reducer.begin(num_micro_batches, maxima)
-
-    @contextmanager
-    def micro_batch(self, *, last: bool) -> Iterator[None]:
-        self.reducer.start_micro_batch(last=last)
-        yield
-        self.reducer.end_micro_batch()
-
-    def reduce(self, num_micro_batches: int) -> torch.Tensor | None:
-        return self.reducer.reduce()
-
-    def end(self) -> None:
-        pass
-
-
-class _FloatSteps:
-    """accumulate()'s reduction otherwise: FSDP2's own, once per step (the last micro-batch's backward)."""
-
-    def __init__(self, handle: ShardHandle) -> None:
-        self.handle = handle
-
-    def begin(self, num_micro_batches: int, maxima: torch.Tensor | None) -> None:
-        pass
-
-    def micro_batch(self, *, last: bool) -> AbstractContextManager[None]:
-        return contextlib.nullcontext() if last else self.handle.no_sync()
-
-    def reduce(self, num_micro_batches: int) -> torch.Tensor | None:
-        """FSDP2 averaged the ranks' sums (/ W); x W / K makes it the mean over the K micro-batches."""
-        scale = self.handle.world / num_micro_batches
-        if scale != 1.0:
-            with torch.no_grad():
-                for p in self.handle.module.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
-        return None
-
-    def end(self) -> None:
-        pass
