@@ -270,8 +270,8 @@ def _rules() -> Iterator[Rule]:
 # Sharding the model (shard_degree > 1: FSDP inside each shard group, torch's FSDP2 fully_shard; HSDP over
 # the world / shard_degree replica groups) against every other setting. A pair not named here runs:
 # deterministic (its exact reduce-scatter; VALUE_CHECKS wants whole micro-batches per rank), clipping,
-# accumulation, restarts (from checkpoints), bf16, the every-step sync, reduce_dtype (the reduce-scatter's
-# dtype, FSDP2's MixedPrecisionPolicy.reduce_dtype).
+# accumulation, restarts (from checkpoints), bf16, the every-step sync, reduce_dtype (SyncPolicy's knob: no
+# door sets it beside shard_degree today; FSDP2's MixedPrecisionPolicy.reduce_dtype is where it would go).
 _NOT_REPLICAS = "a periodic sync averages whole replicas, and a rank of a shard group holds a shard of one"
 _NO_PERIODIC_SHARDS = "leave shard_degree at 1 for a periodic sync, or sync every step (sync allreduce)"
 _NOT_BUILT_LIVE = "live recovery across sharded replica groups is not built yet (issue 46)"

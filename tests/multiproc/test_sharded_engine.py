@@ -251,3 +251,91 @@ def _exact_norm_world() -> float:
 def test_the_exact_norm_of_plain_gradients_needs_no_communication() -> None:
     norms = run_distributed(_exact_norm_world, 2, timeout=TIMEOUT)
     assert norms == [pytest.approx(3.0 * 5**0.5)] * 2
+
+
+def _float64_and_skipped(layout: str) -> dict[str, Any]:
+    """A float64 model (FSDP2 would pre-divide its reduce-scatter input) with a block no forward uses."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(12, 12) for _ in range(3)]).double()
+    handle: Any
+    if layout == "replicated":
+        handle = replicate(model, policy=SyncPolicy(deterministic=True))
+    else:
+        handle = shard(model, ShardPolicy(shard_degree=int(layout), deterministic=True))
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(3, 12, generator=g, dtype=torch.float64) for _ in range(K)]
+
+    def micro(batch: torch.Tensor) -> None:
+        model[1](model[0](batch)).square().mean().backward()  # model[2] is never used
+
+    owned = handle.owned_micro_batches(K)
+    handle.accumulate(micro, {k: batches[k] for k in owned}, num_micro_batches=K, step=0)
+    unused_grads = [p.grad is None for p in model[2].parameters()]
+    grads = {n: full_tensors(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    digest = hashlib.sha256(b"".join(v.contiguous().numpy().tobytes() for v in grads.values())).hexdigest()
+    return {"sha": digest, "unused_none": unused_grads, "names": sorted(grads)}
+
+
+def test_a_float64_model_and_a_block_no_forward_used_match_the_replicated_engine() -> None:
+    reference = run_distributed(_float64_and_skipped, 1, args=("replicated",), timeout=TIMEOUT)[0]
+    assert reference["unused_none"] == [True, True]
+    for ranks in (run_distributed(_float64_and_skipped, 2, args=("2",), timeout=TIMEOUT),):
+        for out in ranks:
+            assert out["unused_none"] == [True, True]  # no rank ran its unit: no gradient, as replicated
+            assert out["names"] == reference["names"] and out["sha"] == reference["sha"]
+
+
+def _deterministic_alone() -> str:
+    try:
+        shard(Gated(), ShardPolicy(shard_degree=1, deterministic=True))
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_deterministic_sharding_needs_a_shard_group_of_two() -> None:
+    for message in run_distributed(_deterministic_alone, 2, timeout=TIMEOUT):
+        assert message.startswith("deterministic sharding needs a shard group of 2 or more ranks"), message
+
+
+def _agreement_and_buffers() -> dict[str, Any]:
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # other weights on each rank: shard() takes rank 0's, as replicate() does
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 6), nn.BatchNorm1d(6))
+    before = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    shard(model)
+    with torch.no_grad():
+        model[1].running_mean.fill_(float(rank))  # the buffers drift apart ...
+    model.eval()
+    model(torch.randn(4, 6)).sum().backward()  # ... and a forward with gradients takes rank 0's again
+    state = {n: t.detach().clone() for n, t in full_tensors(model.state_dict()).items()}
+    return {"before": before, "after": state}
+
+
+def test_shard_starts_from_rank_0s_model_and_syncs_buffers_like_ddp() -> None:
+    ranks = run_distributed(_agreement_and_buffers, 2, timeout=TIMEOUT)
+    zero, one = ranks
+    for name, value in zero["before"].items():
+        if "running_mean" in name and name.startswith("1."):
+            assert torch.equal(one["after"][name], torch.zeros(6)), name  # rank 0's value, 0.0
+            continue
+        assert torch.equal(one["after"][name], value), name  # rank 0's starting model everywhere
+        assert torch.equal(zero["after"][name], value), name
+
+
+def _nan_norm() -> float:
+    torch.manual_seed(0)
+    model = Gated()
+    shard(model)
+    for p in model.parameters():
+        p.grad = torch.distributed.tensor.DTensor.from_local(
+            torch.ones_like(p.to_local()), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+        )
+    if dist.get_rank() == 1:
+        next(model.parameters()).grad.to_local().view(-1)[0] = float("nan")
+    return float(exact_clip_grad_norm_(model.parameters(), 1.0))
+
+
+def test_a_nan_on_one_shard_makes_every_ranks_norm_nan() -> None:
+    norms = run_distributed(_nan_norm, 2, timeout=TIMEOUT)
+    assert all(n != n for n in norms), norms

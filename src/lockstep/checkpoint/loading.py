@@ -134,17 +134,8 @@ def prepare(directory: Path, step: int, state: MutableMapping[str, Any], log: lo
 def apply(loading: Loading, state: MutableMapping[str, Any], log: logging.Logger) -> None:
     """Put what prepare() read into the state's objects (every rank; collectives where sharded)."""
     directory = loading.directory
-    for name, target, loaded in loading.plan:
-        if target is None:
-            state[name] = loaded
-            continue
-        try:
-            target.load_state_dict(loaded)
-        except Exception as exc:
-            raise CheckpointError(
-                f"checkpoint {directory}: state[{name!r}] ({type(target).__name__}) rejected "
-                f"its saved state: {type(exc).__name__}: {exc}"
-            ) from exc
+    # The sharded entries first: they are collectives, which every rank must reach; a local entry that a rank
+    # rejects afterwards raises there, and the ranks meet again only in the load's agreement.
     for name, (pair, model_state, optimizer_state) in loading.whole.items():
         _set(directory, name, pair, model_state, optimizer_state, full=True)
     if loading.part:
@@ -152,6 +143,17 @@ def apply(loading: Loading, state: MutableMapping[str, Any], log: logging.Logger
         for pair in loading.part:
             optimizer_state = loaded.get(pair.optimizer_name or "")
             _set(directory, pair.model_name, pair, loaded[pair.model_name], optimizer_state, full=False)
+    for name, target, loaded_state in loading.plan:
+        if target is None:
+            state[name] = loaded_state
+            continue
+        try:
+            target.load_state_dict(loaded_state)
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint {directory}: state[{name!r}] ({type(target).__name__}) rejected "
+                f"its saved state: {type(exc).__name__}: {exc}"
+            ) from exc
     _restore_rng(directory, loading.step, loading.world_size, log)
 
 

@@ -35,14 +35,19 @@ def exact_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     local = [_local(g) for g in grads]
     device = local[0].device
     largest = torch.stack([_largest(t) for t in local]).max()
+    # [the largest finite magnitude, whether any element is NaN]: a float MAX may drop a NaN on its way
+    summary = torch.stack([largest.nan_to_num(nan=0.0), largest.isnan().to(torch.float64)])
     for group in groups:
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
+    if bool(summary[1] > 0):
+        return torch.tensor(float("nan"), dtype=torch.float32, device=device)
+    largest = summary[0]
     if not bool(torch.isfinite(largest)):
         return largest.float()
     if float(largest) == 0.0:
         return torch.zeros((), dtype=torch.float32, device=device)
     count = sum(g.numel() for g in grads)  # the global element count: the same at any layout
-    exponent = math.frexp(float(largest) ** 2)[1]  # largest**2 < 2**exponent
+    exponent = 2 * math.frexp(float(largest))[1]  # largest < 2**e, so largest**2 < 2**(2e)
     shift = SUM_BITS - max(math.ceil(math.log2(count)), 0) - exponent
     scale = math.ldexp(1.0, shift)
     total = torch.zeros((), dtype=torch.int64, device=device)

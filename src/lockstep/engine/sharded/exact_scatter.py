@@ -45,7 +45,7 @@ from lockstep.engine.deterministic.fixed_point import (
     sum_bits,
 )
 from lockstep.engine.sharded.comms import PlainBuffers
-from lockstep.errors import InternalError
+from lockstep.errors import ConfigError, InternalError
 from lockstep.runtime.waits import tracked, wait_watching_membership
 from lockstep.torch_private import FSDPReduceScatter
 
@@ -141,6 +141,12 @@ class ShardedExactReducer:
 
     def begin(self, num_micro_batches: int, maxima: torch.Tensor | None = None) -> None:
         """Start a step of K micro-batches; `maxima` (a redo): the agreed maxima, at no headroom."""
+        if not all(p.requires_grad for p in self.params):
+            frozen = next(i for i, p in enumerate(self.params) if not p.requires_grad)
+            raise ConfigError(
+                f"parameter {frozen} of the sharded model stopped requiring a gradient after shard(): the exact "
+                "sums read FSDP2's reduce-scatter by the layout shard() saw; set requires_grad before shard()"
+            )
         self.num_micro_batches, self.active = num_micro_batches, True
         for acc in self._acc:
             acc.zero_()
@@ -149,7 +155,8 @@ class ShardedExactReducer:
             p.grad = None
         self._first = True  # this rank's first micro-batch of the step is running
         self._maxima = torch.zeros(self._n, dtype=torch.float64, device=self.device)  # over all micro-batches
-        self._flags = torch.zeros(2, self._n, dtype=torch.float64, device=self.device)  # over, nonfinite
+        # per parameter: micro-batches over the scale, not finite, reduce-scattered (0: no rank ran its unit)
+        self._flags = torch.zeros(3, self._n, dtype=torch.float64, device=self.device)
         self._mb0 = torch.zeros(self._n, dtype=torch.float64, device=self.device)  # micro-batch 0's maxima
         self._deferred: list[tuple[int, torch.Tensor, list[int]]] = []  # (unit, held rows, its segments)
         # per parameter, once the scale is known: 2**s, 2**-s / K, the overflow limit
@@ -192,14 +199,21 @@ class ShardedExactReducer:
     def scatter(self, unit: int, flat_input: torch.Tensor) -> None:
         """One unit's reduce-scatter of one micro-batch (FSDP2's post-backward calls it)."""
         layout = self.layouts[unit]
+        if not self.active:
+            raise ConfigError(
+                "a backward of a model sharded with ShardPolicy(deterministic=True) ran outside "
+                "handle.accumulate(): its gradients are exact sums only there; run each step through it"
+            )
         if flat_input.numel() != self.shard_world * layout.chunk_numel:
             raise InternalError(
                 f"FSDP unit {unit}'s reduce-scatter input has {flat_input.numel()} elements, the layout "
-                f"{self.shard_world} x {layout.chunk_numel}: FSDP2 laid out its gradients unlike lockstep's reading"
+                f"{self.shard_world} x {layout.chunk_numel}: a parameter started requiring a gradient after "
+                "shard() (set requires_grad before it), or FSDP2 laid out its gradients unlike lockstep's reading"
             )
         rows = flat_input.view(self.shard_world, layout.chunk_numel)
         largest = layout.maxima(rows)
         indices = torch.tensor([s.index for s in layout.segments], device=self.device)
+        self._flags[2, indices] = 1.0
         if self._first and not bool(self._known[indices.cpu()].all()):
             self._agree_on_scale(layout, indices, largest)
         ready = self._known[indices.cpu()]
@@ -299,7 +313,7 @@ class ShardedExactReducer:
         if self.world > 1:
             with tracked("allreduce (FSDP exact gradients: flags)", (flags,), None):
                 wait_watching_membership(dist.all_reduce(flags, async_op=True))
-        finite = flags[1] == 0
+        finite, scattered = flags[1] == 0, (flags[2] > 0).tolist()
         if bool(((flags[0] > 0) & finite).any()):
             return self._agreed_maxima()
         factor = self._factor
@@ -309,6 +323,9 @@ class ShardedExactReducer:
         for unit, layout in enumerate(self.layouts):
             acc = self._acc[unit]
             for p, s in zip(layout.params, layout.segments):
+                if not scattered[s.index]:  # its unit ran no forward on any rank: no gradient, as replicated
+                    p.grad = self._held[s.index]
+                    continue
                 grad = p.grad
                 if grad is None:
                     raise InternalError(f"FSDP left parameter {s.index} without a gradient after the step")

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lockstep.engine.core.init_sync import broadcast_coalesced, check_same_model
 from lockstep.engine.core.stats import EngineStats
 from lockstep.engine.deterministic.exact_norm import exact_clip_grad_norm_
 from lockstep.engine.deterministic.micro_step import ExactReduction, FloatReduction, MicroSteps
@@ -100,7 +101,13 @@ def shard(module: nn.Module, policy: ShardPolicy = ShardPolicy()) -> ShardHandle
     world = dist.get_world_size()
     degree = policy.shard_degree or world
     check_shard_layout(world, degree)
+    if policy.deterministic and degree < 2:  # FSDP2 calls no reduce-scatter on a shard group of one
+        raise ConfigError(
+            f"deterministic sharding needs a shard group of 2 or more ranks, got shard_degree {degree} at world "
+            f"{world}: use lockstep.replicate(module, policy=SyncPolicy(deterministic=True)) for a replicated model"
+        )
     check_shardable(module)
+    agree_on_the_model(module, world)
     device_type = next((p.device.type for p in module.parameters()), "cpu")
     units = choose_units(module, policy.units)
     layout = shard_layout(degree, device_type=device_type, deterministic=policy.deterministic)
@@ -108,6 +115,15 @@ def shard(module: nn.Module, policy: ShardPolicy = ShardPolicy()) -> ShardHandle
         fully_shard(unit, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)
     fully_shard(module, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)
     return ShardHandle(module, units, layout, policy)
+
+
+def agree_on_the_model(module: nn.Module, world: int) -> None:
+    """Every rank holds the same model, then rank 0's values, as the replicated engine starts (FSDP2 cuts each
+    rank's shard from its own copy: copies made with other seeds would be spliced into one silent mix)."""
+    if world == 1:
+        return
+    check_same_model(list(module.named_parameters()), None, dist.get_rank(), world)
+    broadcast_coalesced([*module.parameters(), *module.buffers()], 0, None)
 
 
 class ShardHandle:
@@ -124,12 +140,12 @@ class ShardHandle:
             self._fsdp.append(module)
         self.sent = CommBytes()
         self.reducer: ShardedExactReducer | None = None
+        self._track_comms(reduce_scatter=not policy.deterministic)
         if policy.deterministic:
             self.reducer = self._exact_sums()
-        else:
-            self._track_comms()
         self.micro_steps = MicroSteps(module, None, rank=self.rank, world=self.world)
-        self._hooks = StepMarks(module)
+        # deterministic mode replays BatchNorm's running buffers itself (micro_step.RunningStats)
+        self._hooks = StepMarks(module, sync_buffers=not policy.deterministic)
 
     def _exact_sums(self) -> ShardedExactReducer:
         owned = [(m, [p for p in fsdp_unit_params(m) if p.requires_grad]) for m in self._fsdp]
@@ -144,15 +160,20 @@ class ShardHandle:
         for unit, (m, _) in enumerate(owned):
             m.set_custom_reduce_scatter(ExactReduceScatter(reducer, unit))
             m.set_reduce_scatter_unused_params(True, recurse=False)
+            # no division before the comm: FSDP2 pre-divides a float64 or float16 input by a factor of
+            # the group's size otherwise, and the exact sum would then be that much off
+            m.set_gradient_divide_factor(1.0)
         return reducer
 
-    def _track_comms(self) -> None:
+    def _track_comms(self, *, reduce_scatter: bool) -> None:
+        """FSDP2's all-gathers (and, outside deterministic mode, its reduce-scatters) numbered and counted."""
         names = {id(m): name or "(root)" for name, m in self.module.named_modules()}
         for m in self._fsdp:
             if fsdp_unit_params(m):
                 name = names.get(id(m), type(m).__name__)
                 m.set_custom_all_gather(TrackedAllGather(name, self.sent))
-                m.set_custom_reduce_scatter(TrackedReduceScatter(name, self.sent))
+                if reduce_scatter:
+                    m.set_custom_reduce_scatter(TrackedReduceScatter(name, self.sent))
 
     # ---- steps -------------------------------------------------------------------------------------------
 
@@ -170,10 +191,10 @@ class ShardHandle:
         seed: int = 0,
     ) -> dict[int, Any]:
         """One step of K micro-batches over the ranks, as ReplicaHandle.accumulate(): afterwards the sharded
-        `.grad`s hold their mean. With ShardPolicy(deterministic=True) it is exact, and every rank computes
-        the same number of micro-batches (K a multiple of the world size: each is a reduce-scatter on every
-        rank); otherwise FSDP2 reduce-scatters once per step, in each rank's last backward (K >= W)."""
-        if self.reducer is not None and num_micro_batches % self.world:
+        `.grad`s hold their mean (exact with ShardPolicy(deterministic=True)). Every rank computes the same
+        number of micro-batches (K a multiple of the world size): each micro-batch's forward all-gathers on
+        every rank of the shard group, and in deterministic mode its backward reduce-scatters."""
+        if num_micro_batches % self.world:
             raise ConfigError(
                 f"{self.tag}accumulate() on a sharded model with {num_micro_batches} micro-batches on "
                 f"{self.world} ranks: every rank must compute the same number (each micro-batch's "
@@ -213,7 +234,7 @@ class ShardHandle:
         )
 
     def broadcast_buffers_for_step(self) -> None:
-        """Nothing: FSDP2 keeps each rank's buffers as they are (torch's fully_shard broadcasts none)."""
+        """Nothing here: every forward with gradients takes rank 0's buffers (StepMarks), as torch's DDP."""
 
     # ---- what it holds -----------------------------------------------------------------------------------
 
@@ -264,10 +285,13 @@ class StepMarks:
     """Where a sharded model's training steps begin and end, for the hang watchdog and the straggler
     reports (runtime/progress.py), as the replicated engine marks its own: a forward with gradients
     begins a step, its backward's first gradient starts the backward phase, and the backward's end ends
-    the step (a callback queued on autograd's engine)."""
+    the step (a callback queued on autograd's engine). With `sync_buffers`, such a forward first takes
+    rank 0's buffers (BatchNorm's running statistics), as torch's DDP does: FSDP2 shards parameters only,
+    and each rank's buffers would drift apart."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, sync_buffers: bool) -> None:
         self._queued = False
+        self.buffers = list(module.buffers()) if sync_buffers else []
         self.handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
             module.register_forward_hook(self._post_forward),
@@ -276,6 +300,8 @@ class StepMarks:
     def _pre_forward(self, _module: nn.Module, _args: Any) -> None:
         if torch.is_grad_enabled():
             PROGRESS.begin_step()
+            if self.buffers and dist.get_world_size() > 1:
+                broadcast_coalesced(self.buffers, 0, None)
 
     def _post_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
