@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "runtime": L0 | {"torch_private"},
     "engine": L0 | L1 | {"plan", "torch_private"},
     "data": L0 | L1,
-    "checkpoint": L0 | L1,
+    "checkpoint": L0 | L1 | {"torch_private"},  # DCP's private names (sharded checkpoints)
     "nn": {"engine"},
     "hooks": {"engine"},
     "launch": L0 | L1 | {"startup"},
