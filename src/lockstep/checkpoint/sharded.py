@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from lockstep.checkpoint.layout import SHARDED
 from lockstep.checkpoint.stateful import PREFIX, module_mismatch, resolve
 from lockstep.checkpoint.storage import FileRecord, sha256_file
-from lockstep.errors import CheckpointError
+from lockstep.errors import CheckpointError, InternalError
 from lockstep.torch_private import DCPEmptyStateDictLoadPlanner, dcp_load_state_dict, dcp_set_element
 
 DCP_METADATA = ".metadata"
@@ -327,7 +327,10 @@ def apply(
 def named_optimizer_state(saved: Mapping[str, Any], pair: Pair, directory: Path) -> dict[str, Any]:
     """A replicated checkpoint's optimizer state (keyed by parameter index) keyed by the model's parameter
     names, matched through this optimizer's own parameter order (groups and positions must agree)."""
-    assert pair.optimizer is not None
+    if pair.optimizer is None:  # prepare() reads an optimizer entry only with its optimizer's pair
+        raise InternalError(
+            f"checkpoint {directory}: an optimizer's state was read for {pair.model_name!r}, which has none"
+        )
     names = {id(p): n for n, p in pair.module.named_parameters()}
     groups, saved_groups = pair.optimizer.param_groups, list(saved.get("param_groups", []))
     counts, saved_counts = [len(g["params"]) for g in groups], [len(g["params"]) for g in saved_groups]
