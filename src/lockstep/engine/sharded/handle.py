@@ -139,10 +139,11 @@ class ShardHandle:
         if isinstance(module, FSDPModule):
             self._fsdp.append(module)
         self.sent = CommBytes()
-        self.reducer: ShardedExactReducer | None = None
         self._track_comms(reduce_scatter=not policy.deterministic)
-        if policy.deterministic:
-            self.reducer = self._exact_sums()
+        # how the gradients are summed, chosen once: lockstep's exact sums or FSDP2's own
+        self.sums: ExactSums | FloatSums = (
+            ExactSums(self._exact_sums()) if policy.deterministic else FloatSums(self)
+        )
         self.micro_steps = MicroSteps(module, None, rank=self.rank, world=self.world)
         # deterministic mode replays BatchNorm's running buffers itself (micro_step.RunningStats)
         self._hooks = StepMarks(module, sync_buffers=not policy.deterministic)
@@ -200,9 +201,8 @@ class ShardHandle:
                 f"{self.world} ranks: every rank must compute the same number (each micro-batch's "
                 "reduce-scatter needs every rank of the shard group); use a multiple of the world size"
             )
-        reduction = ExactReduction(self.reducer) if self.reducer is not None else FloatReduction(self)
         return self.micro_steps.run(
-            reduction, fn, micro_batches, num_micro_batches=num_micro_batches, step=step, seed=seed
+            self.sums.reduction, fn, micro_batches, num_micro_batches=num_micro_batches, step=step, seed=seed
         )
 
     @contextmanager
@@ -218,9 +218,7 @@ class ShardHandle:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to `max_norm`; exact in deterministic mode (the same norm at any layout)."""
-        if self.policy.deterministic:
-            return exact_clip_grad_norm_(self.module.parameters(), max_norm)
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        return self.sums.clip(self.module.parameters(), max_norm)
 
     def remove(self) -> None:
         """FSDP2 changes the module's class and parameters in place, with no way back.
@@ -244,7 +242,7 @@ class ShardHandle:
 
     def stats(self) -> EngineStats:
         """The shard layout and the bytes FSDP2's collectives (or deterministic mode's sums) sent."""
-        sent = self.reducer.bytes_sent if self.reducer is not None else self.sent.total
+        sent = self.sent.total + self.sums.bytes_sent()
         return EngineStats(
             world_size=self.world,
             num_parameters=sum(1 for _ in self.module.parameters()),
@@ -259,9 +257,42 @@ class ShardHandle:
                 "bytes_communicated_total": sent,
                 "shard_degree": self.layout.shard_degree,
                 "replica_groups": self.layout.replicas,
-                "steps_redone": self.reducer.redos if self.reducer is not None else 0,
+                "steps_redone": self.sums.redos(),
             },
         )
+
+
+class ExactSums:
+    """Deterministic mode: lockstep's exact reduce-scatters (exact_scatter.py), the step redone on overflow,
+    clipping with the exact norm."""
+
+    clip = staticmethod(exact_clip_grad_norm_)
+
+    def __init__(self, reducer: ShardedExactReducer) -> None:
+        self.reducer = reducer
+        self.reduction = ExactReduction(reducer)
+
+    def bytes_sent(self) -> int:
+        return self.reducer.bytes_sent
+
+    def redos(self) -> int:
+        return self.reducer.redos
+
+
+class FloatSums:
+    """Otherwise: FSDP2's own reduce-scatter once per step, in each rank's last backward (its bytes are
+    counted by the tracked comms), and torch's clipping."""
+
+    clip = staticmethod(torch.nn.utils.clip_grad_norm_)
+
+    def __init__(self, handle: ShardHandle) -> None:
+        self.reduction = FloatReduction(handle)
+
+    def bytes_sent(self) -> int:
+        return 0
+
+    def redos(self) -> int:
+        return 0
 
 
 def is_sharded(module: nn.Module) -> bool:
