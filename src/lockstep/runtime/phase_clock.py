@@ -33,6 +33,7 @@ class PhaseClock:
 
     __slots__ = (
         "_acc",
+        "totals",
         "_cur",
         "_partial",
         "_since",
@@ -52,6 +53,8 @@ class PhaseClock:
         self.names: list[str] = []  # slot -> phase name
         self._slots: dict[str, int] = {}
         self._acc = array("d", _ZEROS)
+        # seconds in each phase since the clock began, never reset (runtime/goodput.py reads the lost ones)
+        self.totals = array("d", [0.0] * MAX_PHASES)
         self.ring = [array("d", [-1.0] * _ROW) for _ in range(RING)]
         self.closed = 0  # steps closed so far (the ring holds the last RING of them)
         now = perf_counter()
@@ -83,6 +86,7 @@ class PhaseClock:
     def switch(self, name: str) -> None:
         now = perf_counter()
         self._acc[self._cur] += now - self._since
+        self.totals[self._cur] += now - self._since
         self._since = now
         slot = self._slots.get(name)
         self._cur = slot if slot is not None else self.slot(name)
@@ -105,6 +109,7 @@ class PhaseClock:
             self._since = self._step_start = now
             return
         acc[self._cur] += now - self._since
+        self.totals[self._cur] += now - self._since
         row = self.ring[self.closed % RING]
         row[0] = -1.0  # a reader that copies the row meanwhile skips it
         row[1] = now - self._step_start
@@ -113,6 +118,13 @@ class PhaseClock:
         acc[:] = _ZEROS
         self._since = self._step_start = now
         self.closed += 1
+
+    def seconds_in(self, names: frozenset[str]) -> float:
+        """Seconds spent so far in the phases `names`, the current phase's running time included."""
+        total = sum(self.totals[self._slots[n]] for n in names if n in self._slots)
+        if self._cur < len(self.names) and self.names[self._cur] in names:
+            total += perf_counter() - self._since
+        return total
 
     # ------------------------------------------------------------------ the watchdog thread
 

@@ -44,6 +44,8 @@ OPTIMIZER = "optimizer"
 DATA = "data loading"
 CHECKPOINT = "checkpoint"
 EVALUATE = "evaluate"
+RECOVERY = "recovery"  # live mode: re-forming the group after a loss or to let replacements in
+STATE_TRANSFER = "state transfer"  # live mode: a member sends a replacement the run's state
 JOINING = "joining"  # live mode: a replacement from its admission until it trains (building, receiving)
 # Phases in which one rank may keep the others waiting on purpose (rank 0 saving, a rank-0 evaluation, a
 # replacement setting up after the members admitted it).
