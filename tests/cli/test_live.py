@@ -83,6 +83,18 @@ def _same_bits_as(reference: dict[str, Any], out: Path) -> dict[str, Any]:
     return summary
 
 
+def _goodput(summary: dict[str, Any]) -> dict[str, float]:
+    """The run's time account adds up: training and the causes make the wall time from the first step to
+    the last, goodput is training over it, and live mode lost no sample of a counted step."""
+    lost = summary["lost_s_by_cause"]
+    wall = summary["goodput_wall_s"]
+    assert summary["samples_lost"] == 0, summary
+    assert abs(summary["training_s"] + sum(lost.values()) - wall) < 0.01, summary
+    assert summary["goodput"] == pytest.approx(summary["training_s"] / wall, abs=5e-3)  # rounded parts
+    assert 0 < summary["goodput"] <= 1 and wall <= summary["wall_time_s"] + 0.5, summary
+    return lost
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("live_reference")
@@ -138,6 +150,8 @@ def test_survivors_finish_without_restart_and_match_a_fault_free_run_bit_for_bit
     assert record["lost"] == [victim] and record["how"] == {str(victim): "killed by SIGKILL"}
     # How soon it recovered (< 2 s) is a claim of benchmarks/failure_latency.py, case live-kill.
     assert record["world_size"] == 3 and 0 < record["recover_s"], record
+    lost = _goodput(summary)  # re-forming cost time, and the step a loss cut short was done again
+    assert lost["reformation"] > 0 and summary["redos"] >= 1, summary
     if fault == "checkpoint":  # lost at the first epoch's end; the new rank 0 wrote that checkpoint
         steps_per_epoch = SAMPLES // GLOBAL_BATCH
         assert record["step"] == steps_per_epoch
@@ -212,6 +226,8 @@ def test_a_stopped_rank_is_evicted_after_the_hang_timeout_and_the_others_go_on(
     # Detected after the hang timeout, then re-formed (how soon: benchmarks/failure_latency.py, live-stop).
     assert hang_timeout <= record["detail"]["waited_s"], record
     assert 0 < record["recover_s"], record
+    # the survivors' wait for the stopped rank is the account's hang detection, not training
+    assert _goodput(summary)["hang_detection"] >= hang_timeout * 0.9, summary
     _survivors_kept_their_processes(out, 2)
     _every_sample_once_but_the_abandoned_step(out)
     stopped = Path("/proc", (out / "pid-2").read_text())  # the launcher killed it: it cannot wake up later
@@ -230,6 +246,7 @@ def test_a_replacement_joins_heals_from_a_peer_and_the_run_matches_a_fault_free_
     assert (lost["kind"], lost["lost"], lost["world_size"]) == ("lost", [2], 3), lost
     assert (joined["kind"], joined["joined"], joined["world_size"]) == ("joined", [4], 4), joined
     assert joined["step"] > lost["step"]
+    assert _goodput(summary)["state_transfer"] > 0, summary  # rank 0's summary: it sent the state
     _survivors_kept_their_processes(out, 2)
     assert (out / "pid-4").read_text() == (out / "done-4").read_text()  # the replacement finished the run
     assert (out / "seen-4.txt").read_text().strip()  # ...and trained on its share after it joined

@@ -66,9 +66,16 @@ def _set(
         ) from exc
 
 
-def prepare(directory: Path, step: int, state: MutableMapping[str, Any], log: logging.Logger) -> Loading:
+def prepare(
+    directory: Path,
+    step: int,
+    state: MutableMapping[str, Any],
+    log: logging.Logger,
+    optional: frozenset[str] = frozenset(),
+) -> Loading:
     """Read and check what checkpoint `step` (in `directory`) holds for `state`; raises before anything is
-    changed."""
+    changed. Entries named in `optional` that the checkpoint lacks (one saved before they existed) are
+    left as they are."""
     meta = read_meta(directory)
     for name, record in meta["files"].items():  # rank 0 checked sha256; here: is it there at all?
         path = directory / name
@@ -78,6 +85,7 @@ def prepare(directory: Path, step: int, state: MutableMapping[str, Any], log: lo
                 "file system that every rank sees?"
             )
     entries: dict[str, Any] = meta["entries"]
+    state = {name: obj for name, obj in state.items() if name in entries or name not in optional}
     absent = [name for name in state if name not in entries]
     if absent:
         raise CheckpointError(

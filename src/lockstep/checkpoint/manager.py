@@ -261,10 +261,17 @@ class CheckpointManager:
 
     # ---- load -----------------------------------------------------------------------------------------
 
-    def load(self, state: MutableMapping[str, Any], *, required: bool = False) -> int | None:
+    def load(
+        self,
+        state: MutableMapping[str, Any],
+        *,
+        required: bool = False,
+        optional: frozenset[str] = frozenset(),
+    ) -> int | None:
         """Load the newest valid checkpoint into `state` on every rank; its step, or None when there is none.
 
         With required=True, finding no usable checkpoint raises CheckpointError instead of returning None.
+        `optional`: entries of `state` that a checkpoint saved before they existed lacks (left as they are).
         """
         self._settle()  # a background write of this manager's first: load what it wrote
         choice = broadcast_object(self._choose_safely() if get_rank() == 0 else None)
@@ -282,7 +289,7 @@ class CheckpointManager:
         failure: BaseException | None = None
         reading: loading.Loading | None = None
         try:
-            reading = loading.prepare(self.layout.step_dir(step), step, state, self._log)
+            reading = loading.prepare(self.layout.step_dir(step), step, state, self._log, optional)
         except Exception as exc:
             failure = exc
         if collective:

@@ -5,6 +5,7 @@ The launcher imports this package: nothing here imports the engine.
 Modules:
 - collectives.py: Small typed collectives that every layer needs: rank queries, barrier, scalar means, JSON
   objects.
+- goodput.py: The run's account of its time: goodput, and the time lost by cause.
 - hang_report.py: After a hang verdict: every rank's final state joined into one report, written once and
   printed everywhere.
 - live_host.py: The process around a live group: runtime's side of membership/host.py's `Host`.
@@ -57,6 +58,7 @@ from lockstep.runtime.collectives import (
 )
 from lockstep.runtime.env.slurm_notation import expand_hostlist
 from lockstep.runtime.env.topology import Topology, resolve_topology
+from lockstep.runtime.goodput import goodput
 from lockstep.runtime.logging import get_logger
 from lockstep.runtime.process_group import JoinedTopology, init, is_initialized, shutdown
 from lockstep.runtime.progress import phase
@@ -75,6 +77,7 @@ __all__ = [
     "get_logger",
     "get_rank",
     "get_world_size",
+    "goodput",
     "init",
     "is_initialized",
     "is_main",

@@ -16,7 +16,7 @@ from typing import Any
 from lockstep.runtime import waits, watchdog
 from lockstep.runtime.collectives import all_gather_object
 from lockstep.runtime.process_inspection import gone
-from lockstep.runtime.progress import PROGRESS
+from lockstep.runtime.progress import PROGRESS, RECOVERY, STATE_TRANSFER, phase
 from lockstep.runtime.state_transfer import broadcast_state
 
 
@@ -32,6 +32,9 @@ class ProcessHost:
 
     def tracked(self, op: str) -> AbstractContextManager[object]:
         return waits.tracked(op, ())
+
+    def recovering(self) -> AbstractContextManager[object]:
+        return phase(RECOVERY)
 
     def watch(self, group: watchdog.MembershipWatch) -> None:
         waits.watch_membership(group)
@@ -50,7 +53,8 @@ class ProcessHost:
         return all_gather_object(obj)
 
     def broadcast_state(self, state: Any, src: int) -> Any:
-        return broadcast_state(state, src=src)
+        with phase(STATE_TRANSFER):
+            return broadcast_state(state, src=src)
 
     def whereabouts(self) -> dict[str, Any]:
         return {"host": socket.gethostname(), "pid": os.getpid()}

@@ -119,6 +119,7 @@ class Progress:
         self.main_thread = threading.main_thread().ident
         self.enabled = True  # off only to measure what tracking costs (benchmarks/hang_watchdog_overhead.py)
         self.clock = PhaseClock(STARTUP)  # time per phase per step, for the straggler reports
+        self.account: Any = None  # the run's goodput account (runtime/goodput.py sets it): told of each step
 
     # ------------------------------------------------------------------ phases
 
@@ -142,11 +143,15 @@ class Progress:
             self.clock.close_step(self.step)
         self.step += 1
         self.set_phase(FORWARD)
+        if self.account is not None:
+            self.account.step_began()
 
     def end_step(self) -> None:
         """The step's backward finished (its gradients are reduced)."""
         self.steps_done += 1
         self.set_phase(BETWEEN_STEPS)
+        if self.account is not None:
+            self.account.step_ended()
 
     # ------------------------------------------------------------------ collectives
 

@@ -33,6 +33,7 @@ from lockstep.errors import ConfigError, InternalError
 from lockstep.plan import Reduction
 from lockstep.runtime import barrier, broadcast_object
 from lockstep.runtime.env.topology import Topology
+from lockstep.runtime.goodput import ACCOUNT, restart_attempt
 from lockstep.runtime.progress import DATA, PROGRESS
 from lockstep.trainer.live.live_side import side_of_run
 from lockstep.trainer.reporting.metrics import TrainMetrics
@@ -72,6 +73,7 @@ class FitRun:
         make_optimizer: Callable[[Any], torch.optim.Optimizer] | None,
     ) -> None:
         self.config = config
+        ACCOUNT.reset()  # this run's time account starts at its first step (runtime/goodput.py)
         self.device = choose_device(config.device)
         torch.manual_seed(config.seed + topo.rank)  # per-rank streams for dropout/augmentation
         self.module = (convert_sync_batchnorm(model) if config.sync_batchnorm else model).to(self.device)
@@ -174,6 +176,7 @@ class FitRun:
             run=(wall, self.counters.samples - start_samples, self.counters.step - start_step),
             comm_bytes=comm_bytes_so_far(self.replica.engine) - start_bytes,
         )
+        summary.update(ACCOUNT.summary())
         summary.update(bucket_summary(self.replica.engine))
         summary.update(checkpoint_summary(self.checkpoints), **straggler_summary())
         if self.periodic_run is not None:
@@ -213,13 +216,26 @@ class FitRun:
                 "choose a new run_dir, delete the old checkpoints, or use resume='auto' to continue"
             )
         entries = self.state.registry.checkpoint_entries()
-        step = self.checkpoints.load(entries) if self.config.resume == "auto" else None
+        # A restart of this job carries the time account on from the checkpoint (the time since it was
+        # taken is lost to the restart); a new job that resumes leaves the time between jobs out
+        ACCOUNT.arriving = "restart" if restart_attempt() or self.side.restarts else "new job"
+        step = None
+        if self.config.resume == "auto":
+            step = self.checkpoints.load(entries, optional=frozenset({"goodput"}))
+        self._count_samples_lost(step or 0)
         self.runlog.rewind(step or 0)
         if step is not None:
             self.record.saved_step = step
             self._finish_epoch_cut_at_checkpoint()
             self.bar.message(f"resumed from step {step} (epoch {self.counters.epoch}) in {self.run_dir}")
             self.bar.advance(self.counters.step)
+
+    def _count_samples_lost(self, resumed: int) -> None:
+        """Steps that an earlier attempt had counted after the checkpoint resumed from (`resumed`) are
+        undone: their samples are lost, and trained again (rank 0's metric log says how far it came)."""
+        reached = broadcast_object(self.runlog.last_step())
+        if reached > resumed:
+            ACCOUNT.lose_samples((reached - resumed) * self.plan.global_batch_size)
 
     def _finish_epoch_cut_at_checkpoint(self) -> None:
         """A checkpoint taken on an epoch's last step holds the epoch as unfinished, but its sampler as done.
@@ -258,6 +274,7 @@ class FitRun:
             micro_left -= len(group)
             steps_left -= 1
             self.counters.step += 1
+            ACCOUNT.step_ended()
             self.bar.advance(self.counters.step)
             if self.periodic_run is not None and self.counters.step == self.total_steps:
                 self._retry(self.periodic_run.finish)  # before the last checkpoint and evaluation

@@ -50,6 +50,10 @@ class Host(Protocol):
     def tracked(self, op: str) -> AbstractContextManager[object]:
         """A wait of the protocol's own (a step's commit), watched by the hang watchdog like a collective."""
 
+    def recovering(self) -> AbstractContextManager[object]:
+        """The span of a re-formation (after a loss, or to let replacements in): the run's time account
+        counts it as lost to re-forming (runtime/goodput.py)."""
+
     def watch(self, group: Watched) -> None:
         """From now on, every collective wait polls `group.check()` (a lost member ends it at once)."""
 
@@ -64,7 +68,7 @@ class Host(Protocol):
         """Every member's `obj`, in rank order (a collective of the current generation)."""
 
     def broadcast_state(self, state: Any, src: int) -> Any:
-        """`src`'s state (a tree of tensors and objects) on every member."""
+        """`src`'s state (a tree of tensors and objects) on every member; time lost to state transfer."""
 
     def whereabouts(self) -> dict[str, Any]:
         """Where this process runs (its host and pid), for the others to look at it (`gone`)."""

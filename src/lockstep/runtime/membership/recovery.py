@@ -95,17 +95,18 @@ class LiveRecovery(Generic[PlaceT]):
         group = self.group
         if not lost_member_or_changed(group.state, exc):
             return False
-        before = group.membership.members
-        self.run.release_replica()
-        fault = group.reform(exc)
-        if group.membership.members == before and not isinstance(exc, MembershipChanged):
-            return False
-        self.run.discard_step()
-        try:
-            self._rejoin(fault)
-        except FAILURES as again:  # another fault inside this recovery: recover from that one too
-            if not self.recover(again):
-                raise
+        with group.host.recovering():
+            before = group.membership.members
+            self.run.release_replica()
+            fault = group.reform(exc)
+            if group.membership.members == before and not isinstance(exc, MembershipChanged):
+                return False
+            self.run.discard_step()
+            try:
+                self._rejoin(fault)
+            except FAILURES as again:  # another fault inside this recovery: recover from that one too
+                if not self.recover(again):
+                    raise
         return True
 
     def admit_joiners(self, step: int, next_step: int | None = None) -> bool:
@@ -117,8 +118,9 @@ class LiveRecovery(Generic[PlaceT]):
         joiners = self.group.joiners_due(step, next_step)
         if not joiners:
             return False
-        self.run.release_replica()
-        self._rejoin(self.group.reform(f"replacements {joiners} join after step {step}", joiners))
+        with self.group.host.recovering():
+            self.run.release_replica()
+            self._rejoin(self.group.reform(f"replacements {joiners} join after step {step}", joiners))
         return True
 
     def receive_state(self) -> None:

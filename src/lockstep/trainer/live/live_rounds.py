@@ -43,6 +43,7 @@ from typing import Any
 
 from lockstep.engine.periodic.outer_sync import due_fragments, in_flight_entries
 from lockstep.errors import LockstepError
+from lockstep.runtime.goodput import ACCOUNT, Point
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.micro_batches import owned_micro_batches
 from lockstep.trainer.run.registry import Use
@@ -89,6 +90,7 @@ class LiveRounds:
         self.group, self.state, self.sync_every = group, state, sync_every
         self.fragments = fragments  # streaming DiLoCo: marks at every fragment's sync (module doc)
         self.last: RoundMark | None = None
+        self.marked_at: Point | None = None  # when the mark was taken: a rollback discards the work since
         self.dropped: dict[str, Any] | None = None  # streaming: what the last rollback dropped
         self.armed = False  # a change of members happened: the rebuilt replica gets the mark back
         self.closed = False  # the run ended (its last barrier): nothing is redone any more
@@ -100,6 +102,7 @@ class LiveRounds:
     def mark(self, log_count: int | None) -> None:
         """Keep this rank's state as the point a redo starts from (streaming: without waiting for the
         fragment's mean in flight; its contribution is kept instead: the run's `outer` entry)."""
+        self.marked_at = ACCOUNT.point()
         self.last = RoundMark(
             self.state,
             sync_every=self.sync_every,

@@ -36,19 +36,28 @@ class RunLog:
     def _jsonl(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
-    def rewind(self, step: int) -> None:
-        """Keep the history up to `step` (where the run resumes) and drop what a crashed attempt logged after it."""
-        if not self.enabled:
-            return
-        kept = []
+    def last_step(self) -> int:
+        """The last step the log holds (0: none): how far an attempt that crashed had come at least."""
+        return max((r.get("step", 0) for r in self._read()), default=0) if self.enabled else 0
+
+    def _read(self) -> list[dict[str, Any]]:
+        """The records in metrics.jsonl, a line cut short by a crash left out."""
+        records = []
         if self._jsonl.is_file():
             for line in self._jsonl.read_text().splitlines():
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut short by a crash
-                if isinstance(record, dict) and record.get("step", 0) <= step:
-                    kept.append(record)
+                if isinstance(record, dict):
+                    records.append(record)
+        return records
+
+    def rewind(self, step: int) -> None:
+        """Keep the history up to `step` (where the run resumes) and drop what a crashed attempt logged after it."""
+        if not self.enabled:
+            return
+        kept = [record for record in self._read() if record.get("step", 0) <= step]
         self.records = kept
         self._jsonl.write_text("".join(json.dumps(r) + "\n" for r in kept))
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from lockstep.checkpoint import rng
 from lockstep.engine.optim.shard_optimizer import ShardedOptimizer
+from lockstep.runtime.goodput import ACCOUNT
 from lockstep.runtime.memory import MemoryMeter
 from lockstep.trainer.reporting.metrics import TrainMetrics
 from lockstep.trainer.run.registry import EVERY, RECOVERY, StateRegistry, Use
@@ -129,6 +130,9 @@ class RunState:
             "metric_sums", self._load_pending, lambda: self.metrics.pending, uses=Use.MARK
         )
         reg.register_state_dict_fn("rng", rng.restore, rng.capture, uses=Use.MARK)
+        # The run's time account (runtime/goodput.py): a restart carries on from the checkpoint's, a
+        # replacement from rank 0's; never a rollback's mark (the work it discards stays counted as lost)
+        reg.register("goodput", ACCOUNT, uses=Use.CHECKPOINT | Use.TRANSFER)
 
     def register_outer_sync(self, periodic: Any, *, streaming: bool) -> None:
         """A low-communication run's entries (`periodic`: trainer/run/low_comm.py's PeriodicRun), after model and optimizer (a rank's own

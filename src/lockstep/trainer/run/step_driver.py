@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar, cast
 
 from lockstep.errors import LockstepError
+from lockstep.runtime.goodput import ACCOUNT, Point
 from lockstep.runtime.membership.recovery import FAILURES
 
 T = TypeVar("T")
@@ -62,6 +63,10 @@ class Rollback(Protocol):
     def active(self) -> bool:
         """A mark stands to go back to."""
 
+    @property
+    def marked_at(self) -> Point | None:
+        """When the mark was taken: going back to it discards the work since (runtime/goodput.py)."""
+
 
 class NoRecovery:
     """Outside live mode: the group never changes, and a failure is the program's own."""
@@ -76,6 +81,7 @@ class NoRollback:
     """No round marks (every run but a low-communication one in live mode): a loss redoes the work."""
 
     active = False
+    marked_at = None
 
 
 class StepDriver:
@@ -91,10 +97,14 @@ class StepDriver:
         return self.recovery.changes
 
     def attempt(self, work: Callable[[], T]) -> tuple[Outcome, T | None]:
-        """work() once: (DONE, its result), or, a member lost in it, (REDO or ROLLED_BACK, None)."""
+        """work() once: (DONE, its result), or, a member lost in it, (REDO or ROLLED_BACK, None). The
+        work a loss throws away is redone work in the run's account (runtime/goodput.py)."""
+        started = ACCOUNT.point()
         try:
             return Outcome.DONE, work()
         except FAILURES as exc:
+            back_to = self.rollback.marked_at if self.rollback.active else None
+            ACCOUNT.discard(back_to or started)
             if not self.recovery.recover(exc):
                 raise
         return (Outcome.ROLLED_BACK if self.rollback.active else Outcome.REDO), None
