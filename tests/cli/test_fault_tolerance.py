@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -109,6 +110,13 @@ def test_killed_rank_restarts_and_finishes_bitwise_identical(tmp_path: Path) -> 
             proc.kill()
     assert proc.returncode == 0, out
     assert f"resumed from step {LAST_CHECKPOINT} " in out
+    # The restart's cost in the run's account: steps 9 and 10 had counted (rank 0 stood in step 11) and were
+    # undone, their 2 x 8 samples lost; the time from the checkpoint to the resumed first step is the restart's.
+    summary = json.loads((victim_run / "summary.json").read_text())
+    assert summary["samples_lost"] == (HOLD_AT - 1 - LAST_CHECKPOINT) * 8, summary
+    assert summary["lost_s_by_cause"]["restart"] > 0 and summary["goodput"] < 1, summary
+    wall = summary["goodput_wall_s"]
+    assert abs(summary["training_s"] + sum(summary["lost_s_by_cause"].values()) - wall) < 0.01, summary
     final = torch.load(victim_run / "final_params.pt", weights_only=True)
     expected = torch.load(tmp_path / "reference" / "final_params.pt", weights_only=True)
     assert torch.equal(final, expected)

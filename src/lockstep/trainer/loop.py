@@ -275,6 +275,7 @@ class FitRun:
             steps_left -= 1
             self.counters.step += 1
             ACCOUNT.step_ended()
+            self.runlog.reached(self.counters.step)  # how far this attempt came, should it crash
             self.bar.advance(self.counters.step)
             if self.periodic_run is not None and self.counters.step == self.total_steps:
                 self._retry(self.periodic_run.finish)  # before the last checkpoint and evaluation

@@ -5,8 +5,12 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+
+REACHED = ".step_reached"  # the last step that counted, in the run directory
 
 
 class RunLog:
@@ -17,6 +21,7 @@ class RunLog:
         self.run_dir = run_dir
         self.records: list[dict[str, Any]] = []
         self._tb: Any = None
+        self._reached_fd: int | None = None
         if enabled:
             self._enable()
 
@@ -36,9 +41,25 @@ class RunLog:
     def _jsonl(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
+    def reached(self, step: int) -> None:
+        """`step` counted: kept in a file of its own, rewritten in place (a few microseconds; the kernel
+        keeps it when the process is killed), so that a restart knows how far the crashed attempt came."""
+        if not self.enabled:
+            return
+        if self._reached_fd is None:
+            self._reached_fd = os.open(self.run_dir / REACHED, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.pwrite(self._reached_fd, b"%12d\n" % step, 0)
+
     def last_step(self) -> int:
-        """The last step the log holds (0: none): how far an attempt that crashed had come at least."""
-        return max((r.get("step", 0) for r in self._read()), default=0) if self.enabled else 0
+        """The last step an earlier attempt counted (0: none known): from the step file and the log."""
+        if not self.enabled:
+            return 0
+        logged = max((r.get("step", 0) for r in self._read()), default=0)
+        try:
+            counted = int((self.run_dir / REACHED).read_text().strip() or 0)
+        except (OSError, ValueError):
+            counted = 0
+        return max(logged, counted)
 
     def _read(self) -> list[dict[str, Any]]:
         """The records in metrics.jsonl, a line cut short by a crash left out."""
@@ -83,6 +104,9 @@ class RunLog:
     def close(self) -> None:
         if not self.enabled:
             return
+        if self._reached_fd is not None:
+            os.close(self._reached_fd)
+            self._reached_fd = None
         self._write_csv()
         if self._tb is not None:
             self._tb.close()
