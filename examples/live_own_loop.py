@@ -93,7 +93,10 @@ def main() -> None:
                     f"step {loop.step} epoch {epoch} world {dist.get_world_size()} loss {mean:.4f}",
                     flush=True,
                 )
-        accuracy = loop.retry(lambda: evaluate(model, inputs, targets))  # redone if a rank dies in it
+        with lockstep.phase(
+            "evaluate"
+        ):  # its time is the run's evaluation, not training (lockstep.goodput())
+            accuracy = loop.retry(lambda: evaluate(model, inputs, targets))  # redone if a rank dies in it
         if dist.get_rank() == 0:
             print(f"epoch {epoch} accuracy {accuracy:.4f}", flush=True)
 
@@ -105,6 +108,7 @@ def main() -> None:
             "optimizer_sha256": state_sha256(optimizer.state_dict()["state"]),
             "faults": loop.faults,
             "accuracy": accuracy,
+            **lockstep.goodput(),  # the time of the counted steps over the run's, and where the rest went
         }
         print(f"params_sha256 {summary['params_sha256']}", flush=True)
         if args.summary:

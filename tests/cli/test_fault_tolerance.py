@@ -115,6 +115,9 @@ def test_killed_rank_restarts_and_finishes_bitwise_identical(tmp_path: Path) -> 
     summary = json.loads((victim_run / "summary.json").read_text())
     assert summary["samples_lost"] == (HOLD_AT - 1 - LAST_CHECKPOINT) * 8, summary
     assert summary["lost_s_by_cause"]["restart"] > 0 and summary["goodput"] < 1, summary
+    last = out.rstrip().splitlines()[-1]  # the launcher's last line: the same account, rank 0's
+    assert last.startswith(f"lockstep run: goodput {summary['goodput']:.3f} (lost "), last
+    assert " s restart" in last and last.endswith(", 16 samples lost"), last
     wall = summary["goodput_wall_s"]
     assert abs(summary["training_s"] + sum(summary["lost_s_by_cause"].values()) - wall) < 0.01, summary
     final = torch.load(victim_run / "final_params.pt", weights_only=True)

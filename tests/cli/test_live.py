@@ -513,6 +513,11 @@ def test_a_loop_of_your_own_survives_a_kill_and_admits_a_replacement(tmp_path: P
     lost, joined = summary["faults"]
     assert lost["lost"] == [2] and lost["step"] >= 20 and 0 < lost["recover_s"]
     assert joined["joined"] == [4] and joined["world_size"] == 4
+    assert log.rstrip().splitlines()[-1].startswith("lockstep run: goodput 0."), (
+        log
+    )  # the launcher's last word
+    lost_s = _goodput(summary)  # lockstep.goodput() in a loop of the program's own
+    assert lost_s["reformation"] > 0 and lost_s["state_transfer"] > 0 and lost_s["evaluation"] > 0, summary
     assert {r: (logs / f"rank{r}" / "pid").read_text() for r in (0, 1, 3)} == {r: pids[r] for r in (0, 1, 3)}
 
 

@@ -6,8 +6,9 @@ worker of an attempt (`env0`), so that their wording is decided in one place.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from lockstep.launch.spec import LaunchSpec
 
@@ -78,3 +79,18 @@ def waiting_line(spec: LaunchSpec, interface_note: str, run_dir: str) -> str:
         f"(rendezvous {spec.rdzv_backend}, id {spec.rdzv_id or 'none'}"
         f"{', ' + interface_note if interface_note else ''}); logs in {run_dir}"
     )
+
+
+def goodput_line(rank_dirs: Iterable[str]) -> str:
+    """The last line of a job that finished: the run's goodput and time lost by cause, from the first of
+    `rank_dirs` (rank 0's first) whose worker left its account (launch/worker.py); "" when none did."""
+    from lockstep.launch.worker import GOODPUT_FILE
+    from lockstep.runtime.goodput import describe  # lockstep.runtime loads torch: only now
+
+    for rank_dir in rank_dirs:
+        try:
+            summary = json.loads(open(os.path.join(rank_dir, GOODPUT_FILE)).read())
+        except (OSError, ValueError):
+            continue
+        return f"lockstep run: {describe(summary)}"
+    return ""

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lockstep.launch.console_lines import goodput_line
 from lockstep.launch.console_relay import Console
 from lockstep.launch.failure_report import first_failure, format_failure
 from lockstep.launch.live_account import Ending, ending, error_summary, outcome
@@ -195,6 +196,10 @@ class LiveSupervisor:
                 "\nlockstep run: the error ended the job on every node; live mode cannot restart the whole "
                 "job across nodes: launch it again on every node to resume from its last checkpoint"
             )
+        if code == 0:  # the run's goodput, from the first member that finished (rank 0's, if it did)
+            finished = sorted((w for w in self.workers if w.proc.returncode == 0), key=lambda w: w.member_id)
+            line = goodput_line(w.rank_dir for w in finished)
+            report = f"{report}\n{line}" if report and line else (report or line)
         remote = self._lost_elsewhere() if self.layout.nodes > 1 and code == 0 else ""
         if remote:
             line = f"lockstep run: node {self.layout.node}'s ranks finished; lost on other nodes: {remote}"

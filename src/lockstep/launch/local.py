@@ -57,7 +57,7 @@ from lockstep.launch.agent_config import (
     worker_env,
     worker_environ,
 )
-from lockstep.launch.console_lines import attempt_line, waiting_line
+from lockstep.launch.console_lines import attempt_line, goodput_line, waiting_line
 from lockstep.launch.console_relay import Console, ConsoleRelay
 from lockstep.launch.failure_report import (
     RankFailure,
@@ -142,6 +142,8 @@ def launch(spec: LaunchSpec, *, cwd: str | None = None, console: Console | None 
             with held_signals():
                 kill_leftovers(state.all_dirs)
                 relay.stop()
+    if code == 0:
+        report = goodput_line(dir for _, dir in sorted(state.rank_dirs.items())) or report
     if report:
         console.line("stderr", report)  # after the relay drained: the summary is the last thing shown
     return code

@@ -38,6 +38,7 @@ from lockstep.startup import register_lightning_strategy
 
 _BOOTSTRAP_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
 _LOCKSTEP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+GOODPUT_FILE = "goodput.json"  # in the rank directory: the run's time account, read by the launcher
 PID_FILE = "pid"  # in the rank directory, next to the error file: read by launch/process_sweep.py
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"  # set by torch's agent from launch/rank_logs.py's placement
 MEMBER_ID_VAR = (
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             _record(error_file, exc, exc.__traceback__, exc.code if isinstance(exc.code, int) else 1)
+        elif error_file:
+            _write_goodput(os.path.dirname(error_file))
         _exit_if_groups_abandoned(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
         if exc.code in (None, 0):
             _leave_process_group()
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.flush()
         _exit_if_groups_abandoned(code)
         sys.exit(code)  # the exit status torch's agent reports; the error itself is in the error file
+    if error_file:
+        _write_goodput(os.path.dirname(error_file))
     _exit_if_groups_abandoned(0)
     _leave_process_group()
 
@@ -171,6 +176,22 @@ def _call_site(tb: TracebackType | None) -> str | None:
         if not os.path.abspath(frame.filename).startswith(_LOCKSTEP_DIR):
             return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
     return None
+
+
+def _write_goodput(directory: str) -> None:
+    """After a program that ended well: the run's time account as lockstep's engine, fit or LiveLoop kept it
+    (runtime/goodput.py), in GOODPUT_FILE for the launcher's last line; nothing when the program never
+    loaded lockstep's runtime or never stepped. Best effort: the program's result stands either way."""
+    module = sys.modules.get("lockstep.runtime.goodput")
+    if module is None:
+        return
+    try:
+        summary = module.goodput()
+        if summary.get("goodput") is not None:
+            with open(os.path.join(directory, GOODPUT_FILE), "w") as fh:
+                json.dump(summary, fh)
+    except Exception:  # noqa: BLE001 (a report on the side must never fail the run it reports on)
+        pass
 
 
 def _write_pid(directory: str) -> None:

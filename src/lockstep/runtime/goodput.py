@@ -227,6 +227,14 @@ class RunAccount:
         return sum(self.lost_by_cause().values())
 
 
+def describe(summary: dict[str, Any]) -> str:
+    """'goodput 0.973 (lost 1.2 s reformation, 0.4 s redone_work)': the causes that cost anything."""
+    lost = sorted(((s, c) for c, s in summary["lost_s_by_cause"].items() if s >= 0.05), reverse=True)
+    causes = ", ".join(f"{seconds:.1f} s {cause}" for seconds, cause in lost)
+    words = f"goodput {summary['goodput']:.3f}" + (f" (lost {causes})" if causes else "")
+    return words + (f", {summary['samples_lost']} samples lost" if summary.get("samples_lost") else "")
+
+
 def restart_attempt(env: os._Environ[str] | dict[str, str] | None = None) -> int:
     """Which attempt of its job this process belongs to (0: the first): lockstep's live launcher, torch's
     elastic agent (--max-restarts) or a SLURM requeue say so in the environment."""

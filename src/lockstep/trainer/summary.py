@@ -10,6 +10,7 @@ from lockstep.checkpoint import CheckpointManager
 from lockstep.checkpoint.compare import state_sha256
 from lockstep.engine.sharded import full_tensors
 from lockstep.runtime import get_logger, stragglers
+from lockstep.runtime.goodput import describe as describe_goodput
 from lockstep.trainer.reporting.progress import ProgressBar
 from lockstep.trainer.reporting.run_log import RunLog
 from lockstep.trainer.run.batches import BatchPlan
@@ -102,7 +103,7 @@ def _headline(summary: dict[str, Any], plot: Path | None) -> str:
         f"{summary['samples_per_second']} samples/s",
     ]
     if summary.get("goodput") is not None:
-        parts.append(_goodput_words(summary))
+        parts.append(describe_goodput(summary))
     if memory := summary.get("memory"):
         parts.append(f"model state {_size(memory['model_state_bytes'])}, peak {_size(memory['peak_bytes'])}")
     if "test_accuracy" in summary:
@@ -110,13 +111,6 @@ def _headline(summary: dict[str, Any], plot: Path | None) -> str:
     if plot:
         parts.append(f"plot {plot}")
     return ", ".join(parts)
-
-
-def _goodput_words(summary: dict[str, Any]) -> str:
-    """'goodput 0.973 (lost 1.2 s reformation, 0.4 s redone_work)': the causes that cost anything."""
-    lost = sorted(((s, c) for c, s in summary["lost_s_by_cause"].items() if s >= 0.05), reverse=True)
-    causes = ", ".join(f"{seconds:.1f} s {cause}" for seconds, cause in lost)
-    return f"goodput {summary['goodput']:.3f}" + (f" (lost {causes})" if causes else "")
 
 
 def _size(count: int) -> str:

@@ -35,6 +35,7 @@ from lockstep.engine.sharded import is_sharded
 from lockstep.errors import ConfigError, InternalError, NotSupportedError
 from lockstep.plan import Plan, PlanRefused, RunSettings
 from lockstep.runtime.env.topology import Topology
+from lockstep.runtime.goodput import ACCOUNT
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.records import Fault
 from lockstep.runtime.membership.recovery import LiveRecovery, StartUpRecovery
@@ -63,7 +64,8 @@ class LiveLoop:
 
     `deterministic=False` trades the same bits at any world size for the default engine's speed (each
     rank then needs a micro-batch of every step: num_micro_batches >= the launched world size).
-    `train_epoch` yields this rank's results of the step, by micro-batch ordinal. Work of your own
+    `train_epoch` yields this rank's results of the step, by micro-batch ordinal; `lockstep.goodput()`
+    tells, at the end, how much of the run's time its counted steps took and where the rest went. Work of your own
     between steps that issues collectives (a checkpoint save, an evaluation) goes through
     `loop.retry(work)`, which redoes it over the survivors when a member is lost in it.
 
@@ -118,6 +120,7 @@ class LiveLoop:
         self.seed = seed
         self.policy = SyncPolicy(deterministic=deterministic)
         self.step = 0  # optimizer steps completed
+        ACCOUNT.reset()  # the run's time account starts at its first step (lockstep.goodput())
         self.faults: list[dict[str, Any]] = []
         self.registry = self._register()
         group = live_group()
@@ -158,6 +161,7 @@ class LiveLoop:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
+            ACCOUNT.step_ended()
             self.sampler.advance(self.sampler.step_size)
             steps_left -= 1
             yield cast(dict[int, Any], results)
@@ -196,6 +200,10 @@ class LiveLoop:
         registry.register_state_dict_fn("state", self._load_objects, self._save_objects, uses=Use.TRANSFER)
         registry.register_state_dict_fn(
             "faults", self._load_faults, lambda: self.faults, uses=Use.TRANSFER, required=False
+        )
+        # the run's time account (lockstep.goodput()): a replacement carries on from rank 0's
+        registry.register_state_dict_fn(
+            "goodput", ACCOUNT.load_state_dict, ACCOUNT.state_dict, uses=Use.TRANSFER, required=False
         )
         return registry
 

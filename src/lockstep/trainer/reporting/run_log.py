@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-
 REACHED = ".step_reached"  # the last step that counted, in the run directory
 
 
