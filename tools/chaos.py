@@ -145,6 +145,9 @@ class SeedResult:
     why: str = ""
 
     restarts: int = 0  # whole-job restarts the launcher made (a job-ending error, then resumed)
+    goodput: float | None = None  # summary.json's: the counted steps' time over the run's
+    lost_s_by_cause: dict[str, float] = field(default_factory=dict)
+    samples_lost: int | None = None
 
     @property
     def passed(self) -> bool:
@@ -514,6 +517,9 @@ def run_seed(seed: int, settings: Settings, reference: dict[str, Any], workdir: 
         summary.get("faults", []),
         why,
         int(summary.get("restarts") or 0),
+        summary.get("goodput"),
+        summary.get("lost_s_by_cause", {}),
+        summary.get("samples_lost"),
     )
 
 
@@ -583,15 +589,30 @@ def report(results: list[SeedResult], reference: dict[str, Any], settings: Setti
         f"{reference.get('wall_total_s', 0):.1f} s end to end. Machine: {os.cpu_count()} cores, "
         f"torch {_torch_version()}, gloo.",
         "",
-        "| seed | faults struck (kind: members) | exit | summary | same bits | recorded | restarts | wall s | verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| seed | faults struck (kind: members) | exit | summary | same bits | recorded | restarts | wall s "
+        "| goodput | samples lost | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         struck = "; ".join(f"{s.kind}: {s.victims or s.note}" for s in r.strikes)
         lines.append(
             f"| {r.seed} | {struck} | {r.exit_code} | {_yes(r.summary)} | {_yes(r.same_bits)} | "
-            f"{_yes(r.recorded)} | {r.restarts} | {r.wall_s:.1f} | {'pass' if r.passed else 'FAIL: ' + r.why} |"
+            f"{_yes(r.recorded)} | {r.restarts} | {r.wall_s:.1f} | {_value(r.goodput)} | "
+            f"{_value(r.samples_lost)} | {'pass' if r.passed else 'FAIL: ' + r.why} |"
         )
+    causes = sorted({c for r in results for c in r.lost_s_by_cause})
+    if causes:
+        lines += [
+            "",
+            "Time lost by cause (summary.json's `lost_s_by_cause`, seconds; the fault-free run's goodput: "
+            f"{_value(reference.get('goodput'))}):",
+            "",
+            "| seed | " + " | ".join(causes) + " |",
+            "| --- | " + " | ".join("---" for _ in causes) + " |",
+        ]
+        for r in results:
+            lost = r.lost_s_by_cause
+            lines.append(f"| {r.seed} | " + " | ".join(_value(lost.get(c)) for c in causes) + " |")
     lines += [
         "",
         "Time lost per fault kind, from the fault records of the passing seeds: detection (how long the "
@@ -632,6 +653,10 @@ def report(results: list[SeedResult], reference: dict[str, Any], settings: Setti
             f"({extra:+.1f} s against the fault-free run, for {settings.faults} faults).",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _value(value: float | int | None) -> str:
+    return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def _by_kind(results: list[SeedResult]) -> dict[str, tuple[int, int, list[float], list[float]]]:
