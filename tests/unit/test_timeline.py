@@ -1,5 +1,5 @@
-"""runtime/timeline/ (recorder.py, trace.py, activity.py): a process's timeline
-recorded through a Progress, bounded on long runs, merged into a Chrome trace."""
+"""runtime/timeline/ (recorder.py, trace.py, activity.py), trainer/reporting/timeline_plot.py: a process's timeline
+recorded through a Progress, bounded on long runs, merged into a Chrome trace and drawn."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from lockstep.runtime.progress import CHECKPOINT, DATA, OPTIMIZER, CollectiveRecord, Progress
 from lockstep.runtime.timeline import Timeline, recorder
 from lockstep.runtime.timeline.activity import MAX_MARKS, MAX_SPANS, ActivitySpans, Marks
 from lockstep.runtime.timeline.recorder import MAX_WINDOWS
 from lockstep.runtime.timeline.trace import decode, merge_trace, read_parts
+from lockstep.trainer.reporting.timeline_plot import draw_timeline
 
 BUCKET = CollectiveRecord(1, "allreduce (gradient bucket)", "world", [], 0, "backward", "")
 
@@ -219,3 +222,14 @@ def test_open_again_starts_afresh(tmp_path: Path) -> None:
     _train(progress, 5)
     part = json.loads(timeline.flush().read_text())  # type: ignore[union-attr]
     assert part["marks"] == [] and _step_numbers(part) == set(range(50, 56))  # 50: under way at the open
+
+
+def test_draw_timeline_writes_a_png_of_ten_by_six_inches(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    _three_parts(tmp_path)
+    path = draw_timeline(tmp_path)
+    assert path == tmp_path / "timeline.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert imread(path).shape[:2] == (600, 1000)
+    assert draw_timeline(tmp_path / "nothing here") is None
