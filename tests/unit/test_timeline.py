@@ -233,3 +233,32 @@ def test_draw_timeline_writes_a_png_of_ten_by_six_inches(tmp_path: Path) -> None
     assert path == tmp_path / "timeline.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert imread(path).shape[:2] == (600, 1000)
     assert draw_timeline(tmp_path / "nothing here") is None
+
+
+def test_recording_keeps_nothing_per_step_once_the_ring_is_full(tmp_path: Path) -> None:
+    """50k steps (the ring wraps ~15 times) hold no more memory than the first 2k did: arrays written in
+    place, nothing appended per step."""
+    import tracemalloc
+
+    timeline, progress = _opened(tmp_path, "k")
+    _train(progress, 2000)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        _train(progress, 50_000)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 20_000, f"{grown} bytes kept after 50k steps"
+    assert timeline._n == 1 + 52_000 * 10  # the phase at the open, then 10 records a step (2 waits)
+
+
+def test_a_write_that_fails_at_a_step_boundary_does_not_stop_the_training(tmp_path: Path) -> None:
+    timeline, progress = _opened(tmp_path / "run", "k")
+    (tmp_path / "run" / "trace" / "k.json").unlink(missing_ok=True)
+    (tmp_path / "run" / "trace").rmdir()
+    (tmp_path / "run" / "trace").write_text("a file where the folder was")
+    _train(progress, 3)
+    assert (
+        progress.step == 3 and timeline.write_error is not None and "FileExistsError" in timeline.write_error
+    )
