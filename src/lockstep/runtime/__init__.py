@@ -41,6 +41,8 @@ Modules:
   SLURM's notations, and the `Topology` they make (pure: no process group, no torch.distributed).
 - membership/: Live membership: the group's generations over one c10d store, so that training survives a lost
   rank.
+- timeline/: A per-rank timeline of a run: each process's phases, collective waits, steps and marked events,
+  written as a part per process and merged into one Chrome trace (Perfetto, chrome://tracing).
 """
 
 from __future__ import annotations

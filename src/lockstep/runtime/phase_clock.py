@@ -10,6 +10,9 @@ in the step before it, on every rank alike).
 Each phase's time is split into the time waited in collectives during it and the rest, the busy time:
 what a rank spends on its own work. The watchdog thread calls `summary` each tick (runtime/straggler_reports.py
 publishes it): medians over the last WINDOW closed steps, so a few slow steps do not move it.
+
+When a run's timeline is open (runtime/timeline/recorder.py), the clock also hands it each of these events
+with the time it read: `timeline` is None otherwise, and then that costs one attribute check.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class PhaseClock:
         "enabled",
         "names",
         "ring",
+        "timeline",
     )
 
     def __init__(self, phase: str) -> None:
@@ -62,6 +66,7 @@ class PhaseClock:
         self._since = self._step_start = now
         self._wait_start = 0.0
         self._partial = False  # the current step began while the clock was off: not recorded
+        self.timeline: Any = None  # runtime/timeline/recorder.py's Timeline while one records this clock
 
     def slot(self, name: str) -> int:
         slot = self._slots.get(name)
@@ -90,18 +95,31 @@ class PhaseClock:
         self._since = now
         slot = self._slots.get(name)
         self._cur = slot if slot is not None else self.slot(name)
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.phase(now, self._cur)
 
-    def begin_wait(self) -> None:
-        self._wait_start = perf_counter()
+    def begin_wait(self, op: str = "") -> None:
+        now = self._wait_start = perf_counter()
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.wait(now, op)
 
     def end_wait(self) -> None:
         if self._wait_start:
-            self._acc[MAX_PHASES + self._cur] += perf_counter() - self._wait_start
+            now = perf_counter()
+            self._acc[MAX_PHASES + self._cur] += now - self._wait_start
             self._wait_start = 0.0
+            timeline = self.timeline
+            if timeline is not None:
+                timeline.end_wait(now)
 
     def close_step(self, step: int) -> None:
         """`step` has ended (the next one begins now): its times go into the ring."""
         now = perf_counter()
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.step(now, step + 1)
         acc = self._acc
         if self._partial:
             self._partial = False

@@ -175,7 +175,7 @@ class Progress:
     def begin_wait(self, rec: CollectiveRecord) -> None:
         self.waiting, self.wait_since = rec, time.time()
         if self.clock.enabled:
-            self.clock.begin_wait()
+            self.clock.begin_wait(rec.op)
 
     def end_wait(self) -> None:
         self.waiting = None

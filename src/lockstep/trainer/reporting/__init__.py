@@ -8,4 +8,6 @@ Modules:
   otherwise.
 - run_log.py: The run's metric log on rank 0: JSONL and CSV always, TensorBoard when installed, a PNG plot at
   the end.
+- timeline_plot.py: run_dir/timeline.png: the run's timeline at a glance, drawn from the parts of
+  runtime/timeline/.
 """
