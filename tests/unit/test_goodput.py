@@ -32,7 +32,8 @@ def _adds_up(summary: dict[str, Any]) -> None:
     assert set(summary["lost_s_by_cause"]) == set(CAUSES)
     total = summary["training_s"] + sum(summary["lost_s_by_cause"].values())
     assert total == pytest.approx(summary["goodput_wall_s"], abs=0.01)
-    assert summary["goodput"] == pytest.approx(summary["training_s"] / summary["goodput_wall_s"], abs=5e-3)
+    # from the rounded seconds (3 decimals) of spans a tenth of a second long: a percent apart at most
+    assert summary["goodput"] == pytest.approx(summary["training_s"] / summary["goodput_wall_s"], abs=0.02)
 
 
 @pytest.fixture

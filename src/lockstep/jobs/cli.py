@@ -217,4 +217,23 @@ def main(argv: list[str] | None = None) -> int:
         validate(spec)  # the flags shared with `lockstep run` (--min-world against -n, ...)
     except ConfigError as exc:
         parser.error(str(exc))
-    return launch(spec)
+    code = launch(spec)
+    if code != 0:
+        _timeline_after_a_failure(run_dir)
+    return code
+
+
+def _timeline_after_a_failure(run_dir: Path) -> None:
+    """A job that failed: the timeline up to the failure, from what each rank left in run_dir/trace/."""
+    from lockstep.runtime.timeline import merge_trace
+    from lockstep.trainer.reporting.timeline_plot import draw_timeline
+
+    try:
+        trace = merge_trace(run_dir)
+        picture = draw_timeline(run_dir)
+    except Exception as exc:  # noqa: BLE001 (the failure is the news; its timeline is a courtesy)
+        print(f"lockstep train: no timeline of the failed run ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return
+    if trace is not None:
+        shown = f"{trace}" + (f" and {picture}" if picture else "")
+        print(f"lockstep train: the run's timeline up to the failure: {shown}", file=sys.stderr)

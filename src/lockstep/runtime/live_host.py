@@ -49,6 +49,13 @@ class ProcessHost:
         PROGRESS.waiting = None
         watchdog.start(watchdog.hang_timeout_setting(), self.report_dir, membership=group)
 
+    def note_change(self, record: dict[str, Any]) -> None:
+        if record.get("lost"):
+            name, kind = f"lost members {record['lost']} ({'; '.join(record['how'].values())})", "fault"
+        else:
+            name, kind = f"replacements {record['joined']} joined", "replacement"
+        PROGRESS.mark(name, kind=kind, step=record["step"], world_size=record["world_size"])
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         return all_gather_object(obj)
 

@@ -153,6 +153,13 @@ class Progress:
         if self.account is not None:
             self.account.step_ended()
 
+    def mark(self, name: str, *, kind: str, **args: Any) -> None:
+        """An event (a fault, a replacement, a straggler) on this process's timeline, when one records
+        (runtime/timeline/ attaches to the clock); safe from any thread."""
+        timeline = self.clock.timeline
+        if timeline is not None:
+            timeline.mark(name, kind=kind, **args)
+
     # ------------------------------------------------------------------ collectives
 
     def issue(self, op: str, tensors: Sequence[torch.Tensor], group: Any = None) -> CollectiveRecord:

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lockstep.runtime.phase_clock import WINDOW, PhaseClock
+from lockstep.runtime.progress import PROGRESS
 
 KEY = "phases/{rank}"  # under the watchdog's prefix, next to its hb/<rank>
 
@@ -163,6 +164,9 @@ class StragglerLog:
                     self.reports.append(report)
                     self._now[rank] = report
                     lines.append(self.line(a, report.host, first))
+                    PROGRESS.mark(  # rank 0's watchdog thread: a mark is thread-safe
+                        f"rank {rank} straggles: {a.factor:.1f}x in {a.phase}", kind="straggler", rank=rank
+                    )
                 elif ongoing is not None:
                     ongoing.ongoing = False
                     del self._now[rank]

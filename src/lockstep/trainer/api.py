@@ -72,6 +72,9 @@ def fit(
     run = FitRun(model, train_data, eval_data, loss_fn, config, topo, optimizer)
     try:
         summary, history = run.train()
+    except BaseException:
+        run.records.failed()  # this rank's timeline up to the failure (the launcher merges every rank's)
+        raise
     finally:
         run.bar.close()
     return FitResult(summary=summary, history=history)

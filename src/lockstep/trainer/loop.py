@@ -33,12 +33,13 @@ from lockstep.errors import ConfigError, InternalError
 from lockstep.plan import Reduction
 from lockstep.runtime import barrier, broadcast_object
 from lockstep.runtime.env.topology import Topology
-from lockstep.runtime.goodput import ACCOUNT, restart_attempt
+from lockstep.runtime.goodput import ACCOUNT
 from lockstep.runtime.progress import DATA, PROGRESS
 from lockstep.trainer.live.live_side import side_of_run
 from lockstep.trainer.reporting.metrics import TrainMetrics
 from lockstep.trainer.reporting.progress import ProgressBar
 from lockstep.trainer.reporting.run_log import RunLog
+from lockstep.trainer.reporting.run_records import RunRecords
 from lockstep.trainer.run.buckets import bucket_summary, tunes_buckets
 from lockstep.trainer.run.device import choose_device
 from lockstep.trainer.run.evaluation import Evaluation
@@ -73,11 +74,13 @@ class FitRun:
         make_optimizer: Callable[[Any], torch.optim.Optimizer] | None,
     ) -> None:
         self.config = config
-        ACCOUNT.reset()  # this run's time account starts at its first step (runtime/goodput.py)
         self.device = choose_device(config.device)
         torch.manual_seed(config.seed + topo.rank)  # per-rank streams for dropout/augmentation
         self.module = (convert_sync_batchnorm(model) if config.sync_batchnorm else model).to(self.device)
         self.side = side_of_run(config, topo)  # live mode or not, chosen once (live_side.py)
+        self.run_dir = Path(config.run_dir)
+        # the time account and every rank's timeline (trainer/reporting/run_records.py)
+        self.records = RunRecords(self.run_dir, self.side, topo.rank)
         # Which settings combine and the engine's mode: the plan's (lockstep/plan.py; `lockstep train` checked
         # it before launch, a program of your own meets its refusal here), built once and handed down
         self.modes = self.side.plan(config, topo.world_size)
@@ -118,7 +121,6 @@ class FitRun:
             metrics,
         )
         self.counters, self.record = self.state.counters, self.state.record
-        self.run_dir = Path(config.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep_checkpoints)
         main = self.replica.topo.is_main
         self.runlog = RunLog(self.run_dir, enabled=main)
@@ -176,11 +178,12 @@ class FitRun:
             run=(wall, self.counters.samples - start_samples, self.counters.step - start_step),
             comm_bytes=comm_bytes_so_far(self.replica.engine) - start_bytes,
         )
-        summary.update(ACCOUNT.summary())
-        summary.update(bucket_summary(self.replica.engine))
-        summary.update(checkpoint_summary(self.checkpoints), **straggler_summary())
+        summary.update(bucket_summary(self.replica.engine), **checkpoint_summary(self.checkpoints))
+        summary.update(straggler_summary(), **ACCOUNT.summary())
         if self.periodic_run is not None:
             summary.update(self.periodic_run.summary(self.record.faults))
+        self.records.close()  # every rank's part of the timeline is whole once all stand here
+        self._retry(barrier)
         if self.replica.topo.is_main:
             publish_summary(summary, self.run_dir, self.runlog, self.bar)
         self.side.close()  # published: a loss in the last barrier goes back nowhere
@@ -218,24 +221,14 @@ class FitRun:
         entries = self.state.registry.checkpoint_entries()
         # A restart of this job carries the time account on from the checkpoint (the time since it was
         # taken is lost to the restart); a new job that resumes leaves the time between jobs out
-        ACCOUNT.arriving = "restart" if restart_attempt() or self.side.restarts else "new job"
-        step = None
-        if self.config.resume == "auto":
-            step = self.checkpoints.load(entries, optional=frozenset({"goodput"}))
-        self._count_samples_lost(step or 0)
+        step = self.records.load(self.checkpoints, entries) if self.config.resume == "auto" else None
+        self.records.resumed(step, broadcast_object(self.runlog.last_step()), self.plan.global_batch_size)
         self.runlog.rewind(step or 0)
         if step is not None:
             self.record.saved_step = step
             self._finish_epoch_cut_at_checkpoint()
             self.bar.message(f"resumed from step {step} (epoch {self.counters.epoch}) in {self.run_dir}")
             self.bar.advance(self.counters.step)
-
-    def _count_samples_lost(self, resumed: int) -> None:
-        """Steps that an earlier attempt had counted after the checkpoint resumed from (`resumed`) are
-        undone: their samples are lost, and trained again (rank 0's metric log says how far it came)."""
-        reached = broadcast_object(self.runlog.last_step())
-        if reached > resumed:
-            ACCOUNT.lose_samples((reached - resumed) * self.plan.global_batch_size)
 
     def _finish_epoch_cut_at_checkpoint(self) -> None:
         """A checkpoint taken on an epoch's last step holds the epoch as unfinished, but its sampler as done.
@@ -274,7 +267,7 @@ class FitRun:
             micro_left -= len(group)
             steps_left -= 1
             self.counters.step += 1
-            ACCOUNT.step_ended()
+            self.records.step_counted()
             self.runlog.reached(self.counters.step)  # how far this attempt came, should it crash
             self.bar.advance(self.counters.step)
             if self.periodic_run is not None and self.counters.step == self.total_steps:

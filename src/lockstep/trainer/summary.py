@@ -11,8 +11,10 @@ from lockstep.checkpoint.compare import state_sha256
 from lockstep.engine.sharded import full_tensors
 from lockstep.runtime import get_logger, stragglers
 from lockstep.runtime.goodput import describe as describe_goodput
+from lockstep.runtime.timeline import merge_trace
 from lockstep.trainer.reporting.progress import ProgressBar
 from lockstep.trainer.reporting.run_log import RunLog
+from lockstep.trainer.reporting.timeline_plot import draw_timeline
 from lockstep.trainer.run.batches import BatchPlan
 from lockstep.trainer.run.run_state import RunState
 from lockstep.trainer.settings.config import FitConfig, config_to_dict
@@ -92,11 +94,13 @@ def publish_summary(summary: dict[str, Any], run_dir: Path, runlog: RunLog, bar:
     runlog.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot = runlog.plot(run_dir / "curves.png")
+    merge_trace(run_dir)  # every rank's part: one Chrome trace (Perfetto, chrome://tracing)
+    timeline = draw_timeline(run_dir)
     bar.close()
-    get_logger("lockstep.fit").info("run finished: %s", _headline(summary, plot))
+    get_logger("lockstep.fit").info("run finished: %s", _headline(summary, plot, timeline))
 
 
-def _headline(summary: dict[str, Any], plot: Path | None) -> str:
+def _headline(summary: dict[str, Any], plot: Path | None, timeline: Path | None) -> str:
     parts = [
         f"{summary['steps']} steps",
         f"{summary['wall_time_s']:.1f} s",
@@ -110,6 +114,8 @@ def _headline(summary: dict[str, Any], plot: Path | None) -> str:
         parts.append(f"test_accuracy={summary['test_accuracy']:.4f}")
     if plot:
         parts.append(f"plot {plot}")
+    if timeline:
+        parts.append(f"timeline {timeline} (trace.json beside it)")
     return ", ".join(parts)
 
 

@@ -64,6 +64,10 @@ class Host(Protocol):
     def start_watchdog(self, group: Watched) -> None:
         """The next generation formed: forget the failed collective, watch the new group for hangs."""
 
+    def note_change(self, record: dict[str, Any]) -> None:
+        """A membership change happened (the run's record of it: runtime/membership/records.py's Fault),
+        for the process's timeline of the run."""
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every member's `obj`, in rank order (a collective of the current generation)."""
 

@@ -86,7 +86,10 @@ class LiveRecovery(Generic[PlaceT]):
 
     def startup_faults(self) -> list[dict[str, Any]]:
         """Members lost at start-up, before the loop began: faults of this run too."""
-        return [fault.record(0) for fault in self.group.faults]
+        records = [fault.record(0) for fault in self.group.faults]
+        for record in records:
+            self.group.host.note_change(record)
+        return records
 
     def recover(self, exc: BaseException) -> bool:
         """A collective failed: re-form over the survivors and re-cut the work. False when no member left
@@ -147,6 +150,7 @@ class LiveRecovery(Generic[PlaceT]):
         # Before _converge: a replacement receives the list with this record.
         record = fault.record(int(self.run.marks()["step"]))
         self.run.faults.append(record)
+        self.group.host.note_change(record)
         self.run.rebuild_replica(topology)
         record["step"] = int(self.run.marks()["step"])  # a low-communication run went back to its mark
         started = time.monotonic()

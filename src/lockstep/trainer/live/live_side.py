@@ -92,6 +92,11 @@ class NotLive:
         self.launched = topology
         self.driver = StepDriver()
 
+    @property
+    def member_id(self) -> int:
+        """This process in the run's timeline: its launch rank."""
+        return self.launched.rank
+
     def plan(self, config: FitConfig, world_size: int) -> Plan:
         """The run's plan, built once (fit's door)."""
         return plan_of(config, world_size, live=False)
@@ -160,6 +165,11 @@ class FitLive:
         self.driver = StepDriver(StartUpRecovery(group))
 
     # ---- while the run is built -------------------------------------------------------------------------------
+
+    @property
+    def member_id(self) -> int:
+        """This process in the run's timeline: its member id (a replacement's comes after the launched ones)."""
+        return self.group.membership.member_id
 
     def plan(self, config: FitConfig, world_size: int) -> Plan:
         """The run's plan, built once (fit's door): on the launched ranks, which each need a micro-batch of

@@ -19,7 +19,7 @@ MAX_LABELS = 12
 ACTIVITY_COLOURS = {
     "training": "#4c9a5b",
     "startup": "#bbbbbb",
-    "checkpoint": "#3b6fb6",
+    "checkpoint": "#e6c229",  # yellow: apart from the blues of forward and backward
     "evaluate": "#9b59b6",
     "recovery": "#d9534f",
     "state transfer": "#f0ad4e",

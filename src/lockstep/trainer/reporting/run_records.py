@@ -1,0 +1,68 @@
+"""What fit keeps of a run besides its metrics: its time account (goodput, runtime/goodput.py) and its
+timeline (runtime/timeline/), opened with the run, carried through a resume, closed at its end.
+
+Every rank keeps both: whichever ends as rank 0 reports the account, and each rank's part of the timeline
+goes into the merged trace. A restart of the job (its attempt > 0) carries the account on from the
+checkpoint it resumes from, loses the samples of the steps the crashed attempt had counted after it, and
+marks the restart on the timeline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from lockstep.checkpoint import CheckpointManager
+from lockstep.runtime.goodput import ACCOUNT, restart_attempt
+from lockstep.runtime.timeline import TIMELINE
+
+
+class Side(Protocol):
+    """What the run's side (trainer/live/live_side.py) tells of this process."""
+
+    @property
+    def member_id(self) -> int: ...
+
+    @property
+    def restarts(self) -> int | None: ...
+
+
+class RunRecords:
+    """One fit run's account and timeline (see the module doc)."""
+
+    def __init__(self, run_dir: Path, side: Side, rank: int) -> None:
+        self.attempt = max(restart_attempt(), side.restarts or 0)  # whole-job restarts before this attempt
+        ACCOUNT.reset()  # the account starts at the run's first step
+        member = side.member_id
+        key = f"attempt{self.attempt}-member{member}"
+        TIMELINE.open(run_dir, track=f"member {member} (rank {rank} at start)", key=key)
+
+    def load(self, checkpoints: CheckpointManager, entries: dict[str, Any]) -> int | None:
+        """Load the newest checkpoint into `entries` (its step; None without one). A restart of this job
+        carries the account on from it (the time since it was taken is lost to the restart); a new job that
+        resumes leaves the time between jobs out; a checkpoint older than the account loads without it."""
+        ACCOUNT.arriving = "restart" if self.attempt else "new job"
+        return checkpoints.load(entries, optional=frozenset({"goodput"}))
+
+    def resumed(self, step: int | None, reached: int, global_batch: int) -> None:
+        """The run resumed at `step` (None: from scratch); an earlier attempt had counted up to `reached`:
+        the steps in between are undone, their samples lost (and trained again)."""
+        if reached > (step or 0):
+            ACCOUNT.lose_samples((reached - (step or 0)) * global_batch)
+        if self.attempt:
+            TIMELINE.mark(f"restart {self.attempt} from step {step or 0}", kind="restart", step=step or 0)
+
+    @staticmethod
+    def step_counted() -> None:
+        """A step counted: the account's last step ends here."""
+        ACCOUNT.step_ended()
+
+    @staticmethod
+    def close() -> None:
+        """The run is over on this rank: its part of the timeline is written one last time."""
+        TIMELINE.close()
+
+    @staticmethod
+    def failed() -> None:
+        """The run failed on this rank: its part of the timeline up to here (what the launcher merges)."""
+        TIMELINE.flush()
