@@ -55,6 +55,19 @@ def test_a_schedule_of_every_kind_of_fault_ends_with_the_fault_free_bits(tmp_pat
     assert (
         len(lost) >= 10
     )  # each fault a member lost (a queued replacement is no member: in the launcher's lines)
+    # The run's account: nothing lost from a counted step, and the time of every fault somewhere in it
+    assert seed["samples_lost"] == 0 and 0 < seed["goodput"] < 1, seed
+    causes = seed["lost_s_by_cause"]
+    assert causes["reformation"] > 0 and causes["hang_detection"] > 0 and causes["state_transfer"] > 0, causes
+    # The trace: a track for every launched member (a struck one's ends where it died), every loss marked
+    run = tmp_path / "runs" / "seed1" / "run"
+    trace = json.loads((run / "trace.json").read_text())
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    members = {int(name.split()[1]) for name in tracks}
+    assert set(range(4)) <= members, tracks
+    fault_steps = {m["args"]["step"] for m in trace["traceEvents"] if m["ph"] == "i" and m["cat"] == "fault"}
+    assert {r["step"] for r in seed["faults"] if r["lost"]} <= fault_steps, (fault_steps, seed["faults"])
+    assert (run / "timeline.png").stat().st_size > 10_000
 
 
 def _run_tool(cmd: list[str]) -> subprocess.CompletedProcess[str]:

@@ -95,6 +95,46 @@ def _goodput(summary: dict[str, Any]) -> dict[str, float]:
     return lost
 
 
+def _trace(out: Path) -> dict[str, dict[str, Any]]:
+    """trace.json by track: each process's steps, phases, activities and marks (its Chrome events)."""
+    trace = json.loads((out / "run" / "trace.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    tracks: dict[str, dict[str, Any]] = {
+        name: {"steps": [], "phases": set(), "activity": set(), "marks": []} for name in names.values()
+    }
+    for event in trace["traceEvents"]:
+        track = tracks.get(names.get(event.get("pid"), ""))
+        if track is None or event["ph"] == "M":
+            continue
+        if event["ph"] == "i":
+            track["marks"].append(event)
+        elif event["cat"] == "step":
+            track["steps"].append(int(event["name"].split()[1]))
+        elif event["cat"] == "phase":
+            track["phases"].add(event["name"])
+        elif event["cat"] == "activity":
+            track["activity"].add(event["name"])
+    assert (out / "run" / "timeline.png").stat().st_size > 10_000  # the picture beside it
+    return tracks
+
+
+def _trace_matches_the_run(out: Path, summary: dict[str, Any], victim: int) -> None:
+    """A track per launched rank; the survivors' steps run to the end, the victim's stop before the fault;
+    every survivor marks the fault at its step and spent time re-forming; phases are the run's."""
+    tracks = _trace(out)
+    assert sorted(tracks) == [f"member {m} (rank {m} at start)" for m in range(4)], sorted(tracks)
+    [record] = summary["faults"]
+    for member, track in ((m, tracks[f"member {m} (rank {m} at start)"]) for m in range(4)):
+        assert {"forward", "backward", "optimizer"} <= track["phases"], track["phases"]
+        if member == victim:  # its last part was written before it died: it never saw the fault
+            assert max(track["steps"], default=0) <= record["step"] + 1
+            continue
+        assert max(track["steps"]) == summary["steps"], member  # the latest steps are kept in full
+        faults = [m for m in track["marks"] if m["cat"] == "fault"]
+        assert [m["args"]["step"] for m in faults] == [record["step"]], faults
+        assert "recovery" in track["activity"] and "recovery" in track["phases"], track["activity"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("live_reference")
@@ -152,6 +192,7 @@ def test_survivors_finish_without_restart_and_match_a_fault_free_run_bit_for_bit
     assert record["world_size"] == 3 and 0 < record["recover_s"], record
     lost = _goodput(summary)  # re-forming cost time, and the step a loss cut short was done again
     assert lost["reformation"] > 0 and summary["redos"] >= 1, summary
+    _trace_matches_the_run(out, summary, victim)
     if fault == "checkpoint":  # lost at the first epoch's end; the new rank 0 wrote that checkpoint
         steps_per_epoch = SAMPLES // GLOBAL_BATCH
         assert record["step"] == steps_per_epoch
@@ -247,6 +288,11 @@ def test_a_replacement_joins_heals_from_a_peer_and_the_run_matches_a_fault_free_
     assert (joined["kind"], joined["joined"], joined["world_size"]) == ("joined", [4], 4), joined
     assert joined["step"] > lost["step"]
     assert _goodput(summary)["state_transfer"] > 0, summary  # rank 0's summary: it sent the state
+    tracks = _trace(out)  # the replacement's own track: it joined, received the state, trained to the end
+    replacement = tracks["member 4 (rank 2 at start)"]
+    assert {"joining"} <= replacement["activity"] and max(replacement["steps"]) == summary["steps"]
+    marks = [m for m in tracks["member 0 (rank 0 at start)"]["marks"] if m["cat"] == "replacement"]
+    assert [m["args"]["step"] for m in marks] == [joined["step"]], marks
     _survivors_kept_their_processes(out, 2)
     assert (out / "pid-4").read_text() == (out / "done-4").read_text()  # the replacement finished the run
     assert (out / "seen-4.txt").read_text().strip()  # ...and trained on its share after it joined

@@ -107,6 +107,32 @@ def test_nothing_usable_returns_none_or_raises_when_required(tmp_path: Path) -> 
         manager.load({"model": _model()}, required=True)
 
 
+def test_an_entry_newer_than_the_checkpoint_loads_only_where_it_is_optional(tmp_path: Path) -> None:
+    """A checkpoint saved before an entry existed (fit's `goodput`, say) still loads: that entry is left as
+    it is when the load names it optional, and is an error otherwise."""
+    manager, saved = _save_three(tmp_path / "run")
+
+    class Account:
+        def __init__(self) -> None:
+            self.loaded: dict[str, Any] | None = None
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"seconds": 1.0}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.loaded = state
+
+    model, account = _model(), Account()
+    with pytest.raises(CheckpointError, match=r"has no entry \['account'\]"):
+        manager.load({"model": model, "account": account})
+    assert manager.load({"model": model, "account": account}, optional=frozenset({"account"})) == 3
+    assert all(torch.equal(v, saved[-1][k]) for k, v in model.state_dict().items())
+    assert account.loaded is None  # not in the checkpoint: left as it was
+    manager.save(4, {"model": model, "account": account})
+    assert manager.load({"model": model, "account": account}, optional=frozenset({"account"})) == 4
+    assert account.loaded == {"seconds": 1.0}  # in the checkpoint: loaded like any other entry
+
+
 def test_a_checkpoint_of_another_model_lists_missing_unexpected_and_shapes(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path)
     manager.save(5, {"model": _model(hidden=8)})

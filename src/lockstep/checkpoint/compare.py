@@ -5,7 +5,8 @@ path, dtype, shape and raw bytes (NaN payloads and the sign of zero included), s
 bits. `compare_checkpoints` loads two checkpoints (run directories: their newest checkpoint) with
 weights_only=True and walks their entries in order; `lockstep compare A B` prints the verdict and exits
 0 (bitwise equal), 1 (different) or 2 (unreadable). The RNG streams and meta.json are not compared: they
-record per-rank and per-run facts (world size, times) that legitimately differ.
+record per-rank and per-run facts (world size, times) that legitimately differ, and neither is fit's time
+account (`RUN_FACTS`).
 """
 
 from __future__ import annotations
@@ -143,9 +144,18 @@ def _checkpoint_dir(path: Path) -> Path:
     return layout.step_dir(steps[-1])
 
 
+# Entries that record facts of one run, not its state: fit's time account (runtime/goodput.py: wall times)
+RUN_FACTS = frozenset({"goodput"})
+
+
 def compare_checkpoints(a: str | Path, b: str | Path) -> Comparison:
-    """Whether two checkpoints (or the newest of two run directories) hold the same bits."""
-    return compare_states(load_checkpoint(a), load_checkpoint(b))
+    """Whether two checkpoints (or the newest of two run directories) hold the same bits (the entries of
+    RUN_FACTS aside)."""
+    return compare_states(_state_only(load_checkpoint(a)), _state_only(load_checkpoint(b)))
+
+
+def _state_only(entries: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in entries.items() if name not in RUN_FACTS}
 
 
 def main(argv: list[str]) -> int:

@@ -78,9 +78,6 @@ class FitRun:
         torch.manual_seed(config.seed + topo.rank)  # per-rank streams for dropout/augmentation
         self.module = (convert_sync_batchnorm(model) if config.sync_batchnorm else model).to(self.device)
         self.side = side_of_run(config, topo)  # live mode or not, chosen once (live_side.py)
-        self.run_dir = Path(config.run_dir)
-        # the time account and every rank's timeline (trainer/reporting/run_records.py)
-        self.records = RunRecords(self.run_dir, self.side, topo.rank)
         # Which settings combine and the engine's mode: the plan's (lockstep/plan.py; `lockstep train` checked
         # it before launch, a program of your own meets its refusal here), built once and handed down
         self.modes = self.side.plan(config, topo.world_size)
@@ -89,6 +86,9 @@ class FitRun:
         self.periodic = self.modes.reduction is Reduction.PERIODIC  # local steps, outer syncs
         # a step: K micro-batches through accumulate() (the periodic modes step each rank's alone)
         self.micro_batched = self.plan.num_micro_batches > 0 and not self.periodic
+        self.run_dir = Path(config.run_dir)
+        # the time account and every rank's timeline, once the plan holds (trainer/reporting/run_records.py)
+        self.records = RunRecords(self.run_dir, self.side, topo.rank)
         # The model the steps run: the module itself under accumulate() (deterministic and live mode),
         # stepping alone (sync: the handle syncs every sync_every steps) or with its bucket size tuned
         # (bucket_cap_mb="auto": the drop-in face keeps torch's), else torch's drop-in face.

@@ -44,10 +44,11 @@ def _read_parts(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, str
     for path in sorted((run_dir / "trace").glob("*.json"), key=lambda p: _natural(p.stem)):
         try:
             part = json.loads(path.read_text())
-            if not isinstance(part, dict) or part.get("format") != FORMAT or "track" not in part:
-                raise ValueError("not a timeline part")
-        except (OSError, ValueError) as exc:  # a part cut short by a crash, or something else
+        except (OSError, ValueError) as exc:  # a part cut short by a crash, or unreadable
             skipped.append({"file": path.name, "why": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        if not isinstance(part, dict) or part.get("format") != FORMAT or "track" not in part:
+            skipped.append({"file": path.name, "why": "not a timeline part"})
             continue
         parts.append(part)
     return parts, skipped
