@@ -91,7 +91,7 @@ def _goodput(summary: dict[str, Any]) -> dict[str, float]:
     assert summary["samples_lost"] == 0, summary
     assert abs(summary["training_s"] + sum(lost.values()) - wall) < 0.01, summary
     assert summary["goodput"] == pytest.approx(summary["training_s"] / wall, abs=5e-3)  # rounded parts
-    assert 0 < summary["goodput"] <= 1 and wall <= summary["wall_time_s"] + 0.5, summary
+    assert 0 < summary["goodput"] <= 1 and wall <= summary.get("wall_time_s", wall) + 0.5, summary
     return lost
 
 
@@ -125,10 +125,10 @@ def _trace_matches_the_run(out: Path, summary: dict[str, Any], victim: int) -> N
     assert sorted(tracks) == [f"member {m} (rank {m} at start)" for m in range(4)], sorted(tracks)
     [record] = summary["faults"]
     for member, track in ((m, tracks[f"member {m} (rank {m} at start)"]) for m in range(4)):
-        assert {"forward", "backward", "optimizer"} <= track["phases"], track["phases"]
-        if member == victim:  # its last part was written before it died: it never saw the fault
+        if member == victim:  # its last part was written before it died (at its first step, here)
             assert max(track["steps"], default=0) <= record["step"] + 1
             continue
+        assert {"data loading", "forward", "backward", "optimizer"} <= track["phases"], track["phases"]
         assert max(track["steps"]) == summary["steps"], member  # the latest steps are kept in full
         faults = [m for m in track["marks"] if m["cat"] == "fault"]
         assert [m["args"]["step"] for m in faults] == [record["step"]], faults
@@ -289,8 +289,9 @@ def test_a_replacement_joins_heals_from_a_peer_and_the_run_matches_a_fault_free_
     assert joined["step"] > lost["step"]
     assert _goodput(summary)["state_transfer"] > 0, summary  # rank 0's summary: it sent the state
     tracks = _trace(out)  # the replacement's own track: it joined, received the state, trained to the end
-    replacement = tracks["member 4 (rank 2 at start)"]
-    assert {"joining"} <= replacement["activity"] and max(replacement["steps"]) == summary["steps"]
+    [replacement] = [track for name, track in tracks.items() if name.startswith("member 4 ")]
+    assert {"joining", "state transfer"} <= replacement["activity"], replacement["activity"]
+    assert max(replacement["steps"]) == summary["steps"]
     marks = [m for m in tracks["member 0 (rank 0 at start)"]["marks"] if m["cat"] == "replacement"]
     assert [m["args"]["step"] for m in marks] == [joined["step"]], marks
     _survivors_kept_their_processes(out, 2)

@@ -120,6 +120,7 @@ class Progress:
         self.enabled = True  # off only to measure what tracking costs (benchmarks/hang_watchdog_overhead.py)
         self.clock = PhaseClock(STARTUP)  # time per phase per step, for the straggler reports
         self.account: Any = None  # the run's goodput account (runtime/goodput.py sets it): told of each step
+        self.loop_driven = False  # a loop of lockstep's counts the steps (loop_step), not the synced forwards
 
     # ------------------------------------------------------------------ phases
 
@@ -138,13 +139,27 @@ class Progress:
         self.marker += 1
 
     def begin_step(self) -> None:
-        """A synced forward starts a training step."""
-        if self.enabled and self.clock.enabled:
+        """A synced forward starts a training step (unless a loop of lockstep's counts them: `loop_step`)."""
+        if self.enabled and self.clock.enabled and not self.loop_driven:
             self.clock.close_step(self.step)
         self.step += 1
         self.set_phase(FORWARD)
+        if self.account is not None and not self.loop_driven:
+            self.account.step_began()
+
+    def loop_step(self, step: int) -> None:
+        """A loop of lockstep's (fit, LiveLoop) starts its optimizer step `step` (again, when it redoes it):
+        the clock (straggler reports, the timeline) and the run's account count these steps from now on, not
+        the engine's synced forwards (a micro-batched step has several). `loop_done` hands back."""
+        self.loop_driven = True
+        if self.enabled and self.clock.enabled:
+            self.clock.close_step(step - 1)
         if self.account is not None:
             self.account.step_began()
+
+    def loop_done(self) -> None:
+        """The loop ended: synced forwards count as steps again (another program in this process)."""
+        self.loop_driven = False
 
     def end_step(self) -> None:
         """The step's backward finished (its gradients are reduced)."""

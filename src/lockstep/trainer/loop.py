@@ -251,6 +251,7 @@ class FitRun:
         micro_batches, steps_left, micro_left = self.data.iterate()  # micro_left: this rank's, in the epoch
         self.stepper.synced = False
         while steps_left > 0 and self.counters.step < self.total_steps:
+            PROGRESS.loop_step(self.counters.step + 1)  # the timeline's and the account's steps are fit's
             PROGRESS.set_phase(DATA)  # the hang watchdog names the phase a stuck rank is in
             wanted = min(self.data.micro_per_step, micro_left)
             group = _take(micro_batches, wanted)

@@ -40,6 +40,7 @@ from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.records import Fault
 from lockstep.runtime.membership.recovery import LiveRecovery, StartUpRecovery
 from lockstep.runtime.process_group import live_group
+from lockstep.runtime.progress import PROGRESS
 from lockstep.trainer.run.registry import StateRegistry, Use
 from lockstep.trainer.run.step_driver import Outcome, StepDriver
 
@@ -147,11 +148,20 @@ class LiveLoop:
         """Train `epoch` (from where the sampler stopped, if inside it); yield after each completed step."""
         self.sampler.set_epoch(epoch)
         batches, steps_left = self._cut()
+        try:
+            yield from self._steps(micro_step, batches, steps_left)
+        finally:
+            PROGRESS.loop_done()  # synced forwards count as steps again once the loop stops
+
+    def _steps(
+        self, micro_step: Callable[[list[int]], Any], batches: Iterator[list[int]], steps_left: int
+    ) -> Iterator[dict[int, Any]]:
         while steps_left > 0:
             # Replacements join at the top of a step: there they stand where a new process starts, after
             # the program's own work of the step before (its scheduler step, say), whose state they receive.
             if self.driver.changed_by(partial(self.members.admit_joiners, self.step)):
                 batches, steps_left = self._cut()
+            PROGRESS.loop_step(self.step + 1)  # the timeline's and the account's steps are the loop's
             num = self.sampler.num_micro_batches
             owned = self._handle().owned_micro_batches(num)
             mine = dict(zip(owned, _take(batches, len(owned))))

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from lockstep.checkpoint import CheckpointManager
 from lockstep.runtime.goodput import ACCOUNT, restart_attempt
+from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.timeline import TIMELINE
 
 
@@ -61,8 +62,10 @@ class RunRecords:
     def close() -> None:
         """The run is over on this rank: its part of the timeline is written one last time."""
         TIMELINE.close()
+        PROGRESS.loop_done()
 
     @staticmethod
     def failed() -> None:
         """The run failed on this rank: its part of the timeline up to here (what the launcher merges)."""
         TIMELINE.flush()
+        PROGRESS.loop_done()

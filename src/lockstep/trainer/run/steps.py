@@ -35,7 +35,7 @@ from lockstep.engine.optim.overlapped_optimizer import OverlappedOptimizer
 from lockstep.engine.replicate import overlap_optimizer
 from lockstep.errors import InternalError, rank_tag
 from lockstep.plan import Plan, Reduction
-from lockstep.runtime.progress import OPTIMIZER, PROGRESS
+from lockstep.runtime.progress import BACKWARD, FORWARD, OPTIMIZER, PROGRESS
 from lockstep.trainer.reporting.metrics import MetricBuffer, OrderedMetrics, TrainMetrics
 from lockstep.trainer.run.batches import BatchPlan, batch_len, split_batch, to_device
 from lockstep.trainer.run.device import autocast
@@ -109,6 +109,8 @@ class Stepper:
         state = self.state
         counts = []
         for index, batch in enumerate(batches):
+            if index:  # a forward under no_sync() starts no step: say it is one
+                PROGRESS.set_phase(FORWARD)
             inputs, targets = to_device(split_batch(batch), self.device)
             counts.append(batch_len(targets))
             last = index == len(batches) - 1
@@ -117,6 +119,7 @@ class Stepper:
                 with autocast(self.config.precision, self.device):
                     outputs = model(inputs)
                     loss = self.loss_fn(outputs, targets)
+                PROGRESS.set_phase(BACKWARD)  # the engine's hooks say so too; a local step has none
                 state.scaler.scale(loss / len(batches)).backward()
             pending = cast(MetricBuffer, state.metrics.pending)
             state.metrics.record(pending, "train", outputs, targets, loss, counts[-1])
@@ -156,10 +159,12 @@ class Stepper:
 
     def _micro_step(self, model: nn.Module, batch: Any) -> tuple[dict[str, torch.Tensor], int]:
         """Forward and backward of one micro-batch (through accumulate()); its metric sums and sample count."""
+        PROGRESS.set_phase(FORWARD)  # each micro-batch's phases, for the timeline and the hang reports
         inputs, targets = to_device(split_batch(batch), self.device)
         with autocast(self.config.precision, self.device):
             outputs = model(inputs)
             loss = self.loss_fn(outputs, targets)
+        PROGRESS.set_phase(BACKWARD)
         self.state.scaler.scale(loss).backward()
         return self.state.metrics.sums("train", outputs, targets, loss, batch_len(targets))
 
