@@ -231,6 +231,15 @@ def paired_rounds(a: Any, b: Any, rounds: int, warmup: int, steps: int) -> dict[
 # ---------------------------------------------------------------- report lines
 
 
+def per_call_us(fn: Callable[[], Any], calls: int) -> float:
+    """Microseconds one call of `fn` takes, over `calls` calls after one to warm up."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def fmt_ratios(ratios: Sequence[float]) -> str:
     """Per-round ratios as 'median [min-max]'."""
     return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"

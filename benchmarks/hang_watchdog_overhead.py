@@ -14,7 +14,6 @@ import argparse
 import datetime
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from benchmarks.common import (  # noqa: E402
     fmt_ratios,
     loss,
     machine_line,
+    per_call_us,  # noqa: E402
     slowest_rank_seconds,
     write_report,
 )
@@ -74,16 +74,8 @@ def bench_worker(name: str, rounds: int, warmup: int, steps: int, timeout: float
     _switch(True, timeout)
     result["tracking_us"] = [_tracking_cost_us(model)]
     dog = watchdog.current()
-    result["heartbeat_us"] = [_per_call_us(dog._publish, 200)] if dog is not None else []
+    result["heartbeat_us"] = [per_call_us(dog._publish, 200)] if dog is not None else []
     return result
-
-
-def _per_call_us(fn: Any, calls: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def _tracking_cost_us(model: Any) -> float:
@@ -102,7 +94,7 @@ def _tracking_cost_us(model: Any) -> float:
             pass
         PROGRESS.end_step()
 
-    return _per_call_us(one_step, 2000)
+    return per_call_us(one_step, 2000)
 
 
 def main(argv: list[str] | None = None) -> int:

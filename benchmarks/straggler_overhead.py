@@ -18,7 +18,6 @@ import argparse
 import datetime
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from benchmarks.common import (  # noqa: E402
     fmt_ratios,
     loss,
     machine_line,
+    per_call_us,  # noqa: E402
     slowest_rank_seconds,
     write_report,
 )
@@ -81,14 +81,6 @@ def bench_worker(name: str, rounds: int, warmup: int, steps: int, timeout: float
     return result
 
 
-def _per_call_us(fn: Any, calls: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
 def _accounting_cost_us(model: Any) -> float:
     """What the accounting adds to one step of this model, without the noise of a step: the step's phase
     changes and one tracked wait per bucket, with the clock on minus with it off, each in a loop."""
@@ -109,7 +101,7 @@ def _accounting_cost_us(model: Any) -> float:
     costs = {}
     for enabled in (True, False, True, False):
         PROGRESS.clock.set_enabled(enabled)
-        costs.setdefault(enabled, []).append(_per_call_us(one_step, 5000))
+        costs.setdefault(enabled, []).append(per_call_us(one_step, 5000))
     PROGRESS.clock.set_enabled(True)
     return min(costs[True]) - min(costs[False])
 
@@ -123,7 +115,7 @@ def _tick_cost_us(dog: Any) -> float:
         watch._published = -1  # as if a step had closed since the last tick
         watch.tick(dog.store)
 
-    return _per_call_us(tick, 200)
+    return per_call_us(tick, 200)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from benchmarks.common import abba, fmt_ratios, machine_line, slowest_rank_seconds, write_report  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    abba,
+    fmt_ratios,
+    machine_line,
+    per_call_us,  # noqa: E402
+    slowest_rank_seconds,
+    write_report,
+)
 from torch import nn  # noqa: E402
 
 import lockstep  # noqa: E402
@@ -102,14 +109,6 @@ def bench_worker(
     return result
 
 
-def _per_call_us(fn: Any, calls: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
 def _recording_cost_us(model: Any) -> float:
     """What recording adds to one step of this loop, without the noise of a step: its phase changes, one
     tracked wait per gradient bucket and its step boundary, timeline attached minus detached, in a loop."""
@@ -133,7 +132,7 @@ def _recording_cost_us(model: Any) -> float:
     costs: dict[bool, list[float]] = {}
     for on in (True, False) * 8:  # interleaved, the least of each: the machine's noise only adds
         TIMELINE.set_enabled(on)
-        costs.setdefault(on, []).append(_per_call_us(one_step, 5000))
+        costs.setdefault(on, []).append(per_call_us(one_step, 5000))
     TIMELINE.set_enabled(True)
     return min(costs[True]) - min(costs[False])
 
