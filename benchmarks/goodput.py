@@ -42,6 +42,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -86,6 +87,9 @@ class Run:
     same_bits: bool = False
     recorded: str = "-"  # how the faults struck show in the record
     why: str = ""
+    steps_undone: int | None = (
+        None  # restarts: from the launcher's lines (a lower bound: a line every 10 steps)
+    )
     restarts: int | None = None  # whole-job restarts: the launcher's restart<k> folders (summary.json's
     # `restarts` counts live mode's only)
 
@@ -344,6 +348,7 @@ def judge(result: Run, reference: Run) -> None:
         )
     else:  # every strike but a throttle ends its attempt: one restart each
         ending = sum(1 for s in hit if s.kind != "straggler")
+        result.steps_undone = _undone((result.folder / "launcher.log").read_text(errors="replace"))
         result.recorded = f"{result.restarts} restarts for {ending} attempt-ending faults"
 
 
@@ -363,9 +368,9 @@ def report(runs: list[Run], args: argparse.Namespace, steps: int, faults: list[t
         f"{'cgroup v1 cpu controller present: stragglers throttled' if _cgroup() else 'NO cpu cgroup: straggler strikes skipped'}.",
         "",
         "| run | flags | exit | wall s | training wall s | steps | goodput | goodput without evaluation "
-        "| samples lost | redos | same bits "
+        "| samples lost | steps undone (launcher's lines) | redos | same bits "
         "| faults struck | recorded | restarts | training time vs fault-free |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in runs:
         hit = sum(1 for s in r.strikes if s.victims)
@@ -374,7 +379,7 @@ def report(runs: list[Run], args: argparse.Namespace, steps: int, faults: list[t
         lines.append(
             f"| {r.name} | `{r.flags}` | {r.exit_code}{f' ({r.why})' if r.why else ''} | {r.wall_s:.1f} | {_value(wall)} | "
             f"{_value(r.get('steps'))} | {_value(r.get('goodput'))} | {_without_evaluation(r)} | "
-            f"{_value(r.get('samples_lost'))} | "
+            f"{_value(r.get('samples_lost'))} | {_value(r.steps_undone)} | "
             f"{_value(r.get('redos'))} | {'yes' if r.same_bits else 'NO'} | {hit} of {len(r.strikes)} | "
             f"{r.recorded} | {_value(r.restarts)} | {ratio} |"
         )
@@ -424,6 +429,21 @@ def _without_evaluation(r: Run) -> str:
     if not wall or goodput is None or wall <= evaluation:
         return "-"
     return f"{goodput * wall / (wall - evaluation):.4g}"
+
+
+def _undone(launcher: str) -> int:
+    """Steps undone by the restarts: the last step rank 0 logged before each restart less the step the next
+    attempt resumed from."""
+    undone, last = 0, None
+    for line in launcher.splitlines():
+        logged = re.search(r"step (\d+)/\d+ ", line)
+        resumed = re.search(r"^resumed from step (\d+)", line)
+        if logged:
+            last = int(logged.group(1))
+        elif resumed and last is not None:
+            undone += max(0, last - int(resumed.group(1)))
+            last = None
+    return undone
 
 
 def _cgroup() -> bool:
