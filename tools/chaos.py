@@ -71,6 +71,9 @@ LIVE = "lockstep/live/"  # runtime/membership/keys.py's ROOT (read here without 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (the straggler's throttle; root only)
 
 
+DIGITS_ARGS = ("--global-batch-size", "48", "--micro-batch-size", "8", "--epochs", "1000")
+
+
 @dataclass
 class Settings:
     steps: int = 2400
@@ -79,35 +82,34 @@ class Settings:
     replacements: int = 20
     timeout_s: float = 420.0  # one run, end to end
     kinds: tuple[str, ...] = KINDS  # the kinds a schedule draws from (--kinds: a few, to hunt one race)
+    job: str = "digits"  # the built-in job (benchmarks/goodput.py runs gpt)
+    job_args: tuple[str, ...] = DIGITS_ARGS  # the job's own settings, after --deterministic
+    checkpoint_every: int = 40
+    live: bool = True  # False: --max-restarts restarts the whole job (no --min-world, no --evict-stragglers)
 
     def command(self, run_dir: Path) -> list[str]:
+        live = ["--min-world", str(MIN_WORLD)] if self.live else []
+        evict = ["--evict-stragglers", "3"] if self.live else []
         return [
             sys.executable,
             "-m",
             "lockstep",
             "train",
-            "digits",
+            self.job,
             "-n",
             str(LAUNCHED),
-            "--min-world",
-            str(MIN_WORLD),
+            *live,
             "--max-restarts",
             str(self.replacements),
             "--hang-timeout",
             "5",
-            "--evict-stragglers",
-            "3",
+            *evict,
             "--deterministic",
-            "--global-batch-size",
-            "48",
-            "--micro-batch-size",
-            "8",
-            "--epochs",
-            "1000",
+            *self.job_args,
             "--max-steps",
             str(self.steps),
             "--checkpoint-every",
-            "40",
+            str(self.checkpoint_every),
             "--checkpoint-async",
             "true",
             "--progress",
