@@ -8,11 +8,12 @@ account against those spans with a tolerance far above timer noise and far below
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lockstep.runtime.goodput import CAUSES, RunAccount
+from lockstep.runtime.goodput import ACCOUNT, CAUSES, RunAccount
 from lockstep.runtime.progress import (
     CHECKPOINT,
     EVALUATE,
@@ -23,6 +24,8 @@ from lockstep.runtime.progress import (
     CollectiveRecord,
     phase,
 )
+from lockstep.trainer.reporting.run_log import RunLog
+from lockstep.trainer.reporting.run_records import RunRecords
 
 SPAN = 0.05  # seconds slept per span
 TOL = 0.03  # sleeping overshoots a little on a busy machine; never by a whole span
@@ -192,3 +195,29 @@ def test_an_account_from_an_older_checkpoint_or_before_any_step_starts_afresh(
     assert account.started is None
     account.step_began()
     assert account.summary(upto_now=True)["lost_s_by_cause"]["restart"] == 0.0
+
+
+def test_restarts_from_the_same_checkpoint_add_their_lost_samples_up(tmp_path: Path) -> None:
+    """Two restarts resume from the same checkpoint (taken at step 200, nothing lost then): the second
+    loses what the first had lost (in rank 0's step file, which the checkpoint predates) and its own."""
+
+    class Side:
+        member_id, restarts = 0, 1
+
+    runlog = RunLog(tmp_path, enabled=True)
+    at_checkpoint = {**ACCOUNT.state_dict(), "started": time.time(), "samples_lost": 0}
+    try:
+        records = RunRecords(tmp_path, Side(), 0)
+        runlog.reached(300, 0)  # the first attempt came to step 300
+        ACCOUNT.load_state_dict(at_checkpoint)
+        records.resumed(200, runlog, global_batch=8)
+        assert ACCOUNT.samples_lost == 100 * 8
+        runlog.reached(260, ACCOUNT.samples_lost)  # the second attempt came to step 260
+        ACCOUNT.load_state_dict(at_checkpoint)  # the third resumes from the same checkpoint
+        records.resumed(200, runlog, global_batch=8)
+        assert ACCOUNT.samples_lost == (100 + 60) * 8
+        assert runlog.last_step() == (260, 800)
+    finally:
+        records.close()
+        runlog.close()
+        ACCOUNT.reset()

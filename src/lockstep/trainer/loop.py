@@ -222,7 +222,7 @@ class FitRun:
         # A restart of this job carries the time account on from the checkpoint (the time since it was
         # taken is lost to the restart); a new job that resumes leaves the time between jobs out
         step = self.records.load(self.checkpoints, entries) if self.config.resume == "auto" else None
-        self.records.resumed(step, broadcast_object(self.runlog.last_step()), self.plan.global_batch_size)
+        self.records.resumed(step, self.runlog, self.plan.global_batch_size)
         self.runlog.rewind(step or 0)
         if step is not None:
             self.record.saved_step = step
@@ -269,7 +269,7 @@ class FitRun:
             steps_left -= 1
             self.counters.step += 1
             self.records.step_counted()
-            self.runlog.reached(self.counters.step)  # how far this attempt came, should it crash
+            self.runlog.reached(self.counters.step, ACCOUNT.samples_lost)  # should this attempt crash
             self.bar.advance(self.counters.step)
             if self.periodic_run is not None and self.counters.step == self.total_steps:
                 self._retry(self.periodic_run.finish)  # before the last checkpoint and evaluation

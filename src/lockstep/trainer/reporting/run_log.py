@@ -40,25 +40,27 @@ class RunLog:
     def _jsonl(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
-    def reached(self, step: int) -> None:
-        """`step` counted: kept in a file of its own, rewritten in place (a few microseconds; the kernel
-        keeps it when the process is killed), so that a restart knows how far the crashed attempt came."""
+    def reached(self, step: int, samples_lost: int) -> None:
+        """`step` counted, `samples_lost` so far (the run's account): kept in a file of their own, rewritten
+        in place (a few microseconds; the kernel keeps it when the process is killed), so that a restart
+        knows how far the crashed attempt came and what earlier restarts had lost already."""
         if not self.enabled:
             return
         if self._reached_fd is None:
             self._reached_fd = os.open(self.run_dir / REACHED, os.O_WRONLY | os.O_CREAT, 0o644)
-        os.pwrite(self._reached_fd, b"%12d\n" % step, 0)
+        os.pwrite(self._reached_fd, b"%12d %15d\n" % (step, samples_lost), 0)
 
-    def last_step(self) -> int:
-        """The last step an earlier attempt counted (0: none known): from the step file and the log."""
+    def last_step(self) -> tuple[int, int]:
+        """(the last step an earlier attempt counted, the samples it had lost so far); (0, 0) when unknown.
+        The step from the step file and the metric log, whichever is further."""
         if not self.enabled:
-            return 0
+            return 0, 0
         logged = max((r.get("step", 0) for r in self._read()), default=0)
         try:
-            counted = int((self.run_dir / REACHED).read_text().strip() or 0)
+            counted, lost = (int(v) for v in (self.run_dir / REACHED).read_text().split())
         except (OSError, ValueError):
-            counted = 0
-        return max(logged, counted)
+            counted, lost = 0, 0
+        return max(logged, counted), lost
 
     def _read(self) -> list[dict[str, Any]]:
         """The records in metrics.jsonl, a line cut short by a crash left out."""

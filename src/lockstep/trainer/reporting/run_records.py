@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lockstep.checkpoint import CheckpointManager
+from lockstep.runtime.collectives import broadcast_object
 from lockstep.runtime.goodput import ACCOUNT, restart_attempt
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.timeline import TIMELINE
+from lockstep.trainer.reporting.run_log import RunLog
 
 
 class Side(Protocol):
@@ -45,10 +47,13 @@ class RunRecords:
         ACCOUNT.arriving = "restart" if self.attempt else "new job"
         return checkpoints.load(entries, optional=frozenset({"goodput"}))
 
-    def resumed(self, step: int | None, reached: int, global_batch: int) -> None:
-        """The run resumed at `step` (None: from scratch); an earlier attempt had counted up to `reached`:
-        the steps in between are undone, their samples lost (and trained again)."""
+    def resumed(self, step: int | None, runlog: RunLog, global_batch: int) -> None:
+        """The run resumed at `step` (None: from scratch). Rank 0's log says how far the attempt before had
+        come and what it had lost by then (earlier restarts, which the checkpoint may predate): the steps in
+        between are undone, their samples lost too (and trained again)."""
+        reached, lost_before = broadcast_object(runlog.last_step())
         if reached > (step or 0):
+            ACCOUNT.lose_samples(max(0, lost_before - ACCOUNT.samples_lost))
             ACCOUNT.lose_samples((reached - (step or 0)) * global_batch)
         if self.attempt:
             TIMELINE.mark(f"restart {self.attempt} from step {step or 0}", kind="restart", step=step or 0)
