@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
-from tests.helpers import lockstep_cli
+from tests.helpers import child_env, lockstep_cli
 
 
 @pytest.mark.slow
@@ -39,6 +44,8 @@ def test_toy_job_with_overrides_and_config_file(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "toy" / "config.json").read_text())
     assert (saved["epochs"], saved["num_samples"], saved["batch_size"], saved["max_steps"]) == (1, 256, 16, 5)
     assert summary["steps"] == 5 and "test_accuracy" not in summary
+    _two_tracks_of_five_steps(tmp_path / "toy")
+    assert 0 < summary["goodput"] <= 1 and summary["samples_lost"] == 0, summary
     # Memory as a number (runtime/memory.py): ToyModel's 165 fp32 parameters, their gradients, AdamW's state.
     memory = summary["memory"]
     assert (memory["params_bytes"], memory["grads_bytes"], memory["sampled_at"]) == (660, 660, "step")
@@ -51,6 +58,44 @@ def test_toy_job_with_overrides_and_config_file(tmp_path: Path) -> None:
     assert 0.35 < ratio < 0.65, (sharded, memory)
     assert sharded["params_bytes"] == memory["params_bytes"]
     assert sharded["model_state_bytes"] < memory["model_state_bytes"]
+
+
+def _two_tracks_of_five_steps(run_dir: Path) -> None:
+    """trace.json: a track per rank, each with the run's 5 steps and their phases; timeline.png beside it."""
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in trace if e.get("name") == "process_name"}
+    assert sorted(names.values()) == ["member 0 (rank 0 at start)", "member 1 (rank 1 at start)"]
+    for pid in names:
+        steps = [e["name"] for e in trace if e["pid"] == pid and e.get("cat") == "step"]
+        assert steps == [f"step {n}" for n in range(1, 6)], steps
+        phases = {e["name"] for e in trace if e["pid"] == pid and e.get("cat") == "phase"}
+        assert {"data loading", "forward", "backward", "optimizer"} <= phases, phases
+    assert (run_dir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failed_run_leaves_its_timeline_up_to_the_failure(tmp_path: Path) -> None:
+    """Without live mode a killed rank ends the job; `lockstep train` then merges what every rank wrote."""
+    run_dir = tmp_path / "digits"
+    cmd = [sys.executable, "-m", "lockstep", "train", "digits", "-n", "2", "--run-dir", str(run_dir)]
+    with subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            parts = run_dir / "trace"
+            deadline = time.monotonic() + 60
+            while len(list(parts.glob("*.json"))) < 2 or not (run_dir / "metrics.jsonl").stat().st_size:
+                assert time.monotonic() < deadline and proc.poll() is None, "the run never trained"
+                time.sleep(0.2)  # polling pace only
+            time.sleep(2.5)  # a part written since (every 2 s)
+            os.kill(int((run_dir / "rank1" / "pid").read_text()), signal.SIGKILL)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode != 0, err
+    assert f"lockstep train: the run's timeline up to the failure: {run_dir / 'trace.json'}" in err, err
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in trace if e.get("name") == "process_name"}
+    assert names == {"member 0 (rank 0 at start)", "member 1 (rank 1 at start)"}
+    assert any(e.get("cat") == "step" for e in trace) and (run_dir / "timeline.png").is_file()
 
 
 def _toy_run(run_dir: Path, config: Path, *extra: str) -> dict[str, Any]:
