@@ -1,4 +1,4 @@
-"""The run's time account (runtime/goodput.py): training and the causes add up to the wall time from the
+"""The run's time account (runtime/run_account.py): training and the causes add up to the wall time from the
 first step to the last; lost phases, discarded work, restarts and transfers land where they belong.
 
 One process, real clocks: each test sleeps a few tens of milliseconds in known phases and checks the
@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from lockstep.runtime.goodput import ACCOUNT, CAUSES, RunAccount
 from lockstep.runtime.progress import (
     CHECKPOINT,
     EVALUATE,
@@ -24,6 +23,7 @@ from lockstep.runtime.progress import (
     CollectiveRecord,
     phase,
 )
+from lockstep.runtime.run_account import ACCOUNT, CAUSES, RunAccount
 from lockstep.trainer.reporting.run_log import RunLog
 from lockstep.trainer.reporting.run_records import RunRecords
 

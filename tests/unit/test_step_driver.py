@@ -32,7 +32,7 @@ class FakeRecovery:
 class Mark:
     def __init__(self, active: bool) -> None:
         self.active = active
-        self.marked_at = None  # when the mark was taken (runtime/goodput.py): unknown here
+        self.marked_at = None  # when the mark was taken (runtime/run_account.py): unknown here
 
 
 def _failing(times: int) -> Any:

@@ -144,7 +144,7 @@ def _checkpoint_dir(path: Path) -> Path:
     return layout.step_dir(steps[-1])
 
 
-# Entries that record facts of one run, not its state: fit's time account (runtime/goodput.py: wall times)
+# Entries that record facts of one run, not its state: fit's time account (runtime/run_account.py: wall times)
 RUN_FACTS = frozenset({"goodput"})
 
 

@@ -85,7 +85,7 @@ def goodput_line(rank_dirs: Iterable[str]) -> str:
     """The last line of a job that finished: the run's goodput and time lost by cause, from the first of
     `rank_dirs` (rank 0's first) whose worker left its account (launch/worker.py); "" when none did."""
     from lockstep.launch.worker import GOODPUT_FILE
-    from lockstep.runtime.goodput import describe  # lockstep.runtime loads torch: only now
+    from lockstep.runtime.run_account import describe  # lockstep.runtime loads torch: only now
 
     for rank_dir in rank_dirs:
         try:

@@ -180,9 +180,9 @@ def _call_site(tb: TracebackType | None) -> str | None:
 
 def _write_goodput(directory: str) -> None:
     """After a program that ended well: the run's time account as lockstep's engine, fit or LiveLoop kept it
-    (runtime/goodput.py), in GOODPUT_FILE for the launcher's last line; nothing when the program never
+    (runtime/run_account.py), in GOODPUT_FILE for the launcher's last line; nothing when the program never
     loaded lockstep's runtime or never stepped. Best effort: the program's result stands either way."""
-    module = sys.modules.get("lockstep.runtime.goodput")
+    module = sys.modules.get("lockstep.runtime.run_account")
     if module is None:
         return
     try:

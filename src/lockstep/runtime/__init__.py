@@ -5,7 +5,6 @@ The launcher imports this package: nothing here imports the engine.
 Modules:
 - collectives.py: Small typed collectives that every layer needs: rank queries, barrier, scalar means, JSON
   objects.
-- goodput.py: The run's account of its time: goodput, and the time lost by cause.
 - hang_report.py: After a hang verdict: every rank's final state joined into one report, written once and
   printed everywhere.
 - live_host.py: The process around a live group: runtime's side of membership/host.py's `Host`.
@@ -25,6 +24,7 @@ Modules:
   this host still runs.
 - progress.py: Always-on progress tracking: what this process is doing now (step, phase, the collective it
   waits in).
+- run_account.py: The run's account of its time: goodput, and the time lost by cause.
 - sigterm_guard.py: Hold the launcher's SIGTERM back while this rank waits in a collective, so a failure's
   report gets out.
 - stall_verdict.py: Judge a stall from every rank's published state, and write the one report a user reads.
@@ -60,10 +60,10 @@ from lockstep.runtime.collectives import (
 )
 from lockstep.runtime.env.slurm_notation import expand_hostlist
 from lockstep.runtime.env.topology import Topology, resolve_topology
-from lockstep.runtime.goodput import goodput
 from lockstep.runtime.logging import get_logger
 from lockstep.runtime.process_group import JoinedTopology, init, is_initialized, shutdown
 from lockstep.runtime.progress import phase
+from lockstep.runtime.run_account import goodput
 from lockstep.runtime.straggler_reports import StragglerReport, stragglers
 
 __all__ = [

@@ -57,7 +57,7 @@ class PhaseClock:
         self.names: list[str] = []  # slot -> phase name
         self._slots: dict[str, int] = {}
         self._acc = array("d", _ZEROS)
-        # seconds in each phase since the clock began, never reset (runtime/goodput.py reads the lost ones)
+        # seconds in each phase since the clock began, never reset (runtime/run_account.py reads the lost ones)
         self.totals = array("d", [0.0] * MAX_PHASES)
         self.ring = [array("d", [-1.0] * _ROW) for _ in range(RING)]
         self.closed = 0  # steps closed so far (the ring holds the last RING of them)

@@ -119,7 +119,9 @@ class Progress:
         self.main_thread = threading.main_thread().ident
         self.enabled = True  # off only to measure what tracking costs (benchmarks/hang_watchdog_overhead.py)
         self.clock = PhaseClock(STARTUP)  # time per phase per step, for the straggler reports
-        self.account: Any = None  # the run's goodput account (runtime/goodput.py sets it): told of each step
+        self.account: Any = (
+            None  # the run's goodput account (runtime/run_account.py sets it): told of each step
+        )
         self.loop_driven = False  # a loop of lockstep's counts the steps (loop_step), not the synced forwards
 
     # ------------------------------------------------------------------ phases

@@ -33,8 +33,8 @@ from lockstep.errors import ConfigError, InternalError
 from lockstep.plan import Reduction
 from lockstep.runtime import barrier, broadcast_object
 from lockstep.runtime.env.topology import Topology
-from lockstep.runtime.goodput import ACCOUNT
 from lockstep.runtime.progress import DATA, PROGRESS
+from lockstep.runtime.run_account import ACCOUNT
 from lockstep.trainer.live.live_side import side_of_run
 from lockstep.trainer.reporting.metrics import TrainMetrics
 from lockstep.trainer.reporting.progress import ProgressBar

@@ -10,7 +10,7 @@ from lockstep.checkpoint import CheckpointManager
 from lockstep.checkpoint.compare import state_sha256
 from lockstep.engine.sharded import full_tensors
 from lockstep.runtime import get_logger, stragglers
-from lockstep.runtime.goodput import describe as describe_goodput
+from lockstep.runtime.run_account import describe as describe_goodput
 from lockstep.runtime.timeline import merge_trace
 from lockstep.trainer.reporting.progress import ProgressBar
 from lockstep.trainer.reporting.run_log import RunLog

@@ -52,7 +52,7 @@ class Host(Protocol):
 
     def recovering(self) -> AbstractContextManager[object]:
         """The span of a re-formation (after a loss, or to let replacements in): the run's time account
-        counts it as lost to re-forming (runtime/goodput.py)."""
+        counts it as lost to re-forming (runtime/run_account.py)."""
 
     def watch(self, group: Watched) -> None:
         """From now on, every collective wait polls `group.check()` (a lost member ends it at once)."""

@@ -35,12 +35,12 @@ from lockstep.engine.sharded import is_sharded
 from lockstep.errors import ConfigError, InternalError, NotSupportedError
 from lockstep.plan import Plan, PlanRefused, RunSettings
 from lockstep.runtime.env.topology import Topology
-from lockstep.runtime.goodput import ACCOUNT
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.records import Fault
 from lockstep.runtime.membership.recovery import LiveRecovery, StartUpRecovery
 from lockstep.runtime.process_group import live_group
 from lockstep.runtime.progress import PROGRESS
+from lockstep.runtime.run_account import ACCOUNT
 from lockstep.trainer.run.registry import StateRegistry, Use
 from lockstep.trainer.run.step_driver import Outcome, StepDriver
 

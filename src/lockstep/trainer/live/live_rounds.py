@@ -43,9 +43,9 @@ from typing import Any
 
 from lockstep.engine.periodic.outer_sync import due_fragments, in_flight_entries
 from lockstep.errors import LockstepError
-from lockstep.runtime.goodput import ACCOUNT, Point
 from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.micro_batches import owned_micro_batches
+from lockstep.runtime.run_account import ACCOUNT, Point
 from lockstep.trainer.run.registry import Use
 from lockstep.trainer.run.run_state import RunState
 

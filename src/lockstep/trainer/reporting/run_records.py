@@ -1,4 +1,4 @@
-"""What fit keeps of a run besides its metrics: its time account (goodput, runtime/goodput.py) and its
+"""What fit keeps of a run besides its metrics: its time account (goodput, runtime/run_account.py) and its
 timeline (runtime/timeline/), opened with the run, carried through a resume, closed at its end.
 
 Every rank keeps both: whichever ends as rank 0 reports the account, and each rank's part of the timeline
@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 from lockstep.checkpoint import CheckpointManager
 from lockstep.runtime.collectives import broadcast_object
-from lockstep.runtime.goodput import ACCOUNT, restart_attempt
 from lockstep.runtime.progress import PROGRESS
+from lockstep.runtime.run_account import ACCOUNT, restart_attempt
 from lockstep.runtime.timeline import TIMELINE
 from lockstep.trainer.reporting.run_log import RunLog
 

@@ -26,8 +26,8 @@ from torch import nn
 
 from lockstep.checkpoint import rng
 from lockstep.engine.optim.shard_optimizer import ShardedOptimizer
-from lockstep.runtime.goodput import ACCOUNT
 from lockstep.runtime.memory import MemoryMeter
+from lockstep.runtime.run_account import ACCOUNT
 from lockstep.trainer.reporting.metrics import TrainMetrics
 from lockstep.trainer.run.registry import EVERY, RECOVERY, StateRegistry, Use
 
@@ -130,7 +130,7 @@ class RunState:
             "metric_sums", self._load_pending, lambda: self.metrics.pending, uses=Use.MARK
         )
         reg.register_state_dict_fn("rng", rng.restore, rng.capture, uses=Use.MARK)
-        # The run's time account (runtime/goodput.py): a restart carries on from the checkpoint's, a
+        # The run's time account (runtime/run_account.py): a restart carries on from the checkpoint's, a
         # replacement from rank 0's; never a rollback's mark (the work it discards stays counted as lost)
         reg.register("goodput", ACCOUNT, uses=Use.CHECKPOINT | Use.TRANSFER)
 

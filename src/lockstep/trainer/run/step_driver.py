@@ -26,8 +26,8 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar, cast
 
 from lockstep.errors import LockstepError
-from lockstep.runtime.goodput import ACCOUNT, Point
 from lockstep.runtime.membership.recovery import FAILURES
+from lockstep.runtime.run_account import ACCOUNT, Point
 
 T = TypeVar("T")
 
@@ -65,7 +65,7 @@ class Rollback(Protocol):
 
     @property
     def marked_at(self) -> Point | None:
-        """When the mark was taken: going back to it discards the work since (runtime/goodput.py)."""
+        """When the mark was taken: going back to it discards the work since (runtime/run_account.py)."""
 
 
 class NoRecovery:
@@ -98,7 +98,7 @@ class StepDriver:
 
     def attempt(self, work: Callable[[], T]) -> tuple[Outcome, T | None]:
         """work() once: (DONE, its result), or, a member lost in it, (REDO or ROLLED_BACK, None). The
-        work a loss throws away is redone work in the run's account (runtime/goodput.py)."""
+        work a loss throws away is redone work in the run's account (runtime/run_account.py)."""
         started = ACCOUNT.point()
         try:
             return Outcome.DONE, work()
