@@ -14,8 +14,10 @@ from lockstep.trainer.settings.config_sources import config_from_mapping, load_c
 def run_job(name: str, config_path: str) -> dict:
     config_cls, _ = job(name)
     config = config_from_mapping(config_cls, load_config_file(config_path), Source.file(config_path))
-    init()
+    # Built before joining the group: the same on every rank, and a replacement in live mode builds it
+    # before the members admit it, not while they wait for it (its data and model take a second or more)
     built = build(name, config)
+    init()
     result = fit(
         built.model, built.train_data, loss_fn=built.loss_fn, config=config, eval_data=built.eval_data
     )

@@ -258,6 +258,8 @@ def init(
         # No peers: an in-memory store needs no port and cannot collide with anything.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif (live := live_settings_from_env(os.environ)) is not None:
+        if live.joining:
+            _warm_up_before_joining()
         # `lockstep run --min-world`: the launcher's store; a replacement learns its rank when admitted
         _formed.live = form_live_group(
             topo,
@@ -286,6 +288,13 @@ def init(
         atexit.register(shutdown)
     start_watchdog(hang_timeout)
     return replace(_formed.view, formed_group=_formed.count)
+
+
+def _warm_up_before_joining() -> None:
+    """A replacement, before it queues to join: load what a training loop's first steps would load lazily
+    after the members admitted it, while they wait for it. The first torch.optim optimizer imports
+    torch._dynamo (about 2 s on a loaded 2-core machine): once here, that time is its own, not the group's."""
+    import torch._dynamo  # noqa: F401 (imported for its side effect: loaded once per process)
 
 
 def _rendezvous(topo: Topology, backend: str, timeout: timedelta) -> None:
