@@ -84,6 +84,13 @@ def _marks(parts: list[dict[str, Any]], t0: float) -> list[tuple[float, int, dic
     return out
 
 
+def _short(name: str) -> str:
+    """A mark's name for the list beside the picture: 'lost members [1] (killed by SIGKILL)' ->
+    'lost [1] (killed by SIGKILL)', cut at 30 characters."""
+    name = name.replace("lost members ", "lost ").replace("replacements ", "")
+    return name if len(name) <= 30 else name[:29] + "\u2026"
+
+
 def _rows(axis: Any, parts: list[dict[str, Any]]) -> None:
     axis.set_yticks(range(len(parts)))
     axis.set_yticklabels([p["track"] for p in parts], fontsize=8)
@@ -106,16 +113,23 @@ def _whole_run(axis: Any, parts: list[dict[str, Any]], t0: float) -> None:
         seen |= set(pieces)
     _rows(axis, parts)
     marks = _marks(parts, t0)
+    listed = []
     for k, (t, _, mark) in enumerate(marks):
-        axis.axvline(t, color=MARK_COLOURS[mark["kind"]], linewidth=1, linestyle="--")
-        if k < MAX_LABELS:
+        colour = MARK_COLOURS[mark["kind"]]
+        axis.axvline(t, color=colour, linewidth=1, linestyle="--")
+        if k < MAX_LABELS:  # a number on top of its line; what it was, in the list beside the legend
             axis.annotate(
-                mark["name"][:24], (t, 0), xytext=(2, 2 + 9 * (k % 3)), textcoords="offset points",
-                xycoords=("data", "axes fraction"), fontsize=7, color=MARK_COLOURS[mark["kind"]],
+                str(k + 1), (t, 1.0), xytext=(0, 2 + 7 * (k % 2)), textcoords="offset points", ha="center",
+                xycoords=("data", "axes fraction"), fontsize=7, color=colour,
             )  # fmt: skip
+            listed.append(f"{k + 1} {_short(mark['name'])}")
+    if len(marks) > MAX_LABELS:
+        listed.append(f"... {len(marks) - MAX_LABELS} more in trace.json")
     handles = [_patch(ACTIVITY_COLOURS[k], k) for k in ACTIVITY_COLOURS if k in seen]
     axis.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
-    axis.set_title("whole run: activity per process", fontsize=9)
+    if listed:
+        axis.text(1.01, 0.0, "\n".join(listed), transform=axis.transAxes, fontsize=6, va="bottom")
+    axis.set_title("whole run: activity per process", fontsize=9, pad=14)  # room for the marks' numbers
     axis.set_xlabel("seconds since the first step", fontsize=8)
 
 
