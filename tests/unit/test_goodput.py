@@ -221,3 +221,105 @@ def test_restarts_from_the_same_checkpoint_add_their_lost_samples_up(tmp_path: P
         records.close()
         runlog.close()
         ACCOUNT.reset()
+
+
+def test_a_failed_wait_inside_an_evaluation_is_counted_once(account: RunAccount) -> None:
+    """The wait that failed lies in the evaluation's phase: it is the evaluation's time, not detection too."""
+    account.step_began()
+    time.sleep(SPAN)
+    account.step_ended()
+    started = account.point()
+    try:
+        with phase(EVALUATE):
+            PROGRESS.begin_wait(CollectiveRecord(1, "all_reduce", "world", [], 1, EVALUATE, "here"))
+            time.sleep(2 * SPAN)  # a peer died: the wait fails, and the error leaves the phase
+            raise RuntimeError("peer lost")
+    except RuntimeError:
+        account.discard(started)  # as the step driver does: the failed wait is still the current one
+    finally:
+        PROGRESS.end_wait()
+    summary = account.summary()
+    _adds_up(summary)
+    lost = summary["lost_s_by_cause"]
+    assert lost["evaluation"] == pytest.approx(2 * SPAN, abs=TOL)
+    assert lost["hang_detection"] + lost["redone_work"] < TOL, lost
+
+
+def test_work_discarded_after_the_last_step_stays_inside_the_wall_time(account: RunAccount) -> None:
+    account.step_began()
+    time.sleep(SPAN)
+    account.step_ended()
+    started = account.point()  # the run's end: an evaluation, a save, cut short by a loss
+    time.sleep(SPAN)
+    account.discard(started)
+    summary = account.summary()
+    _adds_up(summary)
+    assert summary["goodput_wall_s"] == pytest.approx(2 * SPAN, abs=TOL)
+    assert summary["lost_s_by_cause"]["redone_work"] == pytest.approx(SPAN, abs=TOL)
+
+
+def test_a_replacement_counts_the_state_on_its_way_as_state_transfer(account: RunAccount) -> None:
+    account.step_began()
+    sent = account.state_dict()
+    time.sleep(SPAN)  # the broadcast of the state to the replacement
+    joiner = RunAccount()
+    joiner.load_state_dict(sent)
+    joiner.step_began()
+    time.sleep(SPAN)
+    joiner.step_ended()
+    summary = joiner.summary()
+    _adds_up(summary)
+    assert summary["lost_s_by_cause"]["state_transfer"] == pytest.approx(SPAN, abs=TOL)
+
+
+def test_a_restart_without_a_checkpoint_loses_the_crashed_attempt_whole(account: RunAccount) -> None:
+    began = time.time()
+    time.sleep(SPAN)  # the crashed attempt, from its first step; then the new processes' start
+    account.restarted_from_scratch(began)
+    account.step_began()
+    time.sleep(SPAN)
+    account.step_ended()
+    summary = account.summary()
+    _adds_up(summary)
+    assert summary["lost_s_by_cause"]["restart"] == pytest.approx(SPAN, abs=TOL)
+    assert summary["goodput_wall_s"] == pytest.approx(2 * SPAN, abs=TOL)
+
+
+def test_a_fresh_run_in_a_used_run_directory_loses_nothing_and_leaves_no_old_part(tmp_path: Path) -> None:
+    """Files of an earlier run (its step file, a part of a member this run does not have) are not this
+    run's: no samples lost, the old part gone."""
+
+    class Side:
+        member_id, restarts = 0, 0
+
+    (tmp_path / "trace").mkdir()
+    (tmp_path / "trace" / "attempt1-member5.json").write_text("{}")
+    runlog = RunLog(tmp_path, enabled=True)
+    runlog.reached(500, 0)
+    try:
+        records = RunRecords(tmp_path, Side(), 0)
+        records.resumed(None, runlog, global_batch=64)
+        assert ACCOUNT.samples_lost == 0
+        assert not (tmp_path / "trace" / "attempt1-member5.json").exists()
+    finally:
+        records.close()
+        runlog.close()
+        ACCOUNT.reset()
+
+
+def test_a_timeline_that_cannot_be_written_costs_the_trace_not_the_run(tmp_path: Path) -> None:
+    """At the run's end or after a failure the last write fails (the trace folder is gone, a file in its
+    place): nothing raises, and the timeline stops recording all the same."""
+
+    class Side:
+        member_id, restarts = 0, 0
+
+    for end in (RunRecords.close, RunRecords.failed):
+        run_dir = tmp_path / end.__name__
+        RunRecords(run_dir, Side(), 0)
+        assert PROGRESS.clock.timeline is not None
+        (run_dir / "trace").rmdir()
+        (run_dir / "trace").write_text("not a folder")
+        end()  # logged, not raised
+        assert PROGRESS.clock.timeline is None and not PROGRESS.loop_driven
+    ACCOUNT.reset()

@@ -18,7 +18,7 @@ from typing import IO, Any
 
 from lockstep.launch.failure_report import RankFailure
 from lockstep.launch.spec import LaunchSpec
-from lockstep.launch.worker import ERROR_FILE_VAR, PID_FILE
+from lockstep.launch.worker import ERROR_FILE_VAR, GOODPUT_FILE, PID_FILE
 
 POLL_S = 0.02  # how often the launcher looks at its workers: a death reaches the store this fast
 
@@ -75,7 +75,7 @@ def start_worker(
     member_id, rank, local_rank = ids
     rank_dir = os.path.join(run_dir, f"rank{member_id}")
     os.makedirs(rank_dir, exist_ok=True)
-    for name in ("stdout.log", "stderr.log", "error.json", PID_FILE):
+    for name in ("stdout.log", "stderr.log", "error.json", PID_FILE, GOODPUT_FILE):
         try:
             os.remove(os.path.join(rank_dir, name))
         except FileNotFoundError:

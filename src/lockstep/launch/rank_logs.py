@@ -20,12 +20,12 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, S
 
 from lockstep.launch.failure_report import HANG_REPORT
 from lockstep.launch.rendezvous import AgreedAttempt
-from lockstep.launch.worker import ERROR_FILE_VAR, PID_FILE
+from lockstep.launch.worker import ERROR_FILE_VAR, GOODPUT_FILE, PID_FILE
 from lockstep.runtime.env.env_contract import ATTEMPT_VAR, RANK_VAR, REPORT_DIR_VAR
 
 # Called with (the job's attempt, {global rank: its directory}, the first worker's environment).
 OnAttempt = Callable[[int, Mapping[int, str], Mapping[str, str]], None]
-_STALE = ("stdout.log", "stderr.log", "error.json", PID_FILE)
+_STALE = ("stdout.log", "stderr.log", "error.json", PID_FILE, GOODPUT_FILE)
 
 
 class RunDirLogs(LogsSpecs):

@@ -137,13 +137,6 @@ class PhaseClock:
         self._since = self._step_start = now
         self.closed += 1
 
-    def seconds_in(self, names: frozenset[str]) -> float:
-        """Seconds spent so far in the phases `names`, the current phase's running time included."""
-        total = sum(self.totals[self._slots[n]] for n in names if n in self._slots)
-        if self._cur < len(self.names) and self.names[self._cur] in names:
-            total += perf_counter() - self._since
-        return total
-
     # ------------------------------------------------------------------ the watchdog thread
 
     def summary(self, window: int = WINDOW) -> dict[str, Any] | None:

@@ -139,14 +139,22 @@ class RunAccount:
         if self.started is None:
             return
         now = time.time()
-        waiting = PROGRESS.waiting
+        # The work's own time: what its lost phases (an evaluation, a save) took is theirs already
+        span = max(0.0, (now - since.wall) - (self._lost_total() - since.lost))
         detection = 0.0
-        if waiting is not None and PROGRESS.wait_since >= since.wall:
-            detection = max(0.0, now - PROGRESS.wait_since)
-        training = max(0.0, (now - since.wall) - (self._lost_total() - since.lost) - detection)
+        if PROGRESS.waiting is not None and PROGRESS.wait_since >= since.wall:
+            detection = min(span, max(0.0, now - PROGRESS.wait_since))
         self.carried[HANG_DETECTION] += detection
-        self.carried[REDONE_WORK] += training
+        self.carried[REDONE_WORK] += span - detection
         self.redos += 1
+        self.step_ended()  # the wall time runs to here at least: what was discarded lies inside it
+
+    def restarted_from_scratch(self, started: float) -> None:
+        """A restart with no checkpoint to carry the account from: the run began at `started` (the crashed
+        attempts' first step), and everything until this attempt's first step is lost to the restart."""
+        if self.started is None:
+            self.started = started
+            self._arrival = (RESTART, started)
 
     def lose_samples(self, samples: int) -> None:
         """Samples of counted steps that were undone (a restart from an earlier checkpoint)."""
@@ -179,7 +187,10 @@ class RunAccount:
         self.last_end = None
         self._zero[:] = PROGRESS.clock.totals
         if self.arriving == "transfer":
-            self._arrival = None  # a replacement: its joining phase is counted as it goes
+            # a replacement: from rank 0's snapshot to here the state was on its way; its joining phase
+            # after this is counted as it goes
+            self.carried[STATE_TRANSFER_CAUSE] += max(0.0, time.time() - float(state["at"]))
+            self._arrival = None
         else:
             self._arrival = (RESTART if self.arriving == "restart" else "between jobs", float(state["at"]))
 
@@ -247,6 +258,8 @@ def restart_attempt(env: os._Environ[str] | dict[str, str] | None = None) -> int
 
 ACCOUNT = RunAccount()
 PROGRESS.account = ACCOUNT  # Progress tells it of every step (progress.py cannot import this module)
+for _name in CAUSE_OF_PHASE:  # their clock slots from the start: never shared with a program's own phases
+    PROGRESS.clock.slot(_name)
 
 
 def goodput() -> dict[str, Any]:

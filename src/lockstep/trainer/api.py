@@ -16,6 +16,7 @@ from torch.utils.data import Dataset, IterableDataset
 from lockstep.errors import ConfigError
 from lockstep.runtime import init
 from lockstep.trainer.loop import FitRun
+from lockstep.trainer.reporting.run_records import RunRecords
 from lockstep.trainer.run.steps import LossFn
 from lockstep.trainer.settings.config import FitConfig
 
@@ -69,7 +70,11 @@ def fit(
     if eval_data is not None:
         _require_map_style(eval_data, "eval_data")
     topo = init()
-    run = FitRun(model, train_data, eval_data, loss_fn, config, topo, optimizer)
+    try:
+        run = FitRun(model, train_data, eval_data, loss_fn, config, topo, optimizer)
+    except BaseException:
+        RunRecords.failed()  # a timeline opened in the set-up stops recording
+        raise
     try:
         summary, history = run.train()
     except BaseException:

@@ -94,10 +94,20 @@ def publish_summary(summary: dict[str, Any], run_dir: Path, runlog: RunLog, bar:
     runlog.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot = runlog.plot(run_dir / "curves.png")
-    merge_trace(run_dir)  # every rank's part: one Chrome trace (Perfetto, chrome://tracing)
-    timeline = draw_timeline(run_dir)
+    timeline = _trace_and_picture(run_dir)
     bar.close()
     get_logger("lockstep.fit").info("run finished: %s", _headline(summary, plot, timeline))
+
+
+def _trace_and_picture(run_dir: Path) -> Path | None:
+    """trace.json from every rank's part (Perfetto, chrome://tracing) and timeline.png; a failure costs the
+    picture, never the run's end (logged)."""
+    try:
+        merge_trace(run_dir)
+        return draw_timeline(run_dir)
+    except (OSError, ValueError) as exc:
+        get_logger("lockstep.fit").warning("no trace.json or timeline.png: %s: %s", type(exc).__name__, exc)
+        return None
 
 
 def _headline(summary: dict[str, Any], plot: Path | None, timeline: Path | None) -> str:

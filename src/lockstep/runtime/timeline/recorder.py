@@ -119,11 +119,14 @@ class Timeline:
             self._clock.timeline = self if on and self.opened else None
 
     def close(self) -> None:
-        """Write the part one last time and stop recording (the run is over)."""
-        if self.opened:
-            self.flush()
-        self.set_enabled(False)
-        self.run_dir = None
+        """Write the part one last time and stop recording (the run is over); detached even when the
+        write fails (OSError propagates)."""
+        try:
+            if self.opened:
+                self.flush()
+        finally:
+            self.set_enabled(False)
+            self.run_dir = None
 
     # ------------------------------------------------------------------ the main thread's hot path
 

@@ -39,6 +39,14 @@ def read_parts(run_dir: Path | str) -> list[dict[str, Any]]:
     return _read_parts(Path(run_dir))[0]
 
 
+def clear_old_parts(run_dir: Path | str, keep: str) -> None:
+    """A fresh run in a run directory that held another: the other run's parts go (all but `keep`'s, this
+    process's own; the other ranks write theirs again every few seconds and at their end)."""
+    for path in (Path(run_dir) / "trace").glob("*.json"):
+        if path.stem != keep:
+            path.unlink(missing_ok=True)
+
+
 def _read_parts(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     parts, skipped = [], []
     for path in sorted((run_dir / "trace").glob("*.json"), key=lambda p: _natural(p.stem)):

@@ -40,7 +40,7 @@ from lockstep.runtime.membership.records import Fault
 from lockstep.runtime.membership.recovery import LiveRecovery, StartUpRecovery
 from lockstep.runtime.process_group import live_group
 from lockstep.runtime.progress import PROGRESS
-from lockstep.runtime.run_account import ACCOUNT
+from lockstep.runtime.run_account import ACCOUNT, restart_attempt
 from lockstep.trainer.run.registry import StateRegistry, Use
 from lockstep.trainer.run.step_driver import Outcome, StepDriver
 
@@ -222,7 +222,11 @@ class LiveLoop:
         return self.registry.snapshot(Use.TRANSFER)
 
     def load_state_dict(self, tree: Mapping[str, Any]) -> None:
+        receiving = isinstance(self.members, Members) and self.members.group.needs_state
+        if not receiving:  # a resume from your own checkpoint: the time since it is no training
+            ACCOUNT.arriving = "restart" if restart_attempt() else "new job"
         self.registry.restore(tree, Use.TRANSFER)
+        ACCOUNT.arriving = "transfer"
 
     def _load_model(self, state: Mapping[str, Any]) -> None:
         with torch.no_grad():

@@ -9,14 +9,16 @@ marks the restart on the timeline.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from lockstep.checkpoint import CheckpointManager
 from lockstep.runtime.collectives import broadcast_object
+from lockstep.runtime.logging import get_logger
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.run_account import ACCOUNT, restart_attempt
-from lockstep.runtime.timeline import TIMELINE
+from lockstep.runtime.timeline import TIMELINE, clear_old_parts, read_parts
 from lockstep.trainer.reporting.run_log import RunLog
 
 
@@ -38,6 +40,7 @@ class RunRecords:
         ACCOUNT.reset()  # the account starts at the run's first step
         member = side.member_id
         key = f"attempt{self.attempt}-member{member}"
+        self.run_dir = run_dir
         TIMELINE.open(run_dir, track=f"member {member} (rank {rank} at start)", key=key)
 
     def load(self, checkpoints: CheckpointManager, entries: dict[str, Any]) -> int | None:
@@ -48,13 +51,23 @@ class RunRecords:
         return checkpoints.load(entries, optional=frozenset({"goodput"}))
 
     def resumed(self, step: int | None, runlog: RunLog, global_batch: int) -> None:
-        """The run resumed at `step` (None: from scratch). Rank 0's log says how far the attempt before had
-        come and what it had lost by then (earlier restarts, which the checkpoint may predate): the steps in
-        between are undone, their samples lost too (and trained again)."""
+        """The run resumed at `step` (None: from scratch). A restart, or a resume from a checkpoint: rank 0's
+        log says how far the attempt before had come and what it had lost by then (earlier restarts, which
+        the checkpoint may predate): the steps in between are undone, their samples lost too (and trained
+        again). A restart with no checkpoint carries on from the crashed attempts' first step. A fresh run
+        leaves no part of an earlier one in its trace."""
+        if step is None and not self.attempt:
+            if runlog.enabled:
+                clear_old_parts(self.run_dir, keep=TIMELINE.key)
+            return
         reached, lost_before = broadcast_object(runlog.last_step())
         if reached > (step or 0):
             ACCOUNT.lose_samples(max(0, lost_before - ACCOUNT.samples_lost))
             ACCOUNT.lose_samples((reached - (step or 0)) * global_batch)
+        if step is None:
+            begun = [p["first_step_wall"] for p in read_parts(self.run_dir) if p.get("first_step_wall")]
+            if begun:
+                ACCOUNT.restarted_from_scratch(min(begun))
         if self.attempt:
             TIMELINE.mark(f"restart {self.attempt} from step {step or 0}", kind="restart", step=step or 0)
 
@@ -65,12 +78,21 @@ class RunRecords:
 
     @staticmethod
     def close() -> None:
-        """The run is over on this rank: its part of the timeline is written one last time."""
-        TIMELINE.close()
+        """The run is over on this rank: its part of the timeline is written one last time (a write that
+        fails costs the trace, never the run: it is logged)."""
+        _last_write(TIMELINE.close)
         PROGRESS.loop_done()
 
     @staticmethod
     def failed() -> None:
-        """The run failed on this rank: its part of the timeline up to here (what the launcher merges)."""
-        TIMELINE.flush()
+        """The run failed on this rank: its part of the timeline up to here (what the launcher merges), and
+        nothing recorded any more; the failure itself propagates whatever the write does."""
+        _last_write(TIMELINE.close)
         PROGRESS.loop_done()
+
+
+def _last_write(close: Callable[[], None]) -> None:
+    try:
+        close()
+    except OSError as exc:
+        get_logger("lockstep.fit").warning("the run's timeline part could not be written: %s", exc)

@@ -99,12 +99,14 @@ class StepDriver:
     def attempt(self, work: Callable[[], T]) -> tuple[Outcome, T | None]:
         """work() once: (DONE, its result), or, a member lost in it, (REDO or ROLLED_BACK, None). The
         work a loss throws away is redone work in the run's account (runtime/run_account.py)."""
-        started = ACCOUNT.point()
+        # the start of what a loss would discard: only where one can happen (NoRecovery: never)
+        started = None if isinstance(self.recovery, NoRecovery) else ACCOUNT.point()
         try:
             return Outcome.DONE, work()
         except FAILURES as exc:
             back_to = self.rollback.marked_at if self.rollback.active else None
-            ACCOUNT.discard(back_to or started)
+            if back_to or started:
+                ACCOUNT.discard(back_to or started)  # type: ignore[arg-type]  # one of them is a Point
             if not self.recovery.recover(exc):
                 raise
         return (Outcome.ROLLED_BACK if self.rollback.active else Outcome.REDO), None
