@@ -51,7 +51,10 @@ def draw_timeline(run_dir: Path | str) -> Path | None:
     except ImportError:
         return None
     t0 = min(p["first_step_wall"] or p["origin_wall"] for p in parts)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6))
+    # taller with many processes (each replacement is one), the whole run's panel more so
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(10, max(6.0, 2.5 + 0.35 * len(parts))), height_ratios=[max(1, len(parts) / 4), 1]
+    )
     _whole_run(top, parts, t0)
     _zoom(bottom, parts, t0)
     fig.tight_layout()
@@ -165,7 +168,8 @@ def _zoom(axis: Any, parts: list[dict[str, Any]], t0: float) -> None:
     lo, hi, what = _zoom_range(parts, sliced, t0)
     colours, user = dict(PHASE_COLOURS), iter(_USER_COLOURS * 4)
     drawn: set[str] = set()
-    for row, (part, cut) in enumerate(zip(parts, sliced)):
+    shown = []  # the processes with something in the zoom (a replacement that came later has nothing)
+    for part, cut in zip(parts, sliced):
         shift = _shift(part, t0)
         pieces: dict[str, list[tuple[float, float]]] = {}
         for start, end, name in cut["phases"]:
@@ -174,20 +178,23 @@ def _zoom(axis: Any, parts: list[dict[str, Any]], t0: float) -> None:
                 pieces.setdefault(name, []).append((a, b - a))
                 if name not in colours:
                     colours[name] = next(user, "#999999")
-        _bars(axis, row, pieces, colours)
-        drawn |= set(pieces)
         waits = [
             (s / 1e6 + shift, (e - s) / 1e6)
             for s, e, _ in cut["waits"]
             if lo < e / 1e6 + shift and s / 1e6 + shift < hi
         ]
+        if pieces or waits:
+            shown.append((part, pieces, waits))
+    for row, (_, pieces, waits) in enumerate(shown):
+        _bars(axis, row, pieces, colours)
+        drawn |= set(pieces)
         axis.broken_barh(
             waits, (row - 0.25, 0.5), facecolors="none", edgecolor="#222222", hatch="////", linewidth=0.3
         )
     for t, _, mark in _marks(parts, t0):
         if lo <= t <= hi:
             axis.axvline(t, color=MARK_COLOURS[mark["kind"]], linewidth=1.2)
-    _rows(axis, parts)
+    _rows(axis, [part for part, _, _ in shown] or parts)
     axis.set_xlim(lo, hi)
     handles = [_patch(colours[n], n) for n in colours if n in drawn]
     handles.append(_patch("none", "collective wait", hatch="////"))
