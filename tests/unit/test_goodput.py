@@ -39,6 +39,13 @@ def _adds_up(summary: dict[str, Any]) -> None:
     assert summary["goodput"] == pytest.approx(summary["training_s"] / summary["goodput_wall_s"], abs=0.02)
 
 
+class Side:
+    """What RunRecords asks of the run's side (trainer/live/live_side.py): member 0, `restarts` before."""
+
+    def __init__(self, restarts: int = 0) -> None:
+        self.member_id, self.restarts = 0, restarts
+
+
 @pytest.fixture
 def account() -> RunAccount:
     PROGRESS.set_phase(FORWARD)
@@ -201,13 +208,10 @@ def test_restarts_from_the_same_checkpoint_add_their_lost_samples_up(tmp_path: P
     """Two restarts resume from the same checkpoint (taken at step 200, nothing lost then): the second
     loses what the first had lost (in rank 0's step file, which the checkpoint predates) and its own."""
 
-    class Side:
-        member_id, restarts = 0, 1
-
     runlog = RunLog(tmp_path, enabled=True)
     at_checkpoint = {**ACCOUNT.state_dict(), "started": time.time(), "samples_lost": 0}
     try:
-        records = RunRecords(tmp_path, Side(), 0)
+        records = RunRecords(tmp_path, Side(restarts=1), 0)
         runlog.reached(300, 0)  # the first attempt came to step 300
         ACCOUNT.load_state_dict(at_checkpoint)
         records.resumed(200, runlog, global_batch=8)
@@ -289,9 +293,6 @@ def test_a_fresh_run_in_a_used_run_directory_loses_nothing_and_leaves_no_old_par
     """Files of an earlier run (its step file, a part of a member this run does not have) are not this
     run's: no samples lost, the old part gone."""
 
-    class Side:
-        member_id, restarts = 0, 0
-
     (tmp_path / "trace").mkdir()
     (tmp_path / "trace" / "attempt1-member5.json").write_text("{}")
     runlog = RunLog(tmp_path, enabled=True)
@@ -310,9 +311,6 @@ def test_a_fresh_run_in_a_used_run_directory_loses_nothing_and_leaves_no_old_par
 def test_a_timeline_that_cannot_be_written_costs_the_trace_not_the_run(tmp_path: Path) -> None:
     """At the run's end or after a failure the last write fails (the trace folder is gone, a file in its
     place): nothing raises, and the timeline stops recording all the same."""
-
-    class Side:
-        member_id, restarts = 0, 0
 
     for end in (RunRecords.close, RunRecords.failed):
         run_dir = tmp_path / end.__name__
