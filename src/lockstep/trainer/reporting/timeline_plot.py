@@ -57,7 +57,7 @@ def draw_timeline(run_dir: Path | str) -> Path | None:
     )
     _whole_run(top, parts, t0)
     _zoom(bottom, parts, t0)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.21, right=0.83, top=0.93, bottom=0.08, hspace=0.45)  # tight_layout: 0.3 s more
     path = run_dir / "timeline.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
