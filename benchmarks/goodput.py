@@ -209,10 +209,7 @@ class RestartStriker:
         if pid is None or not chaos.CPU_CGROUP.is_dir():
             strike.note = "no pid" if pid is None else f"skipped: no cpu cgroup at {chaos.CPU_CGROUP}"
             return
-        group = chaos.CPU_CGROUP / f"lockstep-goodput-{os.getpid()}"
-        group.mkdir(exist_ok=True)
-        (group / "cpu.cfs_period_us").write_text("10000")
-        (group / "cpu.cfs_quota_us").write_text("1000")
+        group = chaos.throttle_group(f"lockstep-goodput-{os.getpid()}")
         try:
             (group / "cgroup.procs").write_text(str(pid))
             strike.hit(victim, self.job)

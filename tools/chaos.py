@@ -363,12 +363,7 @@ class Striker:
         if pid is None or not CPU_CGROUP.is_dir():
             strike.note = "no pid" if pid is None else f"no cpu cgroup at {CPU_CGROUP}"
             return
-        group = CPU_CGROUP / f"lockstep-chaos-{os.getpid()}"
-        group.mkdir(exist_ok=True)
-        # 1 ms of CPU every 10 ms: every step is slowed (a long period would let a few steps run at full
-        # speed and stall one, which the straggler judgement's medians rightly ignore)
-        (group / "cpu.cfs_period_us").write_text("10000")
-        (group / "cpu.cfs_quota_us").write_text("1000")
+        group = throttle_group(f"lockstep-chaos-{os.getpid()}")
         try:
             (group / "cgroup.procs").write_text(str(pid))
             strike.hit(victim, self.job)
@@ -442,6 +437,17 @@ class Striker:
                 return
             time.sleep(0.002)
         strike.note = "no background checkpoint write seen"
+
+
+def throttle_group(name: str) -> Path:
+    """A cgroup that gives what joins it 10% of a core: 1 ms of CPU every 10 ms, so every step is slowed
+    (a long period would let a few steps run at full speed and stall one, which the straggler judgement's
+    medians rightly ignore)."""
+    group = CPU_CGROUP / name
+    group.mkdir(exist_ok=True)
+    (group / "cpu.cfs_period_us").write_text("10000")
+    (group / "cpu.cfs_quota_us").write_text("1000")
+    return group
 
 
 def _release(group: Path) -> None:
