@@ -173,14 +173,21 @@ def _float_run(layout: str) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
     state = {k: v.detach().clone() for k, v in full_tensors(model.state_dict()).items()}
-    return {"state": state, "bytes": handle.stats().extras["bytes_communicated_total"]}
+    extras = handle.stats().extras
+    return {
+        "state": state,
+        "between": extras["bytes_communicated_total"],
+        "in_group": extras["bytes_in_group"],
+    }
 
 
 def test_fsdp2s_own_sums_match_the_replicated_run_up_to_rounding() -> None:
     reference = run_distributed(_float_run, 2, args=("replicated",), timeout=TIMEOUT)[0]["state"]
     for layout, world in (("2", 2), ("2", 4)):
         out = run_distributed(_float_run, world, args=(layout,), timeout=TIMEOUT)[0]
-        assert out["bytes"] > 0  # FSDP2's collectives went through lockstep's tracked comms
+        assert out["in_group"] > 0  # FSDP2's collectives went through lockstep's tracked comms
+        # between the replica groups: none in FSDP (one group), HSDP's all-reduces in HSDP
+        assert (out["between"] > 0) == (world > int(layout)), out["between"]
         for name, value in reference.items():
             torch.testing.assert_close(out["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 

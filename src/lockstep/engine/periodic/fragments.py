@@ -80,9 +80,18 @@ def layers(module: nn.Module, params: Sequence[torch.Tensor]) -> list[list[int]]
 
 
 def layout_fragments(
-    module: nn.Module, params: Sequence[torch.Tensor], count: int, layout: str
+    module: nn.Module,
+    params: Sequence[torch.Tensor],
+    count: int,
+    layout: str,
+    *,
+    held_rows: Sequence[range] | None = None,
 ) -> list[list[Part]]:
-    """The `count` fragments of `params` (module's trainable parameters, in order) in `layout`."""
+    """The `count` fragments of `params` (module's trainable parameters, in order) in `layout`. `held_rows`:
+    a sharded model's, the rows of each parameter that this rank's shard holds; the parts are then views
+    of the local shards, and a fragment is the same set of values as a replicated model's (the "sliced"
+    layout cuts every parameter's rows whole, and each part is the share of its block that the shard
+    holds, empty where it holds none of it)."""
     if layout not in LAYOUTS:
         raise ConfigError(f"SyncPolicy.fragment_layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
     if count == 1:
@@ -102,7 +111,7 @@ def layout_fragments(
         for i, group in enumerate(groups):
             out[i % count] += [Part(j) for j in group]
         return out
-    out = _sliced(params, count)
+    out = _sliced(params, count, held_rows)
     if not all(out):
         raise ConfigError(
             f"SyncPolicy(fragments={count}, fragment_layout='sliced'): the model's parameters give fewer "
@@ -111,9 +120,11 @@ def layout_fragments(
     return out
 
 
-def _sliced(params: Sequence[torch.Tensor], count: int) -> list[list[Part]]:
+def _sliced(
+    params: Sequence[torch.Tensor], count: int, held_rows: Sequence[range] | None = None
+) -> list[list[Part]]:
     """Every parameter's rows in `count` blocks (torch.tensor_split's sizes); a parameter of fewer rows
-    than fragments (or none: a scalar) goes whole, to the fragments in turn."""
+    than fragments (or none: a scalar) goes whole, to the fragments in turn. `held_rows`: layout_fragments'."""
     out: list[list[Part]] = [[] for _ in range(count)]
     turn = 0
     for i, p in enumerate(params):
@@ -126,7 +137,11 @@ def _sliced(params: Sequence[torch.Tensor], count: int) -> list[list[Part]]:
         for block in torch.tensor_split(torch.arange(rows), count):
             bounds.append(bounds[-1] + len(block))
         for f in range(count):
-            out[f].append(Part(i, bounds[f], bounds[f + 1]))
+            start, stop = bounds[f], bounds[f + 1]
+            if held_rows is not None:  # the block's rows in this shard, counted from the shard's first
+                held = held_rows[i]
+                start, stop = (min(max(row, held.start), held.stop) - held.start for row in (start, stop))
+            out[f].append(Part(i, start, stop))
     return out
 
 

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from lockstep.engine.core.outer_codec import Codec, codec_for, for_values
 from lockstep.engine.core.policy import SyncPolicy
@@ -58,7 +59,7 @@ from lockstep.engine.core.sync_algorithms import SyncAlgorithm, parse_sync
 from lockstep.engine.periodic.fragments import Part, due_fragments, layout_fragments
 from lockstep.engine.periodic.fragments import fragment_bounds as fragment_bounds  # re-exported (tests)
 from lockstep.engine.periodic.outer_reduce import ScatteredMean, scatters
-from lockstep.errors import ConfigError, InternalError
+from lockstep.errors import ConfigError, InternalError, NotSupportedError
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.waits import wait_tracked
 
@@ -139,13 +140,17 @@ class OuterSync:
         if kind is None:
             raise InternalError("OuterSync for SyncPolicy(sync='allreduce'): it has no periodic sync")
         self.algorithm: SyncAlgorithm = kind(mix=settings.mix, momentum_warmup=settings.outer_momentum_warmup)
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        trained = [p for p in module.parameters() if p.requires_grad]
+        # A sharded model's (FSDP2's DTensors): this rank's shard of each, which the ranks holding the same
+        # shard in the other replica groups meet on (`group`); views of the parameters' own storage.
+        self.params = [local_shard(p) for p in trained]
         self.names = [name for name, p in module.named_parameters() if p.requires_grad]  # for errors
         self.codec = codec_for(settings.delta_dtype)  # the outer gradients' wire format
         self.buffers = [b for b in module.buffers() if b.is_floating_point()]
         count = settings.fragments if kind.fragmented else 1
+        held = [held_rows(p) for p in trained] if any(isinstance(p, DTensor) for p in trained) else None
         self.fragments: list[list[Part]] = layout_fragments(
-            module, self.params, count, settings.fragment_layout
+            module, trained, count, settings.fragment_layout, held_rows=held
         )
         self.pieces = [
             self.algorithm.fragment(
@@ -345,6 +350,33 @@ class OuterSync:
         else:
             mean = _Mean(shapes, saved["mean"].float().clone())
         return _InFlight(f, int(saved["launched"]), mean)
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's values that this rank holds: a DTensor's local shard (a view of its storage: written in
+    place, the parameter changes), a plain tensor itself."""
+    if isinstance(param, DTensor):
+        return param.to_local().detach()
+    return param
+
+
+def held_rows(param: torch.Tensor) -> range:
+    """The rows of `param` that this rank holds: all of a plain tensor's; a DTensor sharded on its rows over
+    a 1-D mesh (FSDP2's Shard(0)), its chunk (torch.chunk's: ceil(rows / ranks) each, the last ones
+    shorter or empty)."""
+    rows = param.shape[0] if param.dim() > 0 else 0
+    if not isinstance(param, DTensor):
+        return range(rows)
+    mesh, placements = param.device_mesh, param.placements
+    if mesh.ndim != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        raise NotSupportedError(
+            f"a periodic sync on a parameter laid out as {placements} over a {mesh.ndim}-D mesh: only FSDP2's "
+            "rows sharded over one shard group (Shard(0) on a 1-D mesh) are built"
+        )
+    size = -(-rows // mesh.size())
+    start = min(mesh.get_local_rank() * size, rows)
+    local = param.to_local().shape[0] if param.dim() > 0 else 0
+    return range(start, start + local)
 
 
 def in_flight_entries(state: dict[str, Any], inner_steps: int) -> list[dict[str, Any]]:

@@ -4,7 +4,9 @@ A sharded run's collectives are FSDP2's, not the engine's: without these, a rank
 all-gather would leave a hang report with nothing to name. Each call is stamped by runtime/progress.py
 (the same sequence numbers the watchdog compares across ranks: the rank that never issued the collective
 its peers wait in is the culprit) and a synchronous one is waited on through runtime/waits.py. The
-payload is counted for summary.json's comm_bytes.
+payload is counted, inside the shard group and between groups apart (summary.json's comm_bytes_in_group
+and comm_bytes): FSDP2's HSDP all-reduces each reduce-scattered shard across the replica groups itself, with
+no hook to replace it, so its payload (the reduce-scatter's output) is counted where the reduce-scatter runs.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from lockstep.torch_private import FSDPAllGather, FSDPReduceScatter
 
 
 class CommBytes:
-    """The payload a run's FSDP collectives have sent, in bytes (shared by a model's comms)."""
+    """The payload a run's FSDP collectives have sent, in bytes (shared by a model's comms): inside the shard
+    group (`total`), and between the replica groups (`between`: FSDP2's HSDP all-reduces)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, hsdp: bool = False) -> None:
         self.total = 0
+        self.between = 0
+        self.hsdp = hsdp  # FSDP2 all-reduces each reduce-scattered shard across the replica groups
 
 
 class PlainBuffers:
@@ -93,3 +98,5 @@ class TrackedReduceScatter(_Tracked, FSDPReduceScatter):
             input_tensor,
             group,
         )
+        if self.sent.hsdp:  # FSDP2's all-reduce of this shard across the groups follows
+            self.sent.between += output_tensor.numel() * output_tensor.element_size()

@@ -135,7 +135,8 @@ class ShardedExactReducer:
         self.num_micro_batches = 1
         self.active = False  # a step is between begin() and its end
         self.redos = 0
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # inside the shard group
+        self.bytes_between = 0  # across the replica groups
 
     # ---- begin -------------------------------------------------------------------------------------------
 
@@ -300,7 +301,7 @@ class ShardedExactReducer:
                 "allreduce (HSDP exact gradients across replica groups)", (total,), self.replicate_group
             ):
                 wait_watching_membership(dist.all_reduce(total, group=self.replicate_group, async_op=True))
-            self.bytes_sent += total.numel() * total.element_size()
+            self.bytes_between += total.numel() * total.element_size()
         return total
 
     # ---- reduce ------------------------------------------------------------------------------------------

@@ -13,7 +13,15 @@ lockstep adds (ShardHandle):
 - `clip_grad_norm_()`, exact in deterministic mode (engine/deterministic/exact_norm.py);
 - FSDP2's all-gathers and reduce-scatters numbered for the hang watchdog (comms.py);
 - the units chosen by a policy that never splits tied parameters (units.py);
-- `full_state_dict()`, the replicated state's names and values (summary hashes, comparisons).
+- `full_state_dict()`, the replicated state's names and values (summary hashes, comparisons);
+- a periodic sync across the replica groups (ShardPolicy.sync: local SGD, DiLoCo, streaming DiLoCo):
+  FSDP2 shards and reduce-scatters inside each group (a 1-D mesh), each group steps on its own, and every
+  H steps the ranks that hold the same shard in each group meet on it (engine/periodic/outer_sync.py on the
+  local shards, over the replicate group): the bytes between groups are the outer sync's alone.
+
+The bytes a handle sent are counted apart: inside the shard groups (`bytes_in_group`) and between the
+replica groups (`bytes_communicated_total`, summary.json's comm_bytes: HSDP's all-reduces, deterministic
+mode's cross-group sums, or the periodic sync's).
 """
 
 from __future__ import annotations
@@ -31,9 +39,11 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lockstep.engine.core.init_sync import broadcast_coalesced, check_same_model
+from lockstep.engine.core.policy import SyncPolicy
 from lockstep.engine.core.stats import EngineStats
 from lockstep.engine.deterministic.exact_norm import exact_clip_grad_norm_
 from lockstep.engine.deterministic.micro_step import ExactReduction, FloatReduction, MicroSteps
+from lockstep.engine.periodic.outer_sync import OuterSync
 from lockstep.engine.sharded.comms import CommBytes, TrackedAllGather, TrackedReduceScatter
 from lockstep.engine.sharded.exact_scatter import ExactReduceScatter, ShardedExactReducer
 from lockstep.engine.sharded.units import UnitRule, check_shardable, choose_units
@@ -54,12 +64,20 @@ class ShardPolicy:
     deterministic: accumulate() sums exactly: the same bits as a replicated run at any layout.
     units: which submodules are FSDP units: None (each repeated block, else by size: units.py), a set
         of module classes, or a predicate.
+    sync: the replica groups meet every `sync_every` steps instead of every step: a SyncPolicy whose `sync`
+        is local_sgd, diloco or streaming_diloco (its periodic knobs; None or "allreduce": every step).
+        Call `after_optimizer_step()` after each optimizer step. It needs 2 or more replica groups.
     """
+
+    @property
+    def periodic(self) -> bool:
+        return self.sync is not None and self.sync.periodic
 
     shard_degree: int | None = None
     reshard_after_forward: bool = True
     deterministic: bool = False
     units: UnitRule | Iterable[type[nn.Module]] | None = None
+    sync: SyncPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +92,9 @@ class ShardLayout:
 
 
 def shard_layout(shard_degree: int, *, device_type: str, deterministic: bool) -> ShardLayout:
-    """The world cut into world / shard_degree replica groups of shard_degree consecutive ranks."""
+    """The world cut into world / shard_degree replica groups of shard_degree consecutive ranks.
+    `deterministic`: FSDP2 shards over the shard group alone (a 1-D mesh), and what crosses the groups is
+    lockstep's (deterministic mode's exact sums, or a periodic sync)."""
     world = dist.get_world_size()
     replicas = world // shard_degree
     if replicas == 1:
@@ -106,15 +126,38 @@ def shard(module: nn.Module, policy: ShardPolicy = ShardPolicy()) -> ShardHandle
             f"deterministic sharding needs a shard group of 2 or more ranks, got shard_degree {degree} at world "
             f"{world}: use lockstep.replicate(module, policy=SyncPolicy(deterministic=True)) for a replicated model"
         )
+    if policy.periodic:
+        check_periodic(policy, world, degree)
     check_shardable(module)
     agree_on_the_model(module, world)
     device_type = next((p.device.type for p in module.parameters()), "cpu")
     units = choose_units(module, policy.units)
-    layout = shard_layout(degree, device_type=device_type, deterministic=policy.deterministic)
+    own_cross_sums = policy.deterministic or policy.periodic
+    layout = shard_layout(degree, device_type=device_type, deterministic=own_cross_sums)
     for unit in units:
         fully_shard(unit, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)
     fully_shard(module, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)
     return ShardHandle(module, units, layout, policy)
+
+
+def check_periodic(policy: ShardPolicy, world: int, degree: int) -> None:
+    """A periodic sync across the replica groups needs two groups or more, and not what it does not run."""
+    sync = policy.sync.sync if policy.sync is not None else None
+    if world // degree < 2:
+        raise ConfigError(
+            f"ShardPolicy(sync={sync!r}) with shard_degree {degree} at world {world}: one replica group has no "
+            "other to meet; use a shard_degree that makes two groups or more (HSDP), or leave sync at allreduce"
+        )
+    if policy.deterministic:
+        raise NotSupportedError(
+            f"ShardPolicy(sync={sync!r}, deterministic=True): deterministic mode's exact sums are not built for "
+            "the inner steps of a sharded periodic sync; leave deterministic off, or sync every step"
+        )
+    if policy.sync is not None and policy.sync.periodic_settings.warmup_steps:
+        raise NotSupportedError(
+            f"ShardPolicy(sync={sync!r}) with warmup_steps: a sharded model's data-parallel warm-up is HSDP "
+            "itself; leave warmup_steps at 0"
+        )
 
 
 def agree_on_the_model(module: nn.Module, world: int) -> None:
@@ -138,15 +181,26 @@ class ShardHandle:
         self._fsdp: list[FSDPModule] = [*(u for u in units if isinstance(u, FSDPModule))]
         if isinstance(module, FSDPModule):
             self._fsdp.append(module)
-        self.sent = CommBytes()
+        self.sent = CommBytes(hsdp=layout.mesh.ndim == 2)
         self._track_comms(reduce_scatter=not policy.deterministic)
+        # a periodic sync: the groups meet on their local shards, over the ranks holding the same one
+        self.outer = (
+            OuterSync(module, policy.sync, layout.replicate_group, world=layout.replicas)
+            if policy.periodic and policy.sync is not None
+            else None
+        )
         # how the gradients are summed, chosen once: lockstep's exact sums or FSDP2's own
         self.sums: ExactSums | FloatSums = (
             ExactSums(self._exact_sums()) if policy.deterministic else FloatSums(self)
         )
         self.micro_steps = MicroSteps(module, None, rank=self.rank, world=self.world)
-        # deterministic mode replays BatchNorm's running buffers itself (micro_step.RunningStats)
-        self._hooks = StepMarks(module, sync_buffers=not policy.deterministic)
+        # deterministic mode replays BatchNorm's running buffers itself (micro_step.RunningStats); a periodic
+        # sync's groups keep their own (averaged at each round's end), each from its first rank
+        self._hooks = StepMarks(
+            module,
+            sync_buffers=not policy.deterministic,
+            group=layout.shard_group if policy.periodic else None,
+        )
 
     def _exact_sums(self) -> ShardedExactReducer:
         owned = [(m, [p for p in fsdp_unit_params(m) if p.requires_grad]) for m in self._fsdp]
@@ -231,6 +285,48 @@ class ShardHandle:
             "load a checkpoint) to train it replicated"
         )
 
+    # ---- a periodic sync across the replica groups (ShardPolicy.sync) --------------------------------------
+
+    @property
+    def sync_policy(self) -> SyncPolicy | None:
+        """The periodic sync's policy (None: the groups average every step)."""
+        return self.policy.sync if self.outer is not None else None
+
+    def after_optimizer_step(self) -> bool:
+        """A periodic sync: call after each optimizer step (every rank). Counts the step and, every
+        sync_every steps, the groups meet on their shards. True when this call synced (a fragment).
+
+        Raises:
+            NotSupportedError: the groups average every step (no ShardPolicy.sync).
+        """
+        return self._outer("after_optimizer_step()").after_optimizer_step()
+
+    def before_optimizer_step(self) -> bool:
+        """A periodic sync: nothing before the step (a sharded run has no warm-up of its own); False."""
+        self._outer("before_optimizer_step()")
+        return False
+
+    def flush_sync(self) -> bool:
+        """A periodic sync at the end of training: apply the streaming fragments still in flight."""
+        return self._outer("flush_sync()").flush()
+
+    def sync_state_dict(self, *, wait: bool = True) -> dict[str, Any]:
+        """The outer state a resume needs: the steps counted, and this rank's shard of the anchor and of the
+        outer momentum (the same in every replica group; it differs between the ranks of a group)."""
+        return self._outer("sync_state_dict()").state_dict(wait=wait)
+
+    def load_sync_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what sync_state_dict() returned on this rank (the same shard layout)."""
+        self._outer("load_sync_state_dict()").load_state_dict(state)
+
+    def _outer(self, what: str) -> OuterSync:
+        if self.outer is None:
+            raise NotSupportedError(
+                f"{self.tag}{what} belongs to a periodic sync across replica groups; this sharded model's "
+                "groups average every step: shard with ShardPolicy(sync=SyncPolicy(sync='diloco', ...))"
+            )
+        return self.outer
+
     def broadcast_buffers_for_step(self) -> None:
         """Nothing here: every forward with gradients takes rank 0's buffers (StepMarks), as torch's DDP."""
 
@@ -242,7 +338,18 @@ class ShardHandle:
 
     def stats(self) -> EngineStats:
         """The shard layout and the bytes FSDP2's collectives (or deterministic mode's sums) sent."""
-        sent = self.sent.total + self.sums.bytes_sent()
+        between = self.sent.between + self.sums.bytes_between()
+        outer = self.outer
+        extras: dict[str, Any] = {}
+        if outer is not None:
+            between += outer.bytes_sent
+            extras = {
+                "sync": outer.settings.sync,
+                "inner_steps": outer.inner_steps,
+                "outer_syncs": outer.outer_syncs,
+                "warmup_steps": outer.warmup_steps,
+                "fragments": [len(f) for f in outer.fragments],
+            }
         return EngineStats(
             world_size=self.world,
             num_parameters=sum(1 for _ in self.module.parameters()),
@@ -254,10 +361,12 @@ class ShardHandle:
             last=None,
             mean=None,
             extras={
-                "bytes_communicated_total": sent,
+                "bytes_communicated_total": between,  # between the replica groups
+                "bytes_in_group": self.sent.total + self.sums.bytes_sent(),
                 "shard_degree": self.layout.shard_degree,
                 "replica_groups": self.layout.replicas,
                 "steps_redone": self.sums.redos(),
+                **extras,
             },
         )
 
@@ -275,6 +384,9 @@ class ExactSums:
     def bytes_sent(self) -> int:
         return self.reducer.bytes_sent
 
+    def bytes_between(self) -> int:
+        return self.reducer.bytes_between
+
     def redos(self) -> int:
         return self.reducer.redos
 
@@ -289,6 +401,9 @@ class FloatSums:
         self.reduction = FloatReduction(handle)
 
     def bytes_sent(self) -> int:
+        return 0
+
+    def bytes_between(self) -> int:
         return 0
 
     def redos(self) -> int:
@@ -320,9 +435,13 @@ class StepMarks:
     rank 0's buffers (BatchNorm's running statistics), as torch's DDP does: FSDP2 shards parameters only,
     and each rank's buffers would drift apart."""
 
-    def __init__(self, module: nn.Module, *, sync_buffers: bool) -> None:
+    def __init__(
+        self, module: nn.Module, *, sync_buffers: bool, group: dist.ProcessGroup | None = None
+    ) -> None:
         self._queued = False
         self.buffers = list(module.buffers()) if sync_buffers else []
+        self.group = group  # whose first rank's buffers (None: the world's rank 0)
+        self.source = dist.get_global_rank(group, 0) if group is not None else 0
         self.handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
             module.register_forward_hook(self._post_forward),
@@ -331,8 +450,8 @@ class StepMarks:
     def _pre_forward(self, _module: nn.Module, _args: Any) -> None:
         if torch.is_grad_enabled():
             PROGRESS.begin_step()
-            if self.buffers and dist.get_world_size() > 1:
-                broadcast_coalesced(self.buffers, 0, None)
+            if self.buffers and dist.get_world_size(self.group) > 1:
+                broadcast_coalesced(self.buffers, self.source, self.group)
 
     def _post_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
