@@ -177,7 +177,7 @@ def _float_run(layout: str) -> dict[str, Any]:
     return {
         "state": state,
         "between": extras["bytes_communicated_total"],
-        "in_group": extras["bytes_in_group"],
+        "in_group": extras.get("bytes_in_group", 0),
     }
 
 
