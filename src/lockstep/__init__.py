@@ -16,6 +16,8 @@ Modules:
 - nn.py: Public neural-network layers of lockstep: SyncBatchNorm that works on every device and backend.
 - plan.py: The run's plan: which of a run's settings combine, decided once from one table, before any worker
   starts.
+- plan_settings.py: A run's settings as the plan reads them (`RunSettings`), and the checks on their values
+  that no pair of switches states (lockstep/plan.py asks them at every door).
 - plan_table.py: The table of lockstep/plan.py: the run settings as each door names them, and what every pair
   of them does.
 - torch_private.py: Every private name of torch's that lockstep uses, in one place: what it is, why no public

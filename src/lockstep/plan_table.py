@@ -270,10 +270,10 @@ def _rules() -> Iterator[Rule]:
 # Sharding the model (shard_degree > 1: FSDP inside each shard group, torch's FSDP2 fully_shard; HSDP over
 # the world / shard_degree replica groups) against every other setting. A pair not named here runs:
 # deterministic (its exact reduce-scatter; VALUE_CHECKS wants whole micro-batches per rank), clipping,
-# accumulation, restarts (from checkpoints), bf16, the every-step sync, reduce_dtype (SyncPolicy's knob: no
+# accumulation, restarts (from checkpoints), bf16, the every-step sync, the periodic syncs (the replica
+# groups meet every H steps on their shards, in any wire format, streaming's fragments cut over the shards;
+# VALUE_CHECKS wants two groups or more, and no deterministic mode), reduce_dtype (SyncPolicy's knob: no
 # door sets it beside shard_degree today; FSDP2's MixedPrecisionPolicy.reduce_dtype is where it would go).
-_NOT_REPLICAS = "a periodic sync averages whole replicas, and a rank of a shard group holds a shard of one"
-_NO_PERIODIC_SHARDS = "leave shard_degree at 1 for a periodic sync, or sync every step (sync allreduce)"
 _NOT_BUILT_LIVE = "live recovery across sharded replica groups is not built yet (issue 46)"
 _LIVE_INSTEAD = (
     "leave shard_degree at 1 in live mode, or run sharded without live mode (restarts resume it from its "
@@ -298,23 +298,15 @@ def _shard_degree_rules() -> Iterator[Rule]:
     )
     for key in ("live", "live_loop"):
         yield Rule("shard_degree", key, refused, _NOT_BUILT_LIVE, _LIVE_INSTEAD)
-    for sync in SYNC_KEYS:
-        yield Rule("shard_degree", sync, refused, _NOT_REPLICAS, _NO_PERIODIC_SHARDS)
-    for key in (
-        *(f"sync_dtype={d}" for d in QUANTIZED_SYNC_DTYPES),
+    yield Rule(
         "sync_warmup",
-        "fragments",
-        "fragment_delay",
-    ):
-        name = key.partition("=")[0]
-        yield Rule(
-            key,
-            "shard_degree",
-            refused,
-            f"it applies to a periodic sync alone, and {_NOT_REPLICAS}",
-            f"leave {name} at the default, or shard_degree at 1",
-            "does not apply with",
-        )
+        "shard_degree",
+        refused,
+        "a sharded run's groups average every step with HSDP itself: a data-parallel warm-up of its own is "
+        "not built",
+        "leave sync_warmup at 0 (run the warm-up as its own HSDP run, sync allreduce, and resume from it)",
+        "does not apply with",
+    )
     yield Rule(
         "overlap_optimizer",
         "shard_degree",

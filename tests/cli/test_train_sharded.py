@@ -4,7 +4,10 @@
   reach its evaluation loss;
 - with --deterministic the run ends with the same params_sha256 at world 1, replicated 4, FSDP 4, HSDP
   2x2 and FSDP 2; an FSDP 4 run stopped and resumed as FSDP 2, then as a replicated run, ends with the
-  straight run's bits (the checkpoints are DCP's, one shard per rank; one leg saves in the background).
+  straight run's bits (the checkpoints are DCP's, one shard per rank; one leg saves in the background);
+- with --sync diloco (issue 46) the two replica groups meet every H steps on their shards: H times fewer
+  bytes between the groups than HSDP's every-step all-reduce (comm_bytes; FSDP2's inside a group apart),
+  about its eval loss, and a run stopped mid-round resumes to the straight run's bits.
 """
 
 from __future__ import annotations
@@ -67,3 +70,22 @@ def test_deterministic_bits_at_every_layout_and_through_a_resume_across_layouts(
     assert last["steps"] == 6 and last["steps_this_run"] == 2
     assert last["params_sha256"] == whole["params_sha256"]
     assert last["optimizer_sha256"] == whole["optimizer_sha256"]
+
+
+def test_groups_meeting_every_h_steps_send_h_times_fewer_bytes_and_resume_mid_round(tmp_path: Path) -> None:
+    steps, every = ("--batch-size", "8", "--shard-degree", "2"), ("--sync", "diloco", "--sync-every", "4")
+    hsdp = _train(tmp_path / "hsdp", 4, *steps, "--max-steps", "8")
+    diloco = _train(tmp_path / "diloco", 4, *steps, *every, "--max-steps", "8")
+    assert diloco["sync"] == "diloco" and diloco["steps"] == 8
+    # between the groups: HSDP all-reduces every step, DiLoCo meets twice (8 steps, H = 4)
+    assert hsdp["comm_bytes"] >= 4 * diloco["comm_bytes"] > 0, (hsdp["comm_bytes"], diloco["comm_bytes"])
+    assert diloco["comm_bytes_in_group"] > 0 and hsdp["comm_bytes_in_group"] > 0
+    assert diloco["eval_loss"] <= 1.10 * hsdp["eval_loss"], (diloco["eval_loss"], hsdp["eval_loss"])
+    # stopped at step 6, mid-round (the groups differ), and resumed on the same layout
+    resumed = tmp_path / "resumed"
+    _train(resumed, 4, *steps, *every, "--max-steps", "6")
+    last = _train(resumed, 4, *steps, *every, "--max-steps", "8")
+    assert last["steps"] == 8 and last["steps_this_run"] == 2
+    assert last["params_sha256"] == diloco["params_sha256"]
+    assert last["optimizer_sha256"] == diloco["optimizer_sha256"]
+    assert last["outer_sha256"] == diloco["outer_sha256"]

@@ -29,7 +29,8 @@ L2 = {"engine", "data", "checkpoint"}
 ALLOWED: dict[str, set[str] | None] = {
     "errors": set(),
     "torch_private": set(),  # torch's private names, read in one place (imports torch only)
-    "plan": {"errors", "plan_table"},  # the table's module, re-exported by the plan
+    "plan": {"errors", "plan_table", "plan_settings"},  # the table's and the settings' modules, re-exported
+    "plan_settings": {"plan_table"},
     "plan_table": {"errors"},
     "runtime": L0 | {"torch_private"},
     "engine": L0 | L1 | {"plan", "torch_private"},

@@ -94,8 +94,8 @@ def _settings_for(keys: tuple[str, ...]) -> RunSettings:
             values[name] = 1
         elif name in ("fragments", "fragment_delay"):
             values[name] = 2
-        elif name == "shard_degree":  # on a world it divides (VALUE_CHECKS)
-            values.update(shard_degree=2, world_size=2)
+        elif name == "shard_degree":  # on a world it divides into two groups (VALUE_CHECKS)
+            values.update(shard_degree=2, world_size=4)
         else:
             values[name] = True
     return RunSettings(**values)  # type: ignore[arg-type]

@@ -440,20 +440,21 @@ SHARD_PAIRS = [
      "(issue 46); leave shard_degree at 1 in live mode",
      "shard_degree=2 with live mode (--min-world): live recovery across sharded replica groups is not built"),
     (["--sync", "diloco"], {"sync": "diloco"}, False,
-     "--shard-degree 2 with --sync diloco: a periodic sync averages whole replicas, and a rank of a shard "
-     "group holds a shard of one; leave shard_degree at 1 for a periodic sync, or sync every step",
-     "shard_degree=2 with sync='diloco': a periodic sync averages whole replicas"),
+     "--shard-degree 2 with --sync diloco on 2 ranks: a periodic sync is one of replica groups meeting every "
+     "few steps, and a shard degree of the whole world makes one group (FSDP), with no other to meet; use a "
+     "shard degree that makes two groups or more (HSDP), e.g. --shard-degree 1, or sync every step",
+     "shard_degree=2 with sync='diloco' on 2 ranks: a periodic sync is one of replica groups"),
     (["--sync", "streaming_diloco", "--fragments", "2"], {"sync": "streaming_diloco", "fragments": 2}, False,
-     "--shard-degree 2 with --sync streaming_diloco: a periodic sync averages whole replicas",
-     "shard_degree=2 with sync='streaming_diloco': "),
-    (["--sync-warmup", "2"], {"sync_warmup": 2}, False,
-     "--sync-warmup 2 does not apply with --shard-degree 2: it applies to a periodic sync alone, and a "
-     "periodic sync averages whole replicas, and a rank of a shard group holds a shard of one; leave "
-     "sync_warmup at the default, or shard_degree at 1",
+     "--shard-degree 2 with --sync streaming_diloco on 2 ranks: a periodic sync is one of replica groups",
+     "shard_degree=2 with sync='streaming_diloco' on 2 ranks: "),
+    (["--sync", "diloco", "--deterministic", "--global-batch-size", "8"],
+     {"sync": "diloco", "deterministic": True, "global_batch_size": 8}, False,
+     "--shard-degree 2 with --sync diloco on 2 ranks: ",
+     "shard_degree=2 with sync='diloco' on 2 ranks: "),
+    (["--sync", "diloco", "--sync-warmup", "2"], {"sync": "diloco", "sync_warmup": 2}, False,
+     "--sync-warmup 2 does not apply with --shard-degree 2: a sharded run's groups average every step with "
+     "HSDP itself: a data-parallel warm-up of its own is not built; leave sync_warmup at 0",
      "sync_warmup=2 does not apply with shard_degree=2: "),
-    (["--sync-dtype", "int8"], {"sync_dtype": "int8"}, False,
-     "--sync-dtype int8 does not apply with --shard-degree 2: it applies to a periodic sync alone",
-     "sync_dtype='int8' does not apply with shard_degree=2: "),
     (["--precision", "fp16"], {"precision": "fp16"}, False,
      "--precision fp16 with --shard-degree 2: a GradScaler over sharded gradients is not wired; use precision "
      "bf16 (no scaler), or leave shard_degree at 1",

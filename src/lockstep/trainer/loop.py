@@ -176,7 +176,9 @@ class FitRun:
             plan=self.plan,
             restarts=self.side.restarts,
             run=(wall, self.counters.samples - start_samples, self.counters.step - start_step),
-            comm_bytes=comm_bytes_so_far(self.replica.engine) - start_bytes,
+            comm_bytes={
+                k: n - start_bytes.get(k, 0) for k, n in comm_bytes_so_far(self.replica.engine).items()
+            },
         )
         summary.update(bucket_summary(self.replica.engine), **checkpoint_summary(self.checkpoints))
         summary.update(straggler_summary(), **ACCOUNT.summary())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +45,14 @@ def build_summary(
     plan: BatchPlan,
     restarts: int | None,
     run: tuple[float, int, int],
-    comm_bytes: int,
+    comm_bytes: Mapping[str, int],
 ) -> dict[str, Any]:
     """The summary of a run whose state is `state`; `run`: (wall seconds, samples, steps) of this call;
-    `comm_bytes`: the gradient (or, with sync, parameter) payload this rank handed to the engine's
-    collectives in this call (summary.json's comm_bytes, and per sample over all ranks); `restarts`: live
-    mode's whole-job restarts before this attempt (None outside live mode)."""
+    `comm_bytes`: what this rank handed to the engine's collectives in this call (comm_bytes_so_far's
+    counts: summary.json's comm_bytes, and per sample over all ranks; a sharded run's comm_bytes_in_group);
+    `restarts`: live mode's whole-job restarts before this attempt (None outside live mode)."""
     wall, samples, steps = run
+    sent = comm_bytes["comm_bytes"]
     counters, record = state.counters, state.record
     summary = {
         "world_size": world_size,
@@ -60,8 +62,9 @@ def build_summary(
         "samples_this_run": samples,
         "wall_time_s": round(wall, 3),
         "samples_per_second": round(samples / wall, 2) if samples and wall > 0 else None,
-        "comm_bytes": comm_bytes,
-        "comm_bytes_per_sample": round(comm_bytes * world_size / samples, 3) if samples else None,
+        "comm_bytes": sent,
+        "comm_bytes_per_sample": round(sent * world_size / samples, 3) if samples else None,
+        **{k: n for k, n in comm_bytes.items() if k == "comm_bytes_in_group"},
         "sync": config.sync,
         "global_batch_size": plan.global_batch_size,
         "micro_batch_size": plan.micro_batch_size,
@@ -83,10 +86,16 @@ def build_summary(
     return summary
 
 
-def comm_bytes_so_far(engine: Any) -> int:
-    """The gradient (or, with sync, parameter) payload this rank's engine (a replica handle or the drop-in
-    class) has handed to its collectives so far: summary.json's comm_bytes counts it over a run."""
-    return int(engine.stats().extras.get("bytes_communicated_total", 0))
+def comm_bytes_so_far(engine: Any) -> dict[str, int]:
+    """The payload this rank's engine (a replica handle, the drop-in class, a sharded handle) has handed to
+    its collectives so far, by summary.json's name: `comm_bytes`, the gradients (or, with sync, the outer
+    sync's values) between the replicas; a sharded run's are between its replica groups (HSDP's
+    all-reduces, a periodic sync's), and what FSDP2 sends inside a shard group is `comm_bytes_in_group`."""
+    extras = engine.stats().extras
+    sent = {"comm_bytes": int(extras.get("bytes_communicated_total", 0))}
+    if "bytes_in_group" in extras:
+        sent["comm_bytes_in_group"] = int(extras["bytes_in_group"])
+    return sent
 
 
 def publish_summary(summary: dict[str, Any], run_dir: Path, runlog: RunLog, bar: ProgressBar) -> None:

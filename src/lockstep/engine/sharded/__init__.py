@@ -11,6 +11,10 @@ Modules:
   sum.
 - handle.py: `shard(module, policy)`: the model cut into shards with torch's FSDP2, with lockstep's
   guarantees on top.
+- step_marks.py: Where a sharded model's training steps begin and end, for the hang watchdog and the straggler
+  reports.
+- sums.py: How a sharded model's gradients are summed, chosen once per handle: lockstep's exact sums or FSDP2's
+  own.
 - units.py: Which submodules of a model get a `fully_shard` of their own (an FSDP unit each); the rest go to
   the root's.
 """

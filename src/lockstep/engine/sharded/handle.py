@@ -41,16 +41,16 @@ from torch.distributed.tensor import DTensor
 from lockstep.engine.core.init_sync import broadcast_coalesced, check_same_model
 from lockstep.engine.core.policy import SyncPolicy
 from lockstep.engine.core.stats import EngineStats
-from lockstep.engine.deterministic.exact_norm import exact_clip_grad_norm_
-from lockstep.engine.deterministic.micro_step import ExactReduction, FloatReduction, MicroSteps
+from lockstep.engine.deterministic.micro_step import MicroSteps
 from lockstep.engine.periodic.outer_sync import OuterSync
 from lockstep.engine.sharded.comms import CommBytes, TrackedAllGather, TrackedReduceScatter
 from lockstep.engine.sharded.exact_scatter import ExactReduceScatter, ShardedExactReducer
+from lockstep.engine.sharded.step_marks import StepMarks
+from lockstep.engine.sharded.sums import ExactSums, FloatSums
 from lockstep.engine.sharded.units import UnitRule, check_shardable, choose_units
 from lockstep.errors import ConfigError, NotSupportedError, rank_tag
 from lockstep.plan import check_shard_layout
-from lockstep.runtime.progress import BACKWARD, PROGRESS
-from lockstep.torch_private import execution_engine, fsdp_unit_params, pytree
+from lockstep.torch_private import fsdp_unit_params
 
 
 @dataclass(frozen=True)
@@ -371,45 +371,6 @@ class ShardHandle:
         )
 
 
-class ExactSums:
-    """Deterministic mode: lockstep's exact reduce-scatters (exact_scatter.py), the step redone on overflow,
-    clipping with the exact norm."""
-
-    clip = staticmethod(exact_clip_grad_norm_)
-
-    def __init__(self, reducer: ShardedExactReducer) -> None:
-        self.reducer = reducer
-        self.reduction = ExactReduction(reducer)
-
-    def bytes_sent(self) -> int:
-        return self.reducer.bytes_sent
-
-    def bytes_between(self) -> int:
-        return self.reducer.bytes_between
-
-    def redos(self) -> int:
-        return self.reducer.redos
-
-
-class FloatSums:
-    """Otherwise: FSDP2's own reduce-scatter once per step, in each rank's last backward (its bytes are
-    counted by the tracked comms), and torch's clipping."""
-
-    clip = staticmethod(torch.nn.utils.clip_grad_norm_)
-
-    def __init__(self, handle: ShardHandle) -> None:
-        self.reduction = FloatReduction(handle)
-
-    def bytes_sent(self) -> int:
-        return 0
-
-    def bytes_between(self) -> int:
-        return 0
-
-    def redos(self) -> int:
-        return 0
-
-
 def is_sharded(module: nn.Module) -> bool:
     """Whether `module`'s parameters are DTensors (a model `shard()` or torch's fully_shard cut)."""
     return any(isinstance(p, DTensor) for p in module.parameters())
@@ -425,49 +386,3 @@ def full_tensors(state: Any) -> Any:
     if isinstance(state, list):
         return [full_tensors(value) for value in state]
     return state
-
-
-class StepMarks:
-    """Where a sharded model's training steps begin and end, for the hang watchdog and the straggler
-    reports (runtime/progress.py), as the replicated engine marks its own: a forward with gradients
-    begins a step, its backward's first gradient starts the backward phase, and the backward's end ends
-    the step (a callback queued on autograd's engine). With `sync_buffers`, such a forward first takes
-    rank 0's buffers (BatchNorm's running statistics), as torch's DDP does: FSDP2 shards parameters only,
-    and each rank's buffers would drift apart."""
-
-    def __init__(
-        self, module: nn.Module, *, sync_buffers: bool, group: dist.ProcessGroup | None = None
-    ) -> None:
-        self._queued = False
-        self.buffers = list(module.buffers()) if sync_buffers else []
-        self.group = group  # whose first rank's buffers (None: the world's rank 0)
-        self.source = dist.get_global_rank(group, 0) if group is not None else 0
-        self.handles = [
-            module.register_forward_pre_hook(self._pre_forward, prepend=True),
-            module.register_forward_hook(self._post_forward),
-        ]
-
-    def _pre_forward(self, _module: nn.Module, _args: Any) -> None:
-        if torch.is_grad_enabled():
-            PROGRESS.begin_step()
-            if self.buffers and dist.get_world_size(self.group) > 1:
-                broadcast_coalesced(self.buffers, self.source, self.group)
-
-    def _post_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        first = next(
-            (t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None
-        )
-        if first is not None:
-            first.register_hook(self._on_output_grad)
-
-    def _on_output_grad(self, _grad: torch.Tensor) -> None:
-        if not self._queued:
-            self._queued = True
-            PROGRESS.set_phase(BACKWARD)
-            execution_engine.queue_callback(self._end_step)
-
-    def _end_step(self) -> None:
-        self._queued = False
-        PROGRESS.end_step()

@@ -20,6 +20,7 @@ from lockstep.engine import DistributedDataParallel, ReplicaHandle, replicate
 from lockstep.engine.sharded import ShardHandle, ShardPolicy, shard
 from lockstep.runtime.env.topology import Topology
 from lockstep.trainer.run.buckets import fit_policy
+from lockstep.trainer.run.low_comm import engine_policy
 from lockstep.trainer.run.step_driver import StepDriver
 from lockstep.trainer.settings.config import FitConfig
 
@@ -53,10 +54,14 @@ class FitReplica:
         self.followers: list[Follower] = []
         self.model: nn.Module = module
         if config.shard_degree > 1:  # FSDP2 units in shard groups (engine/sharded): the module is the model
+            periodic = engine_policy(
+                config
+            )  # a periodic sync: the replica groups meet every sync_every steps
             cut = ShardPolicy(
                 shard_degree=config.shard_degree,
                 reshard_after_forward=config.reshard_after_forward,
                 deterministic=config.deterministic,
+                sync=periodic if periodic.periodic else None,
             )
             self.handle = start.driver.run(lambda: shard(module, cut))
         elif in_place:
