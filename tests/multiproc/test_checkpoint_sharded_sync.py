@@ -16,13 +16,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.checkpoint import CheckpointManager
+from lockstep.checkpoint import CheckpointManager, compare_checkpoints
+from lockstep.checkpoint.compare import load_checkpoint
 from lockstep.engine.core.policy import SyncPolicy
 from lockstep.engine.sharded import ShardPolicy, full_tensors, shard
 from lockstep.errors import CheckpointError
 from lockstep.jobs.models import TinyGPT
 from lockstep.testing import run_distributed
+from lockstep.trainer.reporting.metrics import TrainMetrics
 from lockstep.trainer.run.low_comm import PeriodicRun
+from lockstep.trainer.run.run_state import RunState
 
 TIMEOUT = 300
 VOCAB = 29
@@ -49,14 +52,36 @@ def _policy(sync: str, degree: int = DEGREE) -> ShardPolicy:
     return ShardPolicy(shard_degree=degree, sync=periodic)
 
 
-def _build(sync: str, seed: int, degree: int = DEGREE) -> dict[str, Any]:
-    """A sharded periodic model, its AdamW, and the checkpoint's state as fit's run registers it."""
+class _Position:
+    """A stand-in for fit's sampler: its position, as a state_dict."""
+
+    def __init__(self) -> None:
+        self.index = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.index = int(state["index"])
+
+
+def _build(sync: str, seed: int, degree: int = DEGREE, registry: bool = False) -> dict[str, Any]:
+    """A sharded periodic model, its AdamW, and the checkpoint's state: the manager's entries as a user gives
+    them, or (`registry`) fit's RunState's, with the periodic run's entries registered as fit does."""
     model = _gpt(seed)
     handle = shard(model, _policy(sync, degree))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     periodic = PeriodicRun(handle, model, optimizer)
-    state = {"model": model, "optimizer": optimizer, "workers": periodic.workers, "progress": {"step": 0}}
-    return {"model": model, "handle": handle, "optimizer": optimizer, "state": state}
+    run = {"model": model, "handle": handle, "optimizer": optimizer}
+    if not registry:
+        state = {"model": model, "optimizer": optimizer, "workers": periodic.workers, "progress": {"step": 0}}
+        return {**run, "state": state}
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    metrics = TrainMetrics("lm", ordered=False)
+    run_state = RunState(model, optimizer, scheduler, scaler, _Position(), metrics)
+    run_state.register_outer_sync(periodic, streaming=sync == "streaming_diloco")
+    return {**run, "state": run_state.registry.checkpoint_entries(), "run_state": run_state}
 
 
 def _train(run: dict[str, Any], start: int, stop: int) -> None:
@@ -68,6 +93,9 @@ def _train(run: dict[str, Any], start: int, stop: int) -> None:
         optimizer.step()
         optimizer.zero_grad()
         handle.after_optimizer_step()
+        if "run_state" in run:  # fit's schedule and counters move on with the steps
+            run["run_state"].scheduler.step()
+            run["run_state"].counters.step = step + 1
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -75,8 +103,8 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in full_tensors(model.state_dict()).items()}
 
 
-def _uninterrupted(sync: str) -> dict[str, Any]:
-    run = _build(sync, seed=0)
+def _uninterrupted(sync: str, registry: bool = False) -> dict[str, Any]:
+    run = _build(sync, seed=0, registry=registry)
     _train(run, 0, SAVE)
     at_save = _full(run["model"])
     _train(run, SAVE, STEPS)
@@ -84,11 +112,12 @@ def _uninterrupted(sync: str) -> dict[str, Any]:
     return {"at_save": at_save, "final": _full(run["model"])}
 
 
-def _save(sync: str, run_dir: str, blocking: bool = True) -> dict[str, Any]:
-    run = _build(sync, seed=0)
+def _save(sync: str, run_dir: str, blocking: bool = True, registry: bool = False) -> dict[str, Any]:
+    run = _build(sync, seed=0, registry=registry)
     _train(run, 0, SAVE)
     in_flight = len(run["handle"].outer.pending)
-    run["state"]["progress"] = {"step": SAVE}
+    if not registry:
+        run["state"]["progress"] = {"step": SAVE}
     manager = CheckpointManager(run_dir)
     manager.save(SAVE, run["state"], blocking=blocking)
     if not blocking:  # every rank's copy is taken: training may change the objects while the write goes on
@@ -97,34 +126,50 @@ def _save(sync: str, run_dir: str, blocking: bool = True) -> dict[str, Any]:
     return {"in_flight": in_flight}
 
 
-def _resume(sync: str, run_dir: str) -> dict[str, torch.Tensor]:
-    run = _build(sync, seed=7)  # other values than the saved run's: the checkpoint must bring them all back
+def _resume(sync: str, run_dir: str, registry: bool = False) -> dict[str, torch.Tensor]:
+    # other values than the saved run's: the checkpoint must bring them all back
+    run = _build(sync, seed=7, registry=registry)
     step = CheckpointManager(run_dir).load(run["state"], required=True)
-    assert step == SAVE and run["state"]["progress"] == {"step": SAVE}
+    progress = run["state"]["progress"]
+    assert step == SAVE and (progress.step if registry else progress) == (
+        SAVE if registry else {"step": SAVE}
+    )
     _train(run, SAVE, STEPS)
     run["handle"].flush_sync()
     return _full(run["model"])
 
 
 @pytest.mark.parametrize(
-    ("sync", "blocking"), [("diloco", True), ("streaming_diloco", True), ("streaming_diloco", False)]
+    ("sync", "blocking", "registry"),
+    [
+        ("diloco", True, False),
+        ("streaming_diloco", True, False),
+        ("streaming_diloco", False, False),  # a background save
+        ("diloco", True, True),  # fit's RunState: its entries, as fit registers a sharded periodic run's
+    ],
 )
 def test_a_sharded_periodic_run_saved_mid_round_resumes_bit_for_bit(
-    sync: str, blocking: bool, tmp_path: Path
+    sync: str, blocking: bool, registry: bool, tmp_path: Path
 ) -> None:
     run_dir = str(tmp_path / "run")
-    reference = run_distributed(_uninterrupted, 4, args=(sync,), timeout=TIMEOUT)
+    reference = run_distributed(_uninterrupted, 4, args=(sync, registry), timeout=TIMEOUT)
     # mid-round the groups differ: one group's shards could not resume the other
     assert any(
         not torch.equal(v, reference[DEGREE]["at_save"][k]) for k, v in reference[0]["at_save"].items()
     )
-    saved = run_distributed(_save, 4, args=(sync, run_dir, blocking), timeout=TIMEOUT)
+    saved = run_distributed(_save, 4, args=(sync, run_dir, blocking, registry), timeout=TIMEOUT)
     if sync == "streaming_diloco":
         assert [s["in_flight"] for s in saved] == [1] * 4  # a fragment's mean in flight at the save
     meta = json.loads((tmp_path / "run/checkpoints/step_000004/meta.json").read_text())
     assert meta["entries"]["workers"]["kind"] == "per_rank"
     assert meta["entries"]["workers"]["layout"] == {"world_size": 4, "shard_degree": DEGREE}
-    resumed = run_distributed(_resume, 4, args=(sync, run_dir), timeout=TIMEOUT)
+    # `lockstep compare` reads every rank's state, by rank
+    step_dir = tmp_path / "run/checkpoints/step_000004"
+    assert sorted(load_checkpoint(step_dir)["workers"]) == ["rank0", "rank1", "rank2", "rank3"]
+    assert compare_checkpoints(step_dir, step_dir).equal
+    if registry:  # the per-rank entry replaces the replicated run's `workers` + rank 0's `outer`
+        assert "outer" not in meta["entries"] and meta["entries"]["scheduler"]["kind"] == "stateful"
+    resumed = run_distributed(_resume, 4, args=(sync, run_dir, registry), timeout=TIMEOUT)
     for rank, final in enumerate(resumed):
         expected = reference[rank]["final"]
         assert final.keys() == expected.keys()

@@ -14,6 +14,7 @@ records it): another layout is refused before anything is loaded.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from lockstep.checkpoint.stateful import RankStateful, resolve
 from lockstep.errors import CheckpointError
 
 PER_RANK = "per_rank"  # meta.json's kind of such an entry
+_KEY = re.compile(r"^(?P<name>[^/]+)/(?P<rank>rank\d+)$")
 
 
 def entries(state: Mapping[str, Any]) -> dict[str, RankStateful]:
@@ -86,3 +88,16 @@ def unpack(directory: Path, name: str, rank: int, loaded: Mapping[str, Any]) -> 
             f"{type(value).__name__}); the checkpoint is damaged or was not written by this version"
         )
     return value[0]
+
+
+def regroup(read: Mapping[str, Any]) -> dict[str, Any]:
+    """A sharded part read whole (sharded.read_whole) with every rank's state of an entry gathered under the
+    entry's name, by rank: {"workers": {"rank0": ..., "rank1": ...}} (what `lockstep compare` walks)."""
+    out: dict[str, Any] = {}
+    for name, value in read.items():
+        match = _KEY.match(name)
+        if match and isinstance(value, tuple) and len(value) == 1:
+            out.setdefault(match["name"], {})[match["rank"]] = value[0]
+        else:
+            out[name] = value
+    return out
