@@ -120,6 +120,8 @@ class PeriodicRun:
         self.handle = handle
         if self.outer is not None:
             self.outer.handle = handle
+        if isinstance(self.workers, ShardedWorkers):
+            self.workers.handle = handle
 
     def summary(self, faults: list[dict[str, Any]]) -> dict[str, Any]:
         """summary.json's entries of a low-communication run: a digest of the outer state (anchors, outer
