@@ -72,7 +72,7 @@ def _build(sync: str, seed: int, degree: int = DEGREE, registry: bool = False) -
     handle = shard(model, _policy(sync, degree))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     periodic = PeriodicRun(handle, model, optimizer)
-    run = {"model": model, "handle": handle, "optimizer": optimizer}
+    run = {"model": model, "handle": handle, "optimizer": optimizer, "periodic": periodic}
     if not registry:
         state = {"model": model, "optimizer": optimizer, "workers": periodic.workers, "progress": {"step": 0}}
         return {**run, "state": state}
@@ -116,6 +116,7 @@ def _save(sync: str, run_dir: str, blocking: bool = True, registry: bool = False
     run = _build(sync, seed=0, registry=registry)
     _train(run, 0, SAVE)
     in_flight = len(run["handle"].outer.pending)
+    round_end = run["periodic"].at_round_end()  # read through ShardHandle.sync_policy
     if not registry:
         run["state"]["progress"] = {"step": SAVE}
     manager = CheckpointManager(run_dir)
@@ -123,7 +124,7 @@ def _save(sync: str, run_dir: str, blocking: bool = True, registry: bool = False
     if not blocking:  # every rank's copy is taken: training may change the objects while the write goes on
         _train(run, SAVE, SAVE + 1)
         manager.wait()
-    return {"in_flight": in_flight}
+    return {"in_flight": in_flight, "round_end": round_end}
 
 
 def _resume(sync: str, run_dir: str, registry: bool = False) -> dict[str, torch.Tensor]:
@@ -158,6 +159,7 @@ def test_a_sharded_periodic_run_saved_mid_round_resumes_bit_for_bit(
         not torch.equal(v, reference[DEGREE]["at_save"][k]) for k, v in reference[0]["at_save"].items()
     )
     saved = run_distributed(_save, 4, args=(sync, run_dir, blocking, registry), timeout=TIMEOUT)
+    assert [s["round_end"] for s in saved] == [False] * 4
     if sync == "streaming_diloco":
         assert [s["in_flight"] for s in saved] == [1] * 4  # a fragment's mean in flight at the save
     meta = json.loads((tmp_path / "run/checkpoints/step_000004/meta.json").read_text())
