@@ -1,5 +1,5 @@
 """Atomic, rank-0-written, weights_only-loadable checkpoints of everything a run needs to continue exactly
-(a sharded run's models and optimizers: written by every rank, its own shards).
+(a sharded run's models and optimizers, and entries held rank by rank: written by every rank, its own).
 
 Public: `CheckpointManager(run_dir, keep=3)` (save, load, steps), `CheckpointLayout` (where a run's
 checkpoints live on disk) and `Stateful` (the state_dict()/load_state_dict() protocol every entry follows;
@@ -21,6 +21,9 @@ Modules:
   valid one.
 - meta.py: meta.json: what a checkpoint directory holds (step, world size, versions, each file's size and
   sha256).
+- rank_part.py: Entries held rank by rank (each rank's own state, e.g. a sharded periodic run's shards
+  mid-round): written by every rank into the sharded part under its rank, read back by that rank at the same
+  layout only.
 - rng.py: Random number generator states (python, numpy, torch, cuda) as plain JSON, captured and restored per
   rank.
 - serialize.py: A checkpoint's entries read from the run's objects, the bytes of its files, and the way back

@@ -22,6 +22,7 @@ import safetensors.torch
 import torch
 
 from lockstep.checkpoint.layout import META, SHARDED, STATE, TENSORS_SUFFIX, CheckpointLayout, parse_step
+from lockstep.checkpoint.rank_part import regroup
 from lockstep.checkpoint.sharded import read_whole
 from lockstep.errors import CheckpointError, ConfigError
 
@@ -111,8 +112,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     directory."""
     directory = _checkpoint_dir(Path(path))
     entries: dict[str, Any] = {}
-    if (directory / SHARDED).is_dir():  # a sharded run's models and optimizers, read whole
-        entries.update(read_whole(directory))
+    if (directory / SHARDED).is_dir():  # a sharded run's models and optimizers (and per-rank states), whole
+        entries.update(regroup(read_whole(directory)))
     for file in sorted(directory.glob(f"*{TENSORS_SUFFIX}")):
         entries[file.name[: -len(TENSORS_SUFFIX)]] = safetensors.torch.load_file(str(file))
     state_file = directory / STATE

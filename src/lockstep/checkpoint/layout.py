@@ -8,8 +8,8 @@ run_dir/checkpoints/
         rng.json            every rank's RNG states (python, numpy, torch, cuda)
         sharded/            a sharded run's models and optimizers (DTensor parameters: FSDP2, HSDP),
             .metadata       written by every rank through torch.distributed.checkpoint: one file of
-            __0_0.distcp    shards per rank, and DCP's index (the optimizer keyed by parameter name)
-            __1_0.distcp
+            __0_0.distcp    shards per rank, and DCP's index (the optimizer keyed by parameter name);
+            __1_0.distcp    an entry held rank by rank: each rank's own state, under `<entry>/rank<r>`
         meta.json           step, world size, versions, size and sha256 of each file; written last
     latest                  the name of the newest checkpoint directory (for people and tools)
     .tmp-step_000600-...    a checkpoint being written (never loaded; removed by the next save)

@@ -4,7 +4,9 @@ Replicated entries (rank 0's files) load as they always have. A checkpoint's sha
 through torch.distributed.checkpoint into the layout of the state's models, whatever it is: another mesh, HSDP,
 or a plain replicated model, which reads whole tensors. A replicated checkpoint's model and optimizer load into
 a sharded model whole: the optimizer's index keys are named after the model's parameters, and torch's
-set_state_dict(..., full_state_dict=True) keeps this rank's shards. Every check runs before anything changes.
+set_state_dict(..., full_state_dict=True) keeps this rank's shards. An entry held rank by rank (rank_part.py)
+is read by each rank from its own key, in the same read, at the layout it was saved at only, and loaded after
+the models and optimizers (its state overrides theirs). Every check runs before anything changes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.checkpoint import layout as paths
-from lockstep.checkpoint import rng, sharded
+from lockstep.checkpoint import rank_part, rng, sharded
 from lockstep.checkpoint.meta import read_meta
 from lockstep.checkpoint.serialize import load_plan
 from lockstep.errors import CheckpointError
@@ -34,6 +36,7 @@ class Loading:
         ] = {}  # model entry: [pair, full model state, FQN-keyed optimizer state]
         self.part: list[sharded.Pair] = []  # pairs loaded from the sharded part (DCP)
         self.template: dict[str, Any] = {}  # their current states: the layout DCP reads into
+        self.ranked: dict[str, Any] = {}  # entries held rank by rank (rank_part.py): this rank's own state
 
 
 def _part_pairs(
@@ -63,6 +66,16 @@ def _set(
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint {directory}: state[{name!r}] rejected its saved state: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _load_own(directory: Path, name: str, target: Any, state: dict[str, Any]) -> None:
+    try:
+        target.load_state_dict(state)
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint {directory}: state[{name!r}] ({type(target).__name__}) rejected this rank's saved "
+            f"state: {type(exc).__name__}: {exc}"
         ) from exc
 
 
@@ -115,9 +128,14 @@ def prepare(
                 model_state = sharded.get_model_state_dict(pair.module)
             sharded.check_model(directory, pair.model_name, model_state, shapes)
             loading.template[pair.model_name] = model_state
+    # Entries held rank by rank: this rank reads its own state, in the same DCP read as the sharded part
+    from_ranks = [n for n in state if entries[n].get("kind") == rank_part.PER_RANK]
+    for name in from_ranks:
+        loading.ranked[name] = rank_part.check(directory, name, state[name], entries[name])
+        loading.template[rank_part.key(name, get_rank())] = None  # a value stored whole (not a tensor)
     # A replicated checkpoint's entries (rank 0's files): read and checked as always; a sharded model and
     # its optimizer then take them whole (the optimizer's index keys named after the parameters).
-    rest = {n: state[n] for n in state if n not in from_part}
+    rest = {n: state[n] for n in state if n not in from_part and n not in from_ranks}
     whole = {p.model_name: p for p in pairs.sharded if p.model_name in rest}
     whole.update({p.optimizer_name: p for p in whole.values() if p.optimizer_name in rest})
     for name, target, loaded in load_plan(directory, entries, rest):
@@ -146,11 +164,14 @@ def apply(loading: Loading, state: MutableMapping[str, Any], log: logging.Logger
     # rejects afterwards raises there, and the ranks meet again only in the load's agreement.
     for name, (pair, model_state, optimizer_state) in loading.whole.items():
         _set(directory, name, pair, model_state, optimizer_state, full=True)
-    if loading.part:
+    if loading.template:
         loaded = sharded.read(directory, loading.template)
         for pair in loading.part:
             optimizer_state = loaded.get(pair.optimizer_name or "")
             _set(directory, pair.model_name, pair, loaded[pair.model_name], optimizer_state, full=False)
+        # after the models and optimizers: a rank's own state overrides what the part's shared shards gave
+        for name, target in loading.ranked.items():
+            _load_own(directory, name, target, rank_part.unpack(directory, name, get_rank(), loaded))
     for name, target, loaded_state in loading.plan:
         if target is None:
             state[name] = loaded_state

@@ -89,22 +89,23 @@ class CheckpointManager:
         write is in flight). Either way a failure leaves the checkpoints already there untouched.
 
         A model whose parameters are DTensors (FSDP2, HSDP) and its optimizer are written by every rank, each
-        its own shards, into the checkpoint's `sharded/` directory (see checkpoint/sharded.py); rank 0
+        its own shards, into the checkpoint's `sharded/` directory (see checkpoint/sharded.py), and so is an
+        entry held rank by rank (a RankStateful: each rank's own state, checkpoint/rank_part.py); rank 0
         publishes the checkpoint once every rank's part is written. In the background, every rank copies its
         shards to CPU memory and writes them on a thread, over a gloo group of the manager's own.
         """
         start = time.monotonic()
         try:
             _check_save(step, state, self._tag())
-            part = sharded.pair_entries(state).sharded  # models with DTensor parameters, and their optimizers
             _check_sharded(state, self._tag())
             for obj in state.values():
                 gather_state(obj)  # a sharded optimizer's full state, collected on rank 0 (the writer)
             # Every rank's random streams, to rank 0 (and the rest), in the same collective that settles the
             # background write in flight: a background save stops training for one collective and a copy.
             rngs = self._settle(rng.capture())
-            if part:
-                self._save_sharded(step, state, part, rngs, blocking)
+            part = sharded_save.split(state)  # sharded models and optimizers, entries held rank by rank
+            if part is not None:
+                self._save_sharded(step, part, rngs, blocking)
             elif blocking:
                 self._agree(step, self._on_writer(lambda: self._write(step, collect(state), rngs)))
                 self.written += 1
@@ -163,16 +164,12 @@ class CheckpointManager:
 
     # ---- the sharded part (checkpoint/sharded.py) -------------------------------------------------------
 
-    def _save_sharded(
-        self, step: int, state: Mapping[str, Any], part: list[sharded.Pair], rngs: list[Any], blocking: bool
-    ) -> None:
-        """Every rank writes its shards of the part's models and optimizers into the temp directory rank 0
-        made; rank 0 then writes the other entries and meta.json there and publishes it (blocking: now, else
-        on the writer threads, settled as any background write)."""
-        names = {name for pair in part for name in pair.names}
-        rest = {name: obj for name, obj in state.items() if name not in names}
-        described = sharded.describe(part)
-        shards = sharded.state_dicts(part)
+    def _save_sharded(self, step: int, part: sharded_save.Part, rngs: list[Any], blocking: bool) -> None:
+        """Every rank writes its shards of the part's models and optimizers, and its own state of the entries
+        held rank by rank (checkpoint/rank_part.py), into the temp directory rank 0 made; rank 0 then writes
+        the other entries and meta.json there and publishes it (blocking: now, else on the writer threads,
+        settled as any background write)."""
+        rest, described, shards = part.rest, part.described, part.shards
         if blocking:
             made = broadcast_object(sharded_save.prepare_temp(self.dirs, step) if get_rank() == 0 else None)
             temp = sharded_save.temp_or_raise(step, made, self._tag())

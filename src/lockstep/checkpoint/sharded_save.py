@@ -1,5 +1,5 @@
-"""A sharded checkpoint's part written by every rank: each rank's shards through torch.distributed.checkpoint
-into the temp directory rank 0 made, its share of the files hashed, and every rank's outcome gathered so that
+"""A sharded checkpoint's part written by every rank: each rank's shards (and its own state of the entries held
+rank by rank, rank_part.py) through torch.distributed.checkpoint into the temp directory rank 0 made, its share of the files hashed, and every rank's outcome gathered so that
 all raise the same CheckpointError, or rank 0 learns every file's size and sha256 for meta.json.
 
 Blocking saves gather on the run's group (the main thread); background saves run on each rank's writer
@@ -9,18 +9,45 @@ training's.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from lockstep.checkpoint import sharded
+from lockstep.checkpoint import rank_part, sharded
 from lockstep.checkpoint.background import describe_error
 from lockstep.checkpoint.directories import StepDirectories
 from lockstep.checkpoint.layout import step_dirname
 from lockstep.checkpoint.storage import remove_quietly
 from lockstep.errors import CheckpointError
 from lockstep.runtime import all_gather_object, get_rank, get_world_size
+
+
+@dataclass
+class Part:
+    """A save's sharded part: this rank's values for DCP (`shards`), what meta.json says of their entries
+    (`described`), and the state's other entries (`rest`, rank 0's files)."""
+
+    shards: dict[str, Any]
+    described: dict[str, Any]
+    rest: dict[str, Any]
+
+
+def split(state: Mapping[str, Any]) -> Part | None:
+    """`state` cut into its sharded part (models with DTensor parameters and their optimizers, entries held
+    rank by rank) and the rest; None when it has no sharded part (rank 0 writes everything)."""
+    pairs = sharded.pair_entries(state).sharded
+    ranked = rank_part.entries(state)
+    if not (pairs or ranked):
+        return None
+    names = {name for pair in pairs for name in pair.names} | set(ranked)
+    return Part(
+        shards={**sharded.state_dicts(pairs), **rank_part.state_dicts(ranked, get_rank())},
+        described={**sharded.describe(pairs), **rank_part.describe(ranked, get_world_size())},
+        rest={name: obj for name, obj in state.items() if name not in names},
+    )
 
 
 def prepare_temp(dirs: StepDirectories, step: int) -> tuple[str, str]:

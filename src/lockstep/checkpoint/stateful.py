@@ -3,7 +3,8 @@
 Checkpoints never import the engine or the data package. A wrapped model (torch's or lockstep's
 DistributedDataParallel, or anything whose state_dict keys all start with `module.`) is stored under its
 unprefixed keys and loads back into wrapped and bare models alike; a handle without state_dict() of its
-own (lockstep.replicate) is reached through its `.module`.
+own (lockstep.replicate) is reached through its `.module`. An entry whose state is each rank's own
+(`RankStateful`: a sharded periodic run's shards mid-round) is written by every rank, under its rank.
 """
 
 from __future__ import annotations
@@ -25,6 +26,21 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@runtime_checkable
+class RankStateful(Protocol):
+    """An entry whose state differs from rank to rank (each rank's own, none gathered): state_dict() gives this
+    rank's, and load_state_dict() takes back what this rank saved. It loads only at the layout it was saved at
+    (`rank_layout()`, recorded in meta.json); `layout_refusal(saved)` says why another cannot, and what to do."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+    def rank_layout(self) -> dict[str, Any]: ...
+
+    def layout_refusal(self, saved: dict[str, Any]) -> str: ...
 
 
 def resolve(obj: Any) -> Any:

@@ -42,6 +42,13 @@ class ReplicaHandle(JoinableReplica):
     def policy(self) -> SyncPolicy:
         return self._replica.policy
 
+    @property
+    def sync_policy(self) -> SyncPolicy | None:
+        """The periodic sync's policy (None: the replicas average every step), as ShardHandle.sync_policy: the
+        one name both handles answer to."""
+        policy = self._replica.policy
+        return policy if policy.periodic else None
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Forwards inside accumulate gradients locally; the next synced backward reduces the sum."""

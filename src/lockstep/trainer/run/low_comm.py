@@ -2,7 +2,7 @@
 
 `engine_policy` turns the run's settings into the replica's SyncPolicy (engine/periodic/outer_sync.py does the
 rounds); `PeriodicRun` holds what a periodic run adds to fit: the handle that syncs after each optimizer
-step, and two checkpoint entries.
+step (a replica's, or a sharded model's: ShardPolicy.sync), and its checkpoint entries.
 
 Between outer syncs the replicas differ: each has its own parameters, and always its own inner
 optimizer state (DiLoCo never averages the inner AdamW moments). A rank-0 checkpoint of one replica
@@ -14,6 +14,12 @@ another world size only from a round's end (every replica equal; WorkerStates sa
 
 The gather relies on every rank's state having the same structure as rank 0's: the same model and the
 same optimizer, stepped the same number of times, which the lockstep of the steps guarantees.
+
+A sharded periodic run (replica groups of FSDP2 shards meeting every H steps) has no such structure to
+gather: inside a group every rank holds other rows (uneven ones too), and the outer state (anchors, outer
+momentum, means in flight) is kept on each rank's local shards. Its one entry, `workers` (ShardedWorkers),
+is held rank by rank (checkpoint/rank_part.py): every rank writes its own shards, inner optimizer state and
+outer state into the sharded part and reads them back itself, at the same world size and shard degree only.
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lockstep.checkpoint.compare import state_sha256
 from lockstep.engine.core.policy import SyncPolicy
 from lockstep.engine.core.sync_algorithms import is_periodic
+from lockstep.engine.periodic.outer_sync import local_shard
+from lockstep.engine.sharded.handle import ShardHandle
 from lockstep.errors import ConfigError
 from lockstep.plan import QUANTIZED_SYNC_DTYPES
 from lockstep.runtime.collectives import comm_device
@@ -63,18 +72,31 @@ def engine_policy(config: FitConfig) -> SyncPolicy:
 
 
 class PeriodicRun:
-    """What a low-communication run adds to fit: its replica handle and its two checkpoint entries."""
+    """What a low-communication run adds to fit: its handle and its checkpoint entries (a replica's: `workers`,
+    gathered to rank 0, and `outer`; a sharded model's: `workers` alone, held rank by rank)."""
 
     def __init__(self, handle: Any, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.handle = handle
-        self.workers = WorkerStates(module, optimizer, at_round_end=self.at_round_end)
-        self.outer = OuterState(handle)
+        self.sharded = isinstance(handle, ShardHandle)
+        self.workers: WorkerStates | ShardedWorkers
+        self.outer: OuterState | None
+        if self.sharded:
+            algorithm = handle.sync_policy.algorithm if handle.sync_policy is not None else None
+            # a streaming mean in flight is saved as this rank's contribution (sent again on load), not
+            # waited for, as the replicated run's `outer` entry does
+            streaming = algorithm is not None and algorithm.delayed
+            self.workers, self.outer = ShardedWorkers(module, optimizer, handle, wait=not streaming), None
+        else:
+            self.workers = WorkerStates(module, optimizer, at_round_end=self.at_round_end)
+            self.outer = OuterState(handle)
         self.final_merge_applied = False
 
     def at_round_end(self) -> bool:
         """Every replica equal: the last inner step ended a round (local_sgd and diloco; streaming DiLoCo's
         replicas never are, its fragments' outer steps being merged into values that moved on)."""
-        policy = self.handle.policy
+        policy = self.handle.sync_policy
+        if policy is None:
+            return True  # every step syncs
         inner_steps = int(self.handle.stats().extras["inner_steps"])
         algorithm = policy.algorithm
         warmup = int(self.handle.stats().extras["warmup_steps"])
@@ -96,12 +118,17 @@ class PeriodicRun:
     def rebind(self, handle: Any) -> None:
         """Live mode: the replica was rebuilt on a new group; the outer state lives in the new handle."""
         self.handle = handle
-        self.outer.handle = handle
+        if self.outer is not None:
+            self.outer.handle = handle
+        if isinstance(self.workers, ShardedWorkers):
+            self.workers.handle = handle
 
     def summary(self, faults: list[dict[str, Any]]) -> dict[str, Any]:
         """summary.json's entries of a low-communication run: a digest of the outer state (anchors, outer
         momentum, a mean in flight: the same bits on every rank), and in live mode the samples whose
-        contribution a lost member took with it (streaming DiLoCo: the faults' `dropped`)."""
+        contribution a lost member took with it (streaming DiLoCo: the faults' `dropped`). A sharded run's
+        outer state is each rank's shard: its digest is rank 0's shard's (the same as the other groups' first
+        ranks' at a round's end), computed without a collective as the replicated one is."""
         outer = self.handle.sync_state_dict()
         digest = state_sha256({key: outer[key] for key in ("inner_steps", "anchor", "outer", "pending")})
         dropped = sum(int(fault.get("dropped", {}).get("samples", 0)) for fault in faults)
@@ -112,8 +139,10 @@ class PeriodicRun:
         }
 
     def before_save(self) -> None:
-        """On every rank: every rank's own state, to rank 0 (the replicas differ mid-round)."""
-        self.workers.collect()
+        """On every rank: every rank's own state, to rank 0 (the replicas differ mid-round); nothing for a
+        sharded run, whose every rank writes its own."""
+        if isinstance(self.workers, WorkerStates):
+            self.workers.collect()
 
 
 class WorkerStates:
@@ -182,6 +211,120 @@ class WorkerStates:
         with torch.no_grad():
             self.module.load_state_dict(mine["model"])
         self.optimizer.load_state_dict(mine["optimizer"])
+
+
+class ShardedWorkers:
+    """The `workers` entry of a sharded periodic run's checkpoint, held rank by rank (a RankStateful:
+    checkpoint/rank_part.py): this rank's local shards of the model, its inner optimizer's state on them and
+    its outer sync state (inner steps, anchors, outer momentum, means in flight), written by this rank and
+    read back by it. It overrides what the checkpoint's sharded `model` and `optimizer` entries load, which
+    DCP wrote from one replica group only (it dedups the groups' equal-named shards).
+
+    Mid-round the replica groups differ, and inside a group every rank holds other rows; the outer state is
+    kept on local shards, which another layout would cut otherwise: it loads at the world size and shard
+    degree it was saved at only (`layout_refusal` says how to resume).
+    """
+
+    def __init__(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, handle: Any, *, wait: bool = True
+    ) -> None:
+        self.module, self.optimizer, self.handle = module, optimizer, handle
+        self.wait = wait  # wait for a streaming mean in flight (False: save this rank's contribution)
+
+    def rank_layout(self) -> dict[str, Any]:
+        return {"world_size": int(self.handle.world), "shard_degree": int(self.handle.layout.shard_degree)}
+
+    def layout_refusal(self, saved: dict[str, Any]) -> str:
+        world, degree = saved.get("world_size"), saved.get("shard_degree")
+        here = self.rank_layout()
+        return (
+            f"this checkpoint of a sharded periodic run was saved on {world} ranks in groups of {degree} "
+            f"(each rank's own shards, inner optimizer and outer state, mid-round); this run has "
+            f"{here['world_size']} ranks in groups of {here['shard_degree']}: resume with -n {world} "
+            f"--shard-degree {degree}"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": {name: t.detach().clone() for name, t in _local_values(self.module).items()},
+            "optimizer": _local_optimizer_state(self.optimizer),
+            "outer": dict(self.handle.sync_state_dict(wait=self.wait)),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"model", "optimizer", "outer"} - set(state)
+        if missing:
+            raise ConfigError(
+                f"this `workers` state lacks {sorted(missing)}: it is not a sharded periodic run's (a replicated "
+                "periodic run's checkpoint does not resume a sharded one); resume with the settings it was saved with"
+            )
+        _load_local_values(self.module, state["model"])
+        self.optimizer.load_state_dict(_sharded_optimizer_state(self.optimizer, state["optimizer"]))
+        self.handle.load_sync_state_dict(state["outer"])
+
+
+def _local_values(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's and buffer's values that this rank holds (a DTensor's local shard: a view of its
+    storage, so that writing into it changes the parameter), by name."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return {name: local_shard(t) for name, t in named}
+
+
+def _load_local_values(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's saved values into its local shards, after checking that every name and shape fits."""
+    mine = _local_values(module)
+    wrong = sorted(set(mine) ^ set(saved)) + [
+        f"{name} {list(saved[name].shape)} vs {list(t.shape)}"
+        for name, t in mine.items()
+        if name in saved and saved[name].shape != t.shape
+    ]
+    if wrong:
+        raise ConfigError(
+            f"this rank's saved shards do not fit its model ({', '.join(wrong[:8])}): load a checkpoint of this "
+            "model, at the layout it was saved at"
+        )
+    with torch.no_grad():
+        for name, t in mine.items():
+            t.copy_(saved[name])
+
+
+def _local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state_dict() with every DTensor replaced by this rank's local values (a copy); "dtensors"
+    names the (parameter index, key) of each, to be made DTensors again on load."""
+    saved = optimizer.state_dict()
+    state: dict[int, dict[str, Any]] = {}
+    dtensors: list[list[Any]] = []
+    for index, values in saved["state"].items():
+        state[index] = {}
+        for key, value in values.items():
+            if isinstance(value, DTensor):
+                dtensors.append([index, key])
+                value = value.to_local()
+            state[index][key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+    return {"state": state, "param_groups": saved["param_groups"], "dtensors": dtensors}
+
+
+def _sharded_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """What _local_optimizer_state() gave, with its local values made DTensors again on their parameters'
+    mesh and placements (the optimizer steps DTensor parameters with DTensor state)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {index: dict(values) for index, values in saved["state"].items()}
+    for index, key in saved["dtensors"]:
+        param = params[int(index)]
+        if not isinstance(param, DTensor):
+            raise ConfigError(
+                f"the optimizer's saved state {key!r} of parameter {index} is a shard, but the parameter is not "
+                "sharded here: load at the layout the checkpoint was saved at"
+            )
+        state[index][key] = DTensor.from_local(
+            state[index][key],
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    return {"state": state, "param_groups": saved["param_groups"]}
 
 
 class OuterState:

@@ -8,7 +8,8 @@ live mode the metric rows pending since the last log). It registers each of them
 `StateRegistry` (trainer/run/registry.py), which does every snapshot and restore:
 
 - a checkpoint holds `model`, `optimizer`, `scheduler`, `scaler`, `sampler` and `progress` (the
-  counters; the names older checkpoints use too), and a low-communication run's `workers` and `outer`;
+  counters; the names older checkpoints use too), and a low-communication run's `workers` and `outer`
+  (a sharded one's `workers` alone, held rank by rank: trainer/run/low_comm.py's ShardedWorkers);
 - a replacement receives those (the optimizer's param groups only when it is sharded: its state follows
   in regroup()), less `workers`, plus the record, the faults and the metric rows' positions: a run resumed
   from disk is a new process lifetime that starts its record afresh, whereas a replacement joins the run
@@ -139,9 +140,15 @@ class RunState:
         state in `workers` replaces rank 0's on a checkpoint's load): every rank's state, in checkpoints
         only; the outer sync state (`outer`, an OuterState: its handle follows the rebuilt replica). A
         streaming run's mean in flight is kept as this rank's contribution, not waited for (a mark is taken
-        at each fragment's sync); a replacement joins after that mean is back (LiveRounds.settle)."""
+        at each fragment's sync); a replacement joins after that mean is back (LiveRounds.settle).
+
+        A sharded periodic run (periodic.sharded) registers `workers` alone: every rank's own shards, inner
+        optimizer and outer state, written and read back by that rank (ShardedWorkers), in checkpoints only
+        (its state is no replacement's or rollback's: live mode does not run sharded)."""
         workers, outer = periodic.workers, periodic.outer
         self.registry.register("workers", workers, uses=Use.CHECKPOINT)
+        if outer is None:
+            return
         self.registry.register_state_dict_fn(
             "outer",
             outer.load_state_dict,
