@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,10 @@ class Settings:
     job_args: tuple[str, ...] = DIGITS_ARGS  # the job's own settings, after --deterministic
     checkpoint_every: int = 40
     live: bool = True  # False: --max-restarts restarts the whole job (no --min-world, no --evict-stragglers)
+    ranks: int = LAUNCHED
+    # the fault-free run's ranks: the launched world (its wall time is the report's baseline), or fewer,
+    # where only its bits matter (deterministic mode's are the same at any world size: the test's 1)
+    reference_ranks: int = LAUNCHED
 
     def command(self, run_dir: Path) -> list[str]:
         live = ["--min-world", str(MIN_WORLD)] if self.live else []
@@ -97,7 +101,7 @@ class Settings:
             "train",
             self.job,
             "-n",
-            str(LAUNCHED),
+            str(self.ranks),
             *live,
             "--max-restarts",
             str(self.replacements),
@@ -563,13 +567,21 @@ def _recorded(strikes: list[Strike], summary: dict[str, Any], launcher: str) -> 
     return not missing, missing
 
 
+def reference_cache(settings: Settings, workdir: Path) -> Path:
+    fewer = f"-n{settings.reference_ranks}" if settings.reference_ranks != LAUNCHED else ""
+    return workdir / f"reference-{settings.steps}{fewer}.json"
+
+
 def reference_run(settings: Settings, workdir: Path) -> dict[str, Any]:
-    """The fault-free run's summary (cached in the work directory by the settings)."""
-    cache = workdir / f"reference-{settings.steps}.json"
+    """The fault-free run's summary (cached in the work directory by the settings). On fewer ranks than the
+    launched world it runs without live mode, restarts or eviction: nothing can strike it."""
+    cache = reference_cache(settings, workdir)
     if cache.exists():
         return json.loads(cache.read_text())
     folder = workdir / "reference"
     folder.mkdir(parents=True, exist_ok=True)
+    if settings.reference_ranks != LAUNCHED:
+        settings = replace(settings, ranks=settings.reference_ranks, live=False, replacements=0)
     job = Job(settings, folder / "run")
     try:
         code = job.finish(settings.timeout_s)
@@ -594,7 +606,7 @@ def report(results: list[SeedResult], reference: dict[str, Any], settings: Setti
         f"digits, {LAUNCHED} ranks, --min-world {MIN_WORLD}, --max-restarts {settings.replacements}, "
         f"--hang-timeout 5, --evict-stragglers 3, deterministic, {settings.steps} steps, "
         f"{settings.faults} faults a seed, {settings.gap[0]:g}-{settings.gap[1]:g} s apart. Fault-free run: "
-        f"{reference.get('wall_total_s', 0):.1f} s end to end. Machine: {os.cpu_count()} cores, "
+        f"{reference.get('wall_total_s', 0):.1f} s end to end on {settings.reference_ranks} ranks. Machine: {os.cpu_count()} cores, "
         f"torch {_torch_version()}, gloo.",
         "",
         "| seed | faults struck (kind: members) | exit | summary | same bits | recorded | restarts | wall s "
@@ -653,7 +665,7 @@ def report(results: list[SeedResult], reference: dict[str, Any], settings: Setti
             f"median {_median(apart)} s, max {max(apart):.1f} s; {within} of {len(apart)} within 8 s.",
         ]
     walls = [r.wall_s for r in results if r.passed]
-    if walls:
+    if walls and settings.reference_ranks == LAUNCHED:  # a baseline on fewer ranks times another job
         extra = statistics.median(walls) - reference.get("wall_total_s", 0)
         lines += [
             "",
@@ -728,6 +740,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("MIN", "MAX"),
         help="seconds between faults",
     )
+    parser.add_argument(
+        "--reference-ranks",
+        type=int,
+        default=LAUNCHED,
+        help="ranks of the fault-free run (fewer: its bits only, not its wall time, are the baseline)",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temp dir)")
     parser.add_argument("--report", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
@@ -746,9 +764,10 @@ def main(argv: list[str] | None = None) -> int:
         gap=tuple(args.gap),
         timeout_s=args.timeout,
         kinds=tuple(args.kinds),
+        reference_ranks=args.reference_ranks,
     )
     if args.render is not None:
-        reference = json.loads((args.workdir / f"reference-{settings.steps}.json").read_text())
+        reference = json.loads(reference_cache(settings, args.workdir).read_text())
         text = report(_load_results(args.render), reference, settings)
         (args.report or Path("/dev/stdout")).write_text(text)
         return 0

@@ -87,8 +87,11 @@ class FitRun:
         # a step: K micro-batches through accumulate() (the periodic modes step each rank's alone)
         self.micro_batched = self.plan.num_micro_batches > 0 and not self.periodic
         self.run_dir = Path(config.run_dir)
-        # the time account and every rank's timeline, once the plan holds (trainer/reporting/run_records.py)
-        self.records = RunRecords(self.run_dir, self.side, topo.rank)
+        self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep_checkpoints)
+        # the time account and every rank's timeline, once the plan holds (trainer/reporting/run_records.py);
+        # rank 0 of a run with no checkpoint to resume from clears an earlier run's timeline parts
+        fresh = self.side.topology().rank == 0 and not self.side.joining and not self.checkpoints.steps()
+        self.records = RunRecords(self.run_dir, self.side, topo.rank, fresh=fresh)
         # The model the steps run: the module itself under accumulate() (deterministic and live mode),
         # stepping alone (sync: the handle syncs every sync_every steps) or with its bucket size tuned
         # (bucket_cap_mb="auto": the drop-in face keeps torch's), else torch's drop-in face.
@@ -121,7 +124,6 @@ class FitRun:
             metrics,
         )
         self.counters, self.record = self.state.counters, self.state.record
-        self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep_checkpoints)
         main = self.replica.topo.is_main
         self.runlog = RunLog(self.run_dir, enabled=main)
         self.bar = ProgressBar(self.total_steps, enabled=main, mode=config.progress)

@@ -87,6 +87,7 @@ class NotLive:
 
     live = False
     restarts = None  # summary.json's `restarts`: live mode's count of whole-job restarts
+    joining = False  # a replacement that receives its state from a peer (live mode)
 
     def __init__(self, topology: Topology) -> None:
         self.launched = topology
@@ -165,6 +166,11 @@ class FitLive:
         self.driver = StepDriver(StartUpRecovery(group))
 
     # ---- while the run is built -------------------------------------------------------------------------------
+
+    @property
+    def joining(self) -> bool:
+        """A replacement, which receives the run's state from a peer (until it did)."""
+        return self.group.needs_state
 
     @property
     def member_id(self) -> int:

@@ -35,13 +35,19 @@ class Side(Protocol):
 class RunRecords:
     """One fit run's account and timeline (see the module doc)."""
 
-    def __init__(self, run_dir: Path, side: Side, rank: int) -> None:
+    def __init__(self, run_dir: Path, side: Side, rank: int, *, fresh: bool = False) -> None:
+        """`fresh`: this is rank 0 of a run that resumes from nothing, in a run directory that may hold an
+        earlier run's timeline parts: they go now, before the start-up's collectives (the replica's model
+        check), which no rank passes before rank 0 comes to them; a rank writes its first part at its first
+        step, so none of this run's is lost (once, clearing later raced a fast rank's first part)."""
         self.attempt = max(restart_attempt(), side.restarts or 0)  # whole-job restarts before this attempt
         ACCOUNT.reset()  # the account starts at the run's first step
         member = side.member_id
         key = f"attempt{self.attempt}-member{member}"
         self.run_dir = run_dir
         TIMELINE.open(run_dir, track=f"member {member} (rank {rank} at start)", key=key)
+        if fresh and not self.attempt:
+            clear_old_parts(run_dir, keep=key)
 
     def load(self, checkpoints: CheckpointManager, entries: dict[str, Any]) -> int | None:
         """Load the newest checkpoint into `entries` (its step; None without one). A restart of this job
@@ -55,10 +61,8 @@ class RunRecords:
         log says how far the attempt before had come and what it had lost by then (earlier restarts, which
         the checkpoint may predate): the steps in between are undone, their samples lost too (and trained
         again). A restart with no checkpoint carries on from the crashed attempts' first step. A fresh run
-        leaves no part of an earlier one in its trace."""
+        has nothing to carry on (an earlier run's trace parts went when it opened)."""
         if step is None and not self.attempt:
-            if runlog.enabled:
-                clear_old_parts(self.run_dir, keep=TIMELINE.key)
             return
         reached, lost_before = broadcast_object(runlog.last_step())
         if reached > (step or 0):
