@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from lockstep.checkpoint import CheckpointManager
+from lockstep.runtime.env.topology import Topology
 from lockstep.runtime.progress import (
     CHECKPOINT,
     EVALUATE,
@@ -40,10 +42,16 @@ def _adds_up(summary: dict[str, Any]) -> None:
 
 
 class Side:
-    """What RunRecords asks of the run's side (trainer/live/live_side.py): member 0, `restarts` before."""
+    """What RunRecords asks of the run's side (trainer/live/live_side.py): member 0 (rank 0 now, not a
+    replacement), `restarts` before."""
+
+    joining = False
 
     def __init__(self, restarts: int = 0) -> None:
         self.member_id, self.restarts = 0, restarts
+
+    def topology(self) -> Topology:
+        return Topology()
 
 
 @pytest.fixture
@@ -211,7 +219,7 @@ def test_restarts_from_the_same_checkpoint_add_their_lost_samples_up(tmp_path: P
     runlog = RunLog(tmp_path, enabled=True)
     at_checkpoint = {**ACCOUNT.state_dict(), "started": time.time(), "samples_lost": 0}
     try:
-        records = RunRecords(tmp_path, Side(restarts=1), 0)
+        records = RunRecords(tmp_path, Side(restarts=1), 0, CheckpointManager(tmp_path))
         runlog.reached(300, 0)  # the first attempt came to step 300
         ACCOUNT.load_state_dict(at_checkpoint)
         records.resumed(200, runlog, global_batch=8)
@@ -299,7 +307,7 @@ def test_a_fresh_run_in_a_used_run_directory_loses_nothing_and_leaves_no_old_par
     runlog = RunLog(tmp_path, enabled=True)
     runlog.reached(500, 0)
     try:
-        records = RunRecords(tmp_path, Side(), 0, fresh=True)
+        records = RunRecords(tmp_path, Side(), 0, CheckpointManager(tmp_path))
         assert not (tmp_path / "trace" / "attempt1-member5.json").exists()
         (tmp_path / "trace" / "attempt0-member1.json").write_text("{}")
         records.resumed(None, runlog, global_batch=64)
@@ -317,7 +325,7 @@ def test_a_timeline_that_cannot_be_written_costs_the_trace_not_the_run(tmp_path:
 
     for end in (RunRecords.close, RunRecords.failed):
         run_dir = tmp_path / end.__name__
-        RunRecords(run_dir, Side(), 0)
+        RunRecords(run_dir, Side(), 0, CheckpointManager(run_dir))
         assert PROGRESS.clock.timeline is not None
         (run_dir / "trace").rmdir()
         (run_dir / "trace").write_text("not a folder")

@@ -54,6 +54,7 @@ from lockstep.trainer.settings.config import FitConfig
 from lockstep.trainer.summary import (
     build_summary,
     checkpoint_summary,
+    comm_bytes_since,
     comm_bytes_so_far,
     publish_summary,
     straggler_summary,
@@ -88,10 +89,8 @@ class FitRun:
         self.micro_batched = self.plan.num_micro_batches > 0 and not self.periodic
         self.run_dir = Path(config.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep_checkpoints)
-        # the time account and every rank's timeline, once the plan holds (trainer/reporting/run_records.py);
-        # rank 0 of a run with no checkpoint to resume from clears an earlier run's timeline parts
-        fresh = self.side.topology().rank == 0 and not self.side.joining and not self.checkpoints.steps()
-        self.records = RunRecords(self.run_dir, self.side, topo.rank, fresh=fresh)
+        # the time account and every rank's timeline, once the plan holds (trainer/reporting/run_records.py)
+        self.records = RunRecords(self.run_dir, self.side, topo.rank, self.checkpoints)
         # The model the steps run: the module itself under accumulate() (deterministic and live mode),
         # stepping alone (sync: the handle syncs every sync_every steps) or with its bucket size tuned
         # (bucket_cap_mb="auto": the drop-in face keeps torch's), else torch's drop-in face.
@@ -178,9 +177,7 @@ class FitRun:
             plan=self.plan,
             restarts=self.side.restarts,
             run=(wall, self.counters.samples - start_samples, self.counters.step - start_step),
-            comm_bytes={
-                k: n - start_bytes.get(k, 0) for k, n in comm_bytes_so_far(self.replica.engine).items()
-            },
+            comm_bytes=comm_bytes_since(self.replica.engine, start_bytes),
         )
         summary.update(bucket_summary(self.replica.engine), **checkpoint_summary(self.checkpoints))
         summary.update(straggler_summary(), **ACCOUNT.summary())

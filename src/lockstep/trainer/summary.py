@@ -86,6 +86,11 @@ def build_summary(
     return summary
 
 
+def comm_bytes_since(engine: Any, start: Mapping[str, int]) -> dict[str, int]:
+    """What comm_bytes_so_far counts now, less `start` (its counts earlier)."""
+    return {name: n - start.get(name, 0) for name, n in comm_bytes_so_far(engine).items()}
+
+
 def comm_bytes_so_far(engine: Any) -> dict[str, int]:
     """The payload this rank's engine (a replica handle, the drop-in class, a sharded handle) has handed to
     its collectives so far, by summary.json's name: `comm_bytes`, the gradients (or, with sync, the outer

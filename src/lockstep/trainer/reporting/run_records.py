@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from lockstep.checkpoint import CheckpointManager
 from lockstep.runtime.collectives import broadcast_object
+from lockstep.runtime.env.topology import Topology
 from lockstep.runtime.logging import get_logger
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.run_account import ACCOUNT, restart_attempt
@@ -31,22 +32,27 @@ class Side(Protocol):
     @property
     def restarts(self) -> int | None: ...
 
+    @property
+    def joining(self) -> bool: ...
+
+    def topology(self) -> Topology: ...
+
 
 class RunRecords:
     """One fit run's account and timeline (see the module doc)."""
 
-    def __init__(self, run_dir: Path, side: Side, rank: int, *, fresh: bool = False) -> None:
-        """`fresh`: this is rank 0 of a run that resumes from nothing, in a run directory that may hold an
-        earlier run's timeline parts: they go now, before the start-up's collectives (the replica's model
-        check), which no rank passes before rank 0 comes to them; a rank writes its first part at its first
-        step, so none of this run's is lost (once, clearing later raced a fast rank's first part)."""
+    def __init__(self, run_dir: Path, side: Side, rank: int, checkpoints: CheckpointManager) -> None:
+        """Rank 0 of a run with no checkpoint to resume from (not a replacement, not a restart) clears the
+        timeline parts an earlier run left in `run_dir` now, before the start-up's collectives (the
+        replica's model check), which no rank passes before rank 0 comes to them: a rank writes its first
+        part at its first step, so none of this run's is lost (clearing later raced a fast rank's part)."""
         self.attempt = max(restart_attempt(), side.restarts or 0)  # whole-job restarts before this attempt
         ACCOUNT.reset()  # the account starts at the run's first step
         member = side.member_id
         key = f"attempt{self.attempt}-member{member}"
         self.run_dir = run_dir
         TIMELINE.open(run_dir, track=f"member {member} (rank {rank} at start)", key=key)
-        if fresh and not self.attempt:
+        if side.topology().rank == 0 and not (side.joining or self.attempt or checkpoints.steps()):
             clear_old_parts(run_dir, keep=key)
 
     def load(self, checkpoints: CheckpointManager, entries: dict[str, Any]) -> int | None:
