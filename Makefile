@@ -10,9 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 
 # The fast tier on two pytest-xdist workers: the end-to-end tests one after the other on one, the unit and
 # multi-process tests beside them (tests/conftest.py); about 4 minutes instead of 6-9. WORKERS= runs it in
-# one process. `make test-all` (CI) stays in one process: its end-to-end tests time hangs, stragglers and
-# replacements, and run alone; and once, of three fast-tier runs on workers, a multi-process test met a
-# rank process left in a state its serial order never gives (docs/development.md).
+# one process. `make test-all` (CI) runs the same way first without the end-to-end tests, then those alone
+# in one process: they time hangs, stragglers and replacements (docs/development.md).
 WORKERS ?= -n 2 --dist loadgroup
 
 .PHONY: install train test test-all frameworks lint docs compat clean testbed
@@ -33,9 +32,14 @@ train: install
 test: lint
 	$(PY) -m pytest -q -m "not slow" $(WORKERS) --durations=10
 
-# Everything (under 25 minutes on 2 cores): what .ci/run runs. The 25 slowest tests are printed.
+# Everything: what .ci/run runs, in two parts. The unit, multi-process and docs tests on two pytest-xdist
+# workers (about 13 minutes instead of 20); then the end-to-end tests (tests/cli, tests/gpu) alone, one after
+# the other in one process (about 37 minutes): they time hangs, stragglers and replacements, and nothing
+# else competes with them for the cores. The slowest of each part are printed.
+END_TO_END := tests/cli tests/gpu
 test-all: lint frameworks
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q $(WORKERS) --durations=15 $(addprefix --ignore=,$(END_TO_END)) tests
+	$(PY) -m pytest -q --durations=25 $(END_TO_END)
 
 # The frameworks' programs (tests/cli/test_frameworks.py: Hugging Face Trainer, Lightning, Accelerate) need
 # the `frameworks` extra: `make test-all` installs it; `make test` does not need it (those tests skip).
