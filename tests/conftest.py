@@ -27,7 +27,8 @@ store each call; a failure, a hang or a worker not back in its starting state re
 marked `fresh_ranks`, or one that reads the ranks' output with capfd/capsys (the pool's processes write
 to the file descriptors they started with), gets fresh processes. LOCKSTEP_TEST_POOL=0 turns the pool off.
 
-Workers (pytest-xdist; `make test` runs `-n 2 --dist loadgroup`, `make test-all` one process): the
+Workers (pytest-xdist; `make test` runs `-n 2 --dist loadgroup`; `make test-all` runs everything but the
+end-to-end tests so, then those in one process, alone on the cores): the
 end-to-end tests (tests/cli, tests/gpu) are one xdist group, so they run one after the other on one
 worker, as they would without xdist: their launchers, hang timeouts and stragglers never compete with
 another end-to-end test, and a module's fixtures (a reference run, the SLURM cluster) are set up once.
