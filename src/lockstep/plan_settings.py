@@ -104,7 +104,7 @@ class RunSettings:
             "step_micro_batches": cut[2],
             "world_divisors": ", ".join(str(d) for d in range(1, world + 1) if world % d == 0),
             "even_step_samples": rounded * cut[1],
-            "half_world": max(world // 2, 1),
+            "group_degree": max((d for d in range(1, world) if world % d == 0), default=1),  # 2+ groups
         }
 
 
@@ -224,9 +224,9 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
         "shard_degree={shard_degree} with sync={sync!r} on {world_size} ranks",
         "a periodic sync is one of replica groups meeting every few steps, and a shard degree of the whole "
         "world makes one group (FSDP), with no other to meet",
-        "use a shard degree that makes two groups or more (HSDP), e.g. --shard-degree {half_world}, or sync "
+        "use a shard degree that makes two groups or more (HSDP), e.g. --shard-degree {group_degree}, or sync "
         "every step (--sync allreduce)",
-        "use a shard degree that makes two groups or more (HSDP), e.g. shard_degree={half_world}, or "
+        "use a shard degree that makes two groups or more (HSDP), e.g. shard_degree={group_degree}, or "
         "sync='allreduce'",
         _one_group_to_meet,
         "where a periodic --sync has one group (the whole world) to meet",
@@ -266,6 +266,6 @@ PLACEHOLDER_FACTS = {
     "step_micro_batches": "K",
     "step_micro_batch_size": "M",
     "step_samples": "G",
-    "half_world": "N/2",
+    "group_degree": "S'",
     "sync": "MODE",
 }

@@ -302,9 +302,9 @@ def _shard_degree_rules() -> Iterator[Rule]:
         "sync_warmup",
         "shard_degree",
         refused,
-        "a sharded run's groups average every step with HSDP itself: a data-parallel warm-up of its own is "
-        "not built",
-        "leave sync_warmup at 0 (run the warm-up as its own HSDP run, sync allreduce, and resume from it)",
+        "a warm-up averages whole gradients before the rounds start, and a sharded run's outer sync holds "
+        "its local shards alone (not built)",
+        "leave sync_warmup at 0",
         "does not apply with",
     )
     yield Rule(

@@ -447,13 +447,10 @@ SHARD_PAIRS = [
     (["--sync", "streaming_diloco", "--fragments", "2"], {"sync": "streaming_diloco", "fragments": 2}, False,
      "--shard-degree 2 with --sync streaming_diloco on 2 ranks: a periodic sync is one of replica groups",
      "shard_degree=2 with sync='streaming_diloco' on 2 ranks: "),
-    (["--sync", "diloco", "--deterministic", "--global-batch-size", "8"],
-     {"sync": "diloco", "deterministic": True, "global_batch_size": 8}, False,
-     "--shard-degree 2 with --sync diloco on 2 ranks: ",
-     "shard_degree=2 with sync='diloco' on 2 ranks: "),
     (["--sync", "diloco", "--sync-warmup", "2"], {"sync": "diloco", "sync_warmup": 2}, False,
-     "--sync-warmup 2 does not apply with --shard-degree 2: a sharded run's groups average every step with "
-     "HSDP itself: a data-parallel warm-up of its own is not built; leave sync_warmup at 0",
+     "--sync-warmup 2 does not apply with --shard-degree 2: a warm-up averages whole gradients before the "
+     "rounds start, and a sharded run's outer sync holds its local shards alone (not built); leave "
+     "sync_warmup at 0",
      "sync_warmup=2 does not apply with shard_degree=2: "),
     (["--precision", "fp16"], {"precision": "fp16"}, False,
      "--precision fp16 with --shard-degree 2: a GradScaler over sharded gradients is not wired; use precision "
@@ -475,6 +472,29 @@ def test_a_refused_pair_with_shard_degree_says_both_and_what_to_do_at_each_door(
         fit_plan_of(FitConfig(shard_degree=2, **fields), 2, live=live)
     assert str(fit.value).startswith(in_fit)
     assert launcher.value.rule is fit.value.rule
+
+
+def test_sharded_groups_meeting_every_h_steps_in_deterministic_mode_are_refused_at_each_door() -> None:
+    """On 4 ranks (two groups of 2: the one-group check passes), deterministic mode is what is refused."""
+    flags = ["--sync", "diloco", "--deterministic", "--global-batch-size", "16", "--micro-batch-size", "4"]
+    with pytest.raises(PlanRefused) as launcher:
+        _launcher_plan(["toy", "-n", "4", "--shard-degree", "2", *flags])
+    assert str(launcher.value).startswith(
+        "--shard-degree 2 with --sync diloco and --deterministic: deterministic mode's exact sums are not built"
+    ), str(launcher.value)
+    config = FitConfig(shard_degree=2, sync="diloco", deterministic=True, global_batch_size=16, micro_batch_size=4)
+    with pytest.raises(PlanRefused) as fit:
+        fit_plan_of(config, 4, live=False)
+    assert str(fit.value).startswith("shard_degree=2 with sync='diloco' and deterministic=True: "), str(fit.value)
+    assert launcher.value.rule is fit.value.rule
+    fit_plan_of(dataclasses.replace(config, deterministic=False), 4, live=False)  # what it suggests runs
+
+
+def test_one_group_suggests_a_shard_degree_that_makes_two() -> None:
+    with pytest.raises(PlanRefused) as refused:
+        _launcher_plan(["toy", "-n", "9", "--shard-degree", "9", "--sync", "diloco"])
+    assert "e.g. --shard-degree 3," in str(refused.value), str(refused.value)
+    _launcher_plan(["toy", "-n", "9", "--shard-degree", "3", "--sync", "diloco"])
 
 
 def test_what_falls_back_with_shard_degree_says_so_once_at_each_door() -> None:

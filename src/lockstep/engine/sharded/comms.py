@@ -6,7 +6,7 @@ all-gather would leave a hang report with nothing to name. Each call is stamped 
 its peers wait in is the culprit) and a synchronous one is waited on through runtime/waits.py. The
 payload is counted, inside the shard group and between groups apart (summary.json's comm_bytes_in_group
 and comm_bytes): FSDP2's HSDP all-reduces each reduce-scattered shard across the replica groups itself, with
-no hook to replace it, so its payload (the reduce-scatter's output) is counted where the reduce-scatter runs.
+no way to replace it, but calls a hook on its output after it (`CountAllReduce`), where it is counted.
 """
 
 from __future__ import annotations
@@ -26,10 +26,21 @@ class CommBytes:
     """The payload a run's FSDP collectives have sent, in bytes (shared by a model's comms): inside the shard
     group (`total`), and between the replica groups (`between`: FSDP2's HSDP all-reduces)."""
 
-    def __init__(self, *, hsdp: bool = False) -> None:
+    def __init__(self) -> None:
         self.total = 0
         self.between = 0
-        self.hsdp = hsdp  # FSDP2 all-reduces each reduce-scattered shard across the replica groups
+
+
+class CountAllReduce:
+    """FSDP2's all-reduce hook on a unit of an HSDP mesh (`set_all_reduce_hook`): called with the all-reduce's
+    output after FSDP2 all-reduced a gradient shard across the replica groups, and only then (a backward
+    under no_sync() all-reduces nothing); its payload is what crossed between the groups."""
+
+    def __init__(self, sent: CommBytes) -> None:
+        self.sent = sent
+
+    def __call__(self, reduced: torch.Tensor) -> None:
+        self.sent.between += reduced.numel() * reduced.element_size()
 
 
 class PlainBuffers:
@@ -98,5 +109,4 @@ class TrackedReduceScatter(_Tracked, FSDPReduceScatter):
             input_tensor,
             group,
         )
-        if self.sent.hsdp:  # FSDP2's all-reduce of this shard across the groups follows
-            self.sent.between += output_tensor.numel() * output_tensor.element_size()
+

@@ -43,7 +43,7 @@ from lockstep.engine.core.policy import SyncPolicy
 from lockstep.engine.core.stats import EngineStats
 from lockstep.engine.deterministic.micro_step import MicroSteps
 from lockstep.engine.periodic.outer_sync import OuterSync
-from lockstep.engine.sharded.comms import CommBytes, TrackedAllGather, TrackedReduceScatter
+from lockstep.engine.sharded.comms import CommBytes, CountAllReduce, TrackedAllGather, TrackedReduceScatter
 from lockstep.engine.sharded.exact_scatter import ExactReduceScatter, ShardedExactReducer
 from lockstep.engine.sharded.step_marks import StepMarks
 from lockstep.engine.sharded.sums import ExactSums, FloatSums
@@ -148,15 +148,17 @@ def check_periodic(policy: ShardPolicy, world: int, degree: int) -> None:
             f"ShardPolicy(sync={sync!r}) with shard_degree {degree} at world {world}: one replica group has no "
             "other to meet; use a shard_degree that makes two groups or more (HSDP), or leave sync at allreduce"
         )
-    if policy.deterministic:
+    if policy.deterministic or (policy.sync is not None and policy.sync.deterministic):
         raise NotSupportedError(
-            f"ShardPolicy(sync={sync!r}, deterministic=True): deterministic mode's exact sums are not built for "
-            "the inner steps of a sharded periodic sync; leave deterministic off, or sync every step"
+            f"ShardPolicy(sync={sync!r}) in deterministic mode: its exact sums are not built for the inner steps "
+            "of a sharded periodic sync (the groups' reduce-scatters are FSDP2's float sums); leave deterministic "
+            "off (in ShardPolicy and SyncPolicy), or sync every step"
         )
     if policy.sync is not None and policy.sync.periodic_settings.warmup_steps:
         raise NotSupportedError(
-            f"ShardPolicy(sync={sync!r}) with warmup_steps: a sharded model's data-parallel warm-up is HSDP "
-            "itself; leave warmup_steps at 0"
+            f"ShardPolicy(sync={sync!r}) with warmup_steps: a warm-up averages whole gradients before the rounds "
+            "start, and a sharded run's outer sync holds its local shards alone (not built); leave warmup_steps "
+            "at 0"
         )
 
 
@@ -181,7 +183,7 @@ class ShardHandle:
         self._fsdp: list[FSDPModule] = [*(u for u in units if isinstance(u, FSDPModule))]
         if isinstance(module, FSDPModule):
             self._fsdp.append(module)
-        self.sent = CommBytes(hsdp=layout.mesh.ndim == 2)
+        self.sent = CommBytes()
         self._track_comms(reduce_scatter=not policy.deterministic)
         # a periodic sync: the groups meet on their local shards, over the ranks holding the same one
         self.outer = (
@@ -229,6 +231,8 @@ class ShardHandle:
                 m.set_custom_all_gather(TrackedAllGather(name, self.sent))
                 if reduce_scatter:
                     m.set_custom_reduce_scatter(TrackedReduceScatter(name, self.sent))
+                if self.layout.mesh.ndim == 2:  # FSDP2's HSDP: its all-reduce across the groups, counted
+                    m.set_all_reduce_hook(CountAllReduce(self.sent))
 
     # ---- steps -------------------------------------------------------------------------------------------
 
