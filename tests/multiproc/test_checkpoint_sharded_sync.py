@@ -167,7 +167,11 @@ def test_a_sharded_periodic_run_saved_mid_round_resumes_bit_for_bit(
     assert meta["entries"]["workers"]["layout"] == {"world_size": 4, "shard_degree": DEGREE}
     # `lockstep compare` reads every rank's state, by rank
     step_dir = tmp_path / "run/checkpoints/step_000004"
-    assert sorted(load_checkpoint(step_dir)["workers"]) == ["rank0", "rank1", "rank2", "rank3"]
+    read = load_checkpoint(step_dir)
+    assert sorted(read["workers"]) == ["rank0", "rank1", "rank2", "rank3"]
+    # the shared `model` entry: replica group 0's values whole (a shard two groups hold, by the lowest rank)
+    for name, value in reference[0]["at_save"].items():
+        assert torch.equal(read["model"][name].to(value.dtype), value), f"the checkpoint's model: {name}"
     assert compare_checkpoints(step_dir, step_dir).equal
     if registry:  # the per-rank entry replaces the replicated run's `workers` + rank 0's `outer`
         assert "outer" not in meta["entries"] and meta["entries"]["scheduler"]["kind"] == "stateful"

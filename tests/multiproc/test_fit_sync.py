@@ -223,3 +223,18 @@ def test_overlap_optimizer_with_sync_takes_the_plain_step_with_the_same_bits(tmp
     )[0]
     assert overlap["summary"]["params_sha256"] == plain["summary"]["params_sha256"]
     assert overlap["summary"]["optimizer_sha256"] == plain["summary"]["optimizer_sha256"]
+
+
+def _accumulated(tmp: str) -> dict[str, Any]:
+    """2 optimizer steps of 4 accumulated micro-batches on 2 groups of FSDP 2: HSDP, then DiLoCo."""
+    common = {"shard_degree": 2, "grad_accum_steps": 4, "max_steps": 2, "epochs": 1}
+    hsdp = _train(f"{tmp}/hsdp", common)["summary"]
+    diloco = _train(f"{tmp}/diloco", {**common, "sync": "diloco"})["summary"]
+    return {"hsdp": hsdp["comm_bytes_in_group"], "diloco": diloco["comm_bytes_in_group"]}
+
+
+def test_a_sharded_periodic_step_accumulates_under_no_sync_inside_its_group(tmp_path: Path) -> None:
+    """Accumulated micro-batches reduce-scatter once a step inside a group, whether the groups then meet
+    every step (HSDP) or every H (DiLoCo): the same bytes inside the group."""
+    [out, *_] = run_distributed(_accumulated, 4, args=(str(tmp_path),), timeout=TIMEOUT)
+    assert out["diloco"] == out["hsdp"] > 0, out

@@ -482,10 +482,14 @@ def test_sharded_groups_meeting_every_h_steps_in_deterministic_mode_are_refused_
     assert str(launcher.value).startswith(
         "--shard-degree 2 with --sync diloco and --deterministic: deterministic mode's exact sums are not built"
     ), str(launcher.value)
-    config = FitConfig(shard_degree=2, sync="diloco", deterministic=True, global_batch_size=16, micro_batch_size=4)
+    config = FitConfig(
+        shard_degree=2, sync="diloco", deterministic=True, global_batch_size=16, micro_batch_size=4
+    )
     with pytest.raises(PlanRefused) as fit:
         fit_plan_of(config, 4, live=False)
-    assert str(fit.value).startswith("shard_degree=2 with sync='diloco' and deterministic=True: "), str(fit.value)
+    assert str(fit.value).startswith("shard_degree=2 with sync='diloco' and deterministic=True: "), str(
+        fit.value
+    )
     assert launcher.value.rule is fit.value.rule
     fit_plan_of(dataclasses.replace(config, deterministic=False), 4, live=False)  # what it suggests runs
 

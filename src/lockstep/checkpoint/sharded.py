@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -166,7 +166,12 @@ def write(
 ) -> dict[str, dict[str, Any]]:
     """Every rank of `group`: write its shards of `state` into `directory` (a collective); the size and
     sha256 of this rank's share of the part's files (file names relative to the checkpoint directory)."""
-    metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), process_group=group)
+    # A shard that several ranks hold (HSDP's replica groups, or a periodic sync's, which differ mid-round) is
+    # written by the lowest of them: the part holds replica group 0's values whole, never a splice of groups
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    metadata = dcp.save(
+        state, storage_writer=dcp.FileSystemWriter(directory), planner=planner, process_group=group
+    )
     names = sorted({info.relative_path for info in (metadata.storage_data or {}).values()} | {DCP_METADATA})
     records = {}
     for name in names[rank::world]:  # the hashing shared out: each rank reads about 1/world of the part

@@ -109,4 +109,3 @@ class TrackedReduceScatter(_Tracked, FSDPReduceScatter):
             input_tensor,
             group,
         )
-

@@ -218,7 +218,7 @@ class ShardedWorkers:
     checkpoint/rank_part.py): this rank's local shards of the model, its inner optimizer's state on them and
     its outer sync state (inner steps, anchors, outer momentum, means in flight), written by this rank and
     read back by it. It overrides what the checkpoint's sharded `model` and `optimizer` entries load, which
-    DCP wrote from one replica group only (it dedups the groups' equal-named shards).
+    DCP wrote from replica group 0 only (a shard several ranks hold is written by the lowest of them).
 
     Mid-round the replica groups differ, and inside a group every rank holds other rows; the outer state is
     kept on local shards, which another layout would cut otherwise: it loads at the world size and shard

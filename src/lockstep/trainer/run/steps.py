@@ -114,8 +114,10 @@ class Stepper:
             inputs, targets = to_device(split_batch(batch), self.device)
             counts.append(batch_len(targets))
             last = index == len(batches) - 1
-            # Accumulate locally; the engine reduces the summed gradients only on the group's last backward.
-            with contextlib.nullcontext() if last or local else (self.no_sync or model).no_sync():  # type: ignore[operator]
+            # Accumulate locally; the engine reduces the summed gradients only on the group's last backward (a
+            # local step reduces nothing, but a sharded model's does, inside its group: its no_sync() too).
+            accumulate = not last and (not local or self.no_sync is not None)
+            with (self.no_sync or model).no_sync() if accumulate else contextlib.nullcontext():  # type: ignore[operator]
                 with autocast(self.config.precision, self.device):
                     outputs = model(inputs)
                     loss = self.loss_fn(outputs, targets)
