@@ -15,7 +15,7 @@ training (median of the runs; arms interleaved run by run, so that a slower mome
 every arm alike). The issue's targets: diloco's eval loss <= 1.10x hsdp's, >= 5x fewer bytes between groups.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sharded_sync.py --steps 60 --batch 16 --sync-every 10 \\
-        --runs 2 --out benchmarks/results/2026-11-29-sharded_sync.md
+        --runs 1 --out benchmarks/results/2026-11-29-sharded_sync.md
 """
 
 from __future__ import annotations

@@ -48,7 +48,10 @@ def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def _policy(sync: str) -> SyncPolicy:
-    fragments = 2 if sync == "streaming_diloco" else 1
+    """`streaming_diloco`: 2 fragments (each block of rows inside one shard); `streaming_diloco/3`: 3 (a
+    block's rows straddle the two shards: each rank sends its share of it)."""
+    sync, _, count = sync.partition("/")
+    fragments = int(count or 2) if sync == "streaming_diloco" else 1
     return SyncPolicy(sync=sync, sync_every=EVERY, outer_lr=0.7, outer_momentum=0.9, fragments=fragments)
 
 
@@ -88,7 +91,7 @@ def _replicated(sync: str) -> dict[str, Any]:
     return {"state": state, "synced": synced, "extras": handle.stats().extras}
 
 
-@pytest.mark.parametrize("sync", ["local_sgd", "diloco", "streaming_diloco"])
+@pytest.mark.parametrize("sync", ["local_sgd", "diloco", "streaming_diloco", "streaming_diloco/3"])
 def test_sharded_groups_meeting_every_h_steps_match_the_replicated_sync(sync: str) -> None:
     reference = run_distributed(_replicated, 2, args=(sync,), timeout=TIMEOUT)
     ranks = run_distributed(_sharded, 4, args=(sync,), timeout=TIMEOUT)
@@ -99,7 +102,7 @@ def test_sharded_groups_meeting_every_h_steps_match_the_replicated_sync(sync: st
             torch.testing.assert_close(
                 out["state"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}"
             )
-    if sync != "streaming_diloco":  # the last step ended a round: every group holds the same bits
+    if not sync.startswith("streaming"):  # the last step ended a round: every group holds the same bits
         for name, value in ranks[0]["state"].items():
             assert torch.equal(value, ranks[DEGREE]["state"][name]), name
     # Between the groups: the outer sync alone, each rank its shard (half the replicated rank's payload)
@@ -153,3 +156,26 @@ def test_a_periodic_sync_without_two_groups_or_in_deterministic_mode_is_refused_
     )
     exact = run_distributed(_refused, 4, args=(2, True), timeout=TIMEOUT)
     assert all(r.startswith("NotSupportedError") and "deterministic" in r for r in exact), exact
+
+
+def _batchnorm_buffers() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    handle = shard(model, ShardPolicy(shard_degree=DEGREE, sync=SyncPolicy(sync="diloco", sync_every=2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        model(torch.randn(6, 8, generator=g)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        handle.after_optimizer_step()
+    return {name: b.clone() for name, b in model.named_buffers() if b.is_floating_point()}
+
+
+def test_at_a_rounds_end_every_rank_holds_the_same_batchnorm_statistics() -> None:
+    """Each rank's running statistics differ (its own data); at the round's end their mean over the groups is
+    every rank's, inside a group too (an evaluation or a checkpoint then sees one model)."""
+    ranks = run_distributed(_batchnorm_buffers, 4, timeout=TIMEOUT)
+    for rank, buffers in enumerate(ranks[1:], start=1):
+        for name, value in ranks[0].items():
+            assert torch.equal(buffers[name], value), f"rank {rank}: {name}"

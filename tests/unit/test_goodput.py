@@ -7,6 +7,7 @@ account against those spans with a tolerance far above timer noise and far below
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -332,3 +333,27 @@ def test_a_timeline_that_cannot_be_written_costs_the_trace_not_the_run(tmp_path:
         end()  # logged, not raised
         assert PROGRESS.clock.timeline is None and not PROGRESS.loop_driven
     ACCOUNT.reset()
+
+
+def test_a_run_whose_checkpoints_are_all_unusable_clears_the_old_parts_once_it_starts_afresh(
+    tmp_path: Path,
+) -> None:
+    """An earlier run left a checkpoint that does not load and a part: rank 0 keeps the parts as it opens
+    (a checkpoint might resume them), and once none loaded clears those last written before it opened,
+    never one this run wrote meanwhile."""
+    (tmp_path / "checkpoints" / "step_000010").mkdir(parents=True)  # no meta.json: unusable
+    (tmp_path / "trace").mkdir()
+    old = tmp_path / "trace" / "attempt0-member5.json"
+    old.write_text("{}")
+    os.utime(old, (time.time() - 60, time.time() - 60))
+    runlog = RunLog(tmp_path, enabled=True)
+    try:
+        records = RunRecords(tmp_path, Side(), 0, CheckpointManager(tmp_path))
+        assert old.exists()
+        (tmp_path / "trace" / "attempt0-member1.json").write_text("{}")  # this run's, after the open
+        records.resumed(None, runlog, global_batch=64)
+        assert not old.exists() and (tmp_path / "trace" / "attempt0-member1.json").exists()
+    finally:
+        records.close()
+        runlog.close()
+        ACCOUNT.reset()

@@ -37,8 +37,10 @@ The state that a resume needs (inner steps counted, the anchor and the outer opt
 `state_dict()`; `state_dict(wait=False)` does not wait for the fragments' means in flight and holds this
 rank's own contribution to each instead, which `load_state_dict` sends again over the group it is loaded
 into (live mode: a lost member's contribution is dropped, the survivors' mean is taken over themselves);
-the rank's own parameters and inner optimizer state are the caller's (trainer/
-low_comm.py's WorkerStates saves every rank's). Every collective is numbered for the hang watchdog
+the rank's own parameters and inner optimizer state are the caller's (trainer/run/low_comm.py's
+WorkerStates gathers every rank's; a sharded model's ShardedWorkers has each rank write its own). On a
+sharded model (engine/sharded, ShardPolicy.sync) the values are each rank's local shards, and `group` the
+ranks that hold the same shard in every replica group. Every collective is numbered for the hang watchdog
 (runtime/waits.tracked, op "outer sync").
 """
 
@@ -172,6 +174,7 @@ class OuterSync:
         self.outer = [piece.outer for piece in self.pieces if piece.outer is not None]
         self.delay = settings.fragment_delay if self.algorithm.delayed else 0
         self.pending: list[_InFlight] = []  # delayed (streaming): fragments' means on their way, oldest first
+        self.buffer_means = 0  # times the float buffers took their mean (a sharded model's group shares it)
 
     # ---------------------------------------------------------------- the rounds
 
@@ -247,6 +250,7 @@ class OuterSync:
                 buffers = [b.detach() for b in self.buffers]  # values, not differences: never quantized
                 for b, value in zip(self.buffers, self._mean(buffers, codec=for_values(self.codec))):
                     b.copy_(value)
+            self.buffer_means += 1
         self.outer_syncs += 1
 
     def _restart_anchors(self) -> None:

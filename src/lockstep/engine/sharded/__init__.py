@@ -9,6 +9,8 @@ Modules:
   watchdog.
 - exact_scatter.py: Deterministic mode on sharded parameters: FSDP2's reduce-scatter made an exact fixed-point
   sum.
+- group_sync.py: A periodic sync across sharded replica groups (ShardPolicy.sync): what it refuses, and the outer
+  sync of one rank, on its local shards, with its group's buffers made one at each round's end.
 - handle.py: `shard(module, policy)`: the model cut into shards with torch's FSDP2, with lockstep's
   guarantees on top.
 - step_marks.py: Where a sharded model's training steps begin and end, for the hang watchdog and the straggler

@@ -42,9 +42,9 @@ from lockstep.engine.core.init_sync import broadcast_coalesced, check_same_model
 from lockstep.engine.core.policy import SyncPolicy
 from lockstep.engine.core.stats import EngineStats
 from lockstep.engine.deterministic.micro_step import MicroSteps
-from lockstep.engine.periodic.outer_sync import OuterSync
 from lockstep.engine.sharded.comms import CommBytes, CountAllReduce, TrackedAllGather, TrackedReduceScatter
 from lockstep.engine.sharded.exact_scatter import ExactReduceScatter, ShardedExactReducer
+from lockstep.engine.sharded.group_sync import GroupSync, check_periodic
 from lockstep.engine.sharded.step_marks import StepMarks
 from lockstep.engine.sharded.sums import ExactSums, FloatSums
 from lockstep.engine.sharded.units import UnitRule, check_shardable, choose_units
@@ -114,7 +114,9 @@ def shard(module: nn.Module, policy: ShardPolicy = ShardPolicy()) -> ShardHandle
 
     Raises:
         ConfigError: no process group, a shard degree that does not divide the world, a unit the policy
-            chose that would split tied parameters, a parameter FSDP2 cannot shard (each named).
+            chose that would split tied parameters, a parameter FSDP2 cannot shard (each named), a
+            periodic sync with one replica group.
+        NotSupportedError: a periodic sync in deterministic mode or with a warm-up.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("shard() needs an initialized process group (lockstep.init_process_group())")
@@ -127,7 +129,7 @@ def shard(module: nn.Module, policy: ShardPolicy = ShardPolicy()) -> ShardHandle
             f"{world}: use lockstep.replicate(module, policy=SyncPolicy(deterministic=True)) for a replicated model"
         )
     if policy.periodic:
-        check_periodic(policy, world, degree)
+        check_periodic(policy.sync, deterministic=policy.deterministic, world=world, degree=degree)
     check_shardable(module)
     agree_on_the_model(module, world)
     device_type = next((p.device.type for p in module.parameters()), "cpu")
@@ -138,28 +140,6 @@ def shard(module: nn.Module, policy: ShardPolicy = ShardPolicy()) -> ShardHandle
         fully_shard(unit, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)
     fully_shard(module, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)
     return ShardHandle(module, units, layout, policy)
-
-
-def check_periodic(policy: ShardPolicy, world: int, degree: int) -> None:
-    """A periodic sync across the replica groups needs two groups or more, and not what it does not run."""
-    sync = policy.sync.sync if policy.sync is not None else None
-    if world // degree < 2:
-        raise ConfigError(
-            f"ShardPolicy(sync={sync!r}) with shard_degree {degree} at world {world}: one replica group has no "
-            "other to meet; use a shard_degree that makes two groups or more (HSDP), or leave sync at allreduce"
-        )
-    if policy.deterministic or (policy.sync is not None and policy.sync.deterministic):
-        raise NotSupportedError(
-            f"ShardPolicy(sync={sync!r}) in deterministic mode: its exact sums are not built for the inner steps "
-            "of a sharded periodic sync (the groups' reduce-scatters are FSDP2's float sums); leave deterministic "
-            "off (in ShardPolicy and SyncPolicy), or sync every step"
-        )
-    if policy.sync is not None and policy.sync.periodic_settings.warmup_steps:
-        raise NotSupportedError(
-            f"ShardPolicy(sync={sync!r}) with warmup_steps: a warm-up averages whole gradients before the rounds "
-            "start, and a sharded run's outer sync holds its local shards alone (not built); leave warmup_steps "
-            "at 0"
-        )
 
 
 def agree_on_the_model(module: nn.Module, world: int) -> None:
@@ -186,8 +166,8 @@ class ShardHandle:
         self.sent = CommBytes()
         self._track_comms(reduce_scatter=not policy.deterministic)
         # a periodic sync: the groups meet on their local shards, over the ranks holding the same one
-        self.outer = (
-            OuterSync(module, policy.sync, layout.replicate_group, world=layout.replicas)
+        self.group_sync = (
+            GroupSync(module, policy.sync, layout.shard_group, layout.replicate_group, layout.replicas)
             if policy.periodic and policy.sync is not None
             else None
         )
@@ -294,7 +274,7 @@ class ShardHandle:
     @property
     def sync_policy(self) -> SyncPolicy | None:
         """The periodic sync's policy (None: the groups average every step)."""
-        return self.policy.sync if self.outer is not None else None
+        return self.policy.sync if self.group_sync is not None else None
 
     def after_optimizer_step(self) -> bool:
         """A periodic sync: call after each optimizer step (every rank). Counts the step and, every
@@ -303,36 +283,37 @@ class ShardHandle:
         Raises:
             NotSupportedError: the groups average every step (no ShardPolicy.sync).
         """
-        return self._outer("after_optimizer_step()").after_optimizer_step()
+        return self._periodic("after_optimizer_step()").after_optimizer_step()
 
     def before_optimizer_step(self) -> bool:
         """A periodic sync: nothing before the step (a sharded run has no warm-up of its own); False."""
-        self._outer("before_optimizer_step()")
+        self._periodic("before_optimizer_step()")
         return False
 
     def flush_sync(self) -> bool:
         """A periodic sync at the end of training: apply the streaming fragments still in flight."""
-        return self._outer("flush_sync()").flush()
+        return self._periodic("flush_sync()").flush()
 
     def sync_state_dict(self, *, wait: bool = True) -> dict[str, Any]:
         """The outer state a resume needs: the steps counted, and this rank's shard of the anchor and of the
         outer momentum (the same in every replica group; it differs between the ranks of a group)."""
-        return self._outer("sync_state_dict()").state_dict(wait=wait)
+        return self._periodic("sync_state_dict()").outer.state_dict(wait=wait)
 
     def load_sync_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what sync_state_dict() returned on this rank (the same shard layout)."""
-        self._outer("load_sync_state_dict()").load_state_dict(state)
+        self._periodic("load_sync_state_dict()").outer.load_state_dict(state)
 
-    def _outer(self, what: str) -> OuterSync:
-        if self.outer is None:
+    def _periodic(self, what: str) -> GroupSync:
+        if self.group_sync is None:
             raise NotSupportedError(
                 f"{self.tag}{what} belongs to a periodic sync across replica groups; this sharded model's "
                 "groups average every step: shard with ShardPolicy(sync=SyncPolicy(sync='diloco', ...))"
             )
-        return self.outer
+        return self.group_sync
 
     def broadcast_buffers_for_step(self) -> None:
-        """Nothing here: every forward with gradients takes rank 0's buffers (StepMarks), as torch's DDP."""
+        """Nothing here: every forward with gradients takes rank 0's buffers (StepMarks), as torch's DDP (a
+        periodic sync's groups: their first rank's)."""
 
     # ---- what it holds -----------------------------------------------------------------------------------
 
@@ -343,7 +324,7 @@ class ShardHandle:
     def stats(self) -> EngineStats:
         """The shard layout and the bytes FSDP2's collectives (or deterministic mode's sums) sent."""
         between = self.sent.between + self.sums.bytes_between()
-        outer = self.outer
+        outer = self.group_sync.outer if self.group_sync is not None else None
         extras: dict[str, Any] = {}
         if outer is not None:
             between += outer.bytes_sent

@@ -19,7 +19,8 @@ class StepMarks:
     begins a step, its backward's first gradient starts the backward phase, and the backward's end ends
     the step (a callback queued on autograd's engine). With `sync_buffers`, such a forward first takes
     rank 0's buffers (BatchNorm's running statistics), as torch's DDP does: FSDP2 shards parameters only,
-    and each rank's buffers would drift apart."""
+    and each rank's buffers would drift apart; with `group` (a periodic sync's replica group, which keeps its
+    own until the round's end), the group's first rank's."""
 
     def __init__(
         self, module: nn.Module, *, sync_buffers: bool, group: dist.ProcessGroup | None = None

@@ -39,12 +39,20 @@ def read_parts(run_dir: Path | str) -> list[dict[str, Any]]:
     return _read_parts(Path(run_dir))[0]
 
 
-def clear_old_parts(run_dir: Path | str, keep: str) -> None:
+def clear_old_parts(run_dir: Path | str, keep: str, *, written_before: float | None = None) -> None:
     """A fresh run in a run directory that held another: the other run's parts go (all but `keep`'s, this
-    process's own; the other ranks write theirs again every few seconds and at their end)."""
+    process's own; the other ranks write theirs again every few seconds and at their end). `written_before`
+    (a time.time()): only the parts last written before it (this run's began after it)."""
     for path in (Path(run_dir) / "trace").glob("*.json"):
-        if path.stem != keep:
+        if path.stem != keep and (written_before is None or _written(path) < written_before):
             path.unlink(missing_ok=True)
+
+
+def _written(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")  # gone meanwhile: nothing to clear
 
 
 def _read_parts(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:

@@ -9,6 +9,7 @@ marks the restart on the timeline.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,7 +53,9 @@ class RunRecords:
         key = f"attempt{self.attempt}-member{member}"
         self.run_dir = run_dir
         TIMELINE.open(run_dir, track=f"member {member} (rank {rank} at start)", key=key)
-        if side.topology().rank == 0 and not (side.joining or self.attempt or checkpoints.steps()):
+        self.opened = time.time()
+        self.clears = side.topology().rank == 0 and not (side.joining or self.attempt)
+        if self.clears and not checkpoints.steps():
             clear_old_parts(run_dir, keep=key)
 
     def load(self, checkpoints: CheckpointManager, entries: dict[str, Any]) -> int | None:
@@ -67,8 +70,11 @@ class RunRecords:
         log says how far the attempt before had come and what it had lost by then (earlier restarts, which
         the checkpoint may predate): the steps in between are undone, their samples lost too (and trained
         again). A restart with no checkpoint carries on from the crashed attempts' first step. A fresh run
-        has nothing to carry on (an earlier run's trace parts went when it opened)."""
+        has nothing to carry on (an earlier run's trace parts went when it opened; where it found checkpoints,
+        none of which loaded, they go now: those last written before this run opened)."""
         if step is None and not self.attempt:
+            if self.clears:
+                clear_old_parts(self.run_dir, keep=TIMELINE.key, written_before=self.opened)
             return
         reached, lost_before = broadcast_object(runlog.last_step())
         if reached > (step or 0):

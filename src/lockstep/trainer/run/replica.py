@@ -54,9 +54,8 @@ class FitReplica:
         self.followers: list[Follower] = []
         self.model: nn.Module = module
         if config.shard_degree > 1:  # FSDP2 units in shard groups (engine/sharded): the module is the model
-            periodic = engine_policy(
-                config
-            )  # a periodic sync: the replica groups meet every sync_every steps
+            # a periodic sync: the replica groups meet every sync_every steps
+            periodic = engine_policy(config)
             cut = ShardPolicy(
                 shard_degree=config.shard_degree,
                 reshard_after_forward=config.reshard_after_forward,
