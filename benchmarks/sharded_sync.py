@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine_line  # noqa: E402
+from benchmarks.common import machine_line, write_report  # noqa: E402
 
 ARMS = {
     "hsdp": (),
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--runs", type=int, default=1, help="runs of every arm, interleaved")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/<today>-sharded_sync.md")
     args = parser.parse_args()
     results: dict[str, list[dict[str, Any]]] = {
         arm: [] for arm in ["hsdp", *[a for a in args.arms if a != "hsdp"]]
@@ -110,8 +110,7 @@ def main() -> None:
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        args.out.write_text(text)
+    write_report(text, "sharded_sync", str(args.out or ""))
 
 
 if __name__ == "__main__":
