@@ -115,7 +115,7 @@ def _uninterrupted(sync: str, registry: bool = False) -> dict[str, Any]:
 def _save(sync: str, run_dir: str, blocking: bool = True, registry: bool = False) -> dict[str, Any]:
     run = _build(sync, seed=0, registry=registry)
     _train(run, 0, SAVE)
-    in_flight = len(run["handle"].outer.pending)
+    in_flight = len(run["handle"].group_sync.outer.pending)
     round_end = run["periodic"].at_round_end()  # read through ShardHandle.sync_policy
     if not registry:
         run["state"]["progress"] = {"step": SAVE}
