@@ -33,9 +33,10 @@ test: lint
 	$(PY) -m pytest -q -m "not slow" $(WORKERS) --durations=10
 
 # Everything: what .ci/run runs, in two parts. The unit, multi-process and docs tests on two pytest-xdist
-# workers (about 13 minutes instead of 20); then the end-to-end tests (tests/cli, tests/gpu) alone, one after
-# the other in one process (about 37 minutes): they time hangs, stragglers and replacements, and nothing
-# else competes with them for the cores. The slowest of each part are printed.
+# workers (the multi-process ones one after the other on one of them, the rest beside them: tests/conftest.py);
+# then the end-to-end tests (tests/cli, tests/gpu) alone, one after the other in one process (about 35
+# minutes): they time hangs, stragglers and replacements, and nothing else competes with them for the cores.
+# The slowest of each part are printed.
 END_TO_END := tests/cli tests/gpu
 test-all: lint frameworks
 	$(PY) -m pytest -q $(WORKERS) --durations=15 $(addprefix --ignore=,$(END_TO_END)) tests

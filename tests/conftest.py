@@ -32,8 +32,11 @@ end-to-end tests so, then those in one process, alone on the cores): the
 end-to-end tests (tests/cli, tests/gpu) are one xdist group, so they run one after the other on one
 worker, as they would without xdist: their launchers, hang timeouts and stragglers never compete with
 another end-to-end test, and a module's fixtures (a reference run, the SLURM cluster) are set up once.
-The unit and multi-process tests run beside them, each worker with a rank pool of its own; the pools'
-lines are summed in the controller's summary.
+The multi-process tests (tests/multiproc) are another group, one after the other on the other worker:
+two of them at once, each forming process groups, failed now and then (a process group that could not
+form within 90 s, an old bucket's memory counted twice in a pooled process); the unit and docs tests go to
+whichever worker is free. Each worker has a rank pool of its own; the pools' lines are summed in the
+controller's summary.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from tests.tiers import MANY_RANKS, ranks_of_item  # noqa: E402
 TESTS = Path(__file__).resolve().parent
 SLOW_UNLESS_SMOKE = (TESTS / "cli", TESTS / "gpu")
 END_TO_END_GROUP = "end_to_end"
+MULTI_PROCESS, MULTI_PROCESS_GROUP = TESTS / "multiproc", "multi_process"
 _CAPTURING = {"capfd", "capfdbinary", "capsys", "capsysbinary"}
 _POOL = RankPool(size=4) if os.environ.get("LOCKSTEP_TEST_POOL", "1") != "0" else None
 _SEEN = pytest.StashKey["_RanksSeen"]()
@@ -85,6 +89,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if end_to_end:  # one after the other on one xdist worker (see the module doc)
             item.add_marker(pytest.mark.xdist_group(END_TO_END_GROUP))
+        elif path.is_relative_to(MULTI_PROCESS):  # the same: never two at once (see the module doc)
+            item.add_marker(pytest.mark.xdist_group(MULTI_PROCESS_GROUP))
 
 
 @pytest.hookimpl(tryfirst=True)
