@@ -320,6 +320,34 @@ def test_a_fresh_run_in_a_used_run_directory_loses_nothing_and_leaves_no_old_par
         ACCOUNT.reset()
 
 
+def test_old_parts_beside_checkpoints_none_loaded_go_and_this_runs_parts_stay(tmp_path: Path) -> None:
+    """A used run directory whose checkpoints do not load: the parts found at the open go once that is
+    known; the parts this run's ranks write after the open stay, a new member's and an old name written
+    again, at once after the open (a file's time lags the clock: a clock reading cut kept one once)."""
+
+    manager = CheckpointManager(tmp_path)
+    manager.dirs.layout.step_dir(200).mkdir(parents=True)  # a checkpoint directory (not loadable)
+    (tmp_path / "trace").mkdir()
+    for name in ("attempt0-member1", "attempt1-member5"):
+        (tmp_path / "trace" / f"{name}.json").write_text("{}")
+    runlog = RunLog(tmp_path, enabled=True)
+    try:
+        records = RunRecords(tmp_path, Side(), 0, manager)
+        assert (tmp_path / "trace" / "attempt1-member5.json").exists()  # the checkpoints are not tried yet
+        again = tmp_path / "trace" / "attempt0-member1.json"
+        before = again.stat().st_mtime_ns
+        again.write_text('{"again": 1}')
+        os.utime(again, ns=(before + 1, before + 1))  # written after the open, its time before it
+        (tmp_path / "trace" / "attempt0-member2.json").write_text("{}")
+        records.resumed(None, runlog, global_batch=64)
+        left = sorted(p.stem for p in (tmp_path / "trace").glob("*.json"))
+        assert left == ["attempt0-member1", "attempt0-member2"]
+    finally:
+        records.close()
+        runlog.close()
+        ACCOUNT.reset()
+
+
 def test_a_timeline_that_cannot_be_written_costs_the_trace_not_the_run(tmp_path: Path) -> None:
     """At the run's end or after a failure the last write fails (the trace folder is gone, a file in its
     place): nothing raises, and the timeline stops recording all the same."""

@@ -15,6 +15,6 @@ Modules:
 from __future__ import annotations
 
 from lockstep.runtime.timeline.recorder import TIMELINE, Timeline
-from lockstep.runtime.timeline.trace import clear_old_parts, merge_trace, read_parts
+from lockstep.runtime.timeline.trace import clear_old_parts, merge_trace, part_stamps, read_parts
 
-__all__ = ["TIMELINE", "Timeline", "clear_old_parts", "merge_trace", "read_parts"]
+__all__ = ["TIMELINE", "Timeline", "clear_old_parts", "merge_trace", "part_stamps", "read_parts"]

@@ -39,20 +39,29 @@ def read_parts(run_dir: Path | str) -> list[dict[str, Any]]:
     return _read_parts(Path(run_dir))[0]
 
 
-def clear_old_parts(run_dir: Path | str, keep: str, *, written_before: float | None = None) -> None:
+def clear_old_parts(run_dir: Path | str, keep: str, *, unchanged_since: dict[str, int] | None = None) -> None:
     """A fresh run in a run directory that held another: the other run's parts go (all but `keep`'s, this
-    process's own; the other ranks write theirs again every few seconds and at their end). `written_before`
-    (a time.time()): only the parts last written before it (this run's began after it)."""
+    process's own; the other ranks write theirs again every few seconds and at their end).
+    `unchanged_since` (a `part_stamps` taken as this run began): only the parts listed there and not
+    written since (a file's time, not the clock's: a file's time lags time.time() by up to a tick, so a
+    part this run wrote just after a clock reading could look older than it)."""
     for path in (Path(run_dir) / "trace").glob("*.json"):
-        if path.stem != keep and (written_before is None or _written(path) < written_before):
+        if path.stem == keep:
+            continue
+        if unchanged_since is None or unchanged_since.get(path.name) == _written_ns(path):
             path.unlink(missing_ok=True)
 
 
-def _written(path: Path) -> float:
+def part_stamps(run_dir: Path | str) -> dict[str, int]:
+    """Each part now in run_dir/trace/ by file name, with the time it was last written (ns)."""
+    return {path.name: _written_ns(path) for path in (Path(run_dir) / "trace").glob("*.json")}
+
+
+def _written_ns(path: Path) -> int:
     try:
-        return path.stat().st_mtime
+        return path.stat().st_mtime_ns
     except FileNotFoundError:
-        return float("inf")  # gone meanwhile: nothing to clear
+        return -1  # gone meanwhile: nothing to clear
 
 
 def _read_parts(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:

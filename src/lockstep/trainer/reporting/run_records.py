@@ -9,7 +9,6 @@ marks the restart on the timeline.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,7 +19,7 @@ from lockstep.runtime.env.topology import Topology
 from lockstep.runtime.logging import get_logger
 from lockstep.runtime.progress import PROGRESS
 from lockstep.runtime.run_account import ACCOUNT, restart_attempt
-from lockstep.runtime.timeline import TIMELINE, clear_old_parts, read_parts
+from lockstep.runtime.timeline import TIMELINE, clear_old_parts, part_stamps, read_parts
 from lockstep.trainer.reporting.run_log import RunLog
 
 
@@ -53,10 +52,12 @@ class RunRecords:
         key = f"attempt{self.attempt}-member{member}"
         self.run_dir = run_dir
         TIMELINE.open(run_dir, track=f"member {member} (rank {rank} at start)", key=key)
-        self.opened = time.time()
         self.clears = side.topology().rank == 0 and not (side.joining or self.attempt)
+        self.old_parts: dict[str, int] = {}  # parts found at the open, kept until the checkpoints are tried
         if self.clears and not checkpoints.steps():
             clear_old_parts(run_dir, keep=key)
+        elif self.clears:
+            self.old_parts = part_stamps(run_dir)
 
     def load(self, checkpoints: CheckpointManager, entries: dict[str, Any]) -> int | None:
         """Load the newest checkpoint into `entries` (its step; None without one). A restart of this job
@@ -71,10 +72,10 @@ class RunRecords:
         the checkpoint may predate): the steps in between are undone, their samples lost too (and trained
         again). A restart with no checkpoint carries on from the crashed attempts' first step. A fresh run
         has nothing to carry on (an earlier run's trace parts went when it opened; where it found checkpoints,
-        none of which loaded, they go now: those last written before this run opened)."""
+        none of which loaded, they go now: those found at the open and not written since)."""
         if step is None and not self.attempt:
             if self.clears:
-                clear_old_parts(self.run_dir, keep=TIMELINE.key, written_before=self.opened)
+                clear_old_parts(self.run_dir, keep=TIMELINE.key, unchanged_since=self.old_parts)
             return
         reached, lost_before = broadcast_object(runlog.last_step())
         if reached > (step or 0):
