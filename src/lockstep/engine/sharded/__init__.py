@@ -13,6 +13,8 @@ Modules:
   sync of one rank, on its local shards, with its group's buffers made one at each round's end.
 - handle.py: `shard(module, policy)`: the model cut into shards with torch's FSDP2, with lockstep's
   guarantees on top.
+- rebuild.py: A sharded model carried onto a new world: what live mode's surviving replica groups do after a
+  re-formation (issue 46; docs/notes/live_sharded_groups.md).
 - step_marks.py: Where a sharded model's training steps begin and end, for the hang watchdog and the straggler
   reports.
 - sums.py: How a sharded model's gradients are summed, chosen once per handle: lockstep's exact sums or FSDP2's

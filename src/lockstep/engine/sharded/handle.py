@@ -164,6 +164,7 @@ class ShardHandle:
         if isinstance(module, FSDPModule):
             self._fsdp.append(module)
         self.sent = CommBytes()
+        self.carried = (0, 0, 0, 0)  # a model rebuilt on a new world: bytes between, in group, steps, redos
         self._track_comms(reduce_scatter=not policy.deterministic)
         # a periodic sync: the groups meet on their local shards, over the ranks holding the same one
         self.group_sync = (
@@ -323,7 +324,7 @@ class ShardHandle:
 
     def stats(self) -> EngineStats:
         """The shard layout and the bytes FSDP2's collectives (or deterministic mode's sums) sent."""
-        between = self.sent.between + self.sums.bytes_between()
+        between = self.carried[0] + self.sent.between + self.sums.bytes_between()
         outer = self.group_sync.outer if self.group_sync is not None else None
         extras: dict[str, Any] = {}
         if outer is not None:
@@ -342,15 +343,15 @@ class ShardHandle:
             bucket_sizes_bytes=[],
             bucket_num_params=[len(fsdp_unit_params(m)) for m in self._fsdp],
             buckets_rebuilt=False,
-            synced_steps=self.micro_steps.steps,
+            synced_steps=self.carried[2] + self.micro_steps.steps,
             last=None,
             mean=None,
             extras={
                 "bytes_communicated_total": between,  # between the replica groups
-                "bytes_in_group": self.sent.total + self.sums.bytes_sent(),
+                "bytes_in_group": self.carried[1] + self.sent.total + self.sums.bytes_sent(),
                 "shard_degree": self.layout.shard_degree,
                 "replica_groups": self.layout.replicas,
-                "steps_redone": self.sums.redos(),
+                "steps_redone": self.carried[3] + self.sums.redos(),
                 **extras,
             },
         )
