@@ -8,6 +8,7 @@ or more, no deterministic mode). Standard library only, as plan.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -105,6 +106,10 @@ class RunSettings:
             "world_divisors": ", ".join(str(d) for d in range(1, world + 1) if world % d == 0),
             "even_step_samples": rounded * cut[1],
             "group_degree": max((d for d in range(1, world) if world % d == 0), default=1),  # 2+ groups
+            "survivable_multiple": survivable_multiple(world, max(self.shard_degree, 1)),
+            "even_live_samples": -(-cut[2] // survivable_multiple(world, max(self.shard_degree, 1)))
+            * survivable_multiple(world, max(self.shard_degree, 1))
+            * cut[1],
         }
 
 
@@ -153,6 +158,24 @@ def _uneven_sharded_micro_batches(s: RunSettings) -> bool:
     cut = s.live_cut()
     sharded = s.shard_degree > 1 and s.deterministic and s.global_batch_size is not None
     return sharded and cut is not None and cut[2] % s.world_size != 0
+
+
+def survivable_multiple(world: int, degree: int) -> int:
+    """The least count of micro-batches that every world live mode can shrink a sharded run to divides:
+    the replica groups leave whole, so the worlds are degree, 2 * degree, ..., world."""
+    return degree * math.lcm(*range(1, world // degree + 1))
+
+
+def _live_shards_uneven_after_a_loss(s: RunSettings) -> bool:
+    # a lost step is redone over the groups left, and every rank computes as many micro-batches as the others
+    cut = s.live_cut() if s.global_batch_size is not None or not s.deterministic else None
+    if not (s.live and s.shard_degree > 1 and cut is not None) or s.world_size % s.shard_degree:
+        return False
+    return cut[2] % survivable_multiple(s.world_size, s.shard_degree) != 0
+
+
+def _live_sharded_rounds(s: RunSettings) -> bool:
+    return s.live and s.shard_degree > 1 and _periodic(s)
 
 
 def _periodic(s: RunSettings) -> bool:
@@ -257,6 +280,33 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
         _uneven_sharded_micro_batches,
         "in deterministic mode where a step's micro-batches are not a multiple of the ranks",
     ),
+    ValueCheck(
+        "shard_degree",
+        "--shard-degree {shard_degree} and --min-world on {world_size} ranks, {step_micro_batches} "
+        "micro-batches of {step_micro_batch_size} in a step",
+        "shard_degree={shard_degree} in live mode (--min-world) on {world_size} ranks, {step_micro_batches} "
+        "micro-batches of {step_micro_batch_size} in a step",
+        "live mode redoes a step lost with a replica group over the groups left, and every rank computes as "
+        "many micro-batches as the others: a step's micro-batches must divide evenly over every world the "
+        "groups can shrink to (one group, two, ..., all)",
+        "make them a multiple of {survivable_multiple}, e.g. --global-batch-size {even_live_samples} "
+        "--micro-batch-size {step_micro_batch_size}",
+        "make them a multiple of {survivable_multiple}, e.g. global_batch_size={even_live_samples}, "
+        "micro_batch_size={step_micro_batch_size}",
+        _live_shards_uneven_after_a_loss,
+        "in live mode where a step's micro-batches do not divide evenly over every world left",
+    ),
+    ValueCheck(
+        "shard_degree",
+        "--shard-degree {shard_degree} with --sync {sync} and --min-world",
+        "shard_degree={shard_degree} with sync={sync!r} in live mode (--min-world)",
+        "live recovery of a sharded periodic sync is not built: its rounds' marks hold replicated models",
+        "run it without live mode (restarts resume it from its checkpoints), or sync every step (--sync "
+        "allreduce)",
+        "run it without live mode, or sync='allreduce'",
+        _live_sharded_rounds,
+        "in live mode under a periodic --sync",
+    ),
 )
 PLACEHOLDER_FACTS = {
     "world_size": "N",
@@ -267,5 +317,7 @@ PLACEHOLDER_FACTS = {
     "step_micro_batch_size": "M",
     "step_samples": "G",
     "group_degree": "S'",
+    "survivable_multiple": "L",
+    "even_live_samples": "G'",
     "sync": "MODE",
 }

@@ -274,11 +274,8 @@ def _rules() -> Iterator[Rule]:
 # groups meet every H steps on their shards, in any wire format, streaming's fragments cut over the shards;
 # VALUE_CHECKS wants two groups or more, and no deterministic mode), reduce_dtype (SyncPolicy's knob: no
 # door sets it beside shard_degree today; FSDP2's MixedPrecisionPolicy.reduce_dtype is where it would go).
-_NOT_BUILT_LIVE = "live recovery across sharded replica groups is not built yet (issue 46)"
-_LIVE_INSTEAD = (
-    "leave shard_degree at 1 in live mode, or run sharded without live mode (restarts resume it from its "
-    "checkpoints)"
-)
+_NOT_BUILT_LIVE = "LiveLoop replicates the program's model: live recovery of a sharded model is fit's"
+_LIVE_INSTEAD = "use lockstep.fit (or lockstep train) for a sharded model in live mode"
 _FSDP_UNITS = "FSDP2's units are the buckets: each wrapped block's gradients are one reduce-scatter"
 _NOT_DDP = (
     "it is a knob of the replicated engine's buckets (torch's DDP), which a sharded model does not run: FSDP2 "
@@ -296,8 +293,7 @@ def _shard_degree_rules() -> Iterator[Rule]:
         "choose one of the two (shard_degree shards parameters, gradients and optimizer state; "
         "shard_optimizer the optimizer state alone)",
     )
-    for key in ("live", "live_loop"):
-        yield Rule("shard_degree", key, refused, _NOT_BUILT_LIVE, _LIVE_INSTEAD)
+    yield Rule("shard_degree", "live_loop", refused, _NOT_BUILT_LIVE, _LIVE_INSTEAD)
     yield Rule(
         "sync_warmup",
         "shard_degree",

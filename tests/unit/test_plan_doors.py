@@ -423,7 +423,8 @@ def test_sharded_deterministic_mode_says_what_to_do_at_each_door() -> None:
     assert str(in_fit.value).endswith(
         "; make them a multiple of 2, e.g. global_batch_size=8, micro_batch_size=2, or leave shard_degree at 1"
     )
-    assert at_launch.value.rule is in_fit.value.rule is VALUE_CHECKS[-1]
+    uneven = next(c for c in VALUE_CHECKS if c.refuses.__name__ == "_uneven_sharded_micro_batches")
+    assert at_launch.value.rule is in_fit.value.rule is uneven
     # what it suggests runs
     fit_plan_of(dataclasses.replace(config, global_batch_size=8), 2, live=False)
     _launcher_plan(["toy", "-n", "2", "--shard-degree", "2", *cut[:2], "8", *cut[3:]])
@@ -435,10 +436,6 @@ SHARD_PAIRS = [
      "--shard-degree 2 with --shard-optimizer true: FSDP shards the optimizer's state with the parameters "
      "already (each rank steps its own shards); choose one of the two",
      "shard_degree=2 with shard_optimizer=True: FSDP shards"),
-    (["--min-world", "1"], {}, True,
-     "--shard-degree 2 with --min-world: live recovery across sharded replica groups is not built yet "
-     "(issue 46); leave shard_degree at 1 in live mode",
-     "shard_degree=2 with live mode (--min-world): live recovery across sharded replica groups is not built"),
     (["--sync", "diloco"], {"sync": "diloco"}, False,
      "--shard-degree 2 with --sync diloco on 2 ranks: a periodic sync is one of replica groups meeting every "
      "few steps, and a shard degree of the whole world makes one group (FSDP), with no other to meet; use a "
@@ -472,6 +469,36 @@ def test_a_refused_pair_with_shard_degree_says_both_and_what_to_do_at_each_door(
         fit_plan_of(FitConfig(shard_degree=2, **fields), 2, live=live)
     assert str(fit.value).startswith(in_fit)
     assert launcher.value.rule is fit.value.rule
+
+
+def test_live_mode_across_sharded_groups_wants_micro_batches_even_over_every_world_left() -> None:
+    """4 ranks as 2 groups of 2: a loss leaves 2, so a step's micro-batches must be a multiple of 4 and of 2;
+    on 6 ranks as 3 groups (worlds 6, 4, 2) of 12. What each door suggests runs; a periodic sync is refused."""
+    cut = ["--deterministic", "--global-batch-size", "12", "--micro-batch-size", "2"]  # 6 micro-batches
+    _launcher_plan(["toy", "-n", "6", "--shard-degree", "2", "--min-world", "2", "--micro-batch-size", "2",
+                    "--global-batch-size", "24", "--deterministic"])  # fmt: skip
+    with pytest.raises(PlanRefused) as at_launch:
+        _launcher_plan(["toy", "-n", "6", "--shard-degree", "2", "--min-world", "2", *cut])
+    assert str(at_launch.value) == (
+        "--shard-degree 2 and --min-world on 6 ranks, 6 micro-batches of 2 in a step: live mode redoes a step "
+        "lost with a replica group over the groups left, and every rank computes as many micro-batches as the "
+        "others: a step's micro-batches must divide evenly over every world the groups can shrink to (one "
+        "group, two, ..., all); make them a multiple of 12, e.g. --global-batch-size 24 --micro-batch-size 2"
+    )
+    config = FitConfig(shard_degree=2, deterministic=True, global_batch_size=12, micro_batch_size=2)
+    with pytest.raises(PlanRefused) as in_fit:
+        fit_plan_of(config, 6, live=True)
+    assert at_launch.value.rule is in_fit.value.rule
+    assert str(in_fit.value).endswith(
+        "make them a multiple of 12, e.g. global_batch_size=24, micro_batch_size=2"
+    )
+    fit_plan_of(dataclasses.replace(config, global_batch_size=24), 6, live=True)
+    fit_plan_of(dataclasses.replace(config, global_batch_size=8), 4, live=True)  # 4 micro-batches on 4 ranks
+    fit_plan_of(config, 6, live=False)  # without live mode 6 micro-batches on 6 ranks run
+    with pytest.raises(PlanRefused, match="live recovery of a sharded periodic sync is not built"):
+        fit_plan_of(
+            FitConfig(shard_degree=2, sync="diloco", global_batch_size=16, micro_batch_size=4), 4, live=True
+        )
 
 
 def test_sharded_groups_meeting_every_h_steps_in_deterministic_mode_are_refused_at_each_door() -> None:

@@ -8,7 +8,9 @@ Every collective lockstep issues is waited on through here:
 - `wait_watching_membership(work)`: the wait itself. Outside live mode it is `work.wait()`. In live mode
   gloo cannot abort a collective, and one that waits on a dead rank's peers would block for the group's
   timeout; so the wait polls, and every few milliseconds asks the membership it watches whether a member
-  was lost, which raises MembershipChanged (runtime/membership/).
+  was lost, which raises MembershipChanged (runtime/membership/). A Work that completes only inside its
+  wait() (gloo's reduce-scatter, which FSDP2 and the sharded exact sums issue) is waited on by a thread of
+  its own while this one polls.
 
 While a collective is waited on, SIGTERM is held back (runtime/sigterm_guard.py) so that the watchdog's
 report of a failure gets out first.
@@ -20,6 +22,7 @@ Which membership the waits watch is set by the one place that forms a live group
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -86,6 +89,8 @@ def wait_watching_membership(work: Any) -> Any:
     next_check = 0.0
     # A c10d Work (is_completed) or a torch Future (done): the engine's buckets wait on the latter.
     completed = work.is_completed if hasattr(work, "is_completed") else work.done
+    if not completed() and _completes_only_in_wait(work):
+        return _wait_aside(work, membership)
     while not completed():
         now = time.monotonic()
         if now >= next_check:
@@ -93,6 +98,41 @@ def wait_watching_membership(work: Any) -> Any:
             next_check = now + CHECK_EVERY_S
         time.sleep(_POLL_S)
     return work.wait()
+
+
+def _completes_only_in_wait(work: Any) -> bool:
+    """A Work that says it is complete only once wait() ran (gloo's reduce-scatter: it has no future, and
+    is_completed() stays False however long it is polled)."""
+    if not hasattr(work, "get_future"):
+        return False
+    try:
+        work.get_future()
+    except RuntimeError:
+        return True
+    return False
+
+
+def _wait_aside(work: Any, membership: watchdog.MembershipWatch) -> Any:
+    """work.wait() on a thread of its own while this one watches the membership: a lost member raises
+    MembershipChanged here at once (the thread stays blocked in the abandoned group's wait, which ends
+    when the group's sockets close)."""
+    done, outcome = threading.Event(), {}
+
+    def wait() -> None:
+        try:
+            outcome["value"] = work.wait()
+        except BaseException as exc:  # raised on the waiting thread below, with its traceback
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="lockstep-wait", daemon=True).start()
+    while not done.wait(CHECK_EVERY_S):
+        membership.check()
+    error = outcome.get("error")
+    if error is not None:
+        raise error  # the wait's own failure (a lost peer's transport error), as wait() raised it
+    return outcome["value"]
 
 
 class _Waiting:

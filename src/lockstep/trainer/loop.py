@@ -77,7 +77,7 @@ class FitRun:
         self.config = config
         self.device = choose_device(config.device)
         torch.manual_seed(config.seed + topo.rank)  # per-rank streams for dropout/augmentation
-        self.module = (convert_sync_batchnorm(model) if config.sync_batchnorm else model).to(self.device)
+        module = (convert_sync_batchnorm(model) if config.sync_batchnorm else model).to(self.device)
         self.side = side_of_run(config, topo)  # live mode or not, chosen once (live_side.py)
         # Which settings combine and the engine's mode: the plan's (lockstep/plan.py; `lockstep train` checked
         # it before launch, a program of your own meets its refusal here), built once and handed down
@@ -91,12 +91,12 @@ class FitRun:
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.keep_checkpoints)
         # the time account and every rank's timeline, once the plan holds (trainer/reporting/run_records.py)
         self.records = RunRecords(self.run_dir, self.side, topo.rank, self.checkpoints)
-        # The model the steps run: the module itself under accumulate() (deterministic and live mode),
-        # stepping alone (sync: the handle syncs every sync_every steps) or with its bucket size tuned
-        # (bucket_cap_mb="auto": the drop-in face keeps torch's), else torch's drop-in face.
+        # The replica's model (live mode cuts a sharded one anew over a new group): the module itself under
+        # accumulate() (deterministic and live mode), stepping alone (sync: every sync_every steps) or with
+        # its bucket size tuned (bucket_cap_mb="auto": the drop-in face keeps torch's), else torch's face.
         in_place = self.micro_batched or self.periodic or tunes_buckets(config)
-        self.replica = FitReplica(self.module, config, self.device, self.side, in_place=in_place)
-        self.model, handle = self.replica.model, self.replica.handle
+        self.replica = FitReplica(module, config, self.device, self.side, in_place=in_place)
+        handle = self.replica.handle
         self.data = TrainData(
             train_data, config, self.plan, self.replica.topo, pin=self.device.type == "cuda"
         )
@@ -113,9 +113,9 @@ class FitRun:
         self.total_steps = config.epochs * self.data.steps_in_epoch()
         if config.max_steps is not None:
             self.total_steps = min(self.total_steps, config.max_steps)
-        optimizer = (make_optimizer or (lambda p: build_optimizer(p, config)))(self.module.parameters())
+        optimizer = (make_optimizer or (lambda p: build_optimizer(p, config)))(module.parameters())
         self.state = RunState(
-            self.module,
+            module,
             self.side.sharded(optimizer, config),
             build_scheduler(optimizer, config, self.total_steps),
             torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16"),
@@ -139,7 +139,7 @@ class FitRun:
             no_sync=handle if tunes_buckets(config) or config.shard_degree > 1 else None,
             outer=handle if self.periodic else None,  # its outer sync follows each step
         )
-        self.periodic_run = PeriodicRun(handle, self.module, optimizer) if self.periodic else None
+        self.periodic_run = PeriodicRun(handle, module, optimizer) if self.periodic else None
         if self.periodic_run is not None:
             self.replica.followers += [self.periodic_run, self.stepper]  # they follow a rebuilt handle
             algorithm = parse_sync(config.sync)
@@ -247,7 +247,7 @@ class FitRun:
             self._evaluate()
 
     def _train_epoch(self) -> None:
-        self.module.train()
+        self.replica.module.train()
         self.data.start_epoch(self.counters.epoch)
         micro_batches, steps_left, micro_left = self.data.iterate()  # micro_left: this rank's, in the epoch
         self.stepper.synced = False
@@ -289,13 +289,13 @@ class FitRun:
         """One step; True when it ended with an outer sync (a low-communication run's round)."""
         world_size = self.replica.topo.world_size
         if self.periodic:
-            return self.stepper.local_step(self.model, world_size, group)
+            return self.stepper.local_step(self.replica.model, world_size, group)
         if not self.micro_batched:
-            self.stepper.ddp_step(self.model, world_size, group)
+            self.stepper.ddp_step(self.replica.model, world_size, group)
             return False
         if self.replica.handle is None:
             raise InternalError("a micro-batched step ran without a replica")
-        self.stepper.micro_batched_step(self.replica.handle, self.model, group)
+        self.stepper.micro_batched_step(self.replica.handle, self.replica.model, group)
         return False
 
     def _end_of_epoch(self) -> None:
@@ -345,7 +345,7 @@ class FitRun:
         self.bar.report(self.counters.step, {k: v for k, v in record.items() if k != "epoch"})
 
     def _evaluate(self) -> None:
-        self.record.last_eval = self.evaluation.run(self.module)
+        self.record.last_eval = self.evaluation.run(self.replica.module)
         self.record.eval_step = self.counters.step
         record = {"step": self.counters.step, **self.record.last_eval}
         self.runlog.write(record)

@@ -31,8 +31,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lockstep.engine.sharded.handle import ShardHandle, ShardPolicy, shard_layout
-from lockstep.engine.sharded.units import choose_units
+from lockstep.engine.sharded.handle import ShardHandle, ShardLayout, ShardPolicy, shard_layout
+from lockstep.engine.sharded.units import check_shardable, choose_units
 from lockstep.plan import check_shard_layout
 
 FAILED_RESET = (RuntimeError, ValueError)  # a reset that waits on work of a group with a dead member
@@ -88,16 +88,8 @@ class ShardedState:
 def shard_again(state: ShardedState, policy: ShardPolicy) -> ShardHandle:
     """The model of `state` cut anew over the current (new) world by `policy`'s units and layout, holding
     this rank's local shards and buffers; its handle counts on from the old one's figures."""
-    world = dist.get_world_size()
-    degree = policy.shard_degree or world
-    check_shard_layout(world, degree)
-    own_cross_sums = policy.deterministic or policy.periodic
-    layout = shard_layout(degree, device_type=state.device.type, deterministic=own_cross_sums)
     module = copy.deepcopy(state.skeleton)
-    units = choose_units(module, policy.units)
-    for unit in units:
-        fully_shard(unit, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)
-    fully_shard(module, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)
+    layout, units = _cut(module, policy, state.device.type)
     module.to_empty(device=state.device)
     with torch.no_grad():
         for name, param in module.named_parameters():
@@ -107,6 +99,29 @@ def shard_again(state: ShardedState, policy: ShardPolicy) -> ShardHandle:
     handle = ShardHandle(module, units, layout, policy)
     handle.carried = state.counts
     return handle
+
+
+def shard_joining(module: nn.Module, policy: ShardPolicy) -> ShardHandle:
+    """A replacement's model cut over the world it joins, as the members cut theirs anew (`shard_again`:
+    the same collectives); its values are replaced by its replica group's shards (trainer/live/
+    shard_transfer.py), so unlike `shard()` it does not make the ranks agree on them first."""
+    check_shardable(module)
+    layout, units = _cut(module, policy, next(p.device.type for p in module.parameters()))
+    return ShardHandle(module, units, layout, policy)
+
+
+def _cut(module: nn.Module, policy: ShardPolicy, device_type: str) -> tuple[ShardLayout, list[nn.Module]]:
+    """`module` cut by `policy`'s units over the current world's layout (its collectives: the meshes')."""
+    world = dist.get_world_size()
+    degree = policy.shard_degree or world
+    check_shard_layout(world, degree)
+    own_cross_sums = policy.deterministic or policy.periodic
+    layout = shard_layout(degree, device_type=device_type, deterministic=own_cross_sums)
+    units = choose_units(module, policy.units)
+    for unit in units:
+        fully_shard(unit, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)
+    fully_shard(module, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)
+    return layout, units
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@
 - formation.py: check in, agree on the members, form the group, leave a broken one;
 - commit.py: a step counts on every member or on none;
 - admission.py: replacements queue and are admitted at a step boundary;
+- replica_groups.py: a sharded run's members leave and join in whole replica groups;
 - host.py: what a live group needs from the process it runs in: the `Host` it is handed, and the `Place`
   it renumbers;
 - group.py: `LiveGroup`, this worker's side, composed of the above;

@@ -23,6 +23,7 @@ from lockstep.errors import InternalError
 from lockstep.runtime.membership import keys
 from lockstep.runtime.membership.core import GroupState
 from lockstep.runtime.membership.records import Membership
+from lockstep.runtime.membership.replica_groups import whole_groups
 
 
 class Admission:
@@ -72,7 +73,7 @@ class Admission:
         if plan is None and m.rank != 0 and state.store.check([key]):
             plan = json.loads(bytes(state.store.get(key)).decode())
         if plan is None and m.rank == 0:
-            queued = self._queued()
+            queued = whole_groups(self._queued(), state.group_size)  # a sharded run's joiners: whole groups
             if queued:
                 boundary = step + 1 if next_step is None else next_step
                 proposal = json.dumps({"step": boundary, "joiners": queued})

@@ -26,6 +26,7 @@ class GroupState:
         self.phase = PhaseMachine(phase)
         self.changes_seen = 0
         self.known: set[int] = set(membership.members)  # every member id seen: members and replacements
+        self.group_size = 1  # members leave and join in replica groups of this many (replica_groups.py)
 
     @property
     def tag(self) -> str:

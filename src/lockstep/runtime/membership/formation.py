@@ -34,6 +34,7 @@ from lockstep.runtime.membership import keys
 from lockstep.runtime.membership.core import GroupState
 from lockstep.runtime.membership.host import Host
 from lockstep.runtime.membership.records import Fault, Membership, first_line
+from lockstep.runtime.membership.replica_groups import GROUP_LOST, broken_groups
 from lockstep.torch_private import reset_group_names, set_group_timeout
 
 EVICTED_EXIT_CODE = 75  # a worker the survivors left out (it was too late to check in): EX_TEMPFAIL
@@ -191,7 +192,9 @@ class Formation:
             for member in old.members:
                 if member not in checked and state.store.check([keys.checkin(g, member)]):
                     checked.add(member)
-            waiting = [m for m in old.members if m not in checked and m not in dead]
+            # a member whose replica group lost one leaves with it: no one waits for it
+            broken = broken_groups(old.members, state.group_size, dead)
+            waiting = [m for m in old.members if m not in checked and m not in dead and m not in broken]
             waited = time.monotonic() - started
             if waited >= self._look_after(wait_s):
                 left_out = self._stopped_or_gone(waiting)
@@ -202,8 +205,14 @@ class Formation:
         for member in waiting:
             left_out[member] = f"did not check in to generation {g} within {wait_s:.0f} s"
         self._mark_left_out(left_out, g)
+        gone = {*dead, *left_out}
+        broken = broken_groups(old.members, state.group_size, gone)
+        self._mark_left_out({m: f"{GROUP_LOST} {lost}" for m, lost in broken.items()}, g)
         state.known.update(joiners)
-        proposal = json.dumps(sorted(checked) + [m for m in joiners if m not in state.dead()])
+        # in groups, a member known gone is left out even if it checked in (it would break its group's
+        # place); one at a time, it is proposed, and the group's formation fails without it
+        staying = [m for m in sorted(checked) if m not in broken and (state.group_size == 1 or m not in gone)]
+        proposal = json.dumps(staying + [m for m in joiners if m not in state.dead()])
         agreed = state.store.compare_set(keys.members(g), "", proposal)
         return tuple(json.loads(bytes(agreed).decode()))
 

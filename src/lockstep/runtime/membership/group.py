@@ -100,6 +100,10 @@ class LiveGroup(Generic[PlaceT]):
         """Groups left with work possibly stuck in them: the process must end with os._exit."""
         return len(self.formation.graveyard)
 
+    def hold_in_groups(self, size: int) -> None:
+        """From now on members leave and join in replica groups of `size` (a sharded run: replica_groups.py)."""
+        self.state.group_size = size
+
     def topology(self) -> PlaceT:
         """The place this process was launched with, numbered as the current generation numbers it."""
         m = self.membership

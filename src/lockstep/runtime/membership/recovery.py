@@ -72,6 +72,10 @@ class Recoverable(Protocol[PlaceIn]):
     def reshard(self, topology: PlaceIn) -> None:
         """Cut this rank's shard of the data (and of the evaluation) for the group's new world."""
 
+    def share_shards(self, holders: list[int]) -> None:
+        """Every member, after rank 0's state went to the replacements: a sharded model's replacement
+        group receives its shards from the ranks of `holders` that hold the same ones (a collective)."""
+
     def regrouped(self, fault: Fault) -> None:
         """The group changed and every member stands at the same step: take over what a lost member
         did (rank 0's duties), tell the user."""
@@ -189,6 +193,7 @@ class LiveRecovery(Generic[PlaceT]):
         src = holders[0]
         mine = run.state_dict() if group.membership.rank == src else None
         tree = group.host.broadcast_state(mine, src=src)
+        run.share_shards(holders)
         if group.needs_state:
             run.load_state_dict(tree)
             group.state_received()

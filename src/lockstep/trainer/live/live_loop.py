@@ -270,6 +270,9 @@ class LiveLoop:
         self.sampler.num_replicas, self.sampler.rank = topology.world_size, topology.rank
         self.sampler.load_state_dict(state)
 
+    def share_shards(self, holders: list[int]) -> None:
+        """Nothing: LiveLoop runs replicated models only."""
+
     def regrouped(self, fault: Fault) -> None:
         """Nothing of the loop's own: a program of yours logs what it keeps."""
 

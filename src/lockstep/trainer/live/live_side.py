@@ -28,11 +28,13 @@ fragment's sync, and the fault's record says what it dropped.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from lockstep.engine.core.sync_algorithms import parse_sync
+from lockstep.engine.sharded import ShardHandle
+from lockstep.engine.sharded.rebuild import move_optimizer
 from lockstep.plan import Plan
 from lockstep.runtime.env.topology import Topology
 from lockstep.runtime.membership.group import LiveGroup
@@ -40,6 +42,7 @@ from lockstep.runtime.membership.records import Fault
 from lockstep.runtime.membership.recovery import LiveRecovery, StartUpRecovery
 from lockstep.runtime.process_group import live_group
 from lockstep.trainer.live.live_rounds import LiveRounds
+from lockstep.trainer.live.live_shards import share_shards
 from lockstep.trainer.live.live_takeover import describe_change, take_over_log, take_over_rows
 from lockstep.trainer.reporting.metrics import OrderedMetrics, TrainMetrics
 from lockstep.trainer.reporting.progress import ProgressBar
@@ -64,6 +67,8 @@ def side_of_run(config: FitConfig, topology: Topology) -> NotLive | FitLive:
     group = live_group()
     if group is None:
         return NotLive(topology)
+    if config.shard_degree > 1:  # a rank lost takes its replica group's copy of the model with it
+        group.hold_in_groups(config.shard_degree)
     if parse_sync(config.sync) is None:
         return FitLive(group)
     return FitLiveRounds(group, config)
@@ -86,6 +91,7 @@ class NotLive:
     """FitRun outside live mode: nothing to receive, to admit or to go back to; a failure is the program's."""
 
     live = False
+    regroups = False  # the group never changes under the run
     restarts = None  # summary.json's `restarts`: live mode's count of whole-job restarts
     joining = False  # a replacement that receives its state from a peer (live mode)
 
@@ -158,6 +164,7 @@ class FitLive:
     recovery: LiveRecovery[Topology]
 
     live = True
+    regroups = True  # members leave and join: a sharded replica is cut anew over each new group
 
     def __init__(self, group: LiveGroup[Topology]) -> None:
         self.group = group
@@ -263,7 +270,17 @@ class FitLive:
         self.replica.release()
 
     def rebuild_replica(self, topology: Topology) -> None:
-        self.replica.rebuild(topology)
+        old = self.replica.rebuild(topology)
+        if old is not None:  # a sharded model cut anew: the optimizer and the run's entries move onto it
+            move_optimizer(cast(torch.optim.Optimizer, self.state.optimizer), old, self.replica.module)
+            self.state.use_module(self.replica.module)
+
+    def share_shards(self, holders: list[int]) -> None:
+        """A sharded run: a replacement group receives its shards from the live groups (live_shards.py)."""
+        handle = self.replica.handle
+        if isinstance(handle, ShardHandle):
+            optimizer = cast(torch.optim.Optimizer, self.state.optimizer)
+            share_shards(handle, optimizer, holders, joining=self.group.needs_state)
 
     def discard_step(self) -> None:
         self.state.optimizer.zero_grad(set_to_none=True)

@@ -20,6 +20,7 @@ order, and is restored in that order.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -80,6 +81,10 @@ class StateRegistry:
                 f"the state entry {key!r}: a checkpoint's entry names its object (target), and only it does"
             )
         self._entries[key] = Entry(key, load, save, uses, target, required)
+
+    def retarget(self, key: str, target: Any, save: Callable[[], Any]) -> None:
+        """Entry `key` names another object from now on (a sharded model cut anew over a new group)."""
+        self._entries[key] = dataclasses.replace(self._entries[key], target=target, save=save)
 
     def register(self, key: str, obj: Stateful, *, uses: Use = EVERY) -> None:
         """Register a `Stateful` (an optimizer, a scheduler, a sampler, ...) through its own state_dict()

@@ -27,6 +27,7 @@ from torch import nn
 
 from lockstep.checkpoint import rng
 from lockstep.engine.optim.shard_optimizer import ShardedOptimizer
+from lockstep.engine.sharded import is_sharded
 from lockstep.runtime.memory import MemoryMeter
 from lockstep.runtime.run_account import ACCOUNT
 from lockstep.trainer.reporting.metrics import TrainMetrics
@@ -99,21 +100,29 @@ class RunState:
         self.record = RunRecord()
         self.memory = MemoryMeter()  # the model state's bytes, sampled in a step (summary.json's `memory`)
         self.registry = StateRegistry()
+        # a sharded model's parameters and optimizer state reach a replacement shard for shard
+        # (trainer/live/live_shards.py), not in rank 0's state: its optimizer's hyperparameters do
+        self.sharded = is_sharded(module)
+        self._model_uses = Use.CHECKPOINT | Use.MARK if self.sharded else EVERY
         self._register()
 
     def _register(self) -> None:
         """The run's entries (a low-communication run adds `workers` and `outer`: trainer/run/low_comm.py)."""
         reg = self.registry
         reg.register_state_dict_fn(
-            "model", self._load_model, self.module.state_dict, uses=EVERY, target=self.module
+            "model", self._load_model, self.module.state_dict, uses=self._model_uses, target=self.module
         )
         reg.register_state_dict_fn(
             "optimizer",
             self.optimizer.load_state_dict,
             self._optimizer_state,
-            uses=EVERY,
+            uses=self._model_uses,
             target=self.optimizer,
         )
+        if self.sharded:
+            reg.register_state_dict_fn(
+                "optimizer_settings", self._load_settings, self._settings, uses=Use.TRANSFER
+            )
         reg.register("scheduler", self.scheduler)
         reg.register_state_dict_fn(
             "scaler", self._load_scaler, self.scaler.state_dict, uses=EVERY, target=self.scaler
@@ -134,6 +143,12 @@ class RunState:
         # The run's time account (runtime/run_account.py): a restart carries on from the checkpoint's, a
         # replacement from rank 0's; never a rollback's mark (the work it discards stays counted as lost)
         reg.register("goodput", ACCOUNT, uses=Use.CHECKPOINT | Use.TRANSFER)
+
+    def use_module(self, module: nn.Module) -> None:
+        """Live mode, sharded: the model was cut anew over a new group (a new module object, the optimizer
+        moved onto it): the run's entries name it from now on."""
+        self.module = module
+        self.registry.retarget("model", module, module.state_dict)
 
     def register_outer_sync(self, periodic: Any, *, streaming: bool) -> None:
         """A low-communication run's entries (`periodic`: trainer/run/low_comm.py's PeriodicRun), after model and optimizer (a rank's own
@@ -167,6 +182,15 @@ class RunState:
         if isinstance(self.optimizer, ShardedOptimizer):
             return self.optimizer.transfer_state_dict()
         return self.optimizer.state_dict()
+
+    def _settings(self) -> list[dict[str, Any]]:
+        """The optimizer's hyperparameters (its param_groups without their parameters: the lr where the
+        schedule left it)."""
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+
+    def _load_settings(self, settings: list[dict[str, Any]]) -> None:
+        for group, values in zip(self.optimizer.param_groups, settings, strict=True):
+            group.update(values)
 
     def _load_scaler(self, state: dict[str, Any]) -> None:
         if state:  # a disabled GradScaler's state is empty, and it loads nothing
