@@ -61,6 +61,7 @@ def _step(handle: Any, optimizer: torch.optim.Optimizer, step: int) -> None:
         return out.detach()
 
     handle.accumulate(loss, {k: _batch(step, k) for k in owned}, num_micro_batches=K, step=step)
+    handle.clip_grad_norm_(1.0)  # the exact norm: a collective over each gradient's own mesh
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -86,13 +87,14 @@ def _fault_free() -> dict[str, Any]:
     return _result(handle, optimizer)
 
 
-def _a_group_lost(fail_mid_backward: bool) -> dict[str, Any] | None:
+def _a_group_lost(lost: int, fail_mid_backward: bool) -> dict[str, Any] | None:
     _, handle, optimizer, skeleton = _start()
     for step in range(LOST_AFTER):
         _step(handle, optimizer, step)
-    if dist.get_rank() >= 2:
-        dist.barrier()  # group 1 leaves after the others are past their last collective with it
+    if dist.get_rank() // 2 == lost:
+        dist.barrier()  # the lost group leaves after the others are past their last collective with it
         return None
+    new_rank = dist.get_rank() % 2  # the survivors renumbered: group 1's ranks 2, 3 become 0, 1
     if fail_mid_backward:
         _fail_mid_backward(handle.module)
     dist.barrier()
@@ -102,8 +104,11 @@ def _a_group_lost(fail_mid_backward: bool) -> dict[str, Any] | None:
     store = dist.TCPStore(
         os.environ[ec.MASTER_ADDR_VAR], int(os.environ[ec.MASTER_PORT_VAR]), 2, False, timedelta(seconds=60)
     )
-    dist.init_process_group("gloo", store=dist.PrefixStore("rebuilt", store), rank=_rank(), world_size=2)
+    dist.init_process_group("gloo", store=dist.PrefixStore("rebuilt", store), rank=new_rank, world_size=2)
     rebuilt = shard_again(state, POLICY)
+    for param in rebuilt.module.parameters():  # every parameter on the new world's shard group
+        assert dist.get_process_group_ranks(param.device_mesh.get_group()) == [0, 1]
+        assert param.device_mesh.get_group() is rebuilt.layout.shard_group
     move_optimizer(optimizer, state.params, rebuilt.module)
     assert all(p in optimizer.state for p in rebuilt.module.parameters())
     for step in range(LOST_AFTER, STEPS):
@@ -127,18 +132,20 @@ def _fail_mid_backward(model: nn.Module) -> None:
     assert not all(isinstance(p, DTensor) for p in model.parameters())  # what the reset must undo
 
 
-def _rank() -> int:
-    return int(os.environ[ec.RANK_VAR])
-
-
-@pytest.mark.parametrize("fail_mid_backward", [False, True])
+@pytest.mark.parametrize(
+    "lost, fail_mid_backward",
+    [(1, False), (1, True), (0, False)],
+    ids=["group 1 lost", "group 1 lost mid-backward", "group 0 lost: the survivors renumbered"],
+)
 def test_the_surviving_group_rebuilt_on_a_new_world_ends_with_a_fault_free_runs_bits(
-    fail_mid_backward: bool,
+    lost: int, fail_mid_backward: bool
 ) -> None:
+    """Group 0 lost: the survivors are renumbered, and every parameter's mesh resolves to the new shard
+    group (the stale-mesh case of a world grown back to its old size is tests/cli/test_live_sharded.py's)."""
     reference = run_distributed(_fault_free, 2, timeout=TIMEOUT)[0]
-    survived = run_distributed(_a_group_lost, 4, args=(fail_mid_backward,), timeout=TIMEOUT)
-    assert survived[2] is None and survived[3] is None
-    for rank in (0, 1):
+    survived = run_distributed(_a_group_lost, 4, args=(lost, fail_mid_backward), timeout=TIMEOUT)
+    assert survived[2 * lost] is None and survived[2 * lost + 1] is None
+    for rank in (2 - 2 * lost, 3 - 2 * lost):
         got = survived[rank]
         assert got["state"].keys() == reference["state"].keys()
         for name, value in reference["state"].items():

@@ -17,7 +17,7 @@ ERROR); this loop acts on it:
 - A worker that the survivors evicted (it stopped answering: SIGSTOP, a hard hang; they mark it dead on
   the store themselves) is killed, so that it cannot wake up into a group that went on without it.
 - With `--max-restarts R`, each lost worker (while the job goes on, up to R in all, whole-job restarts
-  included) is replaced by a new process with the next member id and the lost one's RANK/LOCAL_RANK (its
+  included; a sharded run's replica group lost counts one, runtime/membership/replica_groups.py) is replaced by a new process with the next member id and the lost one's RANK/LOCAL_RANK (its
   device). It queues on the store and the members admit it at a step boundary
   (runtime/membership/admission.py). Once only replacements that were never admitted still run, on every
   node, the supervisor writes `closed` and they exit 0 (not finishers).
@@ -46,6 +46,7 @@ from lockstep.launch.live_workers import POLL_S, LiveWorker, exit_code, signal_a
 from lockstep.launch.node_heartbeat import NodeHeartbeat
 from lockstep.launch.spec import LaunchSpec
 from lockstep.runtime.membership import keys
+from lockstep.runtime.membership.replica_groups import lost_with_group
 
 STORE_LOST_S = 10.0  # a node that could not reach the store this long stops its workers and leaves the job
 EVICTIONS_READ_S = 1.0  # how often the dead marks of running workers are read when no change was counted
@@ -92,6 +93,9 @@ class LiveSupervisor:
         self.faults: list[LiveWorker] = []
         self.errors: list[LiveWorker] = []  # ERRORs: each ends the job (live_account.py)
         self.replacements_left = budget  # --max-restarts left: replacements and whole-job restarts
+        # a sharded run's replica group lost, and whether it is replaced (one of the budget for the whole
+        # group: replica_groups.py), by the member whose loss took it out
+        self.groups_replaced: dict[int, bool] = {}
         self.restarts = restarts  # whole-job restarts before this attempt
         self.changes_seen = 0
         self.evictions_read = 0.0  # when the dead marks of running workers were last read
@@ -299,8 +303,7 @@ class LiveSupervisor:
             + ("go on" if goes_on else "left")
             + f" (--min-world {self.spec.min_world})"
         )
-        if goes_on and self.replacements_left > 0 and not self.ending:
-            self.replacements_left -= 1
+        if goes_on and not self.ending and self._replaced(w):
             member_id = self.layout.world + int(self.store.add(keys.REPLACEMENTS, 1)) - 1  # unique job-wide
             self.start(member_id, w.rank, w.local_rank, True)
             line += (
@@ -308,6 +311,16 @@ class LiveSupervisor:
                 f"({self.replacements_left} replacements left)"
             )
         self.console.line("stderr", line)
+
+    def _replaced(self, w: LiveWorker) -> bool:
+        """Whether lost `w` gets a replacement: one of --max-restarts per lost worker, or per lost replica
+        group of a sharded run (the members that left with a lost one are replaced with it, or not at all)."""
+        group = lost_with_group(w.evicted or "")
+        key = w.member_id if group is None else group
+        if key not in self.groups_replaced:
+            self.groups_replaced[key] = self.replacements_left > 0
+            self.replacements_left -= int(self.groups_replaced[key])
+        return self.groups_replaced[key]
 
     def _lost_elsewhere(self) -> str:
         """The members of other nodes marked dead on the store, with how, for the last line."""

@@ -91,19 +91,22 @@ class ShardLayout:
     replicas: int
 
 
-def shard_layout(shard_degree: int, *, device_type: str, deterministic: bool) -> ShardLayout:
+def shard_layout(shard_degree: int, *, device_type: str, deterministic: bool, tag: str = "") -> ShardLayout:
     """The world cut into world / shard_degree replica groups of shard_degree consecutive ranks.
     `deterministic`: FSDP2 shards over the shard group alone (a 1-D mesh), and what crosses the groups is
-    lockstep's (deterministic mode's exact sums, or a periodic sync)."""
+    lockstep's (deterministic mode's exact sums, or a periodic sync). `tag` ends the mesh's dimension
+    names: a layout made on a new world after another (rebuild.py) must not equal an older mesh, since
+    torch compares meshes without their groups, and DTensor's caches would hand back the older one."""
     world = dist.get_world_size()
     replicas = world // shard_degree
+    shard, replicate = f"shard{tag}", f"replicate{tag}"
     if replicas == 1:
-        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=(shard,))
         return ShardLayout(mesh, mesh.get_group(), None, shard_degree, 1)
-    grid = init_device_mesh(device_type, (replicas, shard_degree), mesh_dim_names=("replicate", "shard"))
-    shard_mesh = grid["shard"]
+    grid = init_device_mesh(device_type, (replicas, shard_degree), mesh_dim_names=(replicate, shard))
+    shard_mesh = grid[shard]
     mesh = shard_mesh if deterministic else grid
-    return ShardLayout(mesh, shard_mesh.get_group(), grid["replicate"].get_group(), shard_degree, replicas)
+    return ShardLayout(mesh, shard_mesh.get_group(), grid[replicate].get_group(), shard_degree, replicas)
 
 
 def shard(module: nn.Module, policy: ShardPolicy = ShardPolicy()) -> ShardHandle:

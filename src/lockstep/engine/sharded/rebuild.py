@@ -35,7 +35,10 @@ from lockstep.engine.sharded.handle import ShardHandle, ShardLayout, ShardPolicy
 from lockstep.engine.sharded.units import check_shardable, choose_units
 from lockstep.plan import check_shard_layout
 
-FAILED_RESET = (RuntimeError, ValueError)  # a reset that waits on work of a group with a dead member
+_LAYOUTS = itertools.count(1)  # the layouts this process cut a model over anew
+# a reset that waits on work of a group with a dead member; before its first forward FSDP2 has no
+# iteration state to reset (no all-gather state yet: AttributeError)
+FAILED_RESET = (RuntimeError, ValueError, AttributeError)
 
 
 def meta_skeleton(module: nn.Module) -> nn.Module:
@@ -116,7 +119,8 @@ def _cut(module: nn.Module, policy: ShardPolicy, device_type: str) -> tuple[Shar
     degree = policy.shard_degree or world
     check_shard_layout(world, degree)
     own_cross_sums = policy.deterministic or policy.periodic
-    layout = shard_layout(degree, device_type=device_type, deterministic=own_cross_sums)
+    tag = f"@{next(_LAYOUTS)}"  # a mesh unequal to every earlier one (shard_layout)
+    layout = shard_layout(degree, device_type=device_type, deterministic=own_cross_sums, tag=tag)
     units = choose_units(module, policy.units)
     for unit in units:
         fully_shard(unit, mesh=layout.mesh, reshard_after_forward=policy.reshard_after_forward)

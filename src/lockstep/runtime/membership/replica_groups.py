@@ -29,6 +29,13 @@ def broken_groups(members: Sequence[int], size: int, gone: Collection[int]) -> d
     return out
 
 
+def lost_with_group(why: str) -> int | None:
+    """The member whose loss took this one out with its replica group, read from its dead mark (`why`);
+    None when it was lost itself."""
+    _, found, rest = why.partition(GROUP_LOST + " ")
+    return int(rest.split()[0]) if found and rest.split() and rest.split()[0].isdigit() else None
+
+
 def whole_groups(joiners: Sequence[int], size: int) -> list[int]:
     """The first joiners that make whole groups of `size` (the rest wait for their group to be complete)."""
     return list(joiners[: len(joiners) - len(joiners) % size])
