@@ -313,7 +313,7 @@ class FitRun:
         True when the group changed meanwhile (the loop re-cuts its iteration)."""
         driver = self.side.driver
         before = driver.changes
-        driver.run(work)  # a low-communication run's loss: back to the round's start, RolledBack
+        driver.run(self.side.agreed(work))  # a low-communication run's loss: back to its mark, RolledBack
         return driver.changes != before
 
     def _after_step(self) -> None:

@@ -11,6 +11,11 @@ word as the step's verdict (`gen<g>/verdict/<step>`, compare_set: the first writ
 follows the verdict, not what it saw. One store write, one compare_set and a read or two per step. A
 member's metric rows of the step travel with its key (`.../rows`), so that after the step counted they
 stay readable when the member is lost before the next log (rank 0 takes them over).
+
+Work between steps that issues collectives (a log, an evaluation, a checkpoint) is agreed on the same way
+(`commit(step, work=name)`): a member that completed a checkpoint's last collective must not go on to the
+next step while another, whose copy of it failed, redoes the checkpoint (their collectives would mismatch);
+so either every member completed the work, or every member redoes it.
 """
 
 from __future__ import annotations
@@ -32,20 +37,22 @@ class StepCommit:
     def __init__(self, state: GroupState, host: Host) -> None:
         self.state, self.host = state, host
 
-    def commit(self, step: int, rows: bytes | None = None) -> None:
+    def commit(self, step: int, rows: bytes | None = None, *, work: str = "") -> None:
         """After this rank's collectives of `step` completed: return once every member's did (the step
         counts everywhere), or raise MembershipChanged on every member when one's did not (all redo it).
-        `rows`: this member's metric rows of the step (packed), kept on the store with its key."""
+        `rows`: this member's metric rows of the step (packed), kept on the store with its key. `work`: the
+        work between steps after `step` that completed, instead of the step (see the module doc)."""
         state = self.state
         m = state.membership
+        label: int | str = f"{step}/{work}" if work else step
         state.phase.enter(GenerationPhase.COMMITTING)
         if rows is not None:
-            state.store.set(keys.done_rows(m.generation, step, m.member_id), rows)  # before the add below
-        state.store.add(keys.done(m.generation, step, m.member_id), 1)  # written before this rank can die
-        done = [keys.done(m.generation, step, member) for member in m.members]
+            state.store.set(keys.done_rows(m.generation, label, m.member_id), rows)  # before the add below
+        state.store.add(keys.done(m.generation, label, m.member_id), 1)  # written before this rank can die
+        done = [keys.done(m.generation, label, member) for member in m.members]
         # Waited on like a collective: a member stopped between its collectives and its key is judged by
         # the hang watchdog (its heartbeat), and evicted after the hang timeout like in any collective.
-        with self.host.tracked(f"commit (step {step})"):
+        with self.host.tracked(f"commit ({work or 'step'} {step})"):
             while True:
                 if state.store.check(done):
                     seen = COMMIT
@@ -54,11 +61,12 @@ class StepCommit:
                     seen = COMMIT if state.store.check(done) else REDO
                     break
                 time.sleep(0.0005)
-            verdict = bytes(state.store.compare_set(keys.verdict(m.generation, step), "", seen)).decode()
+            verdict = bytes(state.store.compare_set(keys.verdict(m.generation, label), "", seen)).decode()
         if verdict != COMMIT:
+            what = f"the work after step {step} ({work})" if work else f"step {step}"
             raise MembershipChanged(
-                f"{state.tag}a member left before step {step} completed on every rank (generation "
-                f"{m.generation}): the step is redone"
+                f"{state.tag}a member left before {what} completed on every rank (generation "
+                f"{m.generation}): it is redone"
             )
         state.phase.enter(GenerationPhase.TRAINING)
 

@@ -176,9 +176,9 @@ class LiveGroup(Generic[PlaceT]):
 
     # ---- steps ------------------------------------------------------------------------------------------
 
-    def commit(self, step: int, rows: bytes | None = None) -> None:
-        """The step counts on every member or on none (commit.py)."""
-        self.commits.commit(step, rows)
+    def commit(self, step: int, rows: bytes | None = None, *, work: str = "") -> None:
+        """The step (or the work between steps `work` names) counts on every member or on none (commit.py)."""
+        self.commits.commit(step, rows, work=work)
 
     def committed_rows(self, generation: int, step: int, member: int) -> bytes | None:
         return self.commits.committed_rows(generation, step, member)

@@ -78,16 +78,17 @@ def growth(generation: int) -> str:
     return f"{ROOT}gen{generation}/grow"
 
 
-def done(generation: int, step: int, member: int) -> str:
+def done(generation: int, step: int | str, member: int) -> str:
+    """`member` completed `step` in `generation` (or the work between steps `step` names: "40/_after_step")."""
     return f"{ROOT}gen{generation}/done/{step}/{member}"
 
 
-def verdict(generation: int, step: int) -> str:
+def verdict(generation: int, step: int | str) -> str:
     """Whether `step` counted in `generation`: "commit" or "redo", the first writer's word (compare_set)."""
     return f"{ROOT}gen{generation}/verdict/{step}"
 
 
-def done_rows(generation: int, step: int, member: int) -> str:
+def done_rows(generation: int, step: int | str, member: int) -> str:
     return f"{done(generation, step, member)}/rows"
 
 

@@ -2,6 +2,8 @@
 a lost rank (the recovery itself is runtime/membership/recovery.py, shared by both).
 
 Modules:
+- live_agreed.py: Live mode inside fit: work between steps that counts on every member or on none, as a step
+  does.
 - live_loop.py: Live mode for a training loop of your own: `lockstep.LiveLoop`.
 - live_rounds.py: Live mode for a low-communication run (FitConfig.sync): the round counts on every member or
   on none.

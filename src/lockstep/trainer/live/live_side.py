@@ -27,8 +27,8 @@ fragment's sync, and the fault's record says what it dropped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
@@ -41,6 +41,7 @@ from lockstep.runtime.membership.group import LiveGroup
 from lockstep.runtime.membership.records import Fault
 from lockstep.runtime.membership.recovery import LiveRecovery, StartUpRecovery
 from lockstep.runtime.process_group import live_group
+from lockstep.trainer.live.live_agreed import agreed_between_steps
 from lockstep.trainer.live.live_rounds import LiveRounds
 from lockstep.trainer.live.live_shards import share_shards
 from lockstep.trainer.live.live_takeover import describe_change, take_over_log, take_over_rows
@@ -54,6 +55,8 @@ from lockstep.trainer.run.replica import FitReplica
 from lockstep.trainer.run.run_state import RunState
 from lockstep.trainer.run.step_driver import StepDriver
 from lockstep.trainer.settings.config import FitConfig, plan_of
+
+T = TypeVar("T")
 
 
 class Sharded(Protocol):
@@ -126,6 +129,10 @@ class NotLive:
         output: tuple[RunLog, ProgressBar],
     ) -> None:
         pass
+
+    def agreed(self, work: Callable[[], T]) -> Callable[[], T]:
+        """Work between steps, as it is: nothing can leave some ranks behind."""
+        return work
 
     def commit_step(self, step: int, rows: OrderedMetrics, metrics: TrainMetrics) -> None:
         """A micro-batched step's rows join the pending ones."""
@@ -218,6 +225,10 @@ class FitLive:
     def rollback(self) -> LiveRounds | None:
         """What a loss takes the run back to instead of redoing the step: nothing (FitLiveRounds: a round mark)."""
         return None
+
+    def agreed(self, work: Callable[[], T]) -> Callable[[], T]:
+        """Work between steps that counts on every member or on none (live_agreed.py)."""
+        return agreed_between_steps(self.group, lambda: self.state.counters.step, work)
 
     def commit_step(self, step: int, rows: OrderedMetrics, metrics: TrainMetrics) -> None:
         """The step counts on every member or on none; its rows go with it to the store, where the survivors

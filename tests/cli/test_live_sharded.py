@@ -1,0 +1,120 @@
+"""Live mode across sharded replica groups end to end (issue 46): `lockstep train gpt -n 4 --shard-degree 2
+--min-world 2 --deterministic`, 2 replica groups of FSDP 2, a worker SIGKILLed or SIGSTOPped from outside
+once the step-40 checkpoint is written.
+
+The lost worker's group leaves whole (its other rank is left out with it), the other group goes on in the
+processes it started in (their pids, their timeline parts reaching the last step), without a restart, and
+the run ends with a fault-free run's bits (deterministic mode: the same bits at any world size, so the
+reference runs on one rank). With `--max-restarts 1` a replacement group of two new workers joins, receives
+its shards from the live group shard for shard, and the run ends at world 4 with the same bits: after rank
+0's group is lost the survivors are renumbered, and the world grows back to its launch size (the case where
+a rebuilt model once found an older generation's mesh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import ROOT, child_env, lockstep_cli
+
+GPT = ("--dim", "48", "--depth", "2", "--context", "32", "--progress", "none", "--eval-every", "0")
+GPT += ("--lr-schedule", "constant", "--warmup-steps", "0", "--max-steps", "120", "--checkpoint-every", "40")
+DETERMINISTIC = ("--deterministic", "--global-batch-size", "16", "--micro-batch-size", "4")  # K = 4
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    run_dir = tmp_path_factory.mktemp("reference")
+    proc = lockstep_cli(
+        "train", "gpt", "-n", "1", "--run-dir", str(run_dir), *GPT, *DETERMINISTIC, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _strike(run_dir: Path, victim: int, sig: int, *launch: str) -> tuple[int, str, dict[int, int]]:
+    """The job, with `sig` sent to launch rank `victim` once the step-40 checkpoint exists; its exit code,
+    its output, and the launched workers' pids at the strike."""
+    argv = ["train", "gpt", "-n", "4", "--shard-degree", "2", "--min-world", "2", "--run-dir", str(run_dir)]
+    log = run_dir.parent / f"{run_dir.name}.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lockstep", *argv, *GPT, *DETERMINISTIC, *launch],
+            env=child_env(),
+            stdout=fh,
+            stderr=fh,
+            text=True,
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.monotonic() + 180
+            while not (run_dir / "checkpoints" / "step_000040").is_dir() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            pids = {rank: int((run_dir / f"rank{rank}" / "pid").read_text()) for rank in range(4)}
+            os.kill(pids[victim], sig)
+            proc.wait(timeout=240)
+        finally:
+            proc.kill()
+    return proc.returncode, log.read_text(), pids
+
+
+def _went_on_in_their_processes(
+    run_dir: Path, survivors: list[int], pids: dict[int, int], steps: int
+) -> None:
+    """The surviving group's workers ran from the first step to the last in the processes they started in."""
+    for member in survivors:
+        part = json.loads((run_dir / "trace" / f"attempt0-member{member}.json").read_text())
+        assert part["pid_hint"] == pids[member] and part["last_step"] == steps, (member, part["pid_hint"])
+
+
+def _fault_free_bits(summary: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert summary["steps"] == reference["steps"] == 120 and summary["restarts"] == 0
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["optimizer_sha256"] == reference["optimizer_sha256"]
+    assert summary["samples_lost"] == 0
+
+
+def test_rank_0s_group_killed_the_other_group_finishes_alone_with_the_fault_free_bits(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    run_dir = tmp_path / "run"
+    code, out, pids = _strike(run_dir, 0, signal.SIGKILL)
+    assert code == 0, out[-4000:]
+    assert "rank 1 left out of generation 1: its replica group lost launch rank 0; 2 of 4 ranks go on" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    _fault_free_bits(summary, reference)
+    assert summary["world_size"] == 2
+    assert [(f["lost"], f["world_size"]) for f in summary["faults"]] == [([0, 1], 2)]
+    assert summary["faults"][0]["how"]["0"].startswith("killed by SIGKILL")
+    _went_on_in_their_processes(run_dir, [2, 3], pids, 120)
+
+
+@pytest.mark.parametrize(
+    "victim, sig, survivors",
+    [(0, signal.SIGKILL, [2, 3]), (3, signal.SIGSTOP, [0, 1])],
+    ids=["rank 0 killed: the survivors renumbered, the world grown back", "rank 3 stopped"],
+)
+def test_a_replacement_group_receives_its_shards_and_the_run_ends_at_world_4_with_the_fault_free_bits(
+    tmp_path: Path, reference: dict[str, Any], victim: int, sig: int, survivors: list[int]
+) -> None:
+    run_dir = tmp_path / "run"
+    code, out, pids = _strike(run_dir, victim, sig, "--max-restarts", "1", "--hang-timeout", "5")
+    assert code == 0, out[-4000:]
+    assert out.count("replacement rank") == 2, out  # one of the budget: the group replaced whole
+    assert "(2 of them replacements: ranks [4, 5])" in out or "ranks [5, 4])" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    _fault_free_bits(summary, reference)
+    assert summary["world_size"] == 4
+    lost = sorted(set(range(4)) - set(survivors))
+    changes = [(f["lost"], sorted(f["joined"]), f["world_size"]) for f in summary["faults"]]
+    assert changes == [(lost, [], 2), ([], [4, 5], 4)], changes
+    _went_on_in_their_processes(run_dir, survivors, pids, 120)
