@@ -143,9 +143,10 @@ def _die_before_commit() -> None:
 
     commit = LiveGroup.commit
 
-    def dying_commit(self: LiveGroup, step: int, rows: bytes | None = None) -> None:
-        maybe_die("commit")
-        commit(self, step, rows)
+    def dying_commit(self: LiveGroup, step: int, rows: bytes | None = None, *, work: str = "") -> None:
+        if not work:  # a step's commit (not the work between steps, which commits too)
+            maybe_die("commit")
+        commit(self, step, rows, work=work)
 
     LiveGroup.commit = dying_commit  # type: ignore[method-assign]
 
