@@ -12,7 +12,7 @@ from typing import Any, cast
 import pytest
 
 from lockstep.launch import worker
-from lockstep.launch.live_account import Ending, ending, outcome
+from lockstep.launch.live_account import Ending, Replacements, ending, outcome
 from lockstep.launch.live_workers import LiveWorker
 from lockstep.runtime.env.env_contract import MEMBER_ID_VAR
 
@@ -143,3 +143,22 @@ def test_the_bootstrap_prints_one_rank_prefix_however_many_groups_were_formed(
         assert lines[-1] == f"{expected}ValueError: boom"
         assert all(line.startswith(expected) and "]: [rank" not in line for line in lines)
     assert worker.MEMBER_ID_VAR == MEMBER_ID_VAR  # the bootstrap's copy of the name (it imports no torch)
+
+
+def test_a_lost_replica_group_costs_one_replacement_of_the_budget_in_whichever_order_its_members_end() -> (
+    None
+):
+    """--max-restarts 1, a sharded run: the stopped member 1 and its group's member 0 (left out with it) are
+    both replaced, whichever ends first; the next group lost gets none; a member lost on its own counts one."""
+    mate = "left out of generation 1: its replica group lost launch rank 1"
+    for order in (
+        [(0, mate), (1, "evicted by the survivors (stopped)")],
+        [(1, "killed by SIGKILL"), (0, mate)],
+    ):
+        budget = Replacements(1)
+        assert [budget.replace(member, mark) for member, mark in order] == [True, True]
+        assert budget.left == 0
+        later = "left out of generation 2: its replica group lost launch rank 3"
+        assert not budget.replace(3, "killed by SIGKILL") and not budget.replace(2, later)
+    alone = Replacements(2)
+    assert alone.replace(0, "killed by SIGKILL") and alone.replace(1, "") and not alone.replace(2, "")

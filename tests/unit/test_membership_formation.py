@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -28,6 +29,12 @@ from lockstep.runtime.membership.core import GroupState
 from lockstep.runtime.membership.formation import Formation
 from lockstep.runtime.membership.phases import GenerationPhase
 from lockstep.runtime.membership.records import Membership
+from lockstep.runtime.membership.replica_groups import (
+    GROUP_LOST,
+    broken_groups,
+    lost_with_group,
+    whole_groups,
+)
 
 
 class Host(ProcessHost):
@@ -118,3 +125,47 @@ def test_a_member_that_checks_in_is_not_left_out(store: Any, silent: subprocess.
     fault, _, member = _agree_without(store, silent, hang=0.5, checkin_s=60.0)
     assert fault.lost == [] and member.state.membership.members == (0, 1)
     assert not store.check([keys.dead(1)])
+
+
+def test_in_replica_groups_a_member_whose_group_lost_one_is_left_out_at_once_and_marked_dead(
+    store: Any, silent: subprocess.Popen[bytes]
+) -> None:
+    """4 members in 2 replica groups (a sharded run): member 3 is dead, member 2 (its group's other rank,
+    `silent`: running, but stuck where it cannot check in) is not waited for; 0 and 1 form the generation,
+    and member 2 is marked dead with its group, so that the launcher ends and replaces it with the group."""
+    store.set(keys.whereabouts(2), json.dumps(Host(60.0).whereabouts() | {"pid": silent.pid}))
+    store.set(keys.dead(3), "killed by SIGKILL")
+    members = []
+    for member in (0, 1):
+        client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=10))
+        state = GroupState(client, Membership(0, (0, 1, 2, 3), member), GenerationPhase.TRAINING)
+        state.group_size = 2
+        members.append(Formation(state, Host(60.0), "gloo", timedelta(seconds=10), min_world=2))
+    faults: list[Any] = [None, None]
+
+    def agree(i: int) -> None:
+        faults[i] = members[i].next_generation(members[i].state.membership, "a peer died", ())
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=agree, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert time.monotonic() - started < 10  # not the 60 s check-in timeout, nor the hang timeout
+    for fault in faults:
+        assert fault.lost == [2, 3] and fault.world_size == 2
+    assert members[0].state.membership.members == (0, 1)
+    assert bytes(store.get(keys.dead(2))).decode() == (
+        "left out of generation 1: its replica group lost launch rank 3"
+    )
+    assert lost_with_group(bytes(store.get(keys.dead(2))).decode()) == 3
+
+
+def test_replica_groups_leave_and_join_whole() -> None:
+    assert broken_groups((0, 1, 2, 3, 4, 5), 2, {3}) == {2: 3}
+    assert broken_groups((4, 5, 0, 1), 2, {4, 0}) == {5: 4, 1: 0}  # a replacement group first
+    assert broken_groups((0, 1, 2, 3), 1, {1}) == {}  # one rank a group: nothing else leaves
+    assert whole_groups([7, 8, 9], 2) == [7, 8] and whole_groups([7], 2) == [] and whole_groups([7], 1) == [7]
+    assert lost_with_group("killed by SIGKILL") is None
+    assert lost_with_group(f"left out of generation 4: {GROUP_LOST} 12") == 12

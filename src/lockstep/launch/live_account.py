@@ -29,6 +29,7 @@ import enum
 from lockstep.launch.failure_report import first_failure, format_failure
 from lockstep.launch.live_workers import LiveWorker, exit_code
 from lockstep.runtime.membership.formation import EVICTED_EXIT_CODE
+from lockstep.runtime.membership.replica_groups import lost_with_group
 from lockstep.runtime.watchdog import STALL_EXIT_CODE
 
 
@@ -92,3 +93,23 @@ def error_summary(w: LiveWorker) -> str:
     message = str(record.get("message", "")).strip() if record else ""
     first = message.splitlines()[0] if message else w.how()
     return f"rank {w.member_id} raised {first}" if message else f"rank {w.member_id} {first}"
+
+
+class Replacements:
+    """--max-restarts as the launcher spends it in live mode (`left`: replacements and whole-job restarts):
+    one per lost worker, or one per lost replica group of a sharded run, whose members left out with the
+    lost one (their dead mark names it: runtime/membership/replica_groups.py) are replaced with it, or not
+    at all, whichever of them ends first."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+        self.decided: dict[int, bool] = {}  # by the member whose loss took the group out: replaced?
+
+    def replace(self, member_id: int, dead_mark: str) -> bool:
+        """Whether lost worker `member_id` (marked dead with `dead_mark`, or "") gets a replacement."""
+        group = lost_with_group(dead_mark)
+        key = member_id if group is None else group
+        if key not in self.decided:
+            self.decided[key] = self.left > 0
+            self.left -= int(self.decided[key])
+        return self.decided[key]

@@ -108,7 +108,7 @@ class _LiveJob:
                         f"of the whole job; --max-restarts {self.spec.max_restarts} is used up"
                     )
                 return code, report
-            attempt, budget = attempt + 1, supervisor.replacements_left - 1
+            attempt, budget = attempt + 1, supervisor.replacements.left - 1
             self.console.line("stderr", self._restart_line(attempt, budget, supervisor))
 
     def close(self) -> None:

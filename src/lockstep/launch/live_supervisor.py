@@ -41,12 +41,11 @@ from typing import Any
 from lockstep.launch.console_lines import goodput_line
 from lockstep.launch.console_relay import Console
 from lockstep.launch.failure_report import first_failure, format_failure
-from lockstep.launch.live_account import Ending, ending, error_summary, outcome
+from lockstep.launch.live_account import Ending, Replacements, ending, error_summary, outcome
 from lockstep.launch.live_workers import POLL_S, LiveWorker, exit_code, signal_all
 from lockstep.launch.node_heartbeat import NodeHeartbeat
 from lockstep.launch.spec import LaunchSpec
 from lockstep.runtime.membership import keys
-from lockstep.runtime.membership.replica_groups import lost_with_group
 
 STORE_LOST_S = 10.0  # a node that could not reach the store this long stops its workers and leaves the job
 EVICTIONS_READ_S = 1.0  # how often the dead marks of running workers are read when no change was counted
@@ -92,10 +91,7 @@ class LiveSupervisor:
         self.nodes = NodeHeartbeat(store, layout.node, layout.nodes)
         self.faults: list[LiveWorker] = []
         self.errors: list[LiveWorker] = []  # ERRORs: each ends the job (live_account.py)
-        self.replacements_left = budget  # --max-restarts left: replacements and whole-job restarts
-        # a sharded run's replica group lost, and whether it is replaced (one of the budget for the whole
-        # group: replica_groups.py), by the member whose loss took it out
-        self.groups_replaced: dict[int, bool] = {}
+        self.replacements = Replacements(budget)  # --max-restarts left: replacements and whole-job restarts
         self.restarts = restarts  # whole-job restarts before this attempt
         self.changes_seen = 0
         self.evictions_read = 0.0  # when the dead marks of running workers were last read
@@ -131,7 +127,7 @@ class LiveSupervisor:
     def restart_due(self) -> bool:
         """The attempt ended with a job-ending error on this single node and --max-restarts allows
         another: the launcher restarts the whole job (launch/live_launch.py)."""
-        return bool(self.errors) and self.layout.nodes == 1 and self.replacements_left > 0
+        return bool(self.errors) and self.layout.nodes == 1 and self.replacements.left > 0
 
     def _stop_all(self, sig: int) -> None:
         """The main thread's decision: no look after this one may report these workers' ends as faults."""
@@ -303,24 +299,14 @@ class LiveSupervisor:
             + ("go on" if goes_on else "left")
             + f" (--min-world {self.spec.min_world})"
         )
-        if goes_on and not self.ending and self._replaced(w):
+        if goes_on and not self.ending and self.replacements.replace(w.member_id, w.evicted or ""):
             member_id = self.layout.world + int(self.store.add(keys.REPLACEMENTS, 1)) - 1  # unique job-wide
             self.start(member_id, w.rank, w.local_rank, True)
             line += (
                 f"; replacement rank {member_id} started, it joins at a step boundary "
-                f"({self.replacements_left} replacements left)"
+                f"({self.replacements.left} replacements left)"
             )
         self.console.line("stderr", line)
-
-    def _replaced(self, w: LiveWorker) -> bool:
-        """Whether lost `w` gets a replacement: one of --max-restarts per lost worker, or per lost replica
-        group of a sharded run (the members that left with a lost one are replaced with it, or not at all)."""
-        group = lost_with_group(w.evicted or "")
-        key = w.member_id if group is None else group
-        if key not in self.groups_replaced:
-            self.groups_replaced[key] = self.replacements_left > 0
-            self.replacements_left -= int(self.groups_replaced[key])
-        return self.groups_replaced[key]
 
     def _lost_elsewhere(self) -> str:
         """The members of other nodes marked dead on the store, with how, for the last line."""
