@@ -42,6 +42,7 @@ class RunSettings:
     global_batch_size: int | None = None
     micro_batch_size: int | None = None
     world_size: int = 1  # launched ranks (live mode's launched world, whatever the survivors)
+    min_world: int = 0  # live mode's --min-world (0: not given, or not live)
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
     find_unused_parameters: bool = False
@@ -50,12 +51,14 @@ class RunSettings:
     live_loop: bool = False
 
     @classmethod
-    def of(cls, config: object, *, world_size: int, live: bool = False, max_restarts: int = 0) -> RunSettings:
+    def of(
+        cls, config: object, *, world_size: int, live: bool = False, max_restarts: int = 0, min_world: int = 0
+    ) -> RunSettings:
         """From any object with FitConfig's field names (FitConfig itself, a job's config)."""
-        launch = {"live", "max_restarts", "world_size"}
+        launch = {"live", "max_restarts", "world_size", "min_world"}
         names = {f.name for f in dataclasses.fields(cls)} - launch
         values = {name: getattr(config, name) for name in names if hasattr(config, name)}
-        return cls(**values, live=live, max_restarts=max_restarts, world_size=world_size)
+        return cls(**values, live=live, max_restarts=max_restarts, world_size=world_size, min_world=min_world)
 
     def keys(self) -> list[str]:
         """The table's keys of the settings that are on, in the table's order."""
@@ -98,6 +101,7 @@ class RunSettings:
         cut = self.live_cut() or (0, 0, 0)
         world = max(self.world_size, 1)
         rounded = -(-cut[2] // world) * world  # the step's micro-batches, up to a multiple of the ranks
+        survivable = survivable_multiple(world, max(self.shard_degree, 1), self.min_world)
         return {
             **dataclasses.asdict(self),
             "step_samples": cut[0],
@@ -106,10 +110,8 @@ class RunSettings:
             "world_divisors": ", ".join(str(d) for d in range(1, world + 1) if world % d == 0),
             "even_step_samples": rounded * cut[1],
             "group_degree": max((d for d in range(1, world) if world % d == 0), default=1),  # 2+ groups
-            "survivable_multiple": survivable_multiple(world, max(self.shard_degree, 1)),
-            "even_live_samples": -(-cut[2] // survivable_multiple(world, max(self.shard_degree, 1)))
-            * survivable_multiple(world, max(self.shard_degree, 1))
-            * cut[1],
+            "survivable_multiple": survivable,
+            "even_live_samples": -(-cut[2] // survivable) * survivable * cut[1],
         }
 
 
@@ -160,10 +162,12 @@ def _uneven_sharded_micro_batches(s: RunSettings) -> bool:
     return sharded and cut is not None and cut[2] % s.world_size != 0
 
 
-def survivable_multiple(world: int, degree: int) -> int:
+def survivable_multiple(world: int, degree: int, min_world: int = 0) -> int:
     """The least count of micro-batches that every world live mode can shrink a sharded run to divides:
-    the replica groups leave whole, so the worlds are degree, 2 * degree, ..., world."""
-    return degree * math.lcm(*range(1, world // degree + 1))
+    the replica groups leave whole, so the worlds are the multiples of degree from --min-world (rounded up;
+    one group when not given) to world."""
+    lowest = max(1, -(-min_world // degree))  # groups
+    return degree * math.lcm(*range(lowest, world // degree + 1))
 
 
 def _live_shards_uneven_after_a_loss(s: RunSettings) -> bool:
@@ -171,7 +175,7 @@ def _live_shards_uneven_after_a_loss(s: RunSettings) -> bool:
     cut = s.live_cut() if s.global_batch_size is not None or not s.deterministic else None
     if not (s.live and s.shard_degree > 1 and cut is not None) or s.world_size % s.shard_degree:
         return False
-    return cut[2] % survivable_multiple(s.world_size, s.shard_degree) != 0
+    return cut[2] % survivable_multiple(s.world_size, s.shard_degree, s.min_world) != 0
 
 
 def _live_sharded_rounds(s: RunSettings) -> bool:
@@ -288,7 +292,7 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
         "micro-batches of {step_micro_batch_size} in a step",
         "live mode redoes a step lost with a replica group over the groups left, and every rank computes as "
         "many micro-batches as the others: a step's micro-batches must divide evenly over every world the "
-        "groups can shrink to (one group, two, ..., all)",
+        "groups can shrink to (whole groups, down to --min-world)",
         "make them a multiple of {survivable_multiple}, e.g. --global-batch-size {even_live_samples} "
         "--micro-batch-size {step_micro_batch_size}",
         "make them a multiple of {survivable_multiple}, e.g. global_batch_size={even_live_samples}, "

@@ -143,6 +143,12 @@ def set_active_ddp_module(module: Any) -> None:
     _TorchDDP._active_ddp_module = module
 
 
+def fsdp_initialized(module: Any) -> bool:
+    """Whether FSDP2 ran its lazy initialization on the root `module` (its first forward): before it there
+    is no iteration state, and `reset_iter_state()` fails on the missing all-gather state."""
+    return module._get_fsdp_state()._is_root is not None
+
+
 def fsdp_unit_params(module: Any) -> list[Any]:
     """The sharded parameters (DTensors) of the FSDP unit `fully_shard(module)` made, in the order FSDP2
     lays out the unit's reduce-scatter input; [] when the unit holds none."""

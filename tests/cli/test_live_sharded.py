@@ -89,7 +89,7 @@ def test_rank_0s_group_killed_the_other_group_finishes_alone_with_the_fault_free
     run_dir = tmp_path / "run"
     code, out, pids = _strike(run_dir, 0, signal.SIGKILL)
     assert code == 0, out[-4000:]
-    assert "rank 1 left out of generation 1: its replica group lost launch rank 0; 2 of 4 ranks go on" in out
+    assert "rank 1 left out of generation 1: its replica group lost rank 0; 2 of 4 ranks go on" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     _fault_free_bits(summary, reference)
     assert summary["world_size"] == 2

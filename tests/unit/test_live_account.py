@@ -150,7 +150,7 @@ def test_a_lost_replica_group_costs_one_replacement_of_the_budget_in_whichever_o
 ):
     """--max-restarts 1, a sharded run: the stopped member 1 and its group's member 0 (left out with it) are
     both replaced, whichever ends first; the next group lost gets none; a member lost on its own counts one."""
-    mate = "left out of generation 1: its replica group lost launch rank 1"
+    mate = "left out of generation 1: its replica group lost rank 1"
     for order in (
         [(0, mate), (1, "evicted by the survivors (stopped)")],
         [(1, "killed by SIGKILL"), (0, mate)],
@@ -158,7 +158,7 @@ def test_a_lost_replica_group_costs_one_replacement_of_the_budget_in_whichever_o
         budget = Replacements(1)
         assert [budget.replace(member, mark) for member, mark in order] == [True, True]
         assert budget.left == 0
-        later = "left out of generation 2: its replica group lost launch rank 3"
+        later = "left out of generation 2: its replica group lost rank 3"
         assert not budget.replace(3, "killed by SIGKILL") and not budget.replace(2, later)
     alone = Replacements(2)
     assert alone.replace(0, "killed by SIGKILL") and alone.replace(1, "") and not alone.replace(2, "")

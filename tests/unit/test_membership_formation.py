@@ -157,7 +157,7 @@ def test_in_replica_groups_a_member_whose_group_lost_one_is_left_out_at_once_and
         assert fault.lost == [2, 3] and fault.world_size == 2
     assert members[0].state.membership.members == (0, 1)
     assert bytes(store.get(keys.dead(2))).decode() == (
-        "left out of generation 1: its replica group lost launch rank 3"
+        "left out of generation 1: its replica group lost rank 3"
     )
     assert lost_with_group(bytes(store.get(keys.dead(2))).decode()) == 3
 
@@ -169,3 +169,27 @@ def test_replica_groups_leave_and_join_whole() -> None:
     assert whole_groups([7, 8, 9], 2) == [7, 8] and whole_groups([7], 2) == [] and whole_groups([7], 1) == [7]
     assert lost_with_group("killed by SIGKILL") is None
     assert lost_with_group(f"left out of generation 4: {GROUP_LOST} 12") == 12
+
+
+def test_in_replica_groups_the_members_keep_their_order_not_their_ids_order(store: Any) -> None:
+    """A replacement group that queued as 5 then 4 sits as (…, 5, 4): member 5 holds shard 0 of its group.
+    When the other group is lost, the generation must keep (5, 4), not sort it to (4, 5), which would hand
+    each of them the other's shard index (the review's scenario: a model silently permuted)."""
+    store.set(keys.dead(0), "killed by SIGKILL")
+    members = []
+    for member in (5, 4):
+        client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=10))
+        state = GroupState(client, Membership(3, (0, 1, 5, 4), member), GenerationPhase.TRAINING)
+        state.group_size = 2
+        state.known.update({0, 1, 4, 5})
+        members.append(Formation(state, Host(60.0), "gloo", timedelta(seconds=10), min_world=2))
+    threads = [
+        threading.Thread(target=lambda f=f: f.next_generation(f.state.membership, "a peer died", ()))
+        for f in members
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert [f.state.membership.members for f in members] == [(5, 4), (5, 4)]
+    assert [f.state.membership.rank for f in members] == [0, 1]

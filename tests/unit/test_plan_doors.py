@@ -44,6 +44,7 @@ from lockstep.plan import (
     flag_of,
     flag_verdicts,
 )
+from lockstep.plan_settings import survivable_multiple
 from lockstep.trainer.live.live_loop import LiveLoop
 from lockstep.trainer.settings.config import FitConfig
 from lockstep.trainer.settings.config import plan_of as fit_plan_of
@@ -482,8 +483,9 @@ def test_live_mode_across_sharded_groups_wants_micro_batches_even_over_every_wor
     assert str(at_launch.value) == (
         "--shard-degree 2 and --min-world on 6 ranks, 6 micro-batches of 2 in a step: live mode redoes a step "
         "lost with a replica group over the groups left, and every rank computes as many micro-batches as the "
-        "others: a step's micro-batches must divide evenly over every world the groups can shrink to (one "
-        "group, two, ..., all); make them a multiple of 12, e.g. --global-batch-size 24 --micro-batch-size 2"
+        "others: a step's micro-batches must divide evenly over every world the groups can shrink to (whole "
+        "groups, down to --min-world); make them a multiple of 12, e.g. --global-batch-size 24 "
+        "--micro-batch-size 2"
     )
     config = FitConfig(shard_degree=2, deterministic=True, global_batch_size=12, micro_batch_size=2)
     with pytest.raises(PlanRefused) as in_fit:
@@ -495,6 +497,8 @@ def test_live_mode_across_sharded_groups_wants_micro_batches_even_over_every_wor
     fit_plan_of(dataclasses.replace(config, global_batch_size=24), 6, live=True)
     fit_plan_of(dataclasses.replace(config, global_batch_size=8), 4, live=True)  # 4 micro-batches on 4 ranks
     fit_plan_of(config, 6, live=False)  # without live mode 6 micro-batches on 6 ranks run
+    # --min-world bounds the worlds: 16 ranks as 8 groups of 2 down to 14 ranks, or down to one group
+    assert survivable_multiple(16, 2, 14) == 112 and survivable_multiple(16, 2) == 1680
     with pytest.raises(PlanRefused, match="live recovery of a sharded periodic sync is not built"):
         fit_plan_of(
             FitConfig(shard_degree=2, sync="diloco", global_batch_size=16, micro_batch_size=4), 4, live=True

@@ -177,6 +177,7 @@ def plan_of(args: argparse.Namespace, config: FitConfig) -> Plan:
         world_size=args.nproc_per_node,
         live=args.min_world is not None,
         max_restarts=args.max_restarts,
+        min_world=args.min_world or 0,
     )
     return Plan.of(settings, flags=True)
 

@@ -27,6 +27,9 @@ class FitResult:
 
     summary: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)
+    # The trained model: the one passed to fit, except in live mode with shard_degree > 1 after a change of
+    # members, where fit cut the model anew over the new group (the one passed keeps its earlier shards).
+    model: nn.Module | None = None
 
 
 def fit(
@@ -82,7 +85,7 @@ def fit(
         raise
     finally:
         run.bar.close()
-    return FitResult(summary=summary, history=history)
+    return FitResult(summary=summary, history=history, model=run.replica.module)
 
 
 def _require_map_style(data: Any, what: str) -> None:

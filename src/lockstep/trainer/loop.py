@@ -135,8 +135,7 @@ class FitRun:
             # overlap_optimizer: the engine steps the buckets
             optimizer=stepped_optimizer(self.state, config, self.plan, self.modes, self.replica.engine),
             commit=self.side.commit_step,
-            # ddp_step's no_sync(): with tuned buckets, and a sharded model's (FSDP2's gradient sync)
-            no_sync=handle if tunes_buckets(config) or config.shard_degree > 1 else None,
+            no_sync=_no_sync_handle(handle, config, micro_batched=self.micro_batched),
             outer=handle if self.periodic else None,  # its outer sync follows each step
         )
         self.periodic_run = PeriodicRun(handle, module, optimizer) if self.periodic else None
@@ -361,6 +360,12 @@ class FitRun:
         entries = self.state.registry.checkpoint_entries()
         self.checkpoints.save(self.counters.step, entries, blocking=not self.config.checkpoint_async)
         self.record.saved_step = self.counters.step
+
+
+def _no_sync_handle(handle: Any, config: FitConfig, *, micro_batched: bool) -> Any:
+    """The handle whose no_sync() ddp_step uses: with tuned buckets, and a sharded model's (FSDP2's gradient
+    sync); none for micro-batched steps, which never call it (live mode cuts a sharded model anew)."""
+    return handle if (tunes_buckets(config) or config.shard_degree > 1) and not micro_batched else None
 
 
 def _take(iterator: Iterator[Any], count: int) -> list[Any]:

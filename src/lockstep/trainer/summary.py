@@ -8,8 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.checkpoint import CheckpointManager
-from lockstep.checkpoint.compare import state_sha256
-from lockstep.engine.sharded import full_tensors
 from lockstep.runtime import get_logger, stragglers
 from lockstep.runtime.run_account import describe as describe_goodput
 from lockstep.runtime.timeline import merge_trace
@@ -54,6 +52,7 @@ def build_summary(
     wall, samples, steps = run
     sent = comm_bytes["comm_bytes"]
     counters, record = state.counters, state.record
+    hashes = state.hashes or state.take_hashes()  # taken at the run's end (RunState.consolidate_optimizer)
     summary = {
         "world_size": world_size,
         "steps": counters.step,
@@ -71,11 +70,9 @@ def build_summary(
         "deterministic": config.deterministic,
         "faults": record.faults,
         "restarts": restarts,
-        # full values (a sharded model's DTensors gathered, a collective): the same hash at any layout
-        "params_sha256": state_sha256(full_tensors(state.module.state_dict())),
-        "optimizer_sha256": state_sha256(
-            full_tensors(state.optimizer.state_dict())
-        ),  # consolidated if sharded
+        # full values (a sharded model's DTensors gathered at the run's end): the same hash at any layout
+        "params_sha256": hashes[0],
+        "optimizer_sha256": hashes[1],  # consolidated if sharded
         "memory": state.memory.summary(state.module, state.optimizer),
         "final_train": record.last_train or None,
         **record.last_eval,

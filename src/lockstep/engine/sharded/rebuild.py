@@ -5,17 +5,18 @@ A re-formation destroys every process group, FSDP2's shard groups included, and 
 to another mesh (its groups are looked up by name, and the names of a destroyed world resolve to nothing, or
 to another group). So a surviving group builds its model anew, with public APIs only:
 
-1. `meta_skeleton(module)`, taken by `shard()` before `fully_shard`: the module's structure on the meta
-   device (no memory), with its parameters' tying kept.
-2. `ShardedState.take(handle)` as the old group goes (live recovery's `release_replica`, while its groups
+1. `meta_skeleton(module)`, taken before `shard()` (trainer/run/replica.py): the module's structure on the
+   meta device (no memory), with its parameters' tying kept.
+2. `ShardedState.take(handle, skeleton)` as the old group goes (live recovery's `release_replica`, while its groups
    still exist): FSDP2's per-iteration state reset (`reset_iter_state()`: a step that failed mid-backward
    otherwise leaves plain unsharded parameters registered), then each parameter's local shard and each
-   buffer, by name.
+   buffer, by name, and each submodule's train/eval mode.
 3. `shard_again(state, policy)` on the new world: a copy of the skeleton cut by the same units on the new
    mesh, materialized (`to_empty`) and filled with the local shards and buffers. Replica groups leave the
    world whole and each survivor keeps its place in its group, so its local shards are the new layout's.
-4. `move_optimizer(optimizer, old_to_new)`: the optimizer object stays (the scheduler holds it); its
-   parameters and state move to the new ones, each DTensor state value remade on the new mesh.
+4. `move_optimizer(optimizer, old, new)`: the optimizer object stays (the scheduler holds it); its
+   parameters and state move to the new ones, each DTensor state value remade on its new parameter's mesh
+   and placements (HSDP's mesh is 2-D at two groups or more, 1-D at one).
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.engine.sharded.handle import ShardHandle, ShardLayout, ShardPolicy, shard_layout
 from lockstep.engine.sharded.units import check_shardable, choose_units
+from lockstep.errors import InternalError
 from lockstep.plan import check_shard_layout
+from lockstep.torch_private import fsdp_initialized
 
 _LAYOUTS = itertools.count(1)  # the layouts this process cut a model over anew
-# a reset that waits on work of a group with a dead member; before its first forward FSDP2 has no
-# iteration state to reset (no all-gather state yet: AttributeError)
-FAILED_RESET = (RuntimeError, ValueError, AttributeError)
+FAILED_RESET = (RuntimeError, ValueError)  # a reset that waits on work of a group with a dead member
 
 
 def meta_skeleton(module: nn.Module) -> nn.Module:
@@ -61,6 +62,7 @@ class ShardedState:
     params: dict[str, nn.Parameter]  # the old sharded parameters, by name (the optimizer's keys)
     locals_: dict[str, torch.Tensor]  # each one's local shard
     buffers: dict[str, torch.Tensor]
+    training: dict[str, bool]  # each submodule's train/eval mode, by name
     device: torch.device
     counts: tuple[int, int, int, int]  # what the old handle counted (ShardHandle.carried)
 
@@ -69,12 +71,19 @@ class ShardedState:
         """This rank's local shards and buffers of `handle`'s module, after resetting FSDP2's per-iteration
         state (a failed step's half-gathered parameters resharded), and what the handle counted."""
         module = handle.module
-        if isinstance(module, FSDPModule):
+        if isinstance(module, FSDPModule) and fsdp_initialized(module):  # before a forward: nothing to reset
             try:
                 module.reset_iter_state()
             except FAILED_RESET:  # its group lost a member: what it waited on will not come, and is dropped
                 pass
         params = dict(module.named_parameters())
+        unsharded = [name for name, p in params.items() if not isinstance(p, DTensor)]
+        if unsharded:  # a reset that failed half-way: these are gathered values, not this rank's shards
+            raise InternalError(
+                f"{handle.tag}the sharded model could not be reset after a lost member (parameters "
+                f"{unsharded[:3]} are not sharded): it cannot be carried onto the new group; resume from the "
+                "last checkpoint"
+            )
         locals_ = {name: _local(p) for name, p in params.items()}
         buffers = {name: b.detach() for name, b in module.named_buffers()}
         device = next(iter(locals_.values())).device
@@ -85,7 +94,8 @@ class ShardedState:
             handle.carried[2] + handle.micro_steps.steps,
             int(extras["steps_redone"]),
         )
-        return cls(skeleton, params, locals_, buffers, device, counts)
+        training = {name: m.training for name, m in module.named_modules()}
+        return cls(skeleton, params, locals_, buffers, training, device, counts)
 
 
 def shard_again(state: ShardedState, policy: ShardPolicy) -> ShardHandle:
@@ -99,6 +109,8 @@ def shard_again(state: ShardedState, policy: ShardPolicy) -> ShardHandle:
             _local(param).copy_(state.locals_[name])
         for name, buffer in module.named_buffers():
             buffer.copy_(state.buffers[name])
+    for name, submodule in module.named_modules():
+        submodule.training = state.training.get(name, submodule.training)
     handle = ShardHandle(module, units, layout, policy)
     handle.carried = state.counts
     return handle
@@ -107,7 +119,7 @@ def shard_again(state: ShardedState, policy: ShardPolicy) -> ShardHandle:
 def shard_joining(module: nn.Module, policy: ShardPolicy) -> ShardHandle:
     """A replacement's model cut over the world it joins, as the members cut theirs anew (`shard_again`:
     the same collectives); its values are replaced by its replica group's shards (trainer/live/
-    shard_transfer.py), so unlike `shard()` it does not make the ranks agree on them first."""
+    live_shards.py), so unlike `shard()` it does not make the ranks agree on them first."""
     check_shardable(module)
     layout, units = _cut(module, policy, next(p.device.type for p in module.parameters()))
     return ShardHandle(module, units, layout, policy)
@@ -156,7 +168,7 @@ def _remade(value: Any, param: torch.Tensor) -> Any:
     return DTensor.from_local(
         value.to_local(),
         param.device_mesh,
-        value.placements,
+        param.placements,
         shape=value.shape,
         stride=value.stride(),
         run_check=False,

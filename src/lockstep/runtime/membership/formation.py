@@ -34,7 +34,7 @@ from lockstep.runtime.membership import keys
 from lockstep.runtime.membership.core import GroupState
 from lockstep.runtime.membership.host import Host
 from lockstep.runtime.membership.records import Fault, Membership, first_line
-from lockstep.runtime.membership.replica_groups import GROUP_LOST, broken_groups
+from lockstep.runtime.membership.replica_groups import GROUP_LOST, broken_groups, whole_groups
 from lockstep.torch_private import reset_group_names, set_group_timeout
 
 EVICTED_EXIT_CODE = 75  # a worker the survivors left out (it was too late to check in): EX_TEMPFAIL
@@ -209,10 +209,16 @@ class Formation:
         broken = broken_groups(old.members, state.group_size, gone)
         self._mark_left_out({m: f"{GROUP_LOST} {lost}" for m, lost in broken.items()}, g)
         state.known.update(joiners)
-        # in groups, a member known gone is left out even if it checked in (it would break its group's
-        # place); one at a time, it is proposed, and the group's formation fails without it
-        staying = [m for m in sorted(checked) if m not in broken and (state.group_size == 1 or m not in gone)]
-        proposal = json.dumps(staying + [m for m in joiners if m not in state.dead()])
+        # In the old generation's order (a replica group's place is its members' shard indices). In groups,
+        # a member known gone is left out even if it checked in (it would break its group's place); one at
+        # a time, it is proposed, and the group's formation fails without it. Joiners: whole groups only
+        # (one that died since the growth was planned leaves its group's others queued).
+        size = state.group_size
+        staying = [
+            m for m in old.members if m in checked and m not in broken and (size == 1 or m not in gone)
+        ]
+        joining = whole_groups([m for m in joiners if m not in state.dead()], size)
+        proposal = json.dumps(staying + joining)
         agreed = state.store.compare_set(keys.members(g), "", proposal)
         return tuple(json.loads(bytes(agreed).decode()))
 

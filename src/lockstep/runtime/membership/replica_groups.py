@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-GROUP_LOST = "its replica group lost launch rank"  # how a member left out with its group is marked dead
+GROUP_LOST = (
+    "its replica group lost rank"  # how a member left out with its group is marked dead (a member id)
+)
 
 
 def broken_groups(members: Sequence[int], size: int, gone: Collection[int]) -> dict[int, int]:

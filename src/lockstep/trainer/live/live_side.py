@@ -194,7 +194,7 @@ class FitLive:
     def plan(self, config: FitConfig, world_size: int) -> Plan:
         """The run's plan, built once (fit's door): on the launched ranks, which each need a micro-batch of
         every step whatever the survivors."""
-        return plan_of(config, self.group.launch_world_size, live=True)
+        return plan_of(config, self.group.launch_world_size, live=True, min_world=self.group.min_world)
 
     def batch_plan(self, config: FitConfig, world_size: int) -> BatchPlan:
         return live_batch_plan(config, world_size, self.group.launch_world_size)

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from lockstep.checkpoint import rng
+from lockstep.checkpoint.compare import state_sha256
 from lockstep.engine.optim.shard_optimizer import ShardedOptimizer
-from lockstep.engine.sharded import is_sharded
+from lockstep.engine.sharded import full_tensors, is_sharded
 from lockstep.runtime.memory import MemoryMeter
 from lockstep.runtime.run_account import ACCOUNT
 from lockstep.trainer.reporting.metrics import TrainMetrics
@@ -103,6 +104,7 @@ class RunState:
         # a sharded model's parameters and optimizer state reach a replacement shard for shard
         # (trainer/live/live_shards.py), not in rank 0's state: its optimizer's hyperparameters do
         self.sharded = is_sharded(module)
+        self.hashes: tuple[str, str] | None = None  # the full parameters' and optimizer state's, at the end
         self._model_uses = Use.CHECKPOINT | Use.MARK if self.sharded else EVERY
         self._register()
 
@@ -235,6 +237,17 @@ class RunState:
             self.optimizer.regroup()
 
     def consolidate_optimizer(self) -> None:
-        """A sharded optimizer's full state collected on every rank (for the summary's hash)."""
+        """A sharded optimizer's full state collected on every rank, and the hashes of the full parameters
+        and optimizer state (summary.json's): a sharded model's gather them, collectives that the run's end
+        does here, where a lost member is survived, not in the summary."""
         if isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer.consolidate_state_dict(to=None)
+        self.take_hashes()
+
+    def take_hashes(self) -> tuple[str, str]:
+        """The hashes of the full parameters and optimizer state, kept (collectives for a sharded model)."""
+        self.hashes = (
+            state_sha256(full_tensors(self.module.state_dict())),
+            state_sha256(full_tensors(self.optimizer.state_dict())),
+        )
+        return self.hashes

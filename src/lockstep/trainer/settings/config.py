@@ -250,14 +250,14 @@ class FitConfig:
             setattr(self, f.name, check_setting(type(self), f.name, getattr(self, f.name), source))
 
 
-def plan_of(config: FitConfig, world_size: int, *, live: bool) -> Plan:
+def plan_of(config: FitConfig, world_size: int, *, live: bool, min_world: int = 0) -> Plan:
     """fit's verdict on its settings (lockstep/plan.py: PlanRefused for a pair that does not combine, or for
     a value it checks: deterministic mode without a global batch, live mode without deterministic with fewer
     micro-batches than ranks, a shard_degree that does not divide the world size, sharded deterministic mode
     with a step's micro-batches not a multiple of the ranks), and the engine's mode; `lockstep train` asks the same table of the same
     settings before launch. `world_size`: the launched ranks (in live mode the launch's, which the
     micro-batch check counts, whatever the survivors)."""
-    return Plan.of(RunSettings.of(config, world_size=world_size, live=live))
+    return Plan.of(RunSettings.of(config, world_size=world_size, live=live, min_world=min_world))
 
 
 def check_setting(cls: type, name: str, value: Any, source: Source) -> Any:
