@@ -127,6 +127,31 @@ def test_a_member_that_checks_in_is_not_left_out(store: Any, silent: subprocess.
     assert not store.check([keys.dead(1)])
 
 
+def _agree_in_groups(
+    store: Any, old: Membership, agreeing: tuple[int, ...]
+) -> tuple[list[Formation], list[Any]]:
+    """The members `agreeing` of generation `old` (replica groups of 2) agree on the next one, each on a
+    thread of its own with a store client of its own; their formations and faults."""
+    members = []
+    for member in agreeing:
+        client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=10))
+        state = GroupState(client, Membership(old.generation, old.members, member), GenerationPhase.TRAINING)
+        state.group_size = 2
+        state.known.update(old.members)
+        members.append(Formation(state, Host(60.0), "gloo", timedelta(seconds=10), min_world=2))
+    faults: list[Any] = [None] * len(members)
+
+    def agree(i: int) -> None:
+        faults[i] = members[i].next_generation(members[i].state.membership, "a peer died", ())
+
+    threads = [threading.Thread(target=agree, args=(i,)) for i in range(len(members))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return members, faults
+
+
 def test_in_replica_groups_a_member_whose_group_lost_one_is_left_out_at_once_and_marked_dead(
     store: Any, silent: subprocess.Popen[bytes]
 ) -> None:
@@ -135,23 +160,8 @@ def test_in_replica_groups_a_member_whose_group_lost_one_is_left_out_at_once_and
     and member 2 is marked dead with its group, so that the launcher ends and replaces it with the group."""
     store.set(keys.whereabouts(2), json.dumps(Host(60.0).whereabouts() | {"pid": silent.pid}))
     store.set(keys.dead(3), "killed by SIGKILL")
-    members = []
-    for member in (0, 1):
-        client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=10))
-        state = GroupState(client, Membership(0, (0, 1, 2, 3), member), GenerationPhase.TRAINING)
-        state.group_size = 2
-        members.append(Formation(state, Host(60.0), "gloo", timedelta(seconds=10), min_world=2))
-    faults: list[Any] = [None, None]
-
-    def agree(i: int) -> None:
-        faults[i] = members[i].next_generation(members[i].state.membership, "a peer died", ())
-
     started = time.monotonic()
-    threads = [threading.Thread(target=agree, args=(i,)) for i in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    members, faults = _agree_in_groups(store, Membership(0, (0, 1, 2, 3), 0), (0, 1))
     assert time.monotonic() - started < 10  # not the 60 s check-in timeout, nor the hang timeout
     for fault in faults:
         assert fault.lost == [2, 3] and fault.world_size == 2
@@ -176,20 +186,6 @@ def test_in_replica_groups_the_members_keep_their_order_not_their_ids_order(stor
     When the other group is lost, the generation must keep (5, 4), not sort it to (4, 5), which would hand
     each of them the other's shard index (the review's scenario: a model silently permuted)."""
     store.set(keys.dead(0), "killed by SIGKILL")
-    members = []
-    for member in (5, 4):
-        client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=10))
-        state = GroupState(client, Membership(3, (0, 1, 5, 4), member), GenerationPhase.TRAINING)
-        state.group_size = 2
-        state.known.update({0, 1, 4, 5})
-        members.append(Formation(state, Host(60.0), "gloo", timedelta(seconds=10), min_world=2))
-    threads = [
-        threading.Thread(target=lambda f=f: f.next_generation(f.state.membership, "a peer died", ()))
-        for f in members
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    members, _ = _agree_in_groups(store, Membership(3, (0, 1, 5, 4), 0), (5, 4))
     assert [f.state.membership.members for f in members] == [(5, 4), (5, 4)]
     assert [f.state.membership.rank for f in members] == [0, 1]
