@@ -231,7 +231,9 @@ def _live_loop_refused() -> str:
 
 def test_live_loop_refuses_a_sharded_model_as_the_plan_says() -> None:
     for message in run_distributed(_live_loop_refused, 2, timeout=TIMEOUT):
-        assert "live recovery across sharded replica groups is not built yet" in message, message
+        assert (
+            "LiveLoop replicates the program's model: live recovery of a sharded model is fit's" in message
+        ), message
 
 
 def _degree_refused() -> str:
