@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,28 +28,42 @@ import pytest
 from tests.helpers import ROOT, child_env, lockstep_cli
 
 GPT = ("--dim", "48", "--depth", "2", "--context", "32", "--progress", "none", "--eval-every", "0")
-GPT += ("--lr-schedule", "constant", "--warmup-steps", "0", "--max-steps", "120", "--checkpoint-every", "40")
+GPT += ("--lr-schedule", "constant", "--warmup-steps", "0", "--checkpoint-every", "40")
 DETERMINISTIC = ("--deterministic", "--global-batch-size", "16", "--micro-batch-size", "4")  # K = 4
+STEPS = 120  # struck at step 40
+# A replacement group's run is longer: its new workers, started at the strike and each importing torch on a
+# loaded machine, must join before the end (120 steps once left them not needed: a run that ended first).
+REPLACED_STEPS = 300
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    run_dir = tmp_path_factory.mktemp("reference")
-    proc = lockstep_cli(
-        "train", "gpt", "-n", "1", "--run-dir", str(run_dir), *GPT, *DETERMINISTIC, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((run_dir / "summary.json").read_text())
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict[str, Any]]:
+    """The fault-free run of so many steps on one rank (deterministic: the same bits at any world size)."""
+    runs: dict[int, dict[str, Any]] = {}
+
+    def of(steps: int) -> dict[str, Any]:
+        if steps not in runs:
+            run_dir = tmp_path_factory.mktemp(f"reference{steps}")
+            argv = ("train", "gpt", "-n", "1", "--run-dir", str(run_dir), "--max-steps", str(steps))
+            proc = lockstep_cli(*argv, *GPT, *DETERMINISTIC, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[steps] = json.loads((run_dir / "summary.json").read_text())
+        return runs[steps]
+
+    return of
 
 
-def _strike(run_dir: Path, victim: int, sig: int, *launch: str) -> tuple[int, str, dict[int, int]]:
-    """The job, with `sig` sent to launch rank `victim` once the step-40 checkpoint exists; its exit code,
-    its output, and the launched workers' pids at the strike."""
+def _strike(
+    run_dir: Path, steps: int, victim: int, sig: int, *launch: str
+) -> tuple[int, str, dict[int, int]]:
+    """The job of `steps` steps, with `sig` sent to launch rank `victim` once the step-40 checkpoint exists;
+    its exit code, its output, and the launched workers' pids at the strike."""
     argv = ["train", "gpt", "-n", "4", "--shard-degree", "2", "--min-world", "2", "--run-dir", str(run_dir)]
+    argv += ["--max-steps", str(steps), *GPT, *DETERMINISTIC, *launch]
     log = run_dir.parent / f"{run_dir.name}.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "lockstep", *argv, *GPT, *DETERMINISTIC, *launch],
+            [sys.executable, "-m", "lockstep", *argv],
             env=child_env(),
             stdout=fh,
             stderr=fh,
@@ -61,7 +76,7 @@ def _strike(run_dir: Path, victim: int, sig: int, *launch: str) -> tuple[int, st
                 time.sleep(0.01)
             pids = {rank: int((run_dir / f"rank{rank}" / "pid").read_text()) for rank in range(4)}
             os.kill(pids[victim], sig)
-            proc.wait(timeout=240)
+            proc.wait(timeout=300)
         finally:
             proc.kill()
     return proc.returncode, log.read_text(), pids
@@ -76,26 +91,26 @@ def _went_on_in_their_processes(
         assert part["pid_hint"] == pids[member] and part["last_step"] == steps, (member, part["pid_hint"])
 
 
-def _fault_free_bits(summary: dict[str, Any], reference: dict[str, Any]) -> None:
-    assert summary["steps"] == reference["steps"] == 120 and summary["restarts"] == 0
+def _fault_free_bits(summary: dict[str, Any], reference: dict[str, Any], steps: int) -> None:
+    assert summary["steps"] == reference["steps"] == steps and summary["restarts"] == 0
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["optimizer_sha256"] == reference["optimizer_sha256"]
     assert summary["samples_lost"] == 0
 
 
 def test_rank_0s_group_killed_the_other_group_finishes_alone_with_the_fault_free_bits(
-    tmp_path: Path, reference: dict[str, Any]
+    tmp_path: Path, reference: Callable[[int], dict[str, Any]]
 ) -> None:
     run_dir = tmp_path / "run"
-    code, out, pids = _strike(run_dir, 0, signal.SIGKILL)
+    code, out, pids = _strike(run_dir, STEPS, 0, signal.SIGKILL)
     assert code == 0, out[-4000:]
     assert "rank 1 left out of generation 1: its replica group lost rank 0; 2 of 4 ranks go on" in out
     summary = json.loads((run_dir / "summary.json").read_text())
-    _fault_free_bits(summary, reference)
+    _fault_free_bits(summary, reference(STEPS), STEPS)
     assert summary["world_size"] == 2
     assert [(f["lost"], f["world_size"]) for f in summary["faults"]] == [([0, 1], 2)]
     assert summary["faults"][0]["how"]["0"].startswith("killed by SIGKILL")
-    _went_on_in_their_processes(run_dir, [2, 3], pids, 120)
+    _went_on_in_their_processes(run_dir, [2, 3], pids, STEPS)
 
 
 @pytest.mark.parametrize(
@@ -104,17 +119,19 @@ def test_rank_0s_group_killed_the_other_group_finishes_alone_with_the_fault_free
     ids=["rank 0 killed: the survivors renumbered, the world grown back", "rank 3 stopped"],
 )
 def test_a_replacement_group_receives_its_shards_and_the_run_ends_at_world_4_with_the_fault_free_bits(
-    tmp_path: Path, reference: dict[str, Any], victim: int, sig: int, survivors: list[int]
+    tmp_path: Path, reference: Callable[[int], dict[str, Any]], victim: int, sig: int, survivors: list[int]
 ) -> None:
     run_dir = tmp_path / "run"
-    code, out, pids = _strike(run_dir, victim, sig, "--max-restarts", "1", "--hang-timeout", "5")
+    code, out, pids = _strike(
+        run_dir, REPLACED_STEPS, victim, sig, "--max-restarts", "1", "--hang-timeout", "5"
+    )
     assert code == 0, out[-4000:]
     assert out.count("replacement rank") == 2, out  # one of the budget: the group replaced whole
     assert "(2 of them replacements: ranks [4, 5])" in out or "ranks [5, 4])" in out, out
     summary = json.loads((run_dir / "summary.json").read_text())
-    _fault_free_bits(summary, reference)
+    _fault_free_bits(summary, reference(REPLACED_STEPS), REPLACED_STEPS)
     assert summary["world_size"] == 4
     lost = sorted(set(range(4)) - set(survivors))
     changes = [(f["lost"], sorted(f["joined"]), f["world_size"]) for f in summary["faults"]]
     assert changes == [(lost, [], 2), ([], [4, 5], 4)], changes
-    _went_on_in_their_processes(run_dir, survivors, pids, 120)
+    _went_on_in_their_processes(run_dir, survivors, pids, REPLACED_STEPS)
