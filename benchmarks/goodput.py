@@ -97,13 +97,15 @@ class Run:
         return self.summary.get(key)
 
 
-def settings(steps: int, live: bool, checkpoint_every: int, timeout_s: float) -> chaos.Settings:
+def settings(
+    steps: int, live: bool, checkpoint_every: int, timeout_s: float, eval_every: int = 0
+) -> chaos.Settings:
     return chaos.Settings(
         steps=steps,
         replacements=REPLACEMENTS,
         timeout_s=timeout_s,
         job="gpt",
-        job_args=GPT_ARGS,
+        job_args=(*GPT_ARGS, "--eval-every", str(eval_every)),
         checkpoint_every=checkpoint_every,
         live=live,
     )
@@ -359,6 +361,7 @@ def report(runs: list[Run], args: argparse.Namespace, steps: int, faults: list[t
         machine_line(),
         "",
         f"`lockstep train gpt -n {chaos.LAUNCHED} --deterministic {' '.join(GPT_ARGS)} --max-steps {steps} "
+        f"--eval-every {getattr(args, 'eval_every', 0)} "
         f"--checkpoint-every {args.checkpoint_every} --checkpoint-async true`, plus each run's flags. Faults "
         f"(live and restarts: the same schedule, seed {args.seed}): one every {args.every_s * 5 / 6:g}-"
         f"{args.every_s * 7 / 6:g} s after the first step, kinds in turn {', '.join(KINDS)}; "
@@ -406,7 +409,7 @@ def report(runs: list[Run], args: argparse.Namespace, steps: int, faults: list[t
         "is evicted (live) or for its whole throttle (restarts: nothing evicts it), a world of 3 while a "
         "replacement starts (its start-up shares the cores) are in no cause of `lost_s_by_cause`; the last "
         "column of the first table (the time from first step to last over the fault-free run's) shows them. "
-        "The gpt job evaluates at the end of every epoch (the evaluation cause), so even the fault-free run's "
+        f"{_evaluations(args)} (the evaluation cause), so even the fault-free run's "
         "goodput is below 1: the column without evaluation takes that time out of the wall time. Without "
         "live mode a fault's whole cost (the hang timeout, the new processes' start, the load, the work "
         "since the checkpoint) is the restart cause.",
@@ -417,6 +420,13 @@ def report(runs: list[Run], args: argparse.Namespace, steps: int, faults: list[t
         lines.append(f"- {r.name}: {struck or 'none'}")
     lines.append(f"- planned (seconds after the first step): {', '.join(f'{a:.0f} {k}' for a, k in faults)}")
     return "\n".join(lines) + "\n"
+
+
+def _evaluations(args: argparse.Namespace) -> str:
+    every = getattr(args, "eval_every", 0)
+    if every:
+        return f"The runs evaluate every {every} steps"
+    return "The gpt job evaluates at the end of every epoch (about 88 steps at this batch size)"
 
 
 def _without_evaluation(r: Run) -> str:
@@ -469,7 +479,8 @@ def size(args: argparse.Namespace, workdir: Path) -> int:
 
 
 def _kept(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("every_s", "seed", "checkpoint_every", "duration_min")}
+    keys = ("every_s", "seed", "checkpoint_every", "duration_min", "eval_every")
+    return {k: getattr(args, k, 0) for k in keys}
 
 
 def _earlier_reference(workdir: Path) -> Run:
@@ -501,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every-s", type=float, default=60.0, help="seconds between faults (mean)")
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
     parser.add_argument("--seed", type=int, default=0, help="the schedule's seed")
+    parser.add_argument(
+        "--eval-every", type=int, default=0, help="steps between evaluations (0: the job's, every epoch)"
+    )
     parser.add_argument(
         "--runs",
         nargs="+",
@@ -537,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in RUN_NAMES:
         if name not in args.runs:
             continue
-        config = settings(steps, name != "restarts", args.checkpoint_every, timeout)
+        config = settings(steps, name != "restarts", args.checkpoint_every, timeout, args.eval_every)
         result = run(name, config, workdir / name, [] if name == "fault-free" else faults, args.seed)
         runs.append(result)
         judge(result, runs[0] if runs[0].name == "fault-free" else _earlier_reference(workdir))

@@ -3,8 +3,8 @@
 A rank's watchdog publishes `hb/<rank>` every tick (and `issued/<rank>` as a collective is issued:
 runtime/watchdog.py). `PeerHeartbeats.read` gathers them and marks each rank whose heartbeat stopped
 changing for `stale_after` seconds, or whose process this host sees stopped or gone, as 'silent' (with
-'liveness': why), and a rank whose heartbeat has not changed since this rank started to look as
-'undecided' (too early to tell). stall_verdict.py judges the states.
+'liveness': why; and 'away': why, when /proc says so), and a rank whose heartbeat has not changed since
+this rank started to look as 'undecided' (too early to tell). stall_verdict.py judges the states.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class PeerHeartbeats:
             seen = self._seen[rank] = (beat, now, True)
         unchanged = now - seen[1]
         away = gone(state, self.host)
+        if away:
+            state["away"] = away  # certain, not a guess from silence (the watchdog may act on it at once)
         if not state.get("exited") and (away or unchanged >= self.stale_after):
             state["silent"] = True
             state["liveness"] = away or liveness(state, unchanged)

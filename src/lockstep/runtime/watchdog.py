@@ -18,7 +18,8 @@ thread also says whether that process is stopped (SIGSTOP) or gone.
 In live mode (runtime/membership/) a failed collective is not reported (the survivors re-form the group),
 and neither is a stall whose culprits include ranks that stopped publishing heartbeats: the thread names
 those dead through the membership it was given (`MembershipWatch.evict`) and the survivors go on without
-them. Other stalls are reported.
+them. A peer on this host whose process /proc shows gone, or stopped for STOPPED_GRACE, is named dead as
+soon as the main thread waits, without waiting out the timeout. Other stalls are reported.
 
 Around the thread: runtime/waits.py is how the main thread waits (tracked, reported, in live mode given
 up on a lost member), runtime/peer_heartbeats.py reads the others' heartbeats, runtime/hang_report.py
@@ -57,6 +58,9 @@ from lockstep.torch_private import default_store
 
 STALL_EXIT_CODE = 124  # like timeout(1): the job ran out of time waiting
 SLOW_FACTOR = 5.0  # checkpoint/evaluate phases and the first steps may keep others waiting this much longer
+# Live mode: a peer on this host whose process has stayed stopped this long is lost (a py-spy dump or a
+# debugger's attach stops one for milliseconds, well under it).
+STOPPED_GRACE = 1.0
 _PREFIX = "lockstep/watchdog/"
 _C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
 
@@ -163,6 +167,8 @@ class Watchdog:
                 if self._has_verdict():
                     self._respond()
                     return
+                if self.live and self._waited() > 0:
+                    self._evict_the_surely_lost()
                 if self._stalled():
                     verdict = self._judge()
                     if verdict is not None and self.live and stall_verdict.evictable_culprits(verdict):
@@ -255,10 +261,24 @@ class Watchdog:
     def _evict(self, verdict: dict[str, Any]) -> None:
         """Live mode: name each evictable rank dead (silent, or too slow to join), once, in the membership."""
         for rank in stall_verdict.evictable_culprits(verdict):
-            if self.membership is not None and rank not in self._evicted:
-                self._evicted.add(rank)
-                why = verdict["states"][rank].get("liveness") or verdict["why"].get(str(rank))
-                self.membership.evict(int(rank), str(why or "not responding"))
+            why = verdict["states"][rank].get("liveness") or verdict["why"].get(str(rank))
+            self._evict_one(int(rank), str(why or "not responding"))
+
+    def _evict_the_surely_lost(self) -> None:
+        """Live mode, while the main thread waits: a peer on this host whose process is gone, or has been
+        stopped for STOPPED_GRACE s (its last heartbeat is older), is named dead at once. /proc says so: no
+        hang timeout to wait out, unlike a silent peer on another host, which is judged at the timeout."""
+        now = time.time()
+        for rank, state in self.heartbeats.read(self.store).items():
+            away = state.get("away")
+            last_beat = float(state.get("t") or now)  # this host's clock: the peer runs here
+            if away and (away.startswith("dead") or now - last_beat >= STOPPED_GRACE + self.tick):
+                self._evict_one(rank, away)
+
+    def _evict_one(self, rank: int, why: str) -> None:
+        if self.membership is not None and rank not in self._evicted:
+            self._evicted.add(rank)
+            self.membership.evict(rank, why)
 
     def _claim(self, verdict: dict[str, Any]) -> bool:
         """Become the reporter unless another rank already is (then answer it)."""
