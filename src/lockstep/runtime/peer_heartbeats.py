@@ -4,7 +4,8 @@ A rank's watchdog publishes `hb/<rank>` every tick (and `issued/<rank>` as a col
 runtime/watchdog.py). `PeerHeartbeats.read` gathers them and marks each rank whose heartbeat stopped
 changing for `stale_after` seconds, or whose process this host sees stopped or gone, as 'silent' (with
 'liveness': why; and 'away': why, when /proc says so), and a rank whose heartbeat has not changed since
-this rank started to look as 'undecided' (too early to tell). stall_verdict.py judges the states.
+this rank started to look as 'undecided' (too early to tell). stall_verdict.py judges the states;
+`surely_lost` says which of them live mode may name lost at once (/proc, not silence, says so).
 """
 
 from __future__ import annotations
@@ -60,3 +61,15 @@ class PeerHeartbeats:
             state["liveness"] = away or liveness(state, unchanged)
         elif not state.get("exited") and not seen[2]:
             state["undecided"] = True
+
+
+def surely_lost(state: dict[str, Any], now: float, stopped_for: float) -> str | None:
+    """Why the rank of `state` (as `PeerHeartbeats.read` marked it) is lost for certain, None when that is
+    not known: /proc on this host shows its process gone, or stopped with its last heartbeat at least
+    `stopped_for` s old (`now` and the heartbeat's time are this host's clock: the peer runs here)."""
+    away = state.get("away")
+    if not away:
+        return None
+    if away.startswith("dead") or now - float(state.get("t") or now) >= stopped_for:
+        return str(away)
+    return None

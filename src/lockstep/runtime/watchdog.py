@@ -48,7 +48,7 @@ import torch.distributed as dist
 from lockstep.runtime import hang_report, stall_verdict
 from lockstep.runtime.env.topology import hang_timeout_from_env, report_dir_from_env
 from lockstep.runtime.membership.host import Watched as MembershipWatch  # what live mode hands in
-from lockstep.runtime.peer_heartbeats import PeerHeartbeats
+from lockstep.runtime.peer_heartbeats import PeerHeartbeats, surely_lost
 from lockstep.runtime.process_inspection import all_stacks, format_stack
 from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user_site
 from lockstep.runtime.sigterm_guard import SigtermGuard
@@ -270,10 +270,10 @@ class Watchdog:
         hang timeout to wait out, unlike a silent peer on another host, which is judged at the timeout."""
         now = time.time()
         for rank, state in self.heartbeats.read(self.store).items():
-            away = state.get("away")
-            last_beat = float(state.get("t") or now)  # this host's clock: the peer runs here
-            if away and (away.startswith("dead") or now - last_beat >= STOPPED_GRACE + self.tick):
-                self._evict_one(rank, away)
+            # its last heartbeat came at most a tick before it stopped
+            why = surely_lost(state, now, stopped_for=STOPPED_GRACE + self.tick)
+            if why:
+                self._evict_one(rank, why)
 
     def _evict_one(self, rank: int, why: str) -> None:
         if self.membership is not None and rank not in self._evicted:

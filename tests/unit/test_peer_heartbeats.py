@@ -1,0 +1,87 @@
+"""What the hang watchdog reads of its peers: a process on this host seen stopped or gone in /proc, and when
+live mode may name such a peer lost without waiting out the hang timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from lockstep.runtime.peer_heartbeats import PeerHeartbeats, surely_lost
+
+
+@pytest.fixture
+def child() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+def _published(store: dist.Store, rank: int, pid: int, age_s: float, **extra: object) -> None:
+    beat = {"rank": rank, "beat": 7, "host": socket.gethostname(), "pid": pid, "t": time.time() - age_s}
+    store.set(f"hb/{rank}", json.dumps({**beat, **extra}))
+
+
+def _wait_for_state(pid: int, letters: str) -> None:
+    for _ in range(500):
+        with open(f"/proc/{pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] in letters:
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} never reached a state in {letters!r}")
+
+
+def test_a_stopped_peer_is_away_and_surely_lost_only_once_its_heartbeat_is_old_enough(
+    child: subprocess.Popen[bytes],
+) -> None:
+    store = dist.HashStore()
+    os.kill(child.pid, signal.SIGSTOP)
+    _wait_for_state(child.pid, "Tt")
+    _published(store, 1, child.pid, age_s=0.2)
+    state = PeerHeartbeats(0, 2, socket.gethostname(), stale_after=2.0).read(store)[1]
+    assert state["away"].startswith(f"stopped: its process (pid {child.pid}) is stopped"), state
+    assert state["silent"] and state["liveness"] == state["away"]
+    now = time.time()
+    assert surely_lost(state, now, stopped_for=1.5) is None  # stopped 0.2 s: a py-spy dump, maybe
+    assert surely_lost(state, now + 1.5, stopped_for=1.5) == state["away"]
+    os.kill(child.pid, signal.SIGCONT)
+    _wait_for_state(child.pid, "RS")
+    state = PeerHeartbeats(0, 2, socket.gethostname(), stale_after=2.0).read(store)[1]
+    assert "away" not in state and surely_lost(state, now + 10, stopped_for=1.5) is None, state
+
+
+def test_a_gone_peer_is_surely_lost_at_once_and_one_that_exited_cleanly_never(
+    child: subprocess.Popen[bytes],
+) -> None:
+    store = dist.HashStore()
+    child.kill()
+    child.wait(timeout=30)
+    _published(store, 1, child.pid, age_s=0.0)
+    _published(store, 2, child.pid, age_s=0.0, exited=True)
+    _published(store, 3, os.getpid(), age_s=30.0)  # alive and running: silence alone is not certainty
+    states = PeerHeartbeats(0, 4, socket.gethostname(), stale_after=2.0).read(store)
+    now = time.time()
+    assert (
+        surely_lost(states[1], now, stopped_for=1.5)
+        == f"dead: its process (pid {child.pid}) no longer exists"
+    )
+    assert surely_lost(states[2], now, stopped_for=1.5) is None and "away" not in states[2]
+    assert surely_lost(states[3], now, stopped_for=1.5) is None and "away" not in states[3]
+
+
+def test_a_peer_on_another_host_is_never_judged_by_this_hosts_proc(child: subprocess.Popen[bytes]) -> None:
+    store = dist.HashStore()
+    os.kill(child.pid, signal.SIGSTOP)
+    _wait_for_state(child.pid, "Tt")
+    store.set("hb/1", json.dumps({"rank": 1, "beat": 1, "host": "elsewhere", "pid": child.pid, "t": 0.0}))
+    state = PeerHeartbeats(0, 2, socket.gethostname(), stale_after=2.0).read(store)[1]
+    assert "away" not in state and surely_lost(state, time.time(), stopped_for=1.5) is None
