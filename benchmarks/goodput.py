@@ -353,7 +353,7 @@ def judge(result: Run, reference: Run) -> None:
 
 def report(runs: list[Run], args: argparse.Namespace, steps: int, faults: list[tuple[float, str]]) -> str:
     reference = runs[0]
-    base_wall = reference.get("goodput_wall_s")
+    base_wall = reference.get("goodput_wall_s") if reference.name == "fault-free" else None
     lines = [
         f"# Goodput at one fault every {args.every_s:g} s: live mode against whole-job restarts "
         f"({datetime.date.today()})",
@@ -426,7 +426,7 @@ def _evaluations(args: argparse.Namespace) -> str:
     every = getattr(args, "eval_every", 0)
     if every:
         return f"The runs evaluate every {every} steps"
-    return "The gpt job evaluates at the end of every epoch (about 88 steps at this batch size)"
+    return "The gpt job evaluates at the end of every epoch (every 62 steps at this batch size)"
 
 
 def _without_evaluation(r: Run) -> str:
