@@ -636,7 +636,8 @@ def report(results: list[SeedResult], reference: dict[str, Any], settings: Setti
     lines += [
         "",
         "Time lost per fault kind, from the fault records of the passing seeds: detection (how long the "
-        "survivors waited in the failed collective: about the hang timeout for a stopped rank) and recovery "
+        "survivors waited in the failed collective: for a stopped rank, a second or so on the survivors' host "
+        "(all of them here), the hang timeout elsewhere) and recovery "
         "(re-forming the group, rebuilding the replica, converging, the state sent to a replacement); the "
         "redone step comes on top. A kind that strikes a replacement too is counted by the member it lost.",
         "",
