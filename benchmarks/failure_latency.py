@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine_line  # noqa: E402
 
-from lockstep.runtime.watchdog import STOPPED_GRACE  # noqa: E402
+from lockstep.runtime.peer_heartbeats import STOPPED_GRACE  # noqa: E402
 
 HANG_PROGRAM = ROOT / "tests" / "cli" / "hang_program.py"
 LIVE_PROGRAM = ROOT / "tests" / "cli" / "live_program.py"

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from lockstep.runtime.watchdog import STOPPED_GRACE
+from lockstep.runtime.peer_heartbeats import STOPPED_GRACE
 from tests.helpers import child_env, lockstep_cli, run_cli, run_live_program
 
 PROGRAM = Path(__file__).with_name("live_program.py")

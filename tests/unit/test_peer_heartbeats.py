@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-from lockstep.runtime.peer_heartbeats import PeerHeartbeats, surely_lost
+from lockstep.runtime.peer_heartbeats import STOPPED_GRACE, PeerHeartbeats, surely_lost
 
 
 @pytest.fixture
@@ -53,6 +53,10 @@ def test_a_stopped_peer_is_away_and_surely_lost_only_once_its_heartbeat_is_old_e
     now = time.time()
     assert surely_lost(state, now, stopped_for=1.5) is None  # stopped 0.2 s: a py-spy dump, maybe
     assert surely_lost(state, now + 1.5, stopped_for=1.5) == state["away"]
+    heartbeats = PeerHeartbeats(0, 2, socket.gethostname(), stale_after=2.0)
+    assert heartbeats.surely_lost(store, tick=0.5) == {}  # its last beat: 0.2 s old, under STOPPED_GRACE
+    _published(store, 1, child.pid, age_s=STOPPED_GRACE + 0.6)
+    assert heartbeats.surely_lost(store, tick=0.5) == {1: state["away"]}
     os.kill(child.pid, signal.SIGCONT)
     _wait_for_state(child.pid, "RS")
     state = PeerHeartbeats(0, 2, socket.gethostname(), stale_after=2.0).read(store)[1]
@@ -76,6 +80,8 @@ def test_a_gone_peer_is_surely_lost_at_once_and_one_that_exited_cleanly_never(
     )
     assert surely_lost(states[2], now, stopped_for=1.5) is None and "away" not in states[2]
     assert surely_lost(states[3], now, stopped_for=1.5) is None and "away" not in states[3]
+    lost = PeerHeartbeats(0, 4, socket.gethostname(), stale_after=2.0).surely_lost(store, tick=0.5)
+    assert lost == {1: f"dead: its process (pid {child.pid}) no longer exists"}, lost
 
 
 def test_a_peer_on_another_host_is_never_judged_by_this_hosts_proc(child: subprocess.Popen[bytes]) -> None:

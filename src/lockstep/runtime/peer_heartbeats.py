@@ -17,6 +17,10 @@ from typing import Any
 from lockstep.runtime import stall_verdict
 from lockstep.runtime.process_inspection import gone, liveness
 
+# Live mode: a peer on this host whose process has stayed stopped this long is lost (a py-spy dump or a
+# debugger's attach stops one for milliseconds, well under it).
+STOPPED_GRACE = 1.0
+
 
 class PeerHeartbeats:
     """What this rank has seen of the others' heartbeats (see the module doc)."""
@@ -44,6 +48,13 @@ class PeerHeartbeats:
             self._mark(rank, state, now)
             states[rank] = state
         return states
+
+    def surely_lost(self, store: Any, tick: float) -> dict[int, str]:
+        """The ranks `surely_lost` names lost, and why; `tick`: how long before it stopped a peer may have
+        published its last heartbeat."""
+        states, now = self.read(store), time.time()
+        found = {rank: surely_lost(state, now, STOPPED_GRACE + tick) for rank, state in states.items()}
+        return {rank: why for rank, why in found.items() if why}
 
     def _mark(self, rank: int, state: dict[str, Any], now: float) -> None:
         beat = int(state.get("beat", -1))

@@ -18,8 +18,7 @@ thread also says whether that process is stopped (SIGSTOP) or gone.
 In live mode (runtime/membership/) a failed collective is not reported (the survivors re-form the group),
 and neither is a stall whose culprits include ranks that stopped publishing heartbeats: the thread names
 those dead through the membership it was given (`MembershipWatch.evict`) and the survivors go on without
-them. A peer on this host whose process /proc shows gone, or stopped for STOPPED_GRACE, is named dead as
-soon as the main thread waits, without waiting out the timeout. Other stalls are reported.
+them; a peer /proc shows gone or stopped (peer_heartbeats.STOPPED_GRACE), at once. Others are reported.
 
 Around the thread: runtime/waits.py is how the main thread waits (tracked, reported, in live mode given
 up on a lost member), runtime/peer_heartbeats.py reads the others' heartbeats, runtime/hang_report.py
@@ -48,7 +47,7 @@ import torch.distributed as dist
 from lockstep.runtime import hang_report, stall_verdict
 from lockstep.runtime.env.topology import hang_timeout_from_env, report_dir_from_env
 from lockstep.runtime.membership.host import Watched as MembershipWatch  # what live mode hands in
-from lockstep.runtime.peer_heartbeats import PeerHeartbeats, surely_lost
+from lockstep.runtime.peer_heartbeats import PeerHeartbeats
 from lockstep.runtime.process_inspection import all_stacks, format_stack
 from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user_site
 from lockstep.runtime.sigterm_guard import SigtermGuard
@@ -58,9 +57,6 @@ from lockstep.torch_private import default_store
 
 STALL_EXIT_CODE = 124  # like timeout(1): the job ran out of time waiting
 SLOW_FACTOR = 5.0  # checkpoint/evaluate phases and the first steps may keep others waiting this much longer
-# Live mode: a peer on this host whose process has stayed stopped this long is lost (a py-spy dump or a
-# debugger's attach stops one for milliseconds, well under it).
-STOPPED_GRACE = 1.0
 _PREFIX = "lockstep/watchdog/"
 _C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
 
@@ -167,8 +163,9 @@ class Watchdog:
                 if self._has_verdict():
                     self._respond()
                     return
-                if self.live and self._waited() > 0:
-                    self._evict_the_surely_lost()
+                if self.live and self._waited() > 0:  # a peer /proc shows lost: no timeout to wait out
+                    for rank, why in self.heartbeats.surely_lost(self.store, self.tick).items():
+                        self._evict_one(rank, why)
                 if self._stalled():
                     verdict = self._judge()
                     if verdict is not None and self.live and stall_verdict.evictable_culprits(verdict):
@@ -263,17 +260,6 @@ class Watchdog:
         for rank in stall_verdict.evictable_culprits(verdict):
             why = verdict["states"][rank].get("liveness") or verdict["why"].get(str(rank))
             self._evict_one(int(rank), str(why or "not responding"))
-
-    def _evict_the_surely_lost(self) -> None:
-        """Live mode, while the main thread waits: a peer on this host whose process is gone, or has been
-        stopped for STOPPED_GRACE s (its last heartbeat is older), is named dead at once. /proc says so: no
-        hang timeout to wait out, unlike a silent peer on another host, which is judged at the timeout."""
-        now = time.time()
-        for rank, state in self.heartbeats.read(self.store).items():
-            # its last heartbeat came at most a tick before it stopped
-            why = surely_lost(state, now, stopped_for=STOPPED_GRACE + self.tick)
-            if why:
-                self._evict_one(rank, why)
 
     def _evict_one(self, rank: int, why: str) -> None:
         if self.membership is not None and rank not in self._evicted:
