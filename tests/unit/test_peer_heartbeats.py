@@ -63,25 +63,24 @@ def test_a_stopped_peer_is_away_and_surely_lost_only_once_its_heartbeat_is_old_e
     assert "away" not in state and surely_lost(state, now + 10, stopped_for=1.5) is None, state
 
 
-def test_a_gone_peer_is_surely_lost_at_once_and_one_that_exited_cleanly_never(
+def test_a_gone_peer_is_away_but_left_to_its_launcher_and_one_that_exited_cleanly_is_neither(
     child: subprocess.Popen[bytes],
 ) -> None:
+    """A dead process is marked away (the report says so), but not surely lost: its launcher marks it dead
+    within milliseconds and knows its signal ("killed by SIGKILL"), which a survivor's eviction would hide."""
     store = dist.HashStore()
     child.kill()
     child.wait(timeout=30)
-    _published(store, 1, child.pid, age_s=0.0)
-    _published(store, 2, child.pid, age_s=0.0, exited=True)
+    _published(store, 1, child.pid, age_s=5.0)
+    _published(store, 2, child.pid, age_s=5.0, exited=True)
     _published(store, 3, os.getpid(), age_s=30.0)  # alive and running: silence alone is not certainty
-    states = PeerHeartbeats(0, 4, socket.gethostname(), stale_after=2.0).read(store)
+    heartbeats = PeerHeartbeats(0, 4, socket.gethostname(), stale_after=2.0)
+    states = heartbeats.read(store)
+    assert states[1]["away"] == f"dead: its process (pid {child.pid}) no longer exists", states[1]
+    assert states[1]["silent"] and "away" not in states[2] and "away" not in states[3]
     now = time.time()
-    assert (
-        surely_lost(states[1], now, stopped_for=1.5)
-        == f"dead: its process (pid {child.pid}) no longer exists"
-    )
-    assert surely_lost(states[2], now, stopped_for=1.5) is None and "away" not in states[2]
-    assert surely_lost(states[3], now, stopped_for=1.5) is None and "away" not in states[3]
-    lost = PeerHeartbeats(0, 4, socket.gethostname(), stale_after=2.0).surely_lost(store, tick=0.5)
-    assert lost == {1: f"dead: its process (pid {child.pid}) no longer exists"}, lost
+    assert all(surely_lost(states[r], now, stopped_for=1.5) is None for r in (1, 2, 3))
+    assert heartbeats.surely_lost(store, tick=0.5) == {}
 
 
 def test_a_peer_on_another_host_is_never_judged_by_this_hosts_proc(child: subprocess.Popen[bytes]) -> None:

@@ -76,11 +76,10 @@ class PeerHeartbeats:
 
 def surely_lost(state: dict[str, Any], now: float, stopped_for: float) -> str | None:
     """Why the rank of `state` (as `PeerHeartbeats.read` marked it) is lost for certain, None when that is
-    not known: /proc on this host shows its process gone, or stopped with its last heartbeat at least
-    `stopped_for` s old (`now` and the heartbeat's time are this host's clock: the peer runs here)."""
-    away = state.get("away")
-    if not away:
-        return None
-    if away.startswith("dead") or now - float(state.get("t") or now) >= stopped_for:
-        return str(away)
+    not known: /proc on this host shows its process stopped, with its last heartbeat at least `stopped_for`
+    s old (`now` and the heartbeat's time are this host's clock: the peer runs here). A process gone is
+    left to its launcher, which marks it dead within milliseconds and knows how it died (its signal)."""
+    away = str(state.get("away") or "")
+    if away.startswith("stopped") and now - float(state.get("t") or now) >= stopped_for:
+        return away
     return None

@@ -18,7 +18,7 @@ thread also says whether that process is stopped (SIGSTOP) or gone.
 In live mode (runtime/membership/) a failed collective is not reported (the survivors re-form the group),
 and neither is a stall whose culprits include ranks that stopped publishing heartbeats: the thread names
 those dead through the membership it was given (`MembershipWatch.evict`) and the survivors go on without
-them; a peer /proc shows gone or stopped (peer_heartbeats.STOPPED_GRACE), at once. Others are reported.
+them; a peer /proc shows stopped (peer_heartbeats.STOPPED_GRACE), at once. Other stalls are reported.
 
 Around the thread: runtime/waits.py is how the main thread waits (tracked, reported, in live mode given
 up on a lost member), runtime/peer_heartbeats.py reads the others' heartbeats, runtime/hang_report.py
