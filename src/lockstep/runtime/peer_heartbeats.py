@@ -17,8 +17,8 @@ from typing import Any
 from lockstep.runtime import stall_verdict
 from lockstep.runtime.process_inspection import gone, liveness
 
-# Live mode: a peer on this host whose process has stayed stopped this long is lost (a py-spy dump or a
-# debugger's attach stops one for milliseconds, well under it).
+# Live mode: a peer on this host seen stopped this long, at every look, is lost (a py-spy dump stops one for
+# milliseconds, well under it; a debugger that holds it stopped gets it evicted).
 STOPPED_GRACE = 1.0
 
 
@@ -29,6 +29,8 @@ class PeerHeartbeats:
         self.rank, self.world, self.host, self.stale_after = rank, world, host, stale_after
         # rank -> (its beat, when that value was first read, whether it has changed since we looked)
         self._seen: dict[int, tuple[int, float, bool]] = {}
+        # rank -> (its pid, its beat, since when) while /proc shows it stopped at every read
+        self._stopped: dict[int, tuple[int, int, float]] = {}
 
     def read(self, store: Any) -> dict[int, dict[str, Any]]:
         """Every other rank's latest heartbeat from `store`, marked 'silent' or 'undecided' (module doc)."""
@@ -49,12 +51,12 @@ class PeerHeartbeats:
             states[rank] = state
         return states
 
-    def surely_lost(self, store: Any, tick: float) -> dict[int, str]:
-        """The ranks `surely_lost` names lost, and why; `tick`: how long before it stopped a peer may have
-        published its last heartbeat."""
-        states, now = self.read(store), time.time()
-        found = {rank: surely_lost(state, now, STOPPED_GRACE + tick) for rank, state in states.items()}
-        return {rank: why for rank, why in found.items() if why}
+    def surely_lost(self, store: Any, grace: float = STOPPED_GRACE) -> dict[int, str]:
+        """The ranks lost for certain, and why: on this host, seen stopped in /proc, with the same heartbeat,
+        at every read for `grace` s. A process gone is left to its launcher, which marks it dead within
+        milliseconds and knows how it died (its signal)."""
+        states = self.read(store)
+        return {r: s["away"] for r, s in states.items() if s.get("stopped_for", -1.0) >= grace}
 
     def _mark(self, rank: int, state: dict[str, Any], now: float) -> None:
         beat = int(state.get("beat", -1))
@@ -66,20 +68,22 @@ class PeerHeartbeats:
         unchanged = now - seen[1]
         away = gone(state, self.host)
         if away:
-            state["away"] = away  # certain, not a guess from silence (the watchdog may act on it at once)
+            state["away"] = away  # certain, not a guess from silence
+        self._time_stopped(rank, state, now)
         if not state.get("exited") and (away or unchanged >= self.stale_after):
             state["silent"] = True
             state["liveness"] = away or liveness(state, unchanged)
         elif not state.get("exited") and not seen[2]:
             state["undecided"] = True
 
-
-def surely_lost(state: dict[str, Any], now: float, stopped_for: float) -> str | None:
-    """Why the rank of `state` (as `PeerHeartbeats.read` marked it) is lost for certain, None when that is
-    not known: /proc on this host shows its process stopped, with its last heartbeat at least `stopped_for`
-    s old (`now` and the heartbeat's time are this host's clock: the peer runs here). A process gone is
-    left to its launcher, which marks it dead within milliseconds and knows how it died (its signal)."""
-    away = str(state.get("away") or "")
-    if away.startswith("stopped") and now - float(state.get("t") or now) >= stopped_for:
-        return away
-    return None
+    def _time_stopped(self, rank: int, state: dict[str, Any], now: float) -> None:
+        """'stopped_for': how long this rank has been seen stopped, at every read since, with one heartbeat."""
+        if not str(state.get("away", "")).startswith("stopped"):
+            self._stopped.pop(rank, None)
+            return
+        key = (int(state["pid"]), int(state.get("beat", -1)))
+        pid, beat, since = self._stopped.get(rank, (*key, now))
+        if (pid, beat) != key:
+            since = now
+        self._stopped[rank] = (*key, since)
+        state["stopped_for"] = now - since

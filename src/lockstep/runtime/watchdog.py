@@ -164,7 +164,7 @@ class Watchdog:
                     self._respond()
                     return
                 if self.live and self._waited() > 0:  # a peer /proc shows lost: no timeout to wait out
-                    for rank, why in self.heartbeats.surely_lost(self.store, self.tick).items():
+                    for rank, why in self.heartbeats.surely_lost(self.store).items():
                         self._evict_one(rank, why)
                 if self._stalled():
                     verdict = self._judge()
