@@ -415,7 +415,7 @@ def report(runs: list[Run], args: argparse.Namespace, steps: int, faults: list[t
         "since the checkpoint) is the restart cause.",
     ]
     lines += ["", "Strikes (seconds after the launch: kind, members hit or why none):", ""]
-    for r in runs[1:]:
+    for r in (r for r in runs if r.name != "fault-free"):
         struck = "; ".join(f"{s.at_s:.0f} {s.kind}: {s.victims or s.note}" for s in r.strikes)
         lines.append(f"- {r.name}: {struck or 'none'}")
     lines.append(f"- planned (seconds after the first step): {', '.join(f'{a:.0f} {k}' for a, k in faults)}")
