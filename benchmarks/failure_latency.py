@@ -10,6 +10,7 @@ The bounds they used to assert are claims measured here, each on the test's own 
 | hang-* | tests/cli/hang_program.py CASE, `--hang-timeout 4` | launch to exit with the report < 35 s; for a stall or a stop, the waiting rank had waited >= 4 s and < 7 s when reported (tests/cli/test_hang_watchdog.py) |
 | live-kill, live-kill-float | tests/cli/live_program.py, `-n 4 --min-world 2`, rank 2 SIGKILLed in its 5th forward (float: the float step) | recover_s < 2 s (tests/cli/test_live.py) |
 | live-stop | the same, rank 2 SIGSTOPped, `--hang-timeout 3` | evicted after waited_s in [1, 2) s (its process seen stopped on the host for STOPPED_GRACE, 1 s, and a tick or two; before 2026-11-29 the hang timeout: [3, 5)); recover_s < 2 s (tests/cli/test_live.py) |
+| live-stop-reform | the same, rank 2 SIGKILLed, then rank 1 SIGSTOPped as it is about to check in to the next generation (no watchdog runs then), `--hang-timeout 30` | recover_s in [1, 3) s (seen stopped by formation for STOPPED_GRACE; before 2026-11-30 at least the hang timeout, 30 s) (tests/cli/test_live.py) |
 | harness-hang | run_distributed, rank 0 sleeps, timeout=15 | fails within 30 s, the rank killed (tests/multiproc/test_runtime.py) |
 | init-timeout | lockstep.init(timeout=3), rank 1 of 2, nobody at the port | InitTimeoutError within 45 s (tests/multiproc/test_runtime_errors.py) |
 
@@ -46,6 +47,7 @@ HANG_PROGRAM = ROOT / "tests" / "cli" / "hang_program.py"
 LIVE_PROGRAM = ROOT / "tests" / "cli" / "live_program.py"
 HANG_TIMEOUT = 4.0
 LIVE_HANG_TIMEOUT = 3.0
+REFORM_HANG_TIMEOUT = 30.0  # long: a stop seen while the group re-forms must not wait it out
 RUN_TIMEOUT = 300.0
 
 CRASH = """
@@ -109,15 +111,19 @@ def hang(case: str) -> Callable[[Path], dict[str, float]]:
 
 
 def live(fault: str, *extra: str) -> Callable[[Path], dict[str, float]]:
+    survivors = 2 if fault == "stopreform" else 3
+
     def measure(tmp: Path) -> dict[str, float]:
         launch = ["-n", "4", "--min-world", "2"]
         if fault == "stop":
             launch += ["--hang-timeout", f"{LIVE_HANG_TIMEOUT:g}"]
+        if fault == "stopreform":
+            launch += ["--hang-timeout", f"{REFORM_HANG_TIMEOUT:g}"]
         out_dir = tmp / "live"
         out_dir.mkdir()
         args = [*launch, "--run-dir", str(out_dir / "logs"), str(LIVE_PROGRAM), str(out_dir), fault, "2", "5"]
         out, _ = _lockstep(["run", *args, *extra], tmp)
-        assert out.returncode == 0 and "3 of 4 ranks" in out.stderr, out.stderr[-2000:]
+        assert out.returncode == 0 and f"{survivors} of 4 ranks" in out.stderr, out.stderr[-2000:]
         [record] = json.loads((out_dir / "run" / "summary.json").read_text())["faults"]
         measures = {"recover_s": record["recover_s"]}
         if fault == "stop":
@@ -197,6 +203,15 @@ CASES: dict[
                 f"[{STOPPED_GRACE:g}, {STOPPED_GRACE + 1:g})",
                 lambda v: STOPPED_GRACE <= v < STOPPED_GRACE + 1.0,
             ),
+        },
+    ),
+    "live-stop-reform": (
+        live("stopreform"),
+        {
+            "recover_s": (
+                f"[{STOPPED_GRACE:g}, {STOPPED_GRACE + 2:g})",
+                lambda v: STOPPED_GRACE <= v < STOPPED_GRACE + 2.0,
+            )
         },
     ),
     "harness-hang": (harness_hang, {"call to error (s)": ("< 30", lambda v: v < 30)}),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -92,3 +93,28 @@ def test_a_peer_on_another_host_is_never_judged_by_this_hosts_proc(child: subpro
     store.set("hb/1", json.dumps({"rank": 1, "beat": 1, "host": "elsewhere", "pid": child.pid, "t": 0.0}))
     heartbeats = PeerHeartbeats(0, 2, socket.gethostname(), stale_after=2.0)
     assert "away" not in heartbeats.read(store)[1] and heartbeats.surely_lost(store, grace=0.0) == {}
+
+
+def test_once_placed_a_running_peer_costs_no_store_read_and_a_stopped_one_its_heartbeat_alone(
+    child: subprocess.Popen[bytes],
+) -> None:
+    """surely_lost runs at every tick of every wait: after one read of each peer's heartbeat (its host and
+    pid), it reads /proc, and the store only for a peer seen stopped. A heartbeat deleted from the store
+    shows which it still reads: a read of a missing key fails after the store's timeout."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=1))
+    _published(store, 1, os.getpid(), age_s=0.0)  # running, on this host
+    _published(store, 2, child.pid, age_s=0.0)  # to be stopped, on this host
+    store.set("hb/3", json.dumps({"rank": 3, "beat": 1, "host": "elsewhere", "pid": child.pid, "t": 0.0}))
+    heartbeats = PeerHeartbeats(0, 4, socket.gethostname(), stale_after=2.0)
+    assert heartbeats.surely_lost(store, grace=0.0) == {}  # places all three
+    for rank in (1, 3):
+        store.delete_key(f"hb/{rank}")
+    assert heartbeats.surely_lost(store, grace=0.0) == {}  # neither is read again
+    os.kill(child.pid, signal.SIGSTOP)
+    _wait_for_state(child.pid, "Tt")
+    lost = heartbeats.surely_lost(store, grace=0.0)
+    assert list(lost) == [2] and lost[2].startswith(f"stopped: its process (pid {child.pid})"), lost
+    store.delete_key("hb/2")
+    with pytest.raises(dist.DistStoreError, match="timeout"):  # a stopped peer's heartbeat is read
+        heartbeats.surely_lost(store, grace=0.0)

@@ -5,7 +5,9 @@ runtime/watchdog.py). `PeerHeartbeats.read` gathers them and marks each rank who
 changing for `stale_after` seconds, or whose process this host sees stopped or gone, as 'silent' (with
 'liveness': why; and 'away': why, when /proc says so), and a rank whose heartbeat has not changed since
 this rank started to look as 'undecided' (too early to tell). stall_verdict.py judges the states;
-`surely_lost` says which of them live mode may name lost at once (/proc, not silence, says so).
+`surely_lost` says which of them live mode may name lost at once (/proc, not silence, says so:
+runtime/membership/stopped.py's rule). It runs at every tick of every wait, so it reads /proc first, with
+the pids learned once, and the store only for a peer seen stopped: no O(world) store reads per tick.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ import time
 from typing import Any
 
 from lockstep.runtime import stall_verdict
-from lockstep.runtime.process_inspection import gone, liveness
+from lockstep.runtime.membership.stopped import STOPPED_GRACE, StopClock, is_stopped
+from lockstep.runtime.process_inspection import gone, liveness, process_state
 
-# Live mode: a peer on this host seen stopped this long, at every look, is lost (a py-spy dump stops one for
-# milliseconds, well under it; a debugger that holds it stopped gets it evicted).
-STOPPED_GRACE = 1.0
+__all__ = ["STOPPED_GRACE", "PeerHeartbeats"]
 
 
 class PeerHeartbeats:
@@ -29,8 +30,9 @@ class PeerHeartbeats:
         self.rank, self.world, self.host, self.stale_after = rank, world, host, stale_after
         # rank -> (its beat, when that value was first read, whether it has changed since we looked)
         self._seen: dict[int, tuple[int, float, bool]] = {}
-        # rank -> (its pid, its beat, since when) while /proc shows it stopped at every read
-        self._stopped: dict[int, tuple[int, int, float]] = {}
+        self._stopped = StopClock()  # keyed by rank, marked by (its pid, its beat)
+        self._local: dict[int, int] = {}  # rank -> its pid, for the peers on this host (surely_lost)
+        self._placed: set[int] = set()  # the ranks whose host is known (from a heartbeat with one)
 
     def read(self, store: Any) -> dict[int, dict[str, Any]]:
         """Every other rank's latest heartbeat from `store`, marked 'silent' or 'undecided' (module doc)."""
@@ -53,10 +55,35 @@ class PeerHeartbeats:
 
     def surely_lost(self, store: Any, grace: float = STOPPED_GRACE) -> dict[int, str]:
         """The ranks lost for certain, and why: on this host, seen stopped in /proc, with the same heartbeat,
-        at every read for `grace` s. A process gone is left to its launcher, which marks it dead within
-        milliseconds and knows how it died (its signal)."""
-        states = self.read(store)
-        return {r: s["away"] for r, s in states.items() if s.get("stopped_for", -1.0) >= grace}
+        at every look for `grace` s. A process gone is left to its launcher, which marks it dead within
+        milliseconds and knows how it died (its signal). Store reads: the heartbeats of ranks not yet
+        placed (a host and pid: once each, as a generation's ranks keep their processes) and of a peer
+        seen stopped (its beat says whether it ran in between)."""
+        self._place(store)
+        now = time.monotonic()
+        lost: dict[int, str] = {}
+        for rank, pid in self._local.items():
+            if process_state(pid) not in ("T", "t"):
+                self._stopped.look(rank, False, None, now)
+                continue
+            state = json.loads(store.get(f"hb/{rank}"))
+            away = gone(state, self.host)
+            if self._time_stopped(rank, state, now, away) >= grace and away:
+                lost[rank] = away
+        return lost
+
+    def _place(self, store: Any) -> None:
+        """Learn the host and pid of each rank not placed yet, from its heartbeat (once it has one)."""
+        unplaced = [f"hb/{r}" for r in range(self.world) if r != self.rank and r not in self._placed]
+        present = [k for k in unplaced if store.check([k])]
+        for key, raw in zip(present, store.multi_get(present) if present else []):
+            state = json.loads(raw)
+            if state.get("host") is None or state.get("pid") is None:
+                continue
+            rank = int(key.split("/")[1])
+            self._placed.add(rank)
+            if state["host"] == self.host:
+                self._local[rank] = int(state["pid"])
 
     def _mark(self, rank: int, state: dict[str, Any], now: float) -> None:
         beat = int(state.get("beat", -1))
@@ -69,21 +96,18 @@ class PeerHeartbeats:
         away = gone(state, self.host)
         if away:
             state["away"] = away  # certain, not a guess from silence
-        self._time_stopped(rank, state, now)
+        self._time_stopped(rank, state, now, away)
         if not state.get("exited") and (away or unchanged >= self.stale_after):
             state["silent"] = True
             state["liveness"] = away or liveness(state, unchanged)
         elif not state.get("exited") and not seen[2]:
             state["undecided"] = True
 
-    def _time_stopped(self, rank: int, state: dict[str, Any], now: float) -> None:
-        """'stopped_for': how long this rank has been seen stopped, at every read since, with one heartbeat."""
-        if not str(state.get("away", "")).startswith("stopped"):
-            self._stopped.pop(rank, None)
-            return
-        key = (int(state["pid"]), int(state.get("beat", -1)))
-        pid, beat, since = self._stopped.get(rank, (*key, now))
-        if (pid, beat) != key:
-            since = now
-        self._stopped[rank] = (*key, since)
-        state["stopped_for"] = now - since
+    def _time_stopped(self, rank: int, state: dict[str, Any], now: float, away: str | None) -> float:
+        """How long this rank has been seen stopped, at every look since, with one pid and heartbeat; also
+        set as its state's 'stopped_for' (-1.0: not stopped)."""
+        mark = (state.get("pid"), int(state.get("beat", -1)))
+        stopped_for = self._stopped.look(rank, is_stopped(away), mark, now)
+        if stopped_for >= 0:
+            state["stopped_for"] = stopped_for
+        return stopped_for

@@ -8,6 +8,7 @@
 - commit.py: a step counts on every member or on none;
 - admission.py: replacements queue and are admitted at a step boundary;
 - replica_groups.py: a sharded run's members leave and join in whole replica groups;
+- stopped.py: the rule by which a peer seen stopped is lost at once (formation and the hang watchdog);
 - host.py: what a live group needs from the process it runs in: the `Host` it is handed, and the `Place`
   it renumbers;
 - group.py: `LiveGroup`, this worker's side, composed of the above;

@@ -2,9 +2,10 @@
 
 1. Each member of generation g checks in to g+1 (`gen<g+1>/in/<member>`) and waits until every member
    of g has checked in or is known dead (`dead/<member>`). A member silent past the check-in timeout is
-   left out, and so is one whose process this host sees stopped or gone once the hang timeout has passed
-   (`proc/<member>`: its host and pid); a member left out is marked dead, so that the launcher ends it and
-   starts its replacement.
+   left out; so is one whose process this host sees stopped (`proc/<member>`: its host and pid) at every
+   look for STOPPED_GRACE (stopped.py: the hang watchdog's rule, as none runs while the group re-forms),
+   and one seen stopped or gone once the hang timeout has passed. A member left out is marked dead, so that
+   the launcher ends it and starts its replacement.
 2. The first to write `gen<g+1>/members` (compare_set: first writer wins) decides the members, in
    member-id order, replacements appended. A worker left out exits at once (EVICTED_EXIT_CODE); below
    --min-world every member raises WorldTooSmallError.
@@ -35,6 +36,7 @@ from lockstep.runtime.membership.core import GroupState
 from lockstep.runtime.membership.host import Host
 from lockstep.runtime.membership.records import Fault, Membership, first_line
 from lockstep.runtime.membership.replica_groups import GROUP_LOST, broken_groups, whole_groups
+from lockstep.runtime.membership.stopped import STOPPED_GRACE, StopClock, is_stopped
 from lockstep.torch_private import reset_group_names, set_group_timeout
 
 EVICTED_EXIT_CODE = 75  # a worker the survivors left out (it was too late to check in): EX_TEMPFAIL
@@ -187,6 +189,7 @@ class Formation:
         started = time.monotonic()
         checked: set[int] = {old.member_id}
         left_out: dict[int, str] = {}
+        looks = _Looks(self.state.store, self.host)
         while True:
             dead = state.dead()
             for member in old.members:
@@ -196,9 +199,8 @@ class Formation:
             broken = broken_groups(old.members, state.group_size, dead)
             waiting = [m for m in old.members if m not in checked and m not in dead and m not in broken]
             waited = time.monotonic() - started
-            if waited >= self._look_after(wait_s):
-                left_out = self._stopped_or_gone(waiting)
-                waiting = [m for m in waiting if m not in left_out]
+            left_out = looks.left_out(waiting, after_hang_timeout=waited >= self._look_after(wait_s))
+            waiting = [m for m in waiting if m not in left_out]
             if not waiting or waited > wait_s:
                 break
             time.sleep(0.005)
@@ -223,28 +225,49 @@ class Formation:
         return tuple(json.loads(bytes(agreed).decode()))
 
     def _look_after(self, wait_s: float) -> float:
-        """When a member that has not checked in is looked at (its process, where this host sees it): after
-        the hang timeout, as the hang watchdog would have evicted it, which is stopped while the group
-        re-forms (a member stopped or dead now would otherwise hold every other for the whole wait_s)."""
+        """When a member that has not checked in and is seen stopped (for less than the grace) or dead
+        is left out: after the hang timeout, as the hang watchdog would have evicted it, which is stopped
+        while the group re-forms (a member stopped or dead now would otherwise hold every other for the
+        whole wait_s; a dead one's launcher usually marks it dead well before)."""
         hang = self.host.hang_timeout()
         return min(hang, wait_s) if hang > 0 else wait_s
-
-    def _stopped_or_gone(self, waiting: list[int]) -> dict[int, str]:
-        """The members of `waiting` whose process this host sees stopped or gone, with why."""
-        out = {}
-        for member in waiting:
-            key = keys.whereabouts(member)
-            if self.state.store.check([key]):
-                why = self.host.gone(json.loads(bytes(self.state.store.get(key)).decode()))
-                if why is not None:
-                    out[member] = why
-        return out
 
     def _mark_left_out(self, left_out: dict[int, str], g: int) -> None:
         """Mark the members left out of generation g dead (the first to mark one names why): the launcher
         then ends them and starts their replacements, and none is queued again as a replacement."""
         for member, why in left_out.items():
             self.state.store.compare_set(keys.dead(member), "", f"left out of generation {g}: {why}")
+
+
+class _Looks:
+    """Formation's looks at the processes of members that have not checked in (where this host sees them)."""
+
+    def __init__(self, store: Any, host: Host) -> None:
+        self.store, self.host = store, host
+        self.where: dict[int, dict[str, Any]] = {}  # member -> its `proc/<member>` (written once, at start)
+        self.clock = StopClock()  # keyed by member, marked by its pid
+        self.stopped_grace = STOPPED_GRACE if host.hang_timeout() > 0 else float("inf")  # 0: no hang rule
+
+    def left_out(self, waiting: list[int], *, after_hang_timeout: bool) -> dict[int, str]:
+        """The members of `waiting` to leave out now, with why: seen stopped at every look for the grace;
+        or, `after_hang_timeout`, seen stopped or gone at all."""
+        out = {}
+        now = time.monotonic()
+        for member in waiting:
+            where = self._whereabouts(member)
+            why = self.host.gone(where) if where is not None else None
+            stopped_for = self.clock.look(member, is_stopped(why), (where or {}).get("pid"), now)
+            if why is not None and (after_hang_timeout or stopped_for >= self.stopped_grace):
+                out[member] = why
+        return out
+
+    def _whereabouts(self, member: int) -> dict[str, Any] | None:
+        if member not in self.where:
+            key = keys.whereabouts(member)
+            if not self.store.check([key]):
+                return None
+            self.where[member] = json.loads(bytes(self.store.get(key)).decode())
+        return self.where[member]
 
 
 def _describe(how: dict[str, str]) -> str:
