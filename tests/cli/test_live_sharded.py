@@ -1,13 +1,14 @@
 """Live mode across sharded replica groups end to end (issue 46): `lockstep train gpt -n 4 --shard-degree 2
 --min-world 2 --deterministic`, 2 replica groups of FSDP 2, a worker SIGKILLed or SIGSTOPped from outside
-once the step-40 checkpoint is written.
+once the step-40 checkpoint is written, or both workers of one group SIGKILLed (a node lost).
 
 The lost worker's group leaves whole (its other rank is left out with it), the other group goes on in the
 processes it started in (their pids, their timeline parts reaching the last step), without a restart, and
 the run ends with a fault-free run's bits (deterministic mode: the same bits at any world size, so the
 reference runs on one rank). With `--max-restarts 1` a replacement group of two new workers joins, receives
-its shards from the live group shard for shard, and the run ends at world 4 with the same bits: after rank
-0's group is lost the survivors are renumbered, and the world grows back to its launch size (the case where
+its shards from the live group shard for shard, and the run ends at world 4 with the same bits; the group
+costs one of the budget even when both its workers were killed: after rank 0's group is lost the survivors
+are renumbered, and the world grows back to its launch size (the case where
 a rebuilt model once found an older generation's mesh).
 """
 
@@ -54,10 +55,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict[
 
 
 def _strike(
-    run_dir: Path, steps: int, victim: int, sig: int, *launch: str
+    run_dir: Path, steps: int, victims: tuple[int, ...], sig: int, *launch: str
 ) -> tuple[int, str, dict[int, int]]:
-    """The job of `steps` steps, with `sig` sent to launch rank `victim` once the step-40 checkpoint exists;
-    its exit code, its output, and the launched workers' pids at the strike."""
+    """The job of `steps` steps, with `sig` sent to launch ranks `victims` once the step-40 checkpoint
+    exists; its exit code, its output, and the launched workers' pids at the strike."""
     argv = ["train", "gpt", "-n", "4", "--shard-degree", "2", "--min-world", "2", "--run-dir", str(run_dir)]
     argv += ["--max-steps", str(steps), *GPT, *DETERMINISTIC, *launch]
     log = run_dir.parent / f"{run_dir.name}.log"
@@ -75,7 +76,8 @@ def _strike(
             while not (run_dir / "checkpoints" / "step_000040").is_dir() and time.monotonic() < deadline:
                 time.sleep(0.01)
             pids = {rank: int((run_dir / f"rank{rank}" / "pid").read_text()) for rank in range(4)}
-            os.kill(pids[victim], sig)
+            for victim in victims:
+                os.kill(pids[victim], sig)
             proc.wait(timeout=300)
         finally:
             proc.kill()
@@ -102,7 +104,7 @@ def test_rank_0s_group_killed_the_other_group_finishes_alone_with_the_fault_free
     tmp_path: Path, reference: Callable[[int], dict[str, Any]]
 ) -> None:
     run_dir = tmp_path / "run"
-    code, out, pids = _strike(run_dir, STEPS, 0, signal.SIGKILL)
+    code, out, pids = _strike(run_dir, STEPS, (0,), signal.SIGKILL)
     assert code == 0, out[-4000:]
     assert "rank 1 left out of generation 1: its replica group lost rank 0; 2 of 4 ranks go on" in out
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -114,19 +116,30 @@ def test_rank_0s_group_killed_the_other_group_finishes_alone_with_the_fault_free
 
 
 @pytest.mark.parametrize(
-    "victim, sig, survivors",
-    [(0, signal.SIGKILL, [2, 3]), (3, signal.SIGSTOP, [0, 1])],
-    ids=["rank 0 killed: the survivors renumbered, the world grown back", "rank 3 stopped"],
+    "victims, sig, survivors",
+    [((0, 1), signal.SIGKILL, [2, 3]), ((3,), signal.SIGSTOP, [0, 1])],
+    ids=[
+        "rank 0's group killed, both its ranks (a node lost): one of the budget, the survivors renumbered, "
+        "the world grown back",
+        "rank 3 stopped",
+    ],
 )
 def test_a_replacement_group_receives_its_shards_and_the_run_ends_at_world_4_with_the_fault_free_bits(
-    tmp_path: Path, reference: Callable[[int], dict[str, Any]], victim: int, sig: int, survivors: list[int]
+    tmp_path: Path,
+    reference: Callable[[int], dict[str, Any]],
+    victims: tuple[int, ...],
+    sig: int,
+    survivors: list[int],
 ) -> None:
+    """--max-restarts 1: the lost group is replaced whole, for one of the budget, whether its other rank
+    was left out with the lost one or killed with it (the launcher reads the groups from the store)."""
     run_dir = tmp_path / "run"
     code, out, pids = _strike(
-        run_dir, REPLACED_STEPS, victim, sig, "--max-restarts", "1", "--hang-timeout", "5"
+        run_dir, REPLACED_STEPS, victims, sig, "--max-restarts", "1", "--hang-timeout", "5"
     )
     assert code == 0, out[-4000:]
     assert out.count("replacement rank") == 2, out  # one of the budget: the group replaced whole
+    assert "(0 replacements left)" in out and "(-1 replacements left)" not in out, out
     assert "(2 of them replacements: ranks [4, 5])" in out or "ranks [5, 4])" in out, out
     summary = json.loads((run_dir / "summary.json").read_text())
     _fault_free_bits(summary, reference(REPLACED_STEPS), REPLACED_STEPS)

@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+import torch.distributed as dist
 
 from lockstep.launch import worker
 from lockstep.launch.live_account import Ending, Replacements, ending, outcome
 from lockstep.launch.live_workers import LiveWorker
 from lockstep.runtime.env.env_contract import MEMBER_ID_VAR
+from lockstep.runtime.membership import keys
 
 
 class _Ended:
@@ -149,16 +151,37 @@ def test_a_lost_replica_group_costs_one_replacement_of_the_budget_in_whichever_o
     None
 ):
     """--max-restarts 1, a sharded run: the stopped member 1 and its group's member 0 (left out with it) are
-    both replaced, whichever ends first; the next group lost gets none; a member lost on its own counts one."""
+    both replaced, whichever ends first; the next group lost gets none; a member lost on its own counts one.
+    Here the store holds no groups yet (the members had not said they hold to them): the dead marks tell."""
     mate = "left out of generation 1: its replica group lost rank 1"
     for order in (
         [(0, mate), (1, "evicted by the survivors (stopped)")],
         [(1, "killed by SIGKILL"), (0, mate)],
     ):
-        budget = Replacements(1)
+        budget = Replacements(1, dist.HashStore())
         assert [budget.replace(member, mark) for member, mark in order] == [True, True]
         assert budget.left == 0
         later = "left out of generation 2: its replica group lost rank 3"
         assert not budget.replace(3, "killed by SIGKILL") and not budget.replace(2, later)
-    alone = Replacements(2)
+    alone = Replacements(2, dist.HashStore())
     assert alone.replace(0, "killed by SIGKILL") and alone.replace(1, "") and not alone.replace(2, "")
+
+
+def test_a_replica_group_whose_members_are_all_killed_costs_one_replacement_as_the_store_groups_them() -> (
+    None
+):
+    """Both members of a group killed directly (a node lost, in HSDP): neither dead mark names the other,
+    but the store's groups do (`group_size`, each generation's members), so the group costs one of
+    --max-restarts and both are replaced; a replacement group admitted later is a group of its own."""
+    store = dist.HashStore()
+    store.set(keys.GROUP_SIZE, "2")
+    store.set(keys.members(0), json.dumps([0, 1, 2, 3]))
+    budget = Replacements(2, store)
+    assert budget.replace(0, "killed by SIGKILL") and budget.replace(1, "killed by SIGKILL")
+    assert budget.left == 1
+    store.set(keys.members(1), json.dumps([2, 3]))  # the survivors, renumbered
+    store.set(keys.members(2), json.dumps([2, 3, 4, 5]))  # the replacement group admitted
+    assert budget.replace(5, "killed by SIGKILL") and budget.left == 0
+    assert budget.replace(4, "left out of generation 3: its replica group lost rank 5")
+    assert not budget.replace(3, "killed by SIGKILL") and not budget.replace(2, "killed by SIGKILL")
+    assert not budget.replace(6, "killed by SIGKILL")  # a replacement never admitted: a group of one

@@ -27,7 +27,7 @@ from lockstep.runtime.live_host import ProcessHost
 from lockstep.runtime.membership import keys
 from lockstep.runtime.membership.admission import Admission
 from lockstep.runtime.membership.core import GroupState
-from lockstep.runtime.membership.formation import Formation
+from lockstep.runtime.membership.formation import Formation, _Looks
 from lockstep.runtime.membership.phases import GenerationPhase
 from lockstep.runtime.membership.records import Membership
 from lockstep.runtime.membership.replica_groups import (
@@ -98,8 +98,9 @@ def test_a_member_stopped_while_the_group_re_forms_is_left_out_after_the_grace_n
 def test_a_member_stopped_again_and_again_but_never_for_the_grace_is_waited_for(
     store: Any, silent: subprocess.Popen[bytes]
 ) -> None:
-    """Stopped for 0.7 of every 0.75 s (py-spy dumps, back to back): never stopped at every look for the
-    grace, so it is a member that did not check in, left out at the check-in timeout, not as stopped."""
+    """Stopped for 0.7 of every 0.75 s (py-spy dumps, back to back): never stopped for the whole grace, even
+    where a loaded machine leaves no look inside a 0.05 s run (its count of context switches moved), so it
+    is left out only at the check-in timeout (as stopped, or as silent: whatever the last look saw)."""
     done = threading.Event()
 
     def stop_and_start() -> None:
@@ -116,8 +117,37 @@ def test_a_member_stopped_again_and_again_but_never_for_the_grace_is_waited_for(
     finally:
         done.set()
         toggler.join(timeout=5)
-    assert waited >= 3.0, waited
-    assert fault.how == {"1": "left out of generation 1: did not check in to generation 1 within 3 s"}
+    assert waited >= 3.0, (waited, fault.how)
+    assert fault.lost == [1], fault
+
+
+def _wait_for_state(pid: int, letters: str) -> None:
+    for _ in range(500):
+        with open(f"/proc/{pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] in letters:
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} never reached a state in {letters!r}")
+
+
+def test_a_member_started_and_stopped_again_between_two_looks_has_its_grace_start_anew(
+    store: Any, silent: subprocess.Popen[bytes]
+) -> None:
+    """Formation's looks mark a stopped member by its pid and its count of context switches: a start and a
+    stop that no look saw (a loaded machine) still move the count."""
+    store.set(keys.whereabouts(1), json.dumps(Host(30.0).whereabouts() | {"pid": silent.pid}))
+    looks = _Looks(store, Host(30.0))
+    silent.send_signal(signal.SIGSTOP)
+    _wait_for_state(silent.pid, "Tt")
+    assert looks.left_out([1], after_hang_timeout=False) == {}  # first seen stopped: the grace starts
+    silent.send_signal(signal.SIGCONT)
+    _wait_for_state(silent.pid, "RS")
+    silent.send_signal(signal.SIGSTOP)
+    _wait_for_state(silent.pid, "Tt")
+    time.sleep(STOPPED_GRACE)
+    assert looks.left_out([1], after_hang_timeout=False) == {}  # it ran in between: the grace starts anew
+    time.sleep(STOPPED_GRACE)
+    assert list(looks.left_out([1], after_hang_timeout=False)) == [1]
 
 
 def test_with_the_hang_watchdog_off_a_stopped_member_is_waited_for_the_whole_check_in_timeout(

@@ -64,6 +64,12 @@ def test_a_stopped_peer_is_surely_lost_only_once_seen_stopped_at_every_read_for_
     _published(store, 1, child.pid, age_s=0.0, beat=8)  # a new heartbeat: it ran in between, unseen
     time.sleep(0.35)
     assert heartbeats.surely_lost(store, grace=0.3) == {}
+    os.kill(child.pid, signal.SIGCONT)  # started and stopped again between two looks, one heartbeat: its
+    _wait_for_state(child.pid, "RS")  # count of context switches moved, so the clock starts anew
+    os.kill(child.pid, signal.SIGSTOP)
+    _wait_for_state(child.pid, "Tt")
+    time.sleep(0.35)
+    assert heartbeats.surely_lost(store, grace=0.3) == {}
     time.sleep(0.35)
     assert heartbeats.surely_lost(store, grace=0.3) == {1: state["away"]}
 

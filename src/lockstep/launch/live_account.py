@@ -25,11 +25,14 @@ finish, "finished" only when it did, counting only the FINISHED workers.
 from __future__ import annotations
 
 import enum
+import json
+from typing import Any
 
 from lockstep.launch.failure_report import first_failure, format_failure
 from lockstep.launch.live_workers import LiveWorker, exit_code
+from lockstep.runtime.membership import keys
 from lockstep.runtime.membership.formation import EVICTED_EXIT_CODE
-from lockstep.runtime.membership.replica_groups import lost_with_group
+from lockstep.runtime.membership.replica_groups import group_of, lost_with_group
 from lockstep.runtime.watchdog import STALL_EXIT_CODE
 
 
@@ -97,19 +100,35 @@ def error_summary(w: LiveWorker) -> str:
 
 class Replacements:
     """--max-restarts as the launcher spends it in live mode (`left`: replacements and whole-job restarts):
-    one per lost worker, or one per lost replica group of a sharded run, whose members left out with the
-    lost one (their dead mark names it: runtime/membership/replica_groups.py) are replaced with it, or not
-    at all, whichever of them ends first."""
+    one per lost worker, or one per lost replica group of a sharded run, whose members (killed with it, or
+    left out with it: their dead mark names it) are replaced with it, or not at all, whichever of them ends
+    first. The groups are read from the job's `store` (`group_size`, each generation's `members`:
+    runtime/membership/replica_groups.py `group_of`); before the members hold to groups, by dead marks."""
 
-    def __init__(self, budget: int) -> None:
-        self.left = budget
-        self.decided: dict[int, bool] = {}  # by the member whose loss took the group out: replaced?
+    def __init__(self, budget: int, store: Any) -> None:
+        self.left, self.store = budget, store
+        self.decided: dict[tuple[int, ...], bool] = {}  # by lost group (a member on its own: a group of one)
+        self.generations: list[list[int]] = []  # generations 0, 1, ...: their members, as read so far
 
     def replace(self, member_id: int, dead_mark: str) -> bool:
         """Whether lost worker `member_id` (marked dead with `dead_mark`, or "") gets a replacement."""
-        group = lost_with_group(dead_mark)
-        key = member_id if group is None else group
+        key = self._group(member_id)
+        if len(key) == 1:
+            mate = lost_with_group(dead_mark)
+            key = (member_id if mate is None else mate,)
         if key not in self.decided:
             self.decided[key] = self.left > 0
             self.left -= int(self.decided[key])
         return self.decided[key]
+
+    def _group(self, member_id: int) -> tuple[int, ...]:
+        """The replica group `member_id` was last a member of, from the store."""
+        size = self._read(keys.GROUP_SIZE)
+        if size is None or int(size) <= 1:
+            return (member_id,)
+        while (members := self._read(keys.members(len(self.generations)))) is not None:
+            self.generations.append(json.loads(members))
+        return group_of(member_id, self.generations, int(size))
+
+    def _read(self, key: str) -> str | None:
+        return bytes(self.store.get(key)).decode() if self.store.check([key]) else None

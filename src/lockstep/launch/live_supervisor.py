@@ -17,8 +17,9 @@ ERROR); this loop acts on it:
 - A worker that the survivors evicted (it stopped answering: SIGSTOP, a hard hang; they mark it dead on
   the store themselves) is killed, so that it cannot wake up into a group that went on without it.
 - With `--max-restarts R`, each lost worker (while the job goes on, up to R in all, whole-job restarts
-  included; a sharded run's replica group lost counts one, runtime/membership/replica_groups.py) is replaced by a new process with the next member id and the lost one's RANK/LOCAL_RANK (its
-  device). It queues on the store and the members admit it at a step boundary
+  included; a sharded run's replica group lost counts one, however many of its members end:
+  live_account.py's `Replacements`) is replaced by a new process with the next member id and the lost
+  one's RANK/LOCAL_RANK (its device). It queues on the store and the members admit it at a step boundary
   (runtime/membership/admission.py). Once only replacements that were never admitted still run, on every
   node, the supervisor writes `closed` and they exit 0 (not finishers).
 - On several nodes, node 0's supervisor keeps the store up until every other node is done or silent
@@ -91,7 +92,9 @@ class LiveSupervisor:
         self.nodes = NodeHeartbeat(store, layout.node, layout.nodes)
         self.faults: list[LiveWorker] = []
         self.errors: list[LiveWorker] = []  # ERRORs: each ends the job (live_account.py)
-        self.replacements = Replacements(budget)  # --max-restarts left: replacements and whole-job restarts
+        self.replacements = Replacements(
+            budget, store
+        )  # --max-restarts left: replacements, whole-job restarts
         self.restarts = restarts  # whole-job restarts before this attempt
         self.changes_seen = 0
         self.evictions_read = 0.0  # when the dead marks of running workers were last read

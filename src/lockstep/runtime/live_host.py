@@ -15,7 +15,7 @@ from typing import Any
 
 from lockstep.runtime import waits, watchdog
 from lockstep.runtime.collectives import all_gather_object
-from lockstep.runtime.process_inspection import gone
+from lockstep.runtime.process_inspection import gone, times_switched
 from lockstep.runtime.progress import PROGRESS, RECOVERY, STATE_TRANSFER, phase
 from lockstep.runtime.state_transfer import broadcast_state
 
@@ -68,3 +68,7 @@ class ProcessHost:
 
     def gone(self, whereabouts: dict[str, Any]) -> str | None:
         return gone(whereabouts, socket.gethostname())
+
+    def times_switched(self, whereabouts: dict[str, Any]) -> int | None:
+        here = whereabouts.get("host") == socket.gethostname() and whereabouts.get("pid")
+        return times_switched(int(whereabouts["pid"])) if here else None

@@ -18,7 +18,7 @@ from typing import Any
 
 from lockstep.runtime import stall_verdict
 from lockstep.runtime.membership.stopped import STOPPED_GRACE, StopClock, is_stopped
-from lockstep.runtime.process_inspection import gone, liveness, process_state
+from lockstep.runtime.process_inspection import gone, liveness, process_state, times_switched
 
 __all__ = ["STOPPED_GRACE", "PeerHeartbeats"]
 
@@ -30,7 +30,7 @@ class PeerHeartbeats:
         self.rank, self.world, self.host, self.stale_after = rank, world, host, stale_after
         # rank -> (its beat, when that value was first read, whether it has changed since we looked)
         self._seen: dict[int, tuple[int, float, bool]] = {}
-        self._stopped = StopClock()  # keyed by rank, marked by (its pid, its beat)
+        self._stopped = StopClock()  # keyed by rank, marked by its pid, its beat, its context switches
         self._local: dict[int, int] = {}  # rank -> its pid, for the peers on this host (surely_lost)
         self._placed: set[int] = set()  # the ranks whose host is known (from a heartbeat with one)
 
@@ -104,10 +104,12 @@ class PeerHeartbeats:
             state["undecided"] = True
 
     def _time_stopped(self, rank: int, state: dict[str, Any], now: float, away: str | None) -> float:
-        """How long this rank has been seen stopped, at every look since, with one pid and heartbeat; also
-        set as its state's 'stopped_for' (-1.0: not stopped)."""
-        mark = (state.get("pid"), int(state.get("beat", -1)))
-        stopped_for = self._stopped.look(rank, is_stopped(away), mark, now)
+        """How long this rank has been seen stopped, at every look since, with one pid, heartbeat and count
+        of context switches (it did not run in between); also its state's 'stopped_for' (-1.0: not stopped)."""
+        stopped = is_stopped(away)
+        pid = int(state.get("pid") or 0)
+        mark = (pid, int(state.get("beat", -1)), times_switched(pid) if stopped else None)
+        stopped_for = self._stopped.look(rank, stopped, mark, now)
         if stopped_for >= 0:
             state["stopped_for"] = stopped_for
         return stopped_for

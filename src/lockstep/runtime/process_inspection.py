@@ -40,6 +40,21 @@ def process_state(pid: int) -> str | None:
         return None
 
 
+_SWITCHES = ("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")
+
+
+def times_switched(pid: int) -> int | None:
+    """How many times a process on this host was switched out so far (its main thread's voluntary and
+    involuntary context switches), None when there is none. Stopping a process and starting it again moves
+    the count, so two looks that see it stopped with one count saw one stop, however far apart they were."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            counts = [int(line.split()[1]) for line in fh if line.startswith(_SWITCHES)]
+    except (OSError, ValueError, IndexError):
+        return None
+    return sum(counts) if counts else None
+
+
 def gone(state: dict[str, Any], my_host: str) -> str | None:
     """Why a rank on this host cannot answer (stopped or dead), None when it can or is elsewhere.
     `state` is the rank's last heartbeat (its host and pid)."""

@@ -245,7 +245,7 @@ class _Looks:
     def __init__(self, store: Any, host: Host) -> None:
         self.store, self.host = store, host
         self.where: dict[int, dict[str, Any]] = {}  # member -> its `proc/<member>` (written once, at start)
-        self.clock = StopClock()  # keyed by member, marked by its pid
+        self.clock = StopClock()  # keyed by member, marked by its pid and its count of context switches
         self.stopped_grace = STOPPED_GRACE if host.hang_timeout() > 0 else float("inf")  # 0: no hang rule
 
     def left_out(self, waiting: list[int], *, after_hang_timeout: bool) -> dict[int, str]:
@@ -256,7 +256,9 @@ class _Looks:
         for member in waiting:
             where = self._whereabouts(member)
             why = self.host.gone(where) if where is not None else None
-            stopped_for = self.clock.look(member, is_stopped(why), (where or {}).get("pid"), now)
+            stopped = is_stopped(why)
+            mark = (where or {}).get("pid"), self.host.times_switched(where) if stopped and where else None
+            stopped_for = self.clock.look(member, stopped, mark, now)
             if why is not None and (after_hang_timeout or stopped_for >= self.stopped_grace):
                 out[member] = why
         return out

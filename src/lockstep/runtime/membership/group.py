@@ -101,8 +101,10 @@ class LiveGroup(Generic[PlaceT]):
         return len(self.formation.graveyard)
 
     def hold_in_groups(self, size: int) -> None:
-        """From now on members leave and join in replica groups of `size` (a sharded run: replica_groups.py)."""
+        """From now on members leave and join in replica groups of `size` (a sharded run: replica_groups.py);
+        the launcher reads it too (a group lost costs one replacement: launch/live_account.py)."""
         self.state.group_size = size
+        self.state.store.set(keys.GROUP_SIZE, str(size))
 
     def topology(self) -> PlaceT:
         """The place this process was launched with, numbered as the current generation numbers it."""

@@ -80,3 +80,7 @@ class Host(Protocol):
     def gone(self, whereabouts: dict[str, Any]) -> str | None:
         """Why the process at `whereabouts` cannot answer (stopped or dead), when this host can see it;
         None when it runs, or runs elsewhere."""
+
+    def times_switched(self, whereabouts: dict[str, Any]) -> int | None:
+        """A count that moves whenever the process at `whereabouts` runs (its context switches), when this
+        host can see it; None otherwise. Two looks that see it stopped with one count saw one stop."""

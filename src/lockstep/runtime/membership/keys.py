@@ -23,6 +23,7 @@ renumbered over the members of each generation, in member-id order.
 | `admit/<member>` = generation | every member of the generation that admits it | the replacement; the launcher (is a queued one admitted?) |
 | `healed/<member>` = generation | a replacement once it received the run's state | tools watching a job (tools/chaos.py: a member still joining is not yet one to count on) |
 | `closed` | the launcher, when only unadmitted replacements still run | a queued replacement (it exits 0) |
+| `group_size` = S | every member, once the trainer holds the group in replica groups of S (a sharded run: `LiveGroup.hold_in_groups`) | the launcher (a replica group lost, however many of its members it sees end, costs one of --max-restarts: launch/live_account.py) |
 | `replacements` (a counter) | each launcher starting a replacement | each launcher (the next member id; the last line) |
 | `node/<n>/beat`, `node/<n>/done`, `node/<n>/idle` | node n's launcher | node 0's launcher (keeps the store up), every launcher (closing) |
 """
@@ -33,6 +34,7 @@ ROOT = "lockstep/live/"
 
 CHANGES = f"{ROOT}changes"
 CLOSED = f"{ROOT}closed"
+GROUP_SIZE = f"{ROOT}group_size"
 JOIN_COUNT = f"{ROOT}join/count"
 REPLACEMENTS = f"{ROOT}replacements"
 

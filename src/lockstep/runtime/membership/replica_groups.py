@@ -38,6 +38,17 @@ def lost_with_group(why: str) -> int | None:
     return int(rest.split()[0]) if found and rest.split() and rest.split()[0].isdigit() else None
 
 
+def group_of(member: int, generations: Sequence[Sequence[int]], size: int) -> tuple[int, ...]:
+    """The replica group of `member` (groups of `size`) in the latest of `generations` (each one's members,
+    in order) that holds it; (member,) when none does (a replacement not admitted yet) or `size` is 1."""
+    if size > 1:
+        for members in reversed(generations):
+            if member in members:
+                start = list(members).index(member) // size * size
+                return tuple(members[start : start + size])
+    return (member,)
+
+
 def whole_groups(joiners: Sequence[int], size: int) -> list[int]:
     """The first joiners that make whole groups of `size` (the rest wait for their group to be complete)."""
     return list(joiners[: len(joiners) - len(joiners) % size])
