@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from lockstep.runtime.peer_heartbeats import PeerHeartbeats
+from lockstep.runtime.process_inspection import proc_view
 
 
 @pytest.fixture
@@ -28,7 +29,8 @@ def child() -> Iterator[subprocess.Popen[bytes]]:
 
 
 def _published(store: dist.Store, rank: int, pid: int, age_s: float, **extra: object) -> None:
-    beat = {"rank": rank, "beat": 7, "host": socket.gethostname(), "pid": pid, "t": time.time() - age_s}
+    beat = {"rank": rank, "beat": 7, "host": socket.gethostname(), "view": proc_view(), "pid": pid}
+    beat["t"] = time.time() - age_s
     store.set(f"hb/{rank}", json.dumps({**beat, **extra}))
 
 
@@ -92,13 +94,21 @@ def test_a_gone_peer_is_away_but_left_to_its_launcher_and_one_that_exited_cleanl
     assert heartbeats.surely_lost(store, grace=0.0) == {}
 
 
-def test_a_peer_on_another_host_is_never_judged_by_this_hosts_proc(child: subprocess.Popen[bytes]) -> None:
+def test_a_peer_on_another_host_or_in_another_pid_namespace_is_never_judged_by_this_proc(
+    child: subprocess.Popen[bytes],
+) -> None:
+    """Its pid names another process here, or none: another host, or a container that shares this hostname
+    (host networking) but has a pid namespace of its own (its heartbeat's `view`)."""
     store = dist.HashStore()
     os.kill(child.pid, signal.SIGSTOP)
     _wait_for_state(child.pid, "Tt")
     store.set("hb/1", json.dumps({"rank": 1, "beat": 1, "host": "elsewhere", "pid": child.pid, "t": 0.0}))
-    heartbeats = PeerHeartbeats(0, 2, socket.gethostname(), stale_after=2.0)
-    assert "away" not in heartbeats.read(store)[1] and heartbeats.surely_lost(store, grace=0.0) == {}
+    _published(store, 2, child.pid, age_s=0.0, view="0123-boot/pid:[4026532999]")
+    heartbeats = PeerHeartbeats(0, 3, socket.gethostname(), stale_after=2.0)
+    states = heartbeats.read(store)
+    assert "away" not in states[1] and "away" not in states[2], states
+    assert heartbeats.surely_lost(store, grace=0.0) == {}
+    assert proc_view().endswith(os.readlink("/proc/self/ns/pid")), proc_view()
 
 
 def test_once_placed_a_running_peer_costs_no_store_read_and_a_stopped_one_its_heartbeat_alone(

@@ -122,12 +122,16 @@ class Replacements:
         return self.decided[key]
 
     def _group(self, member_id: int) -> tuple[int, ...]:
-        """The replica group `member_id` was last a member of, from the store."""
-        size = self._read(keys.GROUP_SIZE)
-        if size is None or int(size) <= 1:
+        """The replica group `member_id` was last a member of, from the store; (member_id,) when the store
+        cannot be read (the dead marks then decide, as before the members held to groups)."""
+        try:
+            size = self._read(keys.GROUP_SIZE)
+            if size is None or int(size) <= 1:
+                return (member_id,)
+            while (members := self._read(keys.members(len(self.generations)))) is not None:
+                self.generations.append(json.loads(members))
+        except (RuntimeError, OSError):  # DistStoreError, a connection lost: this look only
             return (member_id,)
-        while (members := self._read(keys.members(len(self.generations)))) is not None:
-            self.generations.append(json.loads(members))
         return group_of(member_id, self.generations, int(size))
 
     def _read(self, key: str) -> str | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from lockstep.runtime import waits, watchdog
 from lockstep.runtime.collectives import all_gather_object
-from lockstep.runtime.process_inspection import gone, times_switched
+from lockstep.runtime.process_inspection import gone, proc_view, seen_here, times_switched
 from lockstep.runtime.progress import PROGRESS, RECOVERY, STATE_TRANSFER, phase
 from lockstep.runtime.state_transfer import broadcast_state
 
@@ -64,11 +64,11 @@ class ProcessHost:
             return broadcast_state(state, src=src)
 
     def whereabouts(self) -> dict[str, Any]:
-        return {"host": socket.gethostname(), "pid": os.getpid()}
+        return {"host": socket.gethostname(), "view": proc_view(), "pid": os.getpid()}
 
     def gone(self, whereabouts: dict[str, Any]) -> str | None:
         return gone(whereabouts, socket.gethostname())
 
     def times_switched(self, whereabouts: dict[str, Any]) -> int | None:
-        here = whereabouts.get("host") == socket.gethostname() and whereabouts.get("pid")
+        here = seen_here(whereabouts, socket.gethostname())
         return times_switched(int(whereabouts["pid"])) if here else None

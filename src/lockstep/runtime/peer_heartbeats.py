@@ -18,7 +18,13 @@ from typing import Any
 
 from lockstep.runtime import stall_verdict
 from lockstep.runtime.membership.stopped import STOPPED_GRACE, StopClock, is_stopped
-from lockstep.runtime.process_inspection import gone, liveness, process_state, times_switched
+from lockstep.runtime.process_inspection import (
+    gone,
+    liveness,
+    process_state,
+    seen_here,
+    times_switched,
+)
 
 __all__ = ["STOPPED_GRACE", "PeerHeartbeats"]
 
@@ -82,7 +88,7 @@ class PeerHeartbeats:
                 continue
             rank = int(key.split("/")[1])
             self._placed.add(rank)
-            if state["host"] == self.host:
+            if seen_here(state, self.host):
                 self._local[rank] = int(state["pid"])
 
     def _mark(self, rank: int, state: dict[str, Any], now: float) -> None:

@@ -8,6 +8,8 @@ talks to a peer: it is cheap enough for every tick.
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 import threading
 from typing import Any
@@ -55,13 +57,34 @@ def times_switched(pid: int) -> int | None:
     return sum(counts) if counts else None
 
 
+@functools.cache
+def proc_view() -> str:
+    """Which processes this one's /proc shows: its machine's boot id and its pid namespace ("" where there
+    is no /proc). A peer's pid names the same process here only if the peer published the same view: two
+    containers sharing a hostname (host networking) have pid namespaces of their own, and two machines can
+    share a hostname."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return f"{fh.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def seen_here(state: dict[str, Any], my_host: str) -> bool:
+    """Whether this process's /proc shows the peer whose heartbeat (or whereabouts) is `state`."""
+    view = proc_view()
+    return (
+        bool(view) and state.get("host") == my_host and state.get("view") == view and bool(state.get("pid"))
+    )
+
+
 def gone(state: dict[str, Any], my_host: str) -> str | None:
-    """Why a rank on this host cannot answer (stopped or dead), None when it can or is elsewhere.
-    `state` is the rank's last heartbeat (its host and pid)."""
-    pid = state.get("pid")
-    if not pid or state.get("host") != my_host or state.get("exited"):
+    """Why a rank on this host cannot answer (stopped or dead), None when it can or is elsewhere (another
+    host, or another pid namespace: `seen_here`). `state` is the rank's last heartbeat (host, view, pid)."""
+    if not seen_here(state, my_host) or state.get("exited"):
         return None
-    status = process_state(int(pid))
+    pid = int(state["pid"])
+    status = process_state(pid)
     if status is None:
         return f"dead: its process (pid {pid}) no longer exists"
     if status in ("Z", "X"):

@@ -15,10 +15,9 @@ process exits with STALL_EXIT_CODE. A rank whose collective raised re-raises its
 the report is out. Heartbeats that stop changing mark a rank as not responding; on the same host the
 thread also says whether that process is stopped (SIGSTOP) or gone.
 
-In live mode (runtime/membership/) a failed collective is not reported (the survivors re-form the group),
-and neither is a stall whose culprits include ranks that stopped publishing heartbeats: the thread names
-those dead through the membership it was given (`MembershipWatch.evict`) and the survivors go on without
-them; a peer /proc shows stopped (peer_heartbeats.STOPPED_GRACE), at once. Other stalls are reported.
+In live mode (runtime/membership/) neither a failed collective (the survivors re-form the group) nor a stall
+whose culprits stopped their heartbeats is reported: the thread names them dead (`MembershipWatch.evict`),
+and a peer /proc shows stopped at once (runtime/membership/stopped.py's rule). Other stalls are reported.
 
 Around the thread: runtime/waits.py is how the main thread waits (tracked, reported, in live mode given
 up on a lost member), runtime/peer_heartbeats.py reads the others' heartbeats, runtime/hang_report.py
@@ -48,7 +47,7 @@ from lockstep.runtime import hang_report, stall_verdict
 from lockstep.runtime.env.topology import hang_timeout_from_env, report_dir_from_env
 from lockstep.runtime.membership.host import Watched as MembershipWatch  # what live mode hands in
 from lockstep.runtime.peer_heartbeats import PeerHeartbeats
-from lockstep.runtime.process_inspection import all_stacks, format_stack
+from lockstep.runtime.process_inspection import all_stacks, format_stack, proc_view
 from lockstep.runtime.progress import PROGRESS, CollectiveRecord, Progress, user_site
 from lockstep.runtime.sigterm_guard import SigtermGuard
 from lockstep.runtime.straggler_eviction import eviction_for
@@ -101,7 +100,7 @@ class Watchdog:
         self._verdict: dict[str, Any] | None = None  # once set, this process ends (see _finish)
         self._judged_a_failure = False  # the verdict came from a failed collective: its error propagates
         self._evicted: set[int] = set()  # live mode: silent ranks this thread named dead
-        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.host, self.view, self.pid = socket.gethostname(), proc_view(), os.getpid()
         self.heartbeats = PeerHeartbeats(rank, world, self.host, self.stale_after)
         eviction = eviction_for(rank, world, membership)  # live mode with --evict-stragglers, on rank 0
         self.stragglers = StragglerWatch(
@@ -207,6 +206,7 @@ class Watchdog:
         state.update(
             rank=self.rank,
             host=self.host,
+            view=self.view,
             pid=self.pid,
             beat=self._beat,
             t=now,

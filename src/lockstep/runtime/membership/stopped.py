@@ -1,11 +1,12 @@
-"""A peer seen stopped: how long, at every look. The rule by which live mode names a stopped rank lost at once.
+"""A peer seen stopped: how long, at every look. Live mode's rule for naming a stopped rank lost at once.
 
 A rank whose process this host sees stopped in /proc (SIGSTOP, a debugger) cannot answer, but a stop can be
 brief: a py-spy dump stops a process for milliseconds. So a peer counts as lost only once it has been seen
-stopped at every look for STOPPED_GRACE seconds, with nothing showing it ran in between (its pid, its count
-of context switches, which a stop and a start move, and, where there is one, its heartbeat unchanged). Two places look: the hang watchdog while this rank waits in a
-collective (runtime/peer_heartbeats.py), and formation while the group re-forms and no watchdog runs
-(formation.py). A dead process is never judged here: its launcher marks it dead and knows its signal.
+stopped at every look for STOPPED_GRACE seconds, with nothing showing it ran in between: its pid, its count
+of context switches (a stop and a start move it) and, where there is one, its heartbeat unchanged. Two
+places look: the hang watchdog while this rank waits in a collective (runtime/peer_heartbeats.py), and
+formation while the group re-forms and no watchdog runs (formation.py); neither with --hang-timeout 0. A
+dead process is never judged here: its launcher marks it dead and knows its signal.
 """
 
 from __future__ import annotations
