@@ -72,6 +72,8 @@ CPU_CGROUP = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (the strag
 
 
 DIGITS_ARGS = ("--global-batch-size", "48", "--micro-batch-size", "8", "--epochs", "1000")
+# --shard-degree 2: a step's micro-batches divide evenly over every world the groups can shrink to (4, 2)
+SHARDED_DIGITS_ARGS = ("--global-batch-size", "64", "--micro-batch-size", "8", "--epochs", "1000")
 
 
 @dataclass
@@ -90,10 +92,14 @@ class Settings:
     # the fault-free run's ranks: the launched world (its wall time is the report's baseline), or fewer,
     # where only its bits matter (deterministic mode's are the same at any world size: the test's 1)
     reference_ranks: int = LAUNCHED
+    # > 1: replica groups of this many ranks, each holding the model in shards (FSDP2); a member lost takes
+    # its group out, and a group is replaced whole (runtime/membership/replica_groups.py)
+    shard_degree: int = 1
 
     def command(self, run_dir: Path) -> list[str]:
         live = ["--min-world", str(MIN_WORLD)] if self.live else []
         evict = ["--evict-stragglers", "3"] if self.live else []
+        shard = ["--shard-degree", str(self.shard_degree)] if self.shard_degree > 1 else []
         return [
             sys.executable,
             "-m",
@@ -108,6 +114,7 @@ class Settings:
             "--hang-timeout",
             "5",
             *evict,
+            *shard,
             "--deterministic",
             *self.job_args,
             "--max-steps",
@@ -310,10 +317,12 @@ class Job:
 
 class Striker:
     """Strikes one fault of a kind at the job; waits until the job can lose a member without falling
-    below --min-world (a fault that would end the job is not what the schedule tests)."""
+    below --min-world (a fault that would end the job is not what the schedule tests). With replica groups
+    of `size` (a sharded run) a member lost takes its group out, so the second member a kind strikes in
+    one recovery (double, stop_in_recovery) is the first one's group-mate: a node lost."""
 
-    def __init__(self, job: Job, rng: random.Random) -> None:
-        self.job, self.rng = job, rng
+    def __init__(self, job: Job, rng: random.Random, size: int = 1) -> None:
+        self.job, self.rng, self.size = job, rng, size
 
     def healthy(self, need: int, wait_s: float = 90.0) -> list[int] | None:
         """The members to strike at, once none is dying and at least `need` hold the run's state (launched
@@ -334,7 +343,10 @@ class Striker:
 
     def strike(self, kind: str) -> Strike:
         strike = Strike(kind, round(self.job.elapsed(), 2))
-        need = {"double": MIN_WORLD + 2, "stop_in_recovery": MIN_WORLD + 2}.get(kind, MIN_WORLD + 1)
+        two = 2 if self.size == 1 else self.size  # the members two faults in one recovery take out
+        need = {"double": MIN_WORLD + two, "stop_in_recovery": MIN_WORLD + two}.get(
+            kind, MIN_WORLD + self.size
+        )
         members = self.healthy(need)
         if members is None:
             strike.note = f"skipped: fewer than {need} healthy members"
@@ -383,8 +395,19 @@ class Striker:
             strike.victims.remove(victim)
             strike.note = "not evicted within 40 s"
 
+    def _two(self, members: list[int]) -> tuple[int, int]:
+        """Two members to strike in one recovery: any two; in replica groups, two of one group."""
+        if self.size == 1:
+            first, second = self.rng.sample(members, 2)
+            return first, second
+        generation = self.job.members()
+        first = self.rng.choice([m for m in members if m in generation])
+        start = generation.index(first) // self.size * self.size
+        mates = [m for m in generation[start : start + self.size] if m != first]
+        return first, self.rng.choice(mates)
+
     def double(self, strike: Strike, members: list[int]) -> None:
-        first, second = self.rng.sample(members, 2)
+        first, second = self._two(members)
         self._kill(strike, first)
         time.sleep(self.rng.uniform(0.0, 0.4))
         self._kill(strike, second)
@@ -392,7 +415,7 @@ class Striker:
     def stop_in_recovery(self, strike: Strike, members: list[int]) -> None:
         """A member killed, and another stopped while the survivors re-form (no hang watchdog runs then):
         stopped before it checks in, or between its check-in and the new group's first step."""
-        first, second = self.rng.sample(members, 2)
+        first, second = self._two(members)
         self._kill(strike, first)
         time.sleep(self.rng.uniform(0.0, 0.2))
         if self.job.signal(second, signal.SIGSTOP):
@@ -436,11 +459,17 @@ class Striker:
         folder = self.job.run_dir / "checkpoints"
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and self.job.running():
-            if folder.is_dir() and any(p.name.endswith(".partial") for p in folder.iterdir()):
+            if folder.is_dir() and any(_being_written(p) for p in folder.iterdir()):
                 self._kill(strike, min(self.job.members()))
                 return
             time.sleep(0.002)
         strike.note = "no background checkpoint write seen"
+
+
+def _being_written(path: Path) -> bool:
+    """A checkpoint write in flight: its temp directory (checkpoint/layout.py's TEMP_PREFIX, made as the
+    write starts), or the `latest` pointer being replaced as it ends."""
+    return path.name.startswith(".tmp-") or path.name.endswith(".partial")
 
 
 def throttle_group(name: str) -> Path:
@@ -496,7 +525,7 @@ def run_seed(seed: int, settings: Settings, reference: dict[str, Any], workdir: 
         if not job.connect(time.monotonic() + 60):
             why = "the launcher printed no store address"
         else:
-            _strike_all(job, Striker(job, rng), schedule(seed, settings), strikes)
+            _strike_all(job, Striker(job, rng, settings.shard_degree), schedule(seed, settings), strikes)
         code = job.finish(settings.timeout_s - job.elapsed())
     except BaseException:  # Ctrl-C, a bug of the tool's: the job must not outlive it
         job.stop()
@@ -569,7 +598,8 @@ def _recorded(strikes: list[Strike], summary: dict[str, Any], launcher: str) -> 
 
 def reference_cache(settings: Settings, workdir: Path) -> Path:
     fewer = f"-n{settings.reference_ranks}" if settings.reference_ranks != LAUNCHED else ""
-    return workdir / f"reference-{settings.steps}{fewer}.json"
+    sharded = f"-s{settings.shard_degree}" if settings.shard_degree > 1 else ""
+    return workdir / f"reference-{settings.steps}{fewer}{sharded}.json"
 
 
 def reference_run(settings: Settings, workdir: Path) -> dict[str, Any]:
@@ -580,8 +610,10 @@ def reference_run(settings: Settings, workdir: Path) -> dict[str, Any]:
         return json.loads(cache.read_text())
     folder = workdir / "reference"
     folder.mkdir(parents=True, exist_ok=True)
-    if settings.reference_ranks != LAUNCHED:
-        settings = replace(settings, ranks=settings.reference_ranks, live=False, replacements=0)
+    if settings.reference_ranks != LAUNCHED:  # unsharded too: deterministic mode's bits are the same
+        settings = replace(
+            settings, ranks=settings.reference_ranks, live=False, replacements=0, shard_degree=1
+        )
     job = Job(settings, folder / "run")
     try:
         code = job.finish(settings.timeout_s)
@@ -603,7 +635,13 @@ def report(results: list[SeedResult], reference: dict[str, Any], settings: Setti
     lines = [
         f"# Chaos schedules: {passed} of {len(results)} seeds survived",
         "",
-        f"digits, {LAUNCHED} ranks, --min-world {MIN_WORLD}, --max-restarts {settings.replacements}, "
+        f"digits, {LAUNCHED} ranks"
+        + (
+            f" in replica groups of {settings.shard_degree} (--shard-degree)"
+            if settings.shard_degree > 1
+            else ""
+        )
+        + f", --min-world {MIN_WORLD}, --max-restarts {settings.replacements}, "
         f"--hang-timeout 5, --evict-stragglers 3, deterministic, {settings.steps} steps, "
         f"{settings.faults} faults a seed, {settings.gap[0]:g}-{settings.gap[1]:g} s apart. Fault-free run: "
         f"{reference.get('wall_total_s', 0):.1f} s end to end on {settings.reference_ranks} ranks. Machine: {os.cpu_count()} cores, "
@@ -747,6 +785,13 @@ def main(argv: list[str] | None = None) -> int:
         default=LAUNCHED,
         help="ranks of the fault-free run (fewer: its bits only, not its wall time, are the baseline)",
     )
+    parser.add_argument(
+        "--shard-degree",
+        type=int,
+        default=1,
+        help="2: the job runs in replica groups of 2 ranks, each holding the model in shards (a member lost "
+        "takes its group out; the kinds that strike two members in one recovery strike one group's two)",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temp dir)")
     parser.add_argument("--report", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
@@ -766,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
         kinds=tuple(args.kinds),
         reference_ranks=args.reference_ranks,
+        shard_degree=args.shard_degree,
+        job_args=SHARDED_DIGITS_ARGS if args.shard_degree > 1 else DIGITS_ARGS,
     )
     if args.render is not None:
         reference = json.loads(reference_cache(settings, args.workdir).read_text())

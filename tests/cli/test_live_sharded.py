@@ -55,10 +55,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict[
 
 
 def _strike(
-    run_dir: Path, steps: int, victims: tuple[int, ...], sig: int, *launch: str
+    run_dir: Path, steps: int, victims: tuple[int, ...], sig: int, *launch: str, mid_write: bool = False
 ) -> tuple[int, str, dict[int, int]]:
     """The job of `steps` steps, with `sig` sent to launch ranks `victims` once the step-40 checkpoint
-    exists; its exit code, its output, and the launched workers' pids at the strike."""
+    exists (`mid_write`: and the next checkpoint's temp directory, a background write in flight); its exit
+    code, its output, and the launched workers' pids at the strike."""
     argv = ["train", "gpt", "-n", "4", "--shard-degree", "2", "--min-world", "2", "--run-dir", str(run_dir)]
     argv += ["--max-steps", str(steps), *GPT, *DETERMINISTIC, *launch]
     log = run_dir.parent / f"{run_dir.name}.log"
@@ -75,6 +76,8 @@ def _strike(
             deadline = time.monotonic() + 180
             while not (run_dir / "checkpoints" / "step_000040").is_dir() and time.monotonic() < deadline:
                 time.sleep(0.01)
+            while mid_write and not _writing(run_dir, after=40) and time.monotonic() < deadline:
+                time.sleep(0.002)
             pids = {rank: int((run_dir / f"rank{rank}" / "pid").read_text()) for rank in range(4)}
             for victim in victims:
                 os.kill(pids[victim], sig)
@@ -82,6 +85,14 @@ def _strike(
         finally:
             proc.kill()
     return proc.returncode, log.read_text(), pids
+
+
+def _writing(run_dir: Path, after: int) -> bool:
+    """The ranks' threads are writing the shards of a checkpoint of a step after `after`: files in its temp
+    directory's sharded/ (layout.py, sharded.py)."""
+    temps = (run_dir / "checkpoints").glob(".tmp-step_*")
+    temps = (p for p in temps if int(p.name.split("_")[1].split("-")[0]) > after)
+    return any(any((temp / "sharded").glob("*")) for temp in temps)
 
 
 def _went_on_in_their_processes(
@@ -113,6 +124,29 @@ def test_rank_0s_group_killed_the_other_group_finishes_alone_with_the_fault_free
     assert [(f["lost"], f["world_size"]) for f in summary["faults"]] == [([0, 1], 2)]
     assert summary["faults"][0]["how"]["0"].startswith("killed by SIGKILL")
     _went_on_in_their_processes(run_dir, [2, 3], pids, STEPS)
+
+
+def test_a_rank_killed_while_the_groups_write_a_checkpoint_in_the_background_is_survived(
+    tmp_path: Path, reference: Callable[[int], dict[str, Any]]
+) -> None:
+    """--checkpoint-async: every rank writes its shards on a thread, over a gloo group of the checkpoint
+    manager's own. Rank 2 killed while they do: the write is abandoned with the old group (the survivors'
+    threads were in its collectives), the checkpoint is dropped with a warning or kept if it reached the disk
+    whole, and the next one is written over the new group; no job-ending error, the fault-free bits."""
+    run_dir = tmp_path / "run"
+    code, out, pids = _strike(
+        run_dir, STEPS, (2,), signal.SIGKILL, "--checkpoint-async", "true", mid_write=True
+    )
+    assert code == 0, out[-4000:]
+    assert "rank 3 left out of generation 1: its replica group lost rank 2" in out, out[-4000:]
+    assert "CheckpointError" not in out and "of the whole job" not in out, out[-4000:]
+    dropped = "checkpoint step_000080 was being written over a group that changed (the write was abandoned)"
+    assert dropped in out or "checkpoints/step_000080\n" in out, out[-4000:]  # dropped, or redone whole
+    summary = json.loads((run_dir / "summary.json").read_text())
+    _fault_free_bits(summary, reference(STEPS), STEPS)
+    assert [f["lost"] for f in summary["faults"]] == [[2, 3]], summary["faults"]
+    assert (run_dir / "checkpoints" / f"step_{STEPS:06d}" / "meta.json").exists()  # written after the change
+    _went_on_in_their_processes(run_dir, [0, 1], pids, STEPS)
 
 
 @pytest.mark.parametrize(

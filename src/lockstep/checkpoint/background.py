@@ -42,7 +42,8 @@ class BackgroundWrite:
         except BaseException as exc:  # collected by join(); logged now in case nobody asks again
             self._failure = exc
             self._log.error(
-                "background checkpoint of step %d failed: %s (raised on every rank at the next save or wait())",
+                "background checkpoint of step %d failed: %s (raised on every rank at the next save or "
+                "wait(); in live mode, dropped instead if the group changed under it)",
                 self.step,
                 exc,
             )
@@ -62,6 +63,17 @@ class BackgroundSaves:
         self._log = log
         self._pending: int | None = None  # the step of a write not yet settled (every rank knows it)
         self._writing: BackgroundWrite | _Failed | None = None  # ... and its thread (the writer rank)
+        self._abandoned = False  # live mode: the pending write was let go when the group changed
+
+    def abandon(self) -> None:
+        """Live mode, the group changed under a sharded write in flight: its collectives ran over the old
+        group, which is gone, so its threads may never end. They are let go unjoined (the process ends with
+        os._exit); the step stays pending, so the next settle keeps the checkpoint only if it reached the
+        disk whole, as it does one whose writer is gone. New CPU copies: the old threads may still read
+        theirs."""
+        if self._writing is not None:
+            self._writing, self._abandoned = None, True
+            self.snapshot, self.shards = CpuSnapshot(), ShardSnapshot()
 
     def copy(self, entries: list[Entry]) -> list[Entry]:
         """The entries in this manager's CPU copy (the writer rank, at the step boundary)."""
@@ -90,23 +102,29 @@ class BackgroundSaves:
         """Every rank, one collective: wait for the write in flight and agree on it, gathering each rank's
         `payload` on the way (a save's random streams: one collective where two would be); returns (whether a
         checkpoint was completed, the payloads in rank order). A failed write raises CheckpointError on every
-        rank; one whose writer is gone (live mode) counts if it reached the disk whole, else a warning says
-        it was dropped (the checkpoints before it stay)."""
+        rank; one whose writer is gone, or that was abandoned (live mode), counts if it reached the disk
+        whole, else a warning says it was dropped (the checkpoints before it stay)."""
         step, writing = self._pending, self._writing
         if step is None and payload is None:
             return False, []  # nothing to settle or gather (every rank knows whether a write is pending)
         self._pending = self._writing = None
+        abandoned, self._abandoned = self._abandoned, False
         if writing is not None and get_rank() != 0:
             writing.join()  # this rank's shards: its failure is in the writer rank's outcome
-        outcome: tuple[str, str] | None = None
+        outcome: tuple[str, str, str] | None = None  # (failed or lost, why, how it was lost)
         failure: BaseException | None = None
         if step is not None and get_rank() == 0:
             if writing is not None:
                 failure = writing.join()
-                outcome = None if failure is None else ("failed", describe_error(failure))
-            else:  # live mode: the rank that was writing it is gone; what reached the disk decides
+                outcome = None if failure is None else ("failed", describe_error(failure), "")
+            else:  # live mode: its writer is gone, or it was abandoned; what reached the disk decides
                 problem = validate(step_dir(step), step)
-                outcome = None if problem is None else ("lost", problem)
+                how = (
+                    "over a group that changed (the write was abandoned)"
+                    if abandoned
+                    else "by a rank that is gone"
+                )
+                outcome = None if problem is None else ("lost", problem, how)
         gathered = all_gather_object((payload, outcome))
         payloads, outcome = [p for p, _ in gathered], gathered[0][1]
         if step is None:
@@ -115,9 +133,9 @@ class BackgroundSaves:
             return True, payloads
         if outcome[0] == "lost":  # not an error of the run's: the next save writes a newer one
             self._log.warning(
-                "checkpoint %s was being written by a rank that is gone and is incomplete (%s); the "
-                "checkpoints before it are kept",
+                "checkpoint %s was being written %s and is incomplete (%s); the checkpoints before it are kept",
                 step_dirname(step),
+                outcome[2],
                 outcome[1],
             )
             return False, payloads

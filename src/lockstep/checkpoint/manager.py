@@ -206,6 +206,14 @@ class CheckpointManager:
 
         self.background.start(step, write_all if get_rank() == 0 else write_part)
 
+    def reshard(self, topology: object) -> None:
+        """Live mode, after the group changed (a loss or a growth; `topology`: this rank's place in the new
+        one): a sharded background write in flight is abandoned (BackgroundSaves.abandon: its collectives
+        ran over the old group), and the next one makes its gloo group over the new group."""
+        if self._group is not None:
+            self._group = None
+            self.background.abandon()
+
     def _background_group(self) -> dist.ProcessGroup:
         """The gloo group of this manager's background sharded writes (made once, by every rank), so that
         their collectives never interleave with training's."""

@@ -149,7 +149,7 @@ class FitRun:
         self.side.attach(
             replica=self.replica,
             state=self.state,
-            shards=(self.data, self.evaluation),
+            shards=(self.data, self.evaluation, self.checkpoints),
             output=(self.runlog, self.bar),
         )
 

@@ -60,7 +60,8 @@ T = TypeVar("T")
 
 
 class Sharded(Protocol):
-    """What is cut over the ranks, and cut again for a new group (the training data, the evaluation)."""
+    """What is cut over the ranks, and cut again for a new group (the training data, the evaluation, the
+    checkpoint manager's group for background sharded writes)."""
 
     def reshard(self, topology: Topology) -> None: ...
 
