@@ -17,6 +17,11 @@ faults at it, one every few seconds (the gap is drawn from --gap):
 | joiner_healing | SIGKILL a member, then its replacement while it receives the run's state |
 | checkpoint_rank0 | SIGKILL rank 0 while its background checkpoint write is in flight |
 
+With `--shard-degree 2` the job runs in replica groups of 2 ranks, each holding the model in shards
+(FSDP2; `--global-batch-size 64` so that a step divides over 4 and 2 ranks): a member lost takes its group
+out and a group is replaced whole, so `double` and `stop_in_recovery` strike two ranks of one group (a node
+lost), and every kind waits until both groups are whole again.
+
 A seed passes when the job exits 0, wrote summary.json, ends with the fault-free run's parameter and
 optimizer bits (deterministic mode: the same bits at any world size), and every member struck is in the
 record: in summary.json's `faults` (a member) or in the launcher's lines (a replacement never admitted).
@@ -459,17 +464,22 @@ class Striker:
         folder = self.job.run_dir / "checkpoints"
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and self.job.running():
-            if folder.is_dir() and any(_being_written(p) for p in folder.iterdir()):
+            if folder.is_dir() and _being_written(folder):
                 self._kill(strike, min(self.job.members()))
                 return
             time.sleep(0.002)
         strike.note = "no background checkpoint write seen"
 
 
-def _being_written(path: Path) -> bool:
-    """A checkpoint write in flight: its temp directory (checkpoint/layout.py's TEMP_PREFIX, made as the
-    write starts), or the `latest` pointer being replaced as it ends."""
-    return path.name.startswith(".tmp-") or path.name.endswith(".partial")
+def _being_written(folder: Path) -> bool:
+    """A checkpoint write in flight in `folder`: the temp directory of a step newer than every published one
+    (checkpoint/layout.py's names: made as the write starts; an older one is a leftover), or the `latest`
+    pointer being replaced as a write ends."""
+    names = [p.name for p in folder.iterdir()]
+    published = [int(n[len("step_") :]) for n in names if n.startswith("step_") and n[5:].isdigit()]
+    temps = [int(n.split("_")[1].split("-")[0]) for n in names if n.startswith(".tmp-step_")]
+    newest = max(published, default=-1)
+    return any(step > newest for step in temps) or any(n.endswith(".partial") for n in names)
 
 
 def throttle_group(name: str) -> Path:

@@ -7,7 +7,7 @@ The thread encodes and writes a snapshot (snapshot.py) with the same atomic layo
 outcome is collected by the next save, by `CheckpointManager.wait()` or by a load, which all ranks call:
 a failure is raised there on every rank, naming the file, and logged on the writer as soon as it happens,
 so that it is never silent. The thread is not a daemon: a process that ends without waiting still
-finishes the write before it exits.
+finishes the write before it exits (but for one abandoned in live mode, whose process ends with os._exit).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class BackgroundWrite:
         self.step = step
         self._write, self._log = write, log
         self._failure: BaseException | None = None
+        self.abandoned = False  # live mode: let go when the group changed (its failure is expected then)
         self._thread = threading.Thread(target=self._run, name=f"lockstep-checkpoint-{step}", daemon=False)
         self._thread.start()
 
@@ -41,12 +42,19 @@ class BackgroundWrite:
             self._write()
         except BaseException as exc:  # collected by join(); logged now in case nobody asks again
             self._failure = exc
+            if self.abandoned:
+                self._log.info("abandoned background checkpoint of step %d ended: %s", self.step, exc)
+                return
             self._log.error(
                 "background checkpoint of step %d failed: %s (raised on every rank at the next save or "
                 "wait(); in live mode, dropped instead if the group changed under it)",
                 self.step,
                 exc,
             )
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def join(self) -> BaseException | None:
         """Wait for the write; its exception, or None when the checkpoint is complete."""
@@ -65,15 +73,22 @@ class BackgroundSaves:
         self._writing: BackgroundWrite | _Failed | None = None  # ... and its thread (the writer rank)
         self._abandoned = False  # live mode: the pending write was let go when the group changed
 
-    def abandon(self) -> None:
-        """Live mode, the group changed under a sharded write in flight: its collectives ran over the old
-        group, which is gone, so its threads may never end. They are let go unjoined (the process ends with
-        os._exit); the step stays pending, so the next settle keeps the checkpoint only if it reached the
-        disk whole, as it does one whose writer is gone. New CPU copies: the old threads may still read
-        theirs."""
-        if self._writing is not None:
-            self._writing, self._abandoned = None, True
-            self.snapshot, self.shards = CpuSnapshot(), ShardSnapshot()
+    def abandon(self) -> int | None:
+        """Live mode, the group changed under a sharded write: its collectives ran over the old group, which
+        is gone, so its threads may never end, and a failure of theirs is the change's, not the disk's. They
+        are let go unjoined (the process ends with os._exit); the step stays pending, and the next settle
+        keeps the checkpoint only if it reached the disk whole before, as it does one whose writer is gone.
+        Returns that step (the manager never lets the abandoned write publish), None when none was in
+        flight. A thread still running gets new CPU copies made for the next save: it may read its own."""
+        writing = self._writing
+        if writing is None:
+            return None
+        self._writing, self._abandoned = None, True
+        if isinstance(writing, BackgroundWrite):
+            writing.abandoned = True
+            if writing.running:
+                self.snapshot, self.shards = CpuSnapshot(), ShardSnapshot()
+        return self._pending
 
     def copy(self, entries: list[Entry]) -> list[Entry]:
         """The entries in this manager's CPU copy (the writer rank, at the step boundary)."""

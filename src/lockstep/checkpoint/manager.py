@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -68,6 +69,11 @@ class CheckpointManager:
         self.background = BackgroundSaves(self._log)  # the CPU copy and the write in flight
         self.dirs = StepDirectories(self.layout, keep, self._log)  # rank 0's temp dirs, leftovers, pruning
         self._group: dist.ProcessGroup | None = None  # background sharded writes' own gloo group
+        # Live mode: the temp directories of sharded writes abandoned when the group changed, which must
+        # never publish (under the lock, which a writer thread holds while it publishes: see reshard)
+        self._publishing = threading.Lock()
+        self._abandoned: set[Path] = set()
+        self._in_flight: Path | None = None  # the temp directory of the last background sharded write
 
     @property
     def run_dir(self) -> Path:
@@ -123,10 +129,11 @@ class CheckpointManager:
     @phase(CHECKPOINT)
     def wait(self) -> None:
         """Wait for the background write in flight, if any (every rank calls it, e.g. at the end of a run);
-        CheckpointError on every rank if it failed."""
+        CheckpointError on every rank if it failed. A collective whether or not this rank knows of a write
+        in flight: in live mode a replacement does not know of one started before it joined."""
         start = time.monotonic()
         try:
-            self._settle()
+            self._settle(payload=0)
         finally:
             self.stall_s += time.monotonic() - start
 
@@ -196,6 +203,7 @@ class CheckpointManager:
         outcomes = all_gather_object((None if failure is None else describe_error(failure), made))
         sharded_save.raise_failed_copies(step, outcomes, failure, self._tag())
         temp = sharded_save.temp_or_raise(step, outcomes[0][1], self._tag())
+        self._in_flight = temp
 
         def write_part() -> None:
             sharded_save.write_part(step, copy, temp, group, "")
@@ -212,7 +220,9 @@ class CheckpointManager:
         ran over the old group), and the next one makes its gloo group over the new group."""
         if self._group is not None:
             self._group = None
-            self.background.abandon()
+            with self._publishing:  # a write publishing now finishes first; once out, none publishes
+                if self.background.abandon() is not None and self._in_flight is not None:
+                    self._abandoned.add(self._in_flight)
 
     def _background_group(self) -> dist.ProcessGroup:
         """The gloo group of this manager's background sharded writes (made once, by every rank), so that
@@ -246,7 +256,11 @@ class CheckpointManager:
                 files.update(part[1])
             meta = describe(step, len(rngs), described, files, sharded=part is not None)
             write_atomic(temp / paths.META, json.dumps(meta, indent=1).encode())
-            publish_dir(temp, final, old)
+            with self._publishing:
+                if temp in self._abandoned:  # the group changed under it: what it left is judged on disk
+                    remove_quietly(temp)
+                    return
+                self._publish(step, temp, final, old)
         except OSError as exc:
             if temp is not None:
                 remove_quietly(temp)
@@ -255,6 +269,11 @@ class CheckpointManager:
                 f"writing {final} failed ({exc.strerror or exc}: {exc.filename or ''}): {explain_os_error(exc)}; "
                 f"the checkpoints already there are untouched: {', '.join(kept[-3:])}"
             ) from exc
+
+    def _publish(self, step: int, temp: Path, final: Path, old: Path) -> None:
+        """Rank 0: the complete checkpoint in `temp` becomes `final`; `latest` points at it, and older
+        ones beyond `keep` are pruned."""
+        publish_dir(temp, final, old)
         try:
             write_atomic(self.layout.latest, f"{final.name}\n".encode())
         except OSError as exc:  # the checkpoint itself is complete; the pointer is a convenience
