@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from lockstep.checkpoint.layout import step_dirname
 from lockstep.checkpoint.meta import validate
@@ -157,6 +160,40 @@ class BackgroundSaves:
         raise CheckpointError(
             f"{tag}checkpoint {step_dirname(step)} was not saved (written in the background): {outcome[1]}"
         ) from failure
+
+
+class ShardedWrites:
+    """A manager's background sharded writes: their own gloo group (made once per group of ranks, by every
+    rank, so that their collectives never interleave with training's), and in live mode the writes abandoned
+    when the group changed, by their temp directories, which must never publish."""
+
+    def __init__(self, saves: BackgroundSaves) -> None:
+        self.saves = saves
+        self.group: dist.ProcessGroup | None = None
+        self.in_flight: Path | None = None  # the temp directory of the last write started
+        self._abandoned: set[Path] = set()
+        self._publishing = threading.Lock()  # held by a writer thread while it publishes
+
+    def gloo_group(self) -> dist.ProcessGroup:
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo")
+        return self.group
+
+    def regroup(self) -> None:
+        """The group changed: the write in flight is abandoned (BackgroundSaves.abandon) and can never
+        publish (a write publishing now finishes first), and the next one makes its group anew."""
+        if self.group is None:
+            return
+        self.group = None
+        with self._publishing:
+            if self.saves.abandon() is not None and self.in_flight is not None:
+                self._abandoned.add(self.in_flight)
+
+    @contextmanager
+    def publishing(self, temp: Path | None) -> Iterator[bool]:
+        """Held while a write publishes the checkpoint in `temp`: whether it may (not abandoned)."""
+        with self._publishing:
+            yield temp not in self._abandoned
 
 
 class _Failed:

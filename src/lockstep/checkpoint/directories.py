@@ -1,5 +1,6 @@
-"""Rank 0's work on the checkpoint directories: a new temp directory, leftovers of crashed saves removed
-(or a step a save had moved aside moved back), and the checkpoints beyond `keep` pruned."""
+"""Rank 0's work on the checkpoint directories: a new temp directory, a complete one published (`latest`
+pointed at it), leftovers of crashed saves removed (or a step a save had moved aside moved back), and the
+checkpoints beyond `keep` pruned."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import uuid
 from pathlib import Path
 
 from lockstep.checkpoint.layout import CheckpointLayout, parse_step, step_dirname, steps_to_prune
-from lockstep.checkpoint.storage import explain_os_error, remove_quietly
+from lockstep.checkpoint.storage import explain_os_error, publish_dir, remove_quietly, write_atomic
 from lockstep.errors import CheckpointError
 
 
@@ -61,6 +62,20 @@ class StepDirectories:
             if step is not None and not self.layout.step_dir(step).exists():
                 os.rename(path, self.layout.step_dir(step))
                 self._log.warning("recovered %s, left aside by an interrupted save", step_dirname(step))
+
+    def publish(self, step: int, temp: Path, old: Path) -> None:
+        """The complete checkpoint of `step` in `temp` becomes its step directory (the one it replaces moved
+        aside to `old` first); `latest` points at it, and older ones beyond `keep` are pruned."""
+        final = self.layout.step_dir(step)
+        publish_dir(temp, final, old)
+        try:
+            write_atomic(self.layout.latest, f"{final.name}\n".encode())
+        except OSError as exc:  # the checkpoint itself is complete; the pointer is a convenience
+            self._log.warning(
+                "checkpoint %s is complete but %s could not be updated: %s", final, self.layout.latest, exc
+            )
+        self.prune(step)
+        self._log.info("checkpoint saved: %s", final)
 
     def prune(self, saved: int) -> None:
         steps = self.steps()

@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from lockstep.checkpoint import layout as paths
 from lockstep.checkpoint import loading, rng, sharded, sharded_save
-from lockstep.checkpoint.background import BackgroundSaves, describe_error
+from lockstep.checkpoint.background import BackgroundSaves, ShardedWrites, describe_error
 from lockstep.checkpoint.directories import StepDirectories
 from lockstep.checkpoint.layout import CheckpointLayout, check_entry_name, step_dirname
 from lockstep.checkpoint.meta import describe, read_meta, validate
@@ -41,7 +38,6 @@ from lockstep.checkpoint.stateful import (
 )
 from lockstep.checkpoint.storage import (
     explain_os_error,
-    publish_dir,
     remove_quietly,
     write_atomic,
 )
@@ -68,12 +64,7 @@ class CheckpointManager:
         self.written = 0  # checkpoints known complete on every rank
         self.background = BackgroundSaves(self._log)  # the CPU copy and the write in flight
         self.dirs = StepDirectories(self.layout, keep, self._log)  # rank 0's temp dirs, leftovers, pruning
-        self._group: dist.ProcessGroup | None = None  # background sharded writes' own gloo group
-        # Live mode: the temp directories of sharded writes abandoned when the group changed, which must
-        # never publish (under the lock, which a writer thread holds while it publishes: see reshard)
-        self._publishing = threading.Lock()
-        self._abandoned: set[Path] = set()
-        self._in_flight: Path | None = None  # the temp directory of the last background sharded write
+        self.sharded_writes = ShardedWrites(self.background)  # their gloo group; live mode's abandoned ones
 
     @property
     def run_dir(self) -> Path:
@@ -187,7 +178,7 @@ class CheckpointManager:
             )
             self.written += 1
             return
-        group = self._background_group()
+        group = self.sharded_writes.gloo_group()
         failure: BaseException | None = None
         copy: dict[str, Any] = {}
         taken: list[list[Entry]] = []
@@ -203,7 +194,7 @@ class CheckpointManager:
         outcomes = all_gather_object((None if failure is None else describe_error(failure), made))
         sharded_save.raise_failed_copies(step, outcomes, failure, self._tag())
         temp = sharded_save.temp_or_raise(step, outcomes[0][1], self._tag())
-        self._in_flight = temp
+        self.sharded_writes.in_flight = temp
 
         def write_part() -> None:
             sharded_save.write_part(step, copy, temp, group, "")
@@ -216,20 +207,9 @@ class CheckpointManager:
 
     def reshard(self, topology: object) -> None:
         """Live mode, after the group changed (a loss or a growth; `topology`: this rank's place in the new
-        one): a sharded background write in flight is abandoned (BackgroundSaves.abandon: its collectives
-        ran over the old group), and the next one makes its gloo group over the new group."""
-        if self._group is not None:
-            self._group = None
-            with self._publishing:  # a write publishing now finishes first; once out, none publishes
-                if self.background.abandon() is not None and self._in_flight is not None:
-                    self._abandoned.add(self._in_flight)
-
-    def _background_group(self) -> dist.ProcessGroup:
-        """The gloo group of this manager's background sharded writes (made once, by every rank), so that
-        their collectives never interleave with training's."""
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo")
-        return self._group
+        one): a sharded background write in flight is abandoned (it can never publish; the next settle
+        judges what reached the disk), and the next one makes its gloo group over the new group."""
+        self.sharded_writes.regroup()
 
     def _write(
         self,
@@ -256,11 +236,11 @@ class CheckpointManager:
                 files.update(part[1])
             meta = describe(step, len(rngs), described, files, sharded=part is not None)
             write_atomic(temp / paths.META, json.dumps(meta, indent=1).encode())
-            with self._publishing:
-                if temp in self._abandoned:  # the group changed under it: what it left is judged on disk
+            with self.sharded_writes.publishing(temp) as allowed:
+                if not allowed:  # abandoned when the group changed: what it left is judged on disk
                     remove_quietly(temp)
                     return
-                self._publish(step, temp, final, old)
+                self.dirs.publish(step, temp, old)
         except OSError as exc:
             if temp is not None:
                 remove_quietly(temp)
@@ -269,19 +249,6 @@ class CheckpointManager:
                 f"writing {final} failed ({exc.strerror or exc}: {exc.filename or ''}): {explain_os_error(exc)}; "
                 f"the checkpoints already there are untouched: {', '.join(kept[-3:])}"
             ) from exc
-
-    def _publish(self, step: int, temp: Path, final: Path, old: Path) -> None:
-        """Rank 0: the complete checkpoint in `temp` becomes `final`; `latest` points at it, and older
-        ones beyond `keep` are pruned."""
-        publish_dir(temp, final, old)
-        try:
-            write_atomic(self.layout.latest, f"{final.name}\n".encode())
-        except OSError as exc:  # the checkpoint itself is complete; the pointer is a convenience
-            self._log.warning(
-                "checkpoint %s is complete but %s could not be updated: %s", final, self.layout.latest, exc
-            )
-        self.dirs.prune(step)
-        self._log.info("checkpoint saved: %s", final)
 
     # ---- load -----------------------------------------------------------------------------------------
 

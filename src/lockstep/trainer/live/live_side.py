@@ -60,8 +60,7 @@ T = TypeVar("T")
 
 
 class Sharded(Protocol):
-    """What is cut over the ranks, and cut again for a new group (the training data, the evaluation, the
-    checkpoint manager's group for background sharded writes)."""
+    """What is cut over the ranks, and cut again for a new group (data, evaluation, the checkpoints' group)."""
 
     def reshard(self, topology: Topology) -> None: ...
 
