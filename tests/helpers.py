@@ -1,6 +1,6 @@
 """Every helper that more than one test module uses, in one place (no test module imports another).
 
-- Processes: the repository root, `alive(pid)`, `free_port()` (the kernel picks it: ports are never
+- Processes: the repository root, `alive(pid)`, `wait_for_state(pid, letters)`, `free_port()` (the kernel picks it: ports are never
   guessed), and the end-to-end helpers: `write` a script, `child_env` (the test's environment without
   launcher variables), `lockstep_cmd`/`run_cli`/`lockstep_cli` (the CLI with a hard timeout).
 - The engine's multi-process tests: small models (`MODELS`, `build`), per-rank batches (`batch`) and
@@ -132,6 +132,16 @@ def alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def wait_for_state(pid: int, letters: str) -> None:
+    """Wait (up to 5 s) until process `pid` is in one of the /proc states `letters` (T: stopped, R/S: running)."""
+    for _ in range(500):
+        with open(f"/proc/{pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] in letters:
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} never reached a state in {letters!r}")
 
 
 def write(path: Path, source: str) -> Path:

@@ -37,6 +37,7 @@ from lockstep.runtime.membership.replica_groups import (
     whole_groups,
 )
 from lockstep.runtime.membership.stopped import STOPPED_GRACE
+from tests.helpers import wait_for_state
 
 
 class Host(ProcessHost):
@@ -121,15 +122,6 @@ def test_a_member_stopped_again_and_again_but_never_for_the_grace_is_waited_for(
     assert fault.lost == [1], fault
 
 
-def _wait_for_state(pid: int, letters: str) -> None:
-    for _ in range(500):
-        with open(f"/proc/{pid}/stat") as fh:
-            if fh.read().rsplit(")", 1)[1].split()[0] in letters:
-                return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} never reached a state in {letters!r}")
-
-
 def test_a_member_started_and_stopped_again_between_two_looks_has_its_grace_start_anew(
     store: Any, silent: subprocess.Popen[bytes]
 ) -> None:
@@ -138,12 +130,12 @@ def test_a_member_started_and_stopped_again_between_two_looks_has_its_grace_star
     store.set(keys.whereabouts(1), json.dumps(Host(30.0).whereabouts() | {"pid": silent.pid}))
     looks = _Looks(store, Host(30.0))
     silent.send_signal(signal.SIGSTOP)
-    _wait_for_state(silent.pid, "Tt")
+    wait_for_state(silent.pid, "Tt")
     assert looks.left_out([1], after_hang_timeout=False) == {}  # first seen stopped: the grace starts
     silent.send_signal(signal.SIGCONT)
-    _wait_for_state(silent.pid, "RS")
+    wait_for_state(silent.pid, "RS")
     silent.send_signal(signal.SIGSTOP)
-    _wait_for_state(silent.pid, "Tt")
+    wait_for_state(silent.pid, "Tt")
     time.sleep(STOPPED_GRACE)
     assert looks.left_out([1], after_hang_timeout=False) == {}  # it ran in between: the grace starts anew
     time.sleep(STOPPED_GRACE)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from lockstep.runtime.peer_heartbeats import PeerHeartbeats
 from lockstep.runtime.process_inspection import proc_view
+from tests.helpers import wait_for_state
 
 
 @pytest.fixture
@@ -34,21 +35,12 @@ def _published(store: dist.Store, rank: int, pid: int, age_s: float, **extra: ob
     store.set(f"hb/{rank}", json.dumps({**beat, **extra}))
 
 
-def _wait_for_state(pid: int, letters: str) -> None:
-    for _ in range(500):
-        with open(f"/proc/{pid}/stat") as fh:
-            if fh.read().rsplit(")", 1)[1].split()[0] in letters:
-                return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} never reached a state in {letters!r}")
-
-
 def test_a_stopped_peer_is_surely_lost_only_once_seen_stopped_at_every_read_for_the_grace(
     child: subprocess.Popen[bytes],
 ) -> None:
     store = dist.HashStore()
     os.kill(child.pid, signal.SIGSTOP)
-    _wait_for_state(child.pid, "Tt")
+    wait_for_state(child.pid, "Tt")
     _published(store, 1, child.pid, age_s=30.0)  # an old heartbeat is no proof of a long stop
     heartbeats = PeerHeartbeats(0, 2, socket.gethostname(), stale_after=2.0)
     assert heartbeats.surely_lost(store, grace=0.3) == {}  # first seen stopped now: a py-spy dump, maybe
@@ -58,18 +50,18 @@ def test_a_stopped_peer_is_surely_lost_only_once_seen_stopped_at_every_read_for_
     time.sleep(0.35)
     assert heartbeats.surely_lost(store, grace=0.3) == {1: state["away"]}
     os.kill(child.pid, signal.SIGCONT)  # running again, then stopped again: its clock starts anew
-    _wait_for_state(child.pid, "RS")
+    wait_for_state(child.pid, "RS")
     assert heartbeats.surely_lost(store, grace=0.0) == {}
     os.kill(child.pid, signal.SIGSTOP)
-    _wait_for_state(child.pid, "Tt")
+    wait_for_state(child.pid, "Tt")
     assert heartbeats.surely_lost(store, grace=0.3) == {}
     _published(store, 1, child.pid, age_s=0.0, beat=8)  # a new heartbeat: it ran in between, unseen
     time.sleep(0.35)
     assert heartbeats.surely_lost(store, grace=0.3) == {}
     os.kill(child.pid, signal.SIGCONT)  # started and stopped again between two looks, one heartbeat: its
-    _wait_for_state(child.pid, "RS")  # count of context switches moved, so the clock starts anew
+    wait_for_state(child.pid, "RS")  # count of context switches moved, so the clock starts anew
     os.kill(child.pid, signal.SIGSTOP)
-    _wait_for_state(child.pid, "Tt")
+    wait_for_state(child.pid, "Tt")
     time.sleep(0.35)
     assert heartbeats.surely_lost(store, grace=0.3) == {}
     time.sleep(0.35)
@@ -101,7 +93,7 @@ def test_a_peer_on_another_host_or_in_another_pid_namespace_is_never_judged_by_t
     (host networking) but has a pid namespace of its own (its heartbeat's `view`)."""
     store = dist.HashStore()
     os.kill(child.pid, signal.SIGSTOP)
-    _wait_for_state(child.pid, "Tt")
+    wait_for_state(child.pid, "Tt")
     store.set("hb/1", json.dumps({"rank": 1, "beat": 1, "host": "elsewhere", "pid": child.pid, "t": 0.0}))
     _published(store, 2, child.pid, age_s=0.0, view="0123-boot/pid:[4026532999]")
     heartbeats = PeerHeartbeats(0, 3, socket.gethostname(), stale_after=2.0)
@@ -128,7 +120,7 @@ def test_once_placed_a_running_peer_costs_no_store_read_and_a_stopped_one_its_he
         store.delete_key(f"hb/{rank}")
     assert heartbeats.surely_lost(store, grace=0.0) == {}  # neither is read again
     os.kill(child.pid, signal.SIGSTOP)
-    _wait_for_state(child.pid, "Tt")
+    wait_for_state(child.pid, "Tt")
     lost = heartbeats.surely_lost(store, grace=0.0)
     assert list(lost) == [2] and lost[2].startswith(f"stopped: its process (pid {child.pid})"), lost
     store.delete_key("hb/2")
