@@ -523,7 +523,8 @@ def test_a_member_stopped_while_the_group_re_forms_is_left_out_after_the_grace_n
     [record] = summary["faults"]
     assert record["lost"] == [1, 2], record
     assert "SIGSTOP" in record["how"]["1"] and "SIGKILL" in record["how"]["2"], record
-    assert STOPPED_GRACE * 0.9 <= record["recover_s"] < hang_timeout / 3, record
+    # left out once seen stopped for the grace, not at the hang timeout (failure_latency.py times it: ~1 s)
+    assert STOPPED_GRACE * 0.9 <= record["recover_s"] < hang_timeout, record
     for uid in (0, 3):
         assert (out / f"pid-{uid}").read_text() == (out / f"done-{uid}").read_text()
     stopped = Path("/proc", (out / "pid-1").read_text())  # the launcher killed it: it cannot wake up later
